@@ -1,0 +1,255 @@
+"""inventory.yaml: hosts, groups and pipeline settings, validated before any host is contacted.
+
+Every mistake becomes one ConfigError naming the file, the line (where YAML tells it),
+the host and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+DEFAULT_INVENTORY = Path(__file__).resolve().parent / "default_inventory.yaml"
+EMBEDDED = "<embedded default>"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Pipeline(_Strict):
+    """Settings of the four pipeline steps. Strings may use {workdir} and {payloads}."""
+
+    model: str | None = None
+    dataset: str | None = None
+    output_dir: str = "{workdir}/out"
+    layer_ids: list[int] | None = None
+    backend: Literal["hf", "vllm"] = "hf"
+    seq_len: int = Field(2048, gt=0)
+    batch_size: int = Field(8, gt=0)
+    tp_size: int = Field(1, gt=0)
+    draft_vocab_size: int = Field(32000, gt=0)
+    epochs: int = Field(1, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    ttt_steps: int = Field(3, gt=0)
+    # Build a tiny random model of this kind at `model` before the chain starts (the demo).
+    tiny_model: Literal["kimi", "llama", "llava"] | None = None
+
+
+class PipelineOverride(_Strict):
+    """Per-host overrides: the same fields, all optional."""
+
+    model: str | None = None
+    dataset: str | None = None
+    output_dir: str | None = None
+    layer_ids: list[int] | None = None
+    backend: Literal["hf", "vllm"] | None = None
+    seq_len: int | None = Field(None, gt=0)
+    batch_size: int | None = Field(None, gt=0)
+    tp_size: int | None = Field(None, gt=0)
+    draft_vocab_size: int | None = Field(None, gt=0)
+    epochs: int | None = Field(None, gt=0)
+    lr: float | None = Field(None, gt=0)
+    ttt_steps: int | None = Field(None, gt=0)
+    tiny_model: Literal["kimi", "llama", "llava"] | None = None
+
+
+class HostFields(_Strict):
+    address: str | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
+    port: int | None = Field(None, gt=0, lt=65536)
+    user: str | None = None
+    identity_file: str | None = None
+    python: str | None = None
+    workdir: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    transport: Literal["ssh", "local"] | None = None
+    known_hosts: str | None = None
+    connect_timeout: float | None = Field(None, gt=0)
+    pipeline: PipelineOverride | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not name.replace("_", "a").isalnum() or name[0].isdigit():
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+        return env
+
+
+class InventoryFile(_Strict):
+    defaults: HostFields = Field(default_factory=HostFields)
+    hosts: dict[str, HostFields]
+    groups: dict[str, list[str]] = Field(default_factory=dict)
+    pipeline: Pipeline = Field(default_factory=Pipeline)
+
+
+class Host(BaseModel):
+    """A host with defaults applied: what the transports and commands use."""
+
+    name: str
+    address: str
+    port: int | None
+    user: str | None
+    identity_file: str | None
+    python: str
+    workdir: str
+    env: dict[str, str]
+    transport: Literal["ssh", "local"]
+    known_hosts: str | None
+    connect_timeout: float
+    pipeline: Pipeline
+
+
+class Inventory:
+    def __init__(self, path: str, data: InventoryFile):
+        self.path = path
+        self.data = data
+        self.hosts: dict[str, Host] = {n: self._resolve(n, h) for n, h in data.hosts.items()}
+
+    def _resolve(self, name: str, h: HostFields) -> Host:
+        d = self.data.defaults
+        pick = lambda field, default=None: (  # noqa: E731
+            getattr(h, field) if getattr(h, field) is not None else getattr(d, field) if getattr(d, field) is not None else default
+        )
+        pipeline = self.data.pipeline.model_dump()
+        for over in (d.pipeline, h.pipeline):
+            if over is not None:
+                pipeline.update(over.model_dump(exclude_unset=True))
+        known_hosts = pick("known_hosts")
+        if known_hosts and not os.path.isabs(os.path.expanduser(known_hosts)) and self.path != EMBEDDED:
+            known_hosts = str(Path(self.path).resolve().parent / known_hosts)
+        return Host(
+            name=name,
+            address=pick("address", name),
+            port=pick("port"),
+            user=pick("user"),
+            identity_file=pick("identity_file"),
+            python=pick("python", sys.executable if pick("transport", "ssh") == "local" else "python3"),
+            workdir=pick("workdir", "~/eagle3-train"),
+            env={**d.env, **h.env},
+            transport=pick("transport", "ssh"),
+            known_hosts=known_hosts,
+            connect_timeout=pick("connect_timeout", 10.0),
+            pipeline=Pipeline(**pipeline),
+        )
+
+    def select(self, host: str | None = None, group: str | None = None) -> list[Host]:
+        """Hosts named by --host/--group (a name may be a host or a group); all hosts when neither."""
+        if host and group:
+            raise ConfigError("give --host or --group, not both")
+        name = host or group
+        if name is None:
+            return list(self.hosts.values())
+        if name in self.hosts and not group:
+            return [self.hosts[name]]
+        if name in self.data.groups:
+            return [self.hosts[m] for m in self.data.groups[name]]
+        raise ConfigError(f"{self.path}: no host or group named {name!r} (hosts: {', '.join(self.hosts)})")
+
+    def one(self, host: str | None) -> Host:
+        """The single host a job command targets; the only host when the inventory has one."""
+        if host is None:
+            if len(self.hosts) == 1:
+                return next(iter(self.hosts.values()))
+            raise ConfigError(f"{self.path}: several hosts; name one with --host ({', '.join(self.hosts)})")
+        hosts = self.select(host)
+        if len(hosts) != 1:
+            raise ConfigError(f"{host!r} is a group; this command takes one host")
+        return hosts[0]
+
+
+def default_path() -> str | None:
+    """--inventory default: $KIMI_EAGLE_INVENTORY, else ./inventory.yaml, else the embedded default."""
+    env = os.environ.get("KIMI_EAGLE_INVENTORY")
+    if env:
+        return env
+    if Path("inventory.yaml").is_file():
+        return "inventory.yaml"
+    return None
+
+
+def load(path: str | os.PathLike | None = None) -> Inventory:
+    if path is None:
+        path = default_path()
+    if path is None:
+        text, shown = DEFAULT_INVENTORY.read_text(), EMBEDDED
+    else:
+        shown = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{shown}: inventory file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{shown}: cannot read inventory: {e}") from None
+    return parse(text, shown)
+
+
+def parse(text: str, shown: str) -> Inventory:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{shown}: the inventory must be a mapping with a 'hosts' section")
+    try:
+        data = InventoryFile.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(_describe(shown, node, err)) from None
+    for group, members in data.groups.items():
+        for m in members:
+            if m not in data.hosts:
+                line = _line_of(node, ("groups", group))
+                raise ConfigError(f"{shown}{line}: group {group!r} names unknown host {m!r}")
+        if group in data.hosts:
+            raise ConfigError(f"{shown}{_line_of(node, ('groups', group))}: group {group!r} has the name of a host")
+    return Inventory(shown, data)
+
+
+def _describe(shown: str, node, err: dict[str, Any]) -> str:
+    loc = tuple(err["loc"])
+    line = _line_of(node, loc)
+    where = ""
+    if len(loc) >= 2 and loc[0] == "hosts":
+        where = f"host {loc[1]!r}, field {'.'.join(map(str, loc[2:])) or '(host)'}"
+    else:
+        where = f"field {'.'.join(map(str, loc))}"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    value = err.get("input")
+    shown_value = f" (got {value!r})" if err["type"] not in ("extra_forbidden", "missing") and not isinstance(value, dict) else ""
+    return f"{shown}{line}: {where}: {msg}{shown_value}"
+
+
+def _line_of(node, loc: tuple) -> str:
+    """':LINE' of the deepest YAML node on the path `loc`, or '' when unknown."""
+    best = node
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for k, v in node.value:
+                if k.value == str(key):
+                    best, nxt = k, v
+                    break
+            if nxt is None:
+                break
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = best = node.value[key]
+        else:
+            break
+    return f":{best.start_mark.line + 1}" if best is not None else ""

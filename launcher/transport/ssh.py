@@ -1,0 +1,242 @@
+"""The `ssh` transport: one fabric Connection per host per CLI command, reused for every step.
+
+Tuned as ../shared/reference/ssh-performance.md advises: TCP_NODELAY and TCP keepalive on our own
+socket, AES-GCM preferred, strict host keys, explicit timeouts, a liveness probe that notices a
+dead peer (paramiko's own keepalive never waits for an answer), one cached SFTP session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from ..errors import HostError, HostKeyError
+from .. import hostkeys
+from .base import Stream, Transport
+
+_GCM_FIRST = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+
+
+def _tune_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+
+
+def _transport_factory(sock, disabled_algorithms=None, **kw):
+    import paramiko
+
+    t = paramiko.Transport(sock, disabled_algorithms=disabled_algorithms, **kw)
+    opts = t.get_security_options()
+    ciphers = list(opts.ciphers)
+    opts.ciphers = tuple([c for c in _GCM_FIRST if c in ciphers] + [c for c in ciphers if c not in _GCM_FIRST])
+    return t
+
+
+class SSHTransport(Transport):
+    def __init__(self, host):
+        super().__init__(host)
+        self._conn = None
+        self._sftp = None
+        self._lock = threading.Lock()
+
+    # -- connection -------------------------------------------------------
+    @property
+    def conn(self):
+        with self._lock:
+            if self._conn is None or not self._conn.is_connected:
+                self._conn = self._connect()
+            return self._conn
+
+    def _connect(self):
+        from fabric import Config, Connection
+        import paramiko
+
+        h = self.host
+        connect_kwargs = {
+            "banner_timeout": h.connect_timeout,
+            "auth_timeout": h.connect_timeout,
+            "channel_timeout": max(30.0, h.connect_timeout),
+            "transport_factory": _transport_factory,
+        }
+        if h.identity_file:
+            connect_kwargs["key_filename"] = [os.path.expanduser(h.identity_file)]
+        conn = Connection(
+            h.address, user=h.user, port=h.port, connect_timeout=h.connect_timeout,
+            connect_kwargs=connect_kwargs, forward_agent=False, config=Config(),
+        )
+        hostkeys.load_into(conn.client, h.known_hosts)
+        if not conn.gateway:
+            # Our own socket: NODELAY turns a 43 ms channel open into 0.3 ms.
+            try:
+                sock = socket.create_connection((conn.host, conn.port), timeout=h.connect_timeout)
+            except OSError as e:
+                raise HostError(f"{h.name}: cannot reach {conn.host}:{conn.port}: {e.strerror or e}") from None
+            _tune_socket(sock)
+            conn.connect_kwargs["sock"] = sock
+        try:
+            conn.open()
+        except hostkeys.UnknownHostKey as e:
+            raise e.for_host(h.name) from None
+        except paramiko.BadHostKeyException as e:
+            raise hostkeys.changed_key_error(h.name, e.hostname, e.key, e.expected_key) from None
+        except paramiko.AuthenticationException as e:
+            raise HostError(f"{h.name}: authentication failed for {conn.user}@{conn.host}:{conn.port}: {e}") from None
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostError(f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}") from None
+        conn.transport.set_keepalive(15)
+        return conn
+
+    @property
+    def sftp(self):
+        conn = self.conn
+        if self._sftp is None or self._sftp.sock.closed:
+            self._sftp = conn.client.open_sftp()
+        return self._sftp
+
+    def alive(self, timeout: float = 10.0) -> bool:
+        """A keepalive that waits for the answer: False when the peer is gone."""
+        t = self._conn.transport if self._conn and self._conn.is_connected else None
+        if t is None or not t.is_active():
+            return False
+        done = threading.Event()
+        threading.Thread(target=lambda: (t.global_request("keepalive@openssh.com", wait=True), done.set()), daemon=True).start()
+        if not done.wait(timeout):
+            self.close()
+            return False
+        return t.is_active()
+
+    def close(self):
+        if self._sftp is not None:
+            try:
+                self._sftp.close()
+            except Exception:
+                pass
+            self._sftp = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- commands ---------------------------------------------------------
+    def _open_channel(self, command: str):
+        t = self.conn.transport
+        chan = t.open_session(timeout=max(30.0, self.host.connect_timeout))
+        chan.exec_command(command)
+        return chan
+
+    def _exec(self, command, stdin, timeout):
+        import time
+
+        chan = self._open_channel(command)
+        if stdin:
+            chan.sendall(stdin)
+        chan.shutdown_write()
+        # Read stdout and stderr concurrently: a full window on either would deadlock the other.
+        out, err = bytearray(), bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chan.settimeout(0.2)
+        while True:
+            progressed = False
+            while chan.recv_ready():
+                out += chan.recv(65536)
+                progressed = True
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(65536)
+                progressed = True
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                break
+            if chan.closed or not self.conn.transport.is_active():
+                break
+            if deadline and time.monotonic() > deadline:
+                chan.close()
+                return 124, bytes(out), bytes(err) + b"\nkimi-eagle: command timed out\n"
+            if not progressed:
+                try:
+                    data = chan.recv(65536)
+                    if data:
+                        out += data
+                except socket.timeout:
+                    pass
+        code = chan.recv_exit_status() if chan.exit_status_ready() else 255
+        chan.close()
+        return code, bytes(out), bytes(err)
+
+    def stream(self, command: str) -> Stream:
+        chan = self._open_channel(command)
+        chan.shutdown_write()
+        chan.settimeout(1.0)
+        state = {"idle": 0.0}
+
+        def chunks():
+            while True:
+                try:
+                    data = chan.recv(65536)
+                except socket.timeout:
+                    # Quiet log: make sure the peer is still there before waiting on.
+                    state["idle"] += 1.0
+                    if state["idle"] >= 15.0:
+                        state["idle"] = 0.0
+                        if not self.alive():
+                            raise ConnectionError(f"{self.name}: connection lost")
+                    continue
+                except OSError as e:
+                    raise ConnectionError(f"{self.name}: connection lost: {e}") from None
+                state["idle"] = 0.0
+                if not data:
+                    if not chan.exit_status_ready() and (chan.closed or not self.conn.transport.is_active()):
+                        raise ConnectionError(f"{self.name}: connection lost")
+                    return
+                yield data
+
+        def exit_status():
+            return chan.recv_exit_status() if chan.exit_status_ready() else None
+
+        return Stream(chunks(), chan.close, exit_status)
+
+    # -- files ------------------------------------------------------------
+    def _home_dir(self):
+        return self.sftp.normalize(".")
+
+    def write_bytes(self, path, data, mode=None):
+        path = self.abspath(path)
+        with self.sftp.open(path, "wb") as f:
+            f.set_pipelined(True)
+            f.write(data)
+        if mode is not None:
+            self.sftp.chmod(path, mode)
+
+    def upload_file(self, local_path, path, mode=None, progress=None):
+        path = self.abspath(path)
+        # put() pipelines its writes; confirm=False because the caller verifies the sha256.
+        self.sftp.put(local_path, path, callback=progress, confirm=False)
+        if mode is not None:
+            self.sftp.chmod(path, mode)
+
+    def rename(self, src, dst):
+        self.sftp.posix_rename(self.abspath(src), self.abspath(dst))
+
+    def read_bytes(self, path, offset=0):
+        with self.sftp.open(self.abspath(path), "rb") as f:
+            f.seek(offset)
+            size = f.stat().st_size
+            f.prefetch(max(0, size - offset))
+            return f.read()
+
+    def exists(self, path):
+        try:
+            self.sftp.stat(self.abspath(path))
+            return True
+        except FileNotFoundError:
+            return False
+        except IOError as e:
+            if getattr(e, "errno", None) == 2:
+                return False
+            raise
+
+    def makedirs(self, path):
+        from ..shell import join
+
+        self.run(join(["mkdir", "-p", "--", self.abspath(path)]), check=True, what=f"mkdir {path}")

@@ -1,0 +1,97 @@
+"""Shared fixtures: a real sshd on 127.0.0.1, inventories pointing at it, and a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sshd import Sshd  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@dataclass
+class CLIResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+@dataclass
+class Env:
+    """One test's world: a client HOME, an inventory file, a workdir on the (loopback) host."""
+
+    root: Path
+    home: Path
+    inventory: Path
+    workdir: Path
+    sshd: Sshd | None = None
+
+    def cli(self, *args, timeout=300, env=None, input=None) -> CLIResult:
+        e = {**os.environ, "HOME": str(self.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+        e.pop("KIMI_EAGLE_INVENTORY", None)
+        e.update(env or {})
+        p = subprocess.run(
+            [sys.executable, "-m", "launcher", "--inventory", str(self.inventory), *args],
+            capture_output=True, text=True, env=e, timeout=timeout, input=input, cwd=self.root,
+        )
+        return CLIResult(p.returncode, p.stdout, p.stderr)
+
+    def write_inventory(self, text: str) -> Path:
+        self.inventory.write_text(textwrap.dedent(text))
+        return self.inventory
+
+
+def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_env: dict | None = None, extra: str = "") -> Env:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    workdir = tmp_path / "hostwork"
+    env = Env(tmp_path, home, tmp_path / "inventory.yaml", workdir, sshd)
+    known = tmp_path / "known_hosts"
+    known.write_text(sshd.host_key_line() if (sshd and trusted) else "")
+    host_env = host_env or {}
+    env_yaml = "".join(f"\n      {k}: {json.dumps(v)}" for k, v in host_env.items())
+    ssh_host = ""
+    if sshd:
+        ssh_host = f"""
+  gpu:
+    address: 127.0.0.1
+    port: {sshd.port}
+    user: root
+    identity_file: {sshd.client_key}
+    python: {sys.executable}
+    workdir: {workdir}
+    known_hosts: {known}
+    env: {{PYTHONPATH: {json.dumps(str(REPO))}{"".join(f", {k}: {json.dumps(v)}" for k, v in host_env.items())}}}"""
+    env.write_inventory(
+        f"""hosts:{ssh_host}
+  local:
+    transport: local
+    python: {sys.executable}
+    workdir: {tmp_path / "localwork"}
+{extra}"""
+    )
+    return env
+
+
+@pytest.fixture
+def env(tmp_path, sshd):
+    return make_env(tmp_path, sshd)

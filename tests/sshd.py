@@ -1,0 +1,117 @@
+"""A real OpenSSH sshd on 127.0.0.1 for tests: free port, temporary host and client keys, internal-sftp."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keygen(path: Path, kind: str = "ed25519") -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)], check=True)
+    return path
+
+
+class Sshd:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.host_key = keygen(root / "ssh_host_ed25519_key")
+        self.client_key = keygen(root / "id_ed25519")
+        (root / "authorized_keys").write_text((root / "id_ed25519.pub").read_text())
+        self.config = root / "sshd_config"
+        self.proc = None
+        self.write_config()
+
+    def write_config(self, extra: str = ""):
+        self.config.write_text(
+            f"""Port {self.port}
+ListenAddress 127.0.0.1
+HostKey {self.host_key}
+PidFile {self.root}/sshd.pid
+AuthorizedKeysFile {self.root}/authorized_keys
+PermitRootLogin yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+UsePAM no
+StrictModes no
+UseDNS no
+PrintMotd no
+LogLevel ERROR
+MaxSessions 50
+MaxStartups 50:30:100
+Subsystem sftp internal-sftp
+{extra}
+"""
+        )
+
+    def host_key_line(self) -> str:
+        kind, b64 = (self.root / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        return f"[127.0.0.1]:{self.port} {kind} {b64}\n"
+
+    def start(self):
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+        # -D: stay in the foreground so the fixture owns it; -e: errors to stderr.
+        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stderr=open(self.root / "sshd.log", "ab"))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(self.root / 'sshd.log').read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("sshd did not start listening")
+
+    def _sshd_descendants(self) -> list[int]:
+        """Per-connection sshd processes forked from our listener (never any other sshd)."""
+        children: dict[int, list[int]] = {}
+        comm: dict[int, str] = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                comm[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            except (OSError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                if comm.get(c, "").startswith("sshd"):
+                    found.append(c)
+                    todo.append(c)
+        return found
+
+    def stop(self, kill_sessions: bool = True):
+        """Stop the listener; with kill_sessions, drop every open connection too (like a restart of the box's sshd)."""
+        if not self.proc or self.proc.poll() is not None:
+            return
+        sessions = self._sshd_descendants() if kill_sessions else []
+        self.proc.terminate()
+        self.proc.wait(10)
+        for pid in sessions:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    def restart(self):
+        self.stop()
+        self.start()

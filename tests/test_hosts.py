@@ -1,0 +1,93 @@
+"""hosts, hosts check, hosts trust: against a real sshd on 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import make_env
+
+
+def test_hosts_lists_inventory(env):
+    r = env.cli("--json", "hosts")
+    assert r.code == 0, r.stderr
+    names = {h["name"]: h for h in r.json()["hosts"]}
+    assert names["gpu"]["transport"] == "ssh" and names["local"]["transport"] == "local"
+
+
+def test_check_over_ssh_and_local_report_the_same_facts(env):
+    r = env.cli("--json", "hosts", "check")
+    assert r.code == 0, r.stderr
+    by_host = {d["host"]: d for d in r.json()}
+    assert by_host["gpu"]["ok"] and by_host["local"]["ok"]
+    # Both run the same interpreter here, so both probes must agree.
+    for key in ("python", "executable", "packages"):
+        assert by_host["gpu"][key] == by_host["local"][key]
+    assert by_host["gpu"]["packages"]["vllm"] is None  # missing is reported, not an error
+    human = env.cli("hosts", "check", "gpu")
+    assert human.code == 0 and "[gpu] reachable" in human.stdout and "vllm missing" in human.stdout
+
+
+def test_unknown_host_key_is_refused_with_fingerprint_and_trust_command(tmp_path, sshd):
+    e = make_env(tmp_path, sshd, trusted=False)
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 1
+    fp = subprocess.run(["ssh-keygen", "-lf", str(sshd.host_key) + ".pub"], capture_output=True, text=True).stdout.split()[1]
+    assert "unknown host key" in r.stdout + r.stderr
+    assert fp in r.stdout + r.stderr  # the same SHA256 fingerprint OpenSSH shows
+    assert "kimi-eagle hosts trust gpu" in r.stdout + r.stderr
+    # Nothing was added silently.
+    assert (tmp_path / "known_hosts").read_text() == ""
+    assert not (e.home / ".ssh" / "known_hosts").exists()
+
+    # Non-interactive trust without --yes is refused; with the wrong fingerprint too.
+    assert e.cli("hosts", "trust", "gpu").code == 2
+    bad = e.cli("hosts", "trust", "gpu", "--fingerprint", "SHA256:AAAA")
+    assert bad.code == 1 and (tmp_path / "known_hosts").read_text() == ""
+    ok = e.cli("hosts", "trust", "gpu", "--fingerprint", fp)
+    assert ok.code == 0, ok.stderr
+    assert fp in ok.stdout
+    assert e.cli("hosts", "check", "gpu").code == 0
+
+
+def test_changed_host_key_is_always_refused(tmp_path, sshd):
+    e = make_env(tmp_path, sshd, trusted=False)
+    other = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    kind, b64 = (tmp_path / "other.pub").read_text().split()[:2]
+    (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{sshd.port} {kind} {b64}\n")
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 1
+    assert "HOST KEY CHANGED" in r.stdout + r.stderr
+    # trust does not paper over a changed key either: check still refuses after a trust attempt without --yes
+    assert e.cli("hosts", "check", "gpu").code == 1
+
+
+def test_ssh_config_alias_is_honoured(tmp_path, sshd):
+    e = make_env(tmp_path, sshd)
+    (e.home / ".ssh" / "config").write_text(
+        f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.client_key}\n"
+    )
+    e.write_inventory(
+        f"""hosts:
+  box:
+    address: gpu-alias
+    known_hosts: {tmp_path / 'known_hosts'}
+    python: {__import__('sys').executable}
+    workdir: {tmp_path / 'w'}
+"""
+    )
+    r = e.cli("--json", "hosts", "check", "box")
+    assert r.code == 0, r.stderr
+    assert r.json()[0]["ok"]
+
+
+def test_unreachable_host_is_reported_per_host(tmp_path, sshd):
+    e = make_env(tmp_path, sshd)
+    from sshd import free_port
+
+    text = e.inventory.read_text().replace(f"port: {sshd.port}", f"port: {free_port()}")
+    e.inventory.write_text(text)
+    r = e.cli("--json", "hosts", "check")
+    assert r.code == 1
+    by_host = {d["host"]: d for d in r.json()}
+    assert by_host["local"]["ok"] and not by_host["gpu"]["ok"]
+    assert "cannot reach" in by_host["gpu"]["error"]
