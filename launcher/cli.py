@@ -155,6 +155,33 @@ def render(
         _ui().line(str(p))
 
 
+# ---------------------------------------------------------------------------------------------- upload
+@app.command()
+def upload(
+    paths: List[Path] = typer.Argument(..., exists=True, dir_okay=True, help="Local files or folders."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
+    group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
+    to: str = typer.Option(..., "--to", help="Folder on the host; relative paths are under the host's workdir."),
+):
+    """Copy files to hosts atomically, sha256-verified; files already there unchanged are skipped."""
+    from . import transfer
+
+    outcomes = transfer.upload(state.inventory.select(host, group), paths, to)
+    if state.json:
+        _ui().emit_json([{"host": o.host, "ok": o.ok, "error": str(o.error) if o.error else None,
+                          **({"root": o.value.root, "changed": o.value.changed, "unchanged": o.value.unchanged,
+                              "bytes_sent": o.value.bytes_sent} if o.value else {})} for o in outcomes])
+    else:
+        for o in outcomes:
+            if not o.ok:
+                _ui().line(f"[{o.host}] failed: {o.error}", style="red")
+                continue
+            for path, status in o.value.rows():
+                _ui().line(f"[{o.host}] {status:9} {o.value.root}/{path}")
+    if not all(o.ok for o in outcomes):
+        raise typer.Exit(EXIT_FAILED)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from . import commands  # noqa: F401  (registers the commands that live beside this file)
 

@@ -1,0 +1,100 @@
+"""Inventory mistakes: one clear line naming file, line, host and field; exit 2; no host contacted."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_env
+
+GOOD_HOST = """hosts:
+  blackwell-01:
+    address: blackwell-01.example
+    port: 22
+    workdir: /root/eagle3-train
+"""
+
+CASES = {
+    "unknown key": (
+        "hosts:\n  blackwell-01:\n    address: blackwell-01.example\n    prot: 22\n",
+        ["inventory.yaml:4", "host 'blackwell-01'", "field prot", "unknown key"],
+    ),
+    "wrong type": (
+        "hosts:\n  blackwell-01:\n    address: blackwell-01.example\n    port: twenty-two\n",
+        ["inventory.yaml:4", "host 'blackwell-01'", "field port", "twenty-two"],
+    ),
+    "out of range": (
+        "hosts:\n  blackwell-01:\n    port: 70000\n",
+        ["inventory.yaml:3", "field port", "70000"],
+    ),
+    "bad transport": (
+        "hosts:\n  b:\n    transport: telnet\n",
+        ["inventory.yaml:3", "host 'b'", "field transport", "telnet"],
+    ),
+    "yaml syntax": (
+        "hosts:\n  b:\n    address: [unclosed\n  c: {}\n",
+        ["inventory.yaml:", "YAML syntax error"],
+    ),
+    "missing hosts": ("groups: {}\n", ["field hosts", "required field is missing"]),
+    "unknown group member": (
+        GOOD_HOST + "groups:\n  gpus: [blackwell-01, blackwell-02]\n",
+        ["inventory.yaml:7", "group 'gpus'", "blackwell-02"],
+    ),
+    "bad pipeline value": (
+        GOOD_HOST + "pipeline:\n  backend: tensorrt\n",
+        ["inventory.yaml:7", "field pipeline.backend", "tensorrt"],
+    ),
+    "bad env name": (
+        "hosts:\n  b:\n    env:\n      'BAD-NAME': x\n",
+        ["inventory.yaml:3", "host 'b'", "field env", "BAD-NAME"],
+    ),
+    "bad per-host pipeline": (
+        "hosts:\n  b:\n    pipeline:\n      seq_len: -4\n",
+        ["inventory.yaml:4", "host 'b'", "field pipeline.seq_len"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inventory_mistake_is_one_clear_line(tmp_path, case):
+    text, needles = CASES[case]
+    e = make_env(tmp_path, None)
+    e.inventory.write_text(text)
+    r = e.cli("hosts", "check")
+    assert r.code == 2, (r.stdout, r.stderr)
+    msg = r.stderr.strip()
+    assert len(msg.splitlines()) == 1, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    assert r.stdout == ""  # nothing ran
+
+
+def test_missing_inventory_file(tmp_path):
+    e = make_env(tmp_path, None)
+    r = e.cli("--inventory", str(tmp_path / "nope.yaml"), "hosts")
+    assert r.code == 2 and "nope.yaml: inventory file not found" in r.stderr
+
+
+def test_unknown_host_name(tmp_path):
+    e = make_env(tmp_path, None)
+    r = e.cli("hosts", "check", "blackwell-99")
+    assert r.code == 2 and "no host or group named 'blackwell-99'" in r.stderr
+
+
+def test_example_inventory_is_valid():
+    from pathlib import Path
+
+    from launcher import inventory
+
+    inv = inventory.load(Path(__file__).resolve().parents[1] / "inventory.yaml")
+    assert {"blackwell-01", "local"} <= set(inv.hosts)
+    assert inv.hosts["blackwell-01"].pipeline.tp_size == 8
+    assert inv.hosts["local"].transport == "local"
+
+
+def test_embedded_default_has_a_local_host(tmp_path, monkeypatch):
+    from launcher import inventory
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KIMI_EAGLE_INVENTORY", raising=False)
+    inv = inventory.load(None)
+    assert inv.path == inventory.EMBEDDED and list(inv.hosts) == ["local"]

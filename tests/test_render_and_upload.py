@@ -1,0 +1,169 @@
+"""Rendering safety and verified, atomic uploads, on the real sshd and on the local transport."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+HOSTILE = [
+    "it's",
+    'say "hi"',
+    "$(touch /tmp/kimi-eagle-pwned)",
+    "`touch /tmp/kimi-eagle-pwned`",
+    "a; touch /tmp/kimi-eagle-pwned",
+    "x && touch /tmp/kimi-eagle-pwned",
+    "two\nlines",
+    "  spaced  out  ",
+    "ünïcødé ✓ 日本語",
+    "$HOME ${PATH} \\n \\",
+    "",
+    "-flag-looking",
+    "*",
+]
+
+
+def test_every_template_interpolation_goes_through_a_quoting_filter():
+    import jinja2
+    from jinja2 import nodes
+
+    from launcher.render import environment
+
+    allowed = {"sh", "sh_path", "sh_join", "sh_name"}
+    env = environment()
+    templates = sorted((REPO / "templates").glob("*.j2"))
+    assert templates
+    for t in templates:
+        ast = env.parse(t.read_text())
+        for out in ast.find_all(nodes.Output):
+            for node in out.nodes:
+                if isinstance(node, nodes.TemplateData):
+                    continue
+                ok = isinstance(node, nodes.Filter) and node.name in allowed
+                ok = ok or (isinstance(node, nodes.Name) and node.name == "version")
+                assert ok, f"{t.name}:{node.lineno}: interpolation without a quoting filter"
+
+
+def test_unquoted_value_is_refused_at_render_time(tmp_path):
+    import jinja2
+
+    from launcher import render
+    from launcher.errors import ConfigError
+
+    env = render.environment().overlay(loader=jinja2.DictLoader({"bad.sh.j2": "echo {{ value }}\n"}))
+    with pytest.raises(ConfigError, match="without a quoting filter"):
+        env.get_template("bad.sh.j2").render(value="x; rm -rf /")
+
+
+def test_nul_byte_is_refused():
+    from launcher.errors import ConfigError
+    from launcher.shell import quote
+
+    with pytest.raises(ConfigError, match="NUL"):
+        quote("a\x00b")
+
+
+@pytest.mark.parametrize("host", ["gpu", "local"])
+def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
+    """Values in argv and env pass through a rendered script run on the host unchanged."""
+    from launcher import inventory, render, sync
+    from launcher.host import HostSession
+
+    inv = inventory.load(env.inventory)
+    h = inv.hosts[host]
+    h.env.update({f"HOSTILE_{i}": v for i, v in enumerate(HOSTILE)})
+    echo = tmp_path / "echo.py"
+    echo.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'env': [os.environ[f'HOSTILE_{i}'] for i in range(%d)]}))\n" % len(HOSTILE)
+    )
+    with HostSession(h) as s:
+        sync.sync(s.transport, s.path(".kimi-eagle/payloads"), [sync.Item(remote="echo.py", local=echo)])
+        rel, text = s.render_payload("echo", "echo.py", HOSTILE)
+        s.upload_scripts({rel: text})
+        res = s.transport.run(f"bash {render.quote(s.path(rel))}", check=True)
+    got = json.loads(res.stdout)
+    assert got["argv"] == HOSTILE
+    assert got["env"] == HOSTILE
+    assert not Path("/tmp/kimi-eagle-pwned").exists()
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("host", ["gpu", "local"])
+def test_upload_verifies_and_skips_unchanged(env, host, tmp_path):
+    src = tmp_path / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(300_000))
+    (src / "sub" / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "sub" / "run.sh").chmod(0o755)
+    r = env.cli("--json", "upload", str(src), "--host", host, "--to", "incoming")
+    assert r.code == 0, r.stderr
+    out = r.json()[0]
+    assert sorted(out["changed"]) == ["data/a.bin", "data/sub/run.sh"] and out["unchanged"] == []
+    base = Path(out["root"])
+    assert _sha(base / "data" / "a.bin") == _sha(src / "a.bin")
+    assert os.access(base / "data" / "sub" / "run.sh", os.X_OK)
+    # Second deploy of unchanged files transfers nothing.
+    again = env.cli("--json", "upload", str(src), "--host", host, "--to", "incoming").json()[0]
+    assert again["changed"] == [] and again["bytes_sent"] == 0
+    # One changed file is the only one sent.
+    (src / "a.bin").write_bytes(os.urandom(1000))
+    third = env.cli("--json", "upload", str(src), "--host", host, "--to", "incoming").json()[0]
+    assert third["changed"] == ["data/a.bin"] and _sha(base / "data" / "a.bin") == _sha(src / "a.bin")
+    assert not list(base.rglob("*.part"))
+
+
+def test_killed_upload_leaves_nothing_at_the_final_path_and_a_rerun_completes(env, tmp_path):
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for _ in range(64):
+            f.write(os.urandom(4 << 20))  # 256 MiB: long enough to kill midway
+    target_dir = env.workdir / "incoming"
+    final = target_dir / "big.bin"
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "--inventory", str(env.inventory), "upload", str(big), "--host", "gpu", "--to", "incoming"],
+        env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    part = None
+    while time.monotonic() < deadline:
+        parts = list(target_dir.glob(".big.bin.*.part")) if target_dir.exists() else []
+        if parts and parts[0].stat().st_size > (8 << 20):
+            part = parts[0]
+            break
+        time.sleep(0.02)
+    assert part is not None, "upload never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert part.stat().st_size < big.stat().st_size  # it really was cut midway
+    assert not final.exists()
+    r = env.cli("--json", "upload", str(big), "--host", "gpu", "--to", "incoming")
+    assert r.code == 0, r.stderr
+    assert _sha(final) == _sha(big)
+    assert not list(target_dir.glob("*.part"))
+
+
+def test_render_writes_files_without_network(tmp_path, sshd):
+    from conftest import make_env
+
+    e = make_env(tmp_path, sshd)
+    # An address nothing listens on: render must not try to connect.
+    e.inventory.write_text(e.inventory.read_text().replace("127.0.0.1", "blackwell-01.example"))
+    r = e.cli("render", "probe", "--host", "gpu", "--out", str(tmp_path / "rendered"))
+    assert r.code == 0, r.stderr
+    script = (tmp_path / "rendered" / ".kimi-eagle" / "bin" / "probe.sh").read_text()
+    assert "set -euo pipefail" in script and "probe.py" in script and sys.executable in script
