@@ -1,1 +1,3 @@
-"""Commands added by later features register themselves on the app here (kept out of cli.py's core)."""
+"""Commands that live in their own modules register on the app when imported here."""
+
+from . import cli_gpu, cli_jobs, cli_patch, cli_preflight  # noqa: F401
