@@ -15,20 +15,47 @@ class _Offline:
     def abspath(self, p):
         return p
 
+    def path(self, rel):
+        return rel
+
     def close(self):
         pass
 
 
+def _job(session, step):
+    from .jobs import render_job
+
+    if not step:
+        raise ConfigError("render job: name the step, e.g. `kimi-eagle render job extract`")
+    return dict([render_job(session, step, [])])
+
+
+def _gpu_reset(session, step):
+    from .gpu import reset_args
+
+    return dict([session.render_payload("gpu-reset", "gpu_reset.py", reset_args(session))])
+
+
+def _preflight(session, step):
+    from .preflight import preflight_args
+
+    return dict([session.render_payload("preflight", "preflight.py", preflight_args(session, step or "all"))])
+
+
 def files_for(what: str, step, host) -> dict[str, str]:
     session = HostSession(host, transport=_Offline(host))
-    makers = {"probe": lambda: dict([session.render_payload("probe", "probe.py", [])])}
-    makers.update(_extra)
+    makers = dict(_extra)
     if what not in makers:
         raise ConfigError(f"render: unknown WHAT {what!r} (choose from {', '.join(sorted(makers))})")
-    return makers[what](session, step) if what in _extra else makers[what]()
+    return makers[what](session, step)
 
 
-_extra: dict = {}
+_extra: dict = {
+    "probe": lambda session, step: dict([session.render_payload("probe", "probe.py", [])]),
+    "job": _job,
+    "gpu-reset": _gpu_reset,
+    "preflight": _preflight,
+}
 
 
 def register(name: str, fn) -> None:

@@ -47,8 +47,11 @@ class SSHTransport(Transport):
     @property
     def conn(self):
         with self._lock:
-            if self._conn is None or not self._conn.is_connected:
+            if self._conn is None:
                 self._conn = self._connect()
+            elif not self._conn.is_connected:
+                # No silent reconnect: callers that can resume (log following) do it knowingly.
+                raise ConnectionError(f"{self.name}: connection lost")
             return self._conn
 
     def _connect(self):
@@ -160,7 +163,10 @@ class SSHTransport(Transport):
                         out += data
                 except socket.timeout:
                     pass
-        code = chan.recv_exit_status() if chan.exit_status_ready() else 255
+        if not chan.exit_status_ready():
+            chan.close()
+            raise ConnectionError(f"{self.name}: connection lost while running a command")
+        code = chan.recv_exit_status()
         chan.close()
         return code, bytes(out), bytes(err)
 
@@ -186,7 +192,8 @@ class SSHTransport(Transport):
                     raise ConnectionError(f"{self.name}: connection lost: {e}") from None
                 state["idle"] = 0.0
                 if not data:
-                    if not chan.exit_status_ready() and (chan.closed or not self.conn.transport.is_active()):
+                    # A command that ended normally sends its exit status around its EOF.
+                    if not chan.status_event.wait(5.0):
                         raise ConnectionError(f"{self.name}: connection lost")
                     return
                 yield data

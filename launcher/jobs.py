@@ -1,0 +1,159 @@
+"""Detached jobs on a host: start, status, stop. The host-side half is remote_payloads/jobctl.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import pipeline, render
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, KimiEagleError
+from .host import PAYLOADS, RUNS, HostSession
+from .shell import join
+
+# What `logs --follow` and `status` exit with, by job state (documented in the README).
+STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED}
+TERMINAL = {"succeeded", "failed", "stopped", "lost"}
+
+
+class LockHeld(KimiEagleError):
+    exit_code = EXIT_FAILED
+
+
+@dataclass
+class Job:
+    id: str
+    host: str
+    step: str | None = None
+    state: str = "running"
+    exit_code: int | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    runtime_s: float | None = None
+    log: str = ""
+    log_size: int = 0
+    run_dir: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_host(cls, host: str, d: dict) -> "Job":
+        known = {k: d.get(k) for k in ("id", "step", "state", "exit_code", "pid", "pgid", "started_at", "ended_at",
+                                        "runtime_s", "log", "log_size", "run_dir")}
+        return cls(host=host, **{k: v for k, v in known.items() if v is not None})
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("extra")
+        return d
+
+
+def new_job_id(step: str) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
+
+
+def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID") -> tuple[str, str]:
+    """The job script as it will be uploaded: (path relative to the workdir, text)."""
+    host = session.host
+    run_rel = f"{RUNS}/{job_id}"
+    steps = pipeline.plan(step, host.pipeline, extra)
+    text = render.render(
+        "job.sh.j2",
+        job_id=job_id,
+        job_id_quoted=json.dumps(job_id),
+        host=host.name,
+        step=step,
+        run_dir=_under(host.workdir, run_rel),
+        gpu_lock=_under(host.workdir, f"{RUNS}/gpu.lock"),
+        env=host.env,
+        workdir=host.workdir,
+        python=host.python,
+        steps=steps,
+    )
+    return f"{run_rel}/job.sh", text
+
+
+def _under(workdir: str, rel: str) -> str:
+    return workdir.rstrip("/") + "/" + rel
+
+
+def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
+    session.deploy_payloads()
+    python = render.sh_path(session.host.python)
+    cmd = f"cd {render.sh_path(session.host.workdir)} && {python} {join([f'{PAYLOADS}/jobctl.py', '--runs-dir', session.path(RUNS), *args])}"
+    res = session.transport.run(cmd)
+    try:
+        return res.exited, json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise CommandError(f"{session.name}: jobctl {args[0]} failed (exit {res.exited}): {res.stderr.strip()[-300:]}", result=res) from None
+
+
+def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None) -> Job:
+    """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
+    extra = list(extra or [])
+    job_id = new_job_id(step)
+    rel, text = render_job(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
+    session.deploy_payloads()
+    session.upload_scripts({rel: text})
+    args = ["start", "--job-id", job_id, "--step", step, "--host", session.name,
+            "--workdir", session.path(""), "--args-json", json.dumps(extra)]
+    if (step in pipeline.GPU_STEPS) if gpu is None else gpu:
+        args.append("--gpu")
+    code, data = _jobctl(session, args)
+    if not data.get("started"):
+        held = data.get("held_by") or {}
+        if held:
+            session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at", 0)))
+            raise LockHeld(
+                f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
+                f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"
+            )
+        raise CommandError(f"{session.name}: job did not start: {data}")
+    remember(job_id, session.name)
+    return Job.from_host(session.name, data)
+
+
+def status(session: HostSession, job_id: str | None = None) -> list[Job]:
+    code, data = _jobctl(session, ["status"] + (["--job", job_id] if job_id else []))
+    if code == 2:
+        raise ConfigError(f"{session.name}: {data.get('error')}")
+    return [Job.from_host(session.name, d) for d in data["jobs"]]
+
+
+def stop(session: HostSession, job_id: str, grace: float = 10.0) -> dict:
+    code, data = _jobctl(session, ["stop", "--job", job_id, "--grace", str(grace)])
+    if code == 2:
+        raise ConfigError(f"{session.name}: {data.get('error')}")
+    if code != 0:
+        raise CommandError(f"{session.name}: processes of job {job_id} remain after SIGKILL: {data.get('remaining')}", result=data)
+    return data
+
+
+# -- which host runs a job: a small local index so `logs JOB` needs no --host -------------------------
+def _index_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "kimi-eagle" / "jobs.json"
+
+
+def remember(job_id: str, host: str) -> None:
+    p = _index_path()
+    try:
+        index = json.loads(p.read_text()) if p.exists() else {}
+    except (OSError, ValueError):
+        index = {}
+    index[job_id] = host
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dict(list(index.items())[-500:])))
+    os.replace(tmp, p)
+
+
+def host_of(job_id: str) -> str | None:
+    try:
+        return json.loads(_index_path().read_text()).get(job_id)
+    except (OSError, ValueError):
+        return None

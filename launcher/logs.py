@@ -1,0 +1,123 @@
+"""Following a job's log: one `tail -F` channel, a client-side byte offset, reconnect with backoff.
+
+The byte offset counts what was received, so a resumed stream starts exactly where the last one
+stopped: no line lost, none repeated. Decoding is incremental, so a character split across reads
+stays intact.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from . import jobs
+from .errors import HostError
+from .host import HostSession
+from .shell import join
+
+
+class LineSplitter:
+    """Bytes in; complete lines ('line') and carriage-return updates ('progress') out."""
+
+    def __init__(self, emit: Callable[[str, str], None]):
+        self.emit = emit
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.buf = ""
+
+    def feed(self, data: bytes) -> None:
+        self.buf += self.decoder.decode(data)
+        while True:
+            nl, cr = self.buf.find("\n"), self.buf.find("\r")
+            if nl < 0 and cr < 0:
+                return
+            if cr >= 0 and (nl < 0 or cr < nl):
+                if cr + 1 == len(self.buf):
+                    return  # a lone \r at the end may be half of \r\n: wait for more
+                piece, self.buf = self.buf[:cr], self.buf[cr + 1 :]
+                if self.buf.startswith("\n"):
+                    self.buf = self.buf[1:]
+                    self.emit("line", piece)
+                elif piece:
+                    self.emit("progress", piece)
+            else:
+                piece, self.buf = self.buf[:nl], self.buf[nl + 1 :]
+                self.emit("line", piece)
+
+    def flush(self) -> None:
+        self.buf += self.decoder.decode(b"", final=True)
+        if self.buf:
+            self.emit("line", self.buf.rstrip("\r"))
+            self.buf = ""
+
+
+@dataclass
+class FollowResult:
+    job: jobs.Job
+    offset: int
+    reconnects: int
+
+
+def _retryable(e: BaseException) -> bool:
+    import paramiko
+
+    return isinstance(e, (ConnectionError, HostError, EOFError, OSError, paramiko.SSHException))
+
+
+def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool = True, tail: int | None = None,
+           offset: int = 0, session: HostSession | None = None, give_up_after: float = 600.0,
+           on_reconnect: Callable[[int, float], None] | None = None) -> FollowResult:
+    """Stream a job's log through `emit(kind, text)` until the job ends (or once, without follow)."""
+    session = session or HostSession(host)
+    splitter = LineSplitter(emit)
+    reconnects, backoff, down_since = 0, 0.5, None
+    first = True
+    while True:
+        try:
+            job = jobs.status(session, job_id)[0]
+            if first and tail is not None:
+                # The last N lines of what exists now; then follow from the end of those bytes.
+                res = session.transport.run(f"head -c {int(job.log_size)} -- {join([job.log])} | tail -n {int(tail)}", check=True)
+                splitter.feed(res.stdout.encode())
+                offset = job.log_size
+            first = False
+            running = follow and job.state == "running"
+            if running:
+                cmd = f"exec tail -c +{offset + 1} -F --pid={int(job.pid)} -- {join([job.log])} 2>/dev/null"
+            else:
+                cmd = f"exec tail -c +{offset + 1} -- {join([job.log])}"
+            stream = session.transport.stream(cmd)
+            try:
+                for chunk in stream.chunks:
+                    offset += len(chunk)
+                    splitter.feed(chunk)
+            finally:
+                stream.close()
+            down_since, backoff = None, 0.5
+            if not follow:
+                break
+            job = jobs.status(session, job_id)[0]
+            if job.state in jobs.TERMINAL and job.log_size <= offset:
+                break
+        except KeyboardInterrupt:
+            session.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - only connection trouble is retried
+            if not _retryable(e) or isinstance(e, jobs.KimiEagleError) and not isinstance(e, HostError):
+                raise
+            session.close()
+            now = time.monotonic()
+            down_since = down_since or now
+            if now - down_since > give_up_after:
+                raise HostError(f"{host.name}: connection lost for {give_up_after:.0f}s while following {job_id}; "
+                                f"resume with: kimi-eagle logs {job_id} --follow --host {host.name}") from None
+            reconnects += 1
+            if on_reconnect:
+                on_reconnect(reconnects, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+            session = HostSession(host)
+    splitter.flush()
+    session.close()
+    return FollowResult(job, offset, reconnects)

@@ -1,0 +1,66 @@
+"""The pipeline steps: which payload each runs and which inventory settings become its flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .host import PAYLOADS, expand
+
+STEPS = ("prepare", "extract", "vocab", "train")
+# Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
+GPU_STEPS = {"extract", "train", "all"}
+
+FLAGS = {
+    "prepare": ("model", "dataset", "output_dir", "seq_len"),
+    "extract": ("model", "output_dir", "layer_ids", "backend", "batch_size", "tp_size", "seq_len"),
+    "vocab": ("model", "output_dir", "draft_vocab_size"),
+    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps"),
+}
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]  # after the host's Python when `python` is set, else the whole command
+    python: bool = True
+    unless_exists: str | None = None
+
+
+def step_args(step: str, pipeline) -> list[str]:
+    args: list[str] = []
+    for key in FLAGS[step]:
+        value = getattr(pipeline, key)
+        if value is None:
+            if key in ("model", "dataset"):
+                raise ConfigError(f"pipeline.{key} is not set (inventory `pipeline:` section or the host's override)")
+            continue
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        args += [f"--{key.replace('_', '-')}", str(expand(value))]
+    return args
+
+
+def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
+    """The commands a job runs, in order. `extra` (after --) is appended to the step's flags."""
+    extra = list(extra or [])
+    if step == "exec":
+        if not extra:
+            raise ConfigError("`run exec` needs a command after --, e.g. kimi-eagle run exec -- nvidia-smi")
+        return [Step("exec", extra, python=False)]
+    if step == "all" and extra:
+        raise ConfigError("`run all` takes no extra flags after --: set them in the inventory's pipeline section")
+    if step == "all":
+        names = list(STEPS)
+    elif step in STEPS:
+        names = [step]
+    else:
+        raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
+    steps = []
+    if pipeline.tiny_model:
+        model = str(expand(pipeline.model))
+        steps.append(Step("tiny-model", [f"{PAYLOADS}/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
+                          unless_exists=f"{model}/config.json"))
+    for n in names:
+        steps.append(Step(n, [f"{PAYLOADS}/{n}.py", *step_args(n, pipeline), *extra]))
+    return steps

@@ -1,0 +1,177 @@
+"""Detached jobs on the real sshd: survival, exit codes, log resume, stop, GPU lock, lost state."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PY = sys.executable
+
+
+def start(env, *cmd, host="gpu", gpu=False):
+    r = env.cli("--json", "run", "exec", "--host", host, "--detach", "--gpu" if gpu else "--no-gpu", "--", *cmd)
+    assert r.code == 0, (r.stdout, r.stderr)
+    return r.json()
+
+
+def wait_state(env, job_id, states, host="gpu", timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = env.cli("--json", "status", job_id, "--host", host)
+        job = r.json()["jobs"][0]
+        if job["state"] in states:
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} never reached {states}: {job}")
+
+
+def write_script(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def lines_script(tmp_path, n, delay, seed=7):
+    """A job that prints n deterministic lines with multi-byte characters, slowly."""
+    return write_script(tmp_path / "lines.py", f"""
+import random, sys, time
+rng = random.Random({seed})
+alphabet = "aé日本語✓🙂ßж"
+for i in range({n}):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+    sys.stdout.write(f"line {{i}} {{text}}\\n")
+    sys.stdout.flush()
+    time.sleep({delay})
+""")
+
+
+def expected_lines(n, seed=7):
+    rng = random.Random(seed)
+    alphabet = "aé日本語✓🙂ßж"
+    return [f"line {i} " + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for i in range(n)]
+
+
+@pytest.mark.parametrize("host", ["gpu", "local"])
+def test_exit_codes_are_recorded_for_success_failure_and_signal(env, host):
+    ok = start(env, PY, "-c", "print('hello from the job')", host=host)
+    fail = start(env, PY, "-c", "import sys; sys.exit(3)", host=host)
+    killed = start(env, PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", host=host)
+    assert wait_state(env, ok["id"], {"succeeded"}, host)["exit_code"] == 0
+    assert wait_state(env, fail["id"], {"failed"}, host)["exit_code"] == 3
+    assert wait_state(env, killed["id"], {"failed"}, host)["exit_code"] == 128 + signal.SIGKILL
+    logs = env.cli("logs", ok["id"], "--host", host)
+    assert logs.code == 0 and f"[{host}] hello from the job" in logs.stdout
+    assert env.cli("logs", fail["id"]).code == 1  # the host is remembered locally; exit 1 for a failed job
+    # The exit code file is written by the job itself on the host.
+    assert (Path(ok["run_dir"]) / "exit_code").read_text().strip() == "0"
+
+
+def test_job_survives_the_controller_being_killed(env, tmp_path):
+    script = lines_script(tmp_path, 40, 0.05)
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    proc = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
+                             "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Wait until the follower printed something, then kill the controller hard.
+    first = proc.stdout.readline()
+    assert first.startswith("[gpu] ")
+    proc.kill()
+    proc.wait()
+    job_id = json.loads(env.cli("--json", "status", "--host", "gpu").stdout)["jobs"][-1]["id"]
+    r = env.cli("logs", job_id, "--follow")
+    assert r.code == 0, r.stderr
+    got = [ln[len("[gpu] "):] for ln in r.stdout.splitlines() if ln.startswith("[gpu] line ")]
+    assert got == expected_lines(40)
+
+
+def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tmp_path):
+    n = 600
+    script = lines_script(tmp_path, n, 0.006)
+    job = start(env, PY, script)
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    follower = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
+                                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Once the follower streams, drop every SSH connection and restart the server.
+    first = follower.stdout.readline()
+    assert first.startswith("[gpu] ")
+    sshd.restart()
+    out, err = follower.communicate(timeout=120)
+    out = first + out
+    assert follower.returncode == 0, err
+    assert "reconnecting" in err  # the drop really happened mid-stream
+    assert wait_state(env, job["id"], {"succeeded"})["exit_code"] == 0
+    got = [ln[len("[gpu] "):] for ln in out.splitlines() if ln.startswith("[gpu] line ")]
+    assert got == expected_lines(n)  # every line exactly once, multi-byte characters intact
+
+
+def test_stop_kills_a_three_level_process_tree(env, tmp_path):
+    pids = tmp_path / "pids"
+    script = write_script(tmp_path / "tree.py", f"""
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import os, subprocess, sys, time, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the middle level ignores SIGTERM
+g = subprocess.Popen(["sleep", "300"])
+open({str(pids)!r}, "w").write(f"{{os.getppid()}} {{os.getpid()}} {{g.pid}}")
+time.sleep(300)
+'''])
+time.sleep(300)
+""")
+    job = start(env, PY, script)
+    deadline = time.monotonic() + 20
+    while not pids.exists() or len(pids.read_text().split()) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tree = [int(p) for p in pids.read_text().split()]
+    r = env.cli("--json", "stop", job["id"], "--host", "gpu", "--grace", "1")
+    assert r.code == 0, r.stderr
+    data = r.json()
+    assert data["stopped"] and data["remaining"] == [] and data["sent"]["KILL"] >= 1
+    for pid in tree:
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert wait_state(env, job["id"], {"stopped"})["state"] == "stopped"
+    assert env.cli("status", job["id"], "--host", "gpu").code == 4
+
+
+def test_gpu_lock_refuses_a_second_gpu_job(env):
+    first = start(env, "sleep", "60", gpu=True)
+    r = env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")
+    assert r.code == 1
+    assert first["id"] in r.stderr and "exec" in r.stderr and "started" in r.stderr
+    assert f"kimi-eagle stop {first['id']}" in r.stderr
+    # A CPU job is not blocked by the lock.
+    cpu = start(env, "true")
+    assert wait_state(env, cpu["id"], {"succeeded"})
+    assert env.cli("stop", first["id"], "--host", "gpu", "--grace", "1").code == 0
+    second = start(env, "true", gpu=True)
+    assert wait_state(env, second["id"], {"succeeded"})
+
+
+def test_status_reports_lost_for_a_reused_pid(env):
+    job = start(env, "sleep", "60")
+    run_dir = Path(job["run_dir"])
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        # The job shell dies without its trap (SIGKILL) and its pid now names another process.
+        os.killpg(job["pgid"], signal.SIGKILL)
+        (run_dir / "pid").write_text(f"{other.pid}\n")
+        got = wait_state(env, job["id"], {"lost", "failed", "succeeded"})
+        assert got["state"] == "lost" and got["exit_code"] is None
+    finally:
+        other.kill()
+
+
+def test_bad_step_and_missing_command_are_usage_errors(env):
+    r = env.cli("run", "bogus", "--host", "gpu")
+    assert r.code == 2 and "unknown step 'bogus'" in r.stderr
+    r = env.cli("run", "exec", "--host", "gpu")
+    assert r.code == 2 and "needs a command" in r.stderr
+    assert not (env.workdir / "runs").exists()  # nothing half-done on the host
