@@ -54,11 +54,51 @@ class SyncReport:
         return [(p, "changed") for p in self.changed] + [(p, "unchanged") for p in self.unchanged]
 
 
-def _remote_hashes(transport, root: str, paths: list[str]) -> dict[str, str]:
-    """One round trip: create the folders and hash whatever is already there."""
-    dirs = sorted({posixpath.dirname(posixpath.join(root, p)) for p in paths} | {root})
-    cmd = f"mkdir -p -- {join(dirs)} && cd {join([root])} && sha256sum -- {join(paths)} 2>/dev/null; true"
-    res = transport.run(cmd, check=True, what=f"prepare {root}")
+# Hashing on the host runs under the host's Python: hashlib (OpenSSL, SHA-NI) is ~4x coreutils' sha256sum.
+_HASH_CODE = """
+import hashlib, sys
+for p in sys.argv[1:]:
+    h = hashlib.sha256()
+    try:
+        with open(p, "rb") as f:
+            while True:
+                b = f.read(1 << 20)
+                if not b:
+                    break
+                h.update(b)
+    except OSError:
+        continue
+    print(h.hexdigest() + "  " + p)
+"""
+
+# Receives a file on stdin, writes it and hashes it in the same pass; prints the digest.
+RECEIVE_CODE = """
+import hashlib, os, sys
+path, mode = sys.argv[1], int(sys.argv[2], 8)
+h = hashlib.sha256()
+with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+    src = sys.stdin.buffer
+    while True:
+        b = src.read1(1 << 20)
+        if not b:
+            break
+        h.update(b)
+        f.write(b)
+os.chmod(path, mode)
+print(h.hexdigest())
+"""
+
+
+def _python(transport) -> str:
+    from .render import sh_path
+
+    return sh_path(transport.host.python)
+
+
+def _hash_remote(transport, paths: list[str], prefix: str = "") -> dict[str, str]:
+    if not paths:
+        return {}
+    res = transport.run(f"{prefix}{_python(transport)} -c {join([_HASH_CODE])} {join(paths)}", check=True, what="sha256 on the host")
     out = {}
     for line in res.stdout.splitlines():
         digest, _, name = line.partition("  ")
@@ -67,11 +107,18 @@ def _remote_hashes(transport, root: str, paths: list[str]) -> dict[str, str]:
     return out
 
 
+def _remote_hashes(transport, root: str, paths: list[str]) -> dict[str, str]:
+    """One round trip: create the folders and hash whatever is already there."""
+    dirs = sorted({posixpath.dirname(posixpath.join(root, p)) for p in paths} | {root})
+    return _hash_remote(transport, paths, prefix=f"mkdir -p -- {join(dirs)} && cd {join([root])} && ")
+
+
 def sync(transport, root: str, items: list[Item], progress=None) -> SyncReport:
     root = transport.abspath(root)
     report = SyncReport(transport.name, root)
     remote = _remote_hashes(transport, root, [i.remote for i in items])
-    pending = []
+    verify = []
+    done = []
     for item in items:
         if remote.get(item.remote) == item.digest():
             report.unchanged.append(item.remote)
@@ -80,23 +127,27 @@ def sync(transport, root: str, items: list[Item], progress=None) -> SyncReport:
         tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{item.digest()[:12]}.part")
         if item.data is not None:
             transport.write_bytes(tmp, item.data, item.mode)
+            verify.append((item, tmp, final))
         else:
-            transport.upload_file(str(item.local), tmp, item.mode, progress=progress)
-        pending.append((item, tmp, final))
-        report.bytes_sent += item.size
-    if pending:
-        res = transport.run(f"sha256sum -- {join([t for _, t, _ in pending])}", check=True, what="verify upload")
-        got = {}
-        for line in res.stdout.splitlines():
-            digest, _, name = line.partition("  ")
-            got[name] = digest
-        for item, tmp, final in pending:
-            if got.get(tmp) != item.digest():
-                transport.run(f"rm -f -- {join([t for _, t, _ in pending])}")
+            # Large files stream through the fastest path the transport has, hashed on the host in the same pass.
+            got = transport.upload_hashed(str(item.local), tmp, item.mode, progress=progress)
+            if got is None:
+                verify.append((item, tmp, final))
+            elif got != item.digest():
+                transport.run(f"rm -f -- {join([tmp])}")
                 raise CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
-        for item, tmp, final in pending:
-            transport.rename(tmp, final)
-            report.changed.append(item.remote)
+            else:
+                done.append((item, tmp, final))
+        report.bytes_sent += item.size
+    if verify:
+        got = _hash_remote(transport, [t for _, t, _ in verify])
+        for item, tmp, final in verify:
+            if got.get(tmp) != item.digest():
+                transport.run(f"rm -f -- {join([t for _, t, _ in verify])}")
+                raise CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
+    for item, tmp, final in done + verify:
+        transport.rename(tmp, final)
+        report.changed.append(item.remote)
     return report
 
 

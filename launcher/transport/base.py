@@ -79,6 +79,11 @@ class Transport(abc.ABC):
     def upload_file(self, local_path: str, path: str, mode: int | None = None, progress=None) -> None:
         """Copy a local file to `path` (not atomic; see write_bytes)."""
 
+    def upload_hashed(self, local_path: str, path: str, mode: int, progress=None) -> str | None:
+        """Upload and return the sha256 the host computed while writing; None: caller verifies afterwards."""
+        self.upload_file(local_path, path, mode, progress=progress)
+        return None
+
     @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename on the host, replacing dst."""

@@ -222,6 +222,62 @@ class SSHTransport(Transport):
         if mode is not None:
             self.sftp.chmod(path, mode)
 
+    # Files this large go through the OpenSSH client when it is installed: paramiko's pure-Python
+    # packet path tops out near 1/2 of OpenSSH's with AES-GCM (docs/benchmarks.md).
+    OPENSSH_MIN_BYTES = 32 << 20
+
+    def upload_hashed(self, local_path, path, mode, progress=None):
+        import shutil
+
+        if (os.path.getsize(local_path) < self.OPENSSH_MIN_BYTES or not shutil.which("ssh")
+                or os.environ.get("KIMI_EAGLE_OPENSSH", "1") == "0"):
+            return super().upload_hashed(local_path, path, mode, progress)
+        return self._openssh_receive(local_path, self.abspath(path), mode, progress)
+
+    def openssh_argv(self) -> list[str]:
+        """An OpenSSH command line with the same trust (known_hosts files) and identity as ours."""
+        h = self.host
+        known = [str(hostkeys.system_known_hosts())] + ([os.path.expanduser(h.known_hosts)] if h.known_hosts else [])
+        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                "-o", "UserKnownHostsFile=" + " ".join(f'"{k}"' for k in known),
+                "-o", f"ConnectTimeout={int(h.connect_timeout)}", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+                "-c", "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr"]
+        if h.port:
+            argv += ["-p", str(h.port)]
+        if h.user:
+            argv += ["-l", h.user]
+        if h.identity_file:
+            argv += ["-i", os.path.expanduser(h.identity_file), "-o", "IdentitiesOnly=yes"]
+        return argv + [h.address]
+
+    def _openssh_receive(self, local_path, path, mode, progress):
+        import subprocess
+
+        from ..render import sh_path
+        from ..shell import join
+        from ..sync import RECEIVE_CODE
+
+        remote = f"exec {sh_path(self.host.python)} -c {join([RECEIVE_CODE, path, format(mode, 'o')])}"
+        proc = subprocess.Popen(self.openssh_argv() + ["--", remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        sent = 0
+        try:
+            with open(local_path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    proc.stdin.write(chunk)
+                    sent += len(chunk)
+                    if progress:
+                        progress(sent, None)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        out, err = proc.stdout.read(), proc.stderr.read()  # both tiny: a digest, maybe a warning
+        proc.wait()
+        if proc.returncode != 0:
+            raise HostError(f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): "
+                            f"{err.decode(errors='replace').strip().splitlines()[-1:] or ''}")
+        return out.decode().strip()
+
     def rename(self, src, dst):
         self.sftp.posix_rename(self.abspath(src), self.abspath(dst))
 

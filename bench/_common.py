@@ -1,0 +1,60 @@
+"""Shared set-up for benchmarks: a real sshd on 127.0.0.1 and an inventory pointing at it."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+from sshd import Sshd  # noqa: E402
+
+
+class Bench:
+    """A loopback sshd, a known_hosts file that trusts it, and an inventory with host `gpu`."""
+
+    def __init__(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="kimi-eagle-bench-"))
+        self.sshd = Sshd(self.tmp / "sshd").start()
+        self.known_hosts = self.tmp / "known_hosts"
+        self.known_hosts.write_text(self.sshd.host_key_line())
+        self.workdir = self.tmp / "work"
+        self.inventory = self.tmp / "inventory.yaml"
+        self.inventory.write_text(
+            f"""hosts:
+  gpu:
+    address: 127.0.0.1
+    port: {self.sshd.port}
+    user: root
+    identity_file: {self.sshd.client_key}
+    known_hosts: {self.known_hosts}
+    python: {sys.executable}
+    workdir: {self.workdir}
+    env: {{PYTHONPATH: "{REPO}"}}
+"""
+        )
+
+    def ssh_argv(self) -> list[str]:
+        return ["ssh", "-T", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
+                "-o", "StrictHostKeyChecking=yes", "-i", str(self.sshd.client_key), "-p", str(self.sshd.port), "root@127.0.0.1"]
+
+    def host(self):
+        from launcher import inventory
+
+        return inventory.load(self.inventory).hosts["gpu"]
+
+    def close(self):
+        self.sshd.stop()
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def median(values):
+    return statistics.median(values)
