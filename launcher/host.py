@@ -18,6 +18,7 @@ STATE = ".kimi-eagle"
 PAYLOADS = f"{STATE}/payloads"
 BIN = f"{STATE}/bin"
 RUNS = "runs"
+MANIFEST = "MANIFEST"
 
 
 @dataclass
@@ -65,10 +66,31 @@ class HostSession:
 
     # -- payloads ---------------------------------------------------------
     def deploy_payloads(self) -> sync.SyncReport:
+        """Upload what changed in remote_payloads/, then record the set's digest in MANIFEST."""
         if self._deployed is None:
-            root = payloads_dir()
-            self._deployed = sync.sync(self.transport, self.path(PAYLOADS), sync.tree_items(root, payload_files()))
+            items = sync.tree_items(payloads_dir(), payload_files())
+            report = sync.sync(self.transport, self.path(PAYLOADS), items)
+            sync.sync(self.transport, self.path(PAYLOADS), [sync.Item(remote=MANIFEST, data=_manifest(items).encode())])
+            self._deployed = report
         return self._deployed
+
+    def call(self, script: str, args: list[str], *, timeout: float | None = None):
+        """Run a payload directly, in one round trip when the host already has this payload set.
+
+        The command checks MANIFEST first; on a mismatch (exit 222) the set is deployed and the call repeated.
+        """
+        digest = _manifest(sync.tree_items(payloads_dir(), payload_files()))
+        python = render.sh_path(self.host.python)
+        cmd = (f"cd {render.sh_path(self.host.workdir)} && "
+               f"[ \"$(cat {PAYLOADS}/{MANIFEST} 2>/dev/null)\" = {render.quote(digest)} ] || exit 222; "
+               f"exec {python} {render.sh_join([f'{PAYLOADS}/{script}', *args])}")
+        if self._deployed is None:
+            res = self.transport.run(cmd, timeout=timeout)
+            if res.exited != 222:
+                self._deployed = sync.SyncReport(self.name, self.path(PAYLOADS))
+                return res
+            self.deploy_payloads()
+        return self.transport.run(cmd, timeout=timeout)
 
     def render_payload(self, name: str, script: str, args: list[str]) -> tuple[str, str]:
         text = render.render(
@@ -101,6 +123,16 @@ class HostSession:
                 result=res,
             )
         return PayloadResult(self.name, name, res.exited, data, res.stderr)
+
+
+def _manifest(items) -> str:
+    """One digest for the whole payload set: changes when any file's path, content or mode changes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for i in sorted(items, key=lambda i: i.remote):
+        h.update(f"{i.remote}\0{i.digest()}\0{i.mode:o}\n".encode())
+    return h.hexdigest()
 
 
 def _last_line(text: str) -> str:

@@ -82,10 +82,7 @@ def _under(workdir: str, rel: str) -> str:
 
 
 def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
-    session.deploy_payloads()
-    python = render.sh_path(session.host.python)
-    cmd = f"cd {render.sh_path(session.host.workdir)} && {python} {join([f'{PAYLOADS}/jobctl.py', '--runs-dir', session.path(RUNS), *args])}"
-    res = session.transport.run(cmd)
+    res = session.call("jobctl.py", ["--runs-dir", RUNS, *args])
     try:
         return res.exited, json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -1,0 +1,314 @@
+"""remote_payloads/gpu_reset.py with real fuser and real signals, no GPU.
+
+Ordinary temp files stand in for /dev/nvidia*: spawned processes hold them open, so
+fuser reports them exactly as it reports GPU holders. A bash `nvidia-smi` stand-in is
+used only to exercise the memory-verification logic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "remote_payloads" / "gpu_reset.py"
+
+pytestmark = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) not installed")
+
+HOLDER = textwrap.dedent("""
+    import signal, sys, time
+    if sys.argv[2] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    f = open(sys.argv[1])
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+class Holders:
+    """Spawns holder processes and always cleans them up (by their own pid)."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        self.runs = tmp / "runs"
+        self.runs.mkdir()
+
+    def spawn(self, device: Path, *, ours: bool = False, own_session: bool = False,
+              ignore_term: bool = False, env_job: str | None = None) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.pop("KIMI_EAGLE_JOB_ID", None)
+        if env_job:
+            env["KIMI_EAGLE_JOB_ID"] = env_job
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, str(device),
+                              "ignore-term" if ignore_term else "plain"],
+                             stdout=subprocess.PIPE, text=True, env=env,
+                             start_new_session=ours or own_session)
+        assert p.stdout.readline().strip() == "ready"
+        self.procs.append(p)
+        if ours:
+            job = self.runs / f"job-{p.pid}"
+            job.mkdir()
+            (job / "pgid").write_text(f"{os.getpgid(p.pid)}\n")
+            (job / "pid").write_text(f"{p.pid}\n")
+            (job / "meta.json").write_text(json.dumps({"job_id": f"job-{p.pid}"}))
+        return p
+
+    def cleanup(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+@pytest.fixture
+def holders(tmp_path):
+    h = Holders(tmp_path)
+    yield h
+    h.cleanup()
+
+
+def device(tmp: Path, name: str = "nvidia0") -> Path:
+    d = tmp / "dev"
+    d.mkdir(exist_ok=True)
+    f = d / name
+    f.touch()
+    return f
+
+
+def run_reset(tmp: Path, *args: str, smi: str | None = None) -> tuple[int, dict, str]:
+    cmd = [sys.executable, str(SCRIPT), "--device-path", str(tmp / "dev" / "nvidia*"),
+           "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return res.returncode, json.loads(res.stdout), res.stderr
+
+
+def by_pid(report: dict) -> dict[int, dict]:
+    return {h["pid"]: h for h in report["holders"]}
+
+
+def alive(p: subprocess.Popen) -> bool:
+    return p.poll() is None
+
+
+def test_sigterm_ignorer_is_escalated_to_sigkill(tmp_path, holders):
+    dev = device(tmp_path)
+    stubborn = holders.spawn(dev, ours=True, ignore_term=True)
+    polite = holders.spawn(dev, ours=True)
+    t0 = time.monotonic()
+    rc, rep, err = run_reset(tmp_path, "--grace", "1.5", "--timeout", "10")
+    took = time.monotonic() - t0
+    assert rc == 0, (rep, err)
+    h = by_pid(rep)
+    assert h[stubborn.pid]["owner"] == "ours" and h[stubborn.pid]["job_id"] == f"job-{stubborn.pid}"
+    assert h[stubborn.pid]["result"] == "killed-after-term"
+    assert h[stubborn.pid]["signal_sent"] == "SIGTERM,SIGKILL"
+    assert h[polite.pid]["result"] == "gone" and h[polite.pid]["signal_sent"] == "SIGTERM"
+    assert stubborn.wait(timeout=5) == -signal.SIGKILL
+    assert polite.wait(timeout=5) == -signal.SIGTERM
+    # SIGKILL comes right after the grace, not after the whole timeout.
+    assert 1.4 <= rep["elapsed_s"] < 6 and took < 15
+    assert rep["ok"] is True and rep["gpus"] == []
+
+
+def test_foreign_survives_default_and_dies_with_all(tmp_path, holders):
+    dev = device(tmp_path)
+    ours = holders.spawn(dev, ours=True)
+    foreign = holders.spawn(dev, own_session=True)  # its own group, not recorded in runs/
+    rc, rep, _ = run_reset(tmp_path, "--grace", "2")
+    assert rc == 0
+    h = by_pid(rep)
+    assert h[ours.pid]["owner"] == "ours" and h[ours.pid]["action"] == "stop"
+    assert h[foreign.pid]["owner"] == "foreign" and h[foreign.pid]["action"] == "keep"
+    assert h[foreign.pid]["result"] == "still-running" and h[foreign.pid]["signal_sent"] is None
+    assert rep["remaining_foreign"] == [foreign.pid]
+    assert ours.wait(timeout=5) == -signal.SIGTERM
+    time.sleep(0.3)
+    assert alive(foreign)
+
+    rc, rep, _ = run_reset(tmp_path, "--all", "--grace", "2")
+    assert rc == 0, rep
+    h = by_pid(rep)
+    assert list(h) == [foreign.pid]
+    assert h[foreign.pid]["owner"] == "foreign" and h[foreign.pid]["result"] == "gone"
+    assert foreign.wait(timeout=5) == -signal.SIGTERM
+
+
+def test_env_marker_makes_a_process_ours(tmp_path, holders):
+    dev = device(tmp_path)
+    tagged = holders.spawn(dev, own_session=True, env_job="job-env-7")
+    rc, rep, _ = run_reset(tmp_path, "--grace", "2")
+    assert rc == 0
+    assert by_pid(rep)[tagged.pid]["owner"] == "ours"
+    assert by_pid(rep)[tagged.pid]["job_id"] == "job-env-7"
+    assert tagged.wait(timeout=5) == -signal.SIGTERM
+
+
+def test_dry_run_kills_nothing(tmp_path, holders):
+    dev = device(tmp_path)
+    ours = holders.spawn(dev, ours=True, ignore_term=True)
+    foreign = holders.spawn(dev)
+    for extra in ([], ["--all"]):
+        rc, rep, _ = run_reset(tmp_path, "--dry-run", "--grace", "0", *extra)
+        assert rc == 0 and rep["mode"] == "dry-run"
+        h = by_pid(rep)
+        assert {x["action"] for x in h.values()} == {"none"}
+        assert all(x["signal_sent"] is None for x in h.values())
+        assert h[ours.pid]["planned"] == "stop"
+        assert h[foreign.pid]["planned"] == ("stop" if extra else "keep")
+    time.sleep(0.3)
+    assert alive(ours) and alive(foreign)
+
+
+def test_only_pids_guard(tmp_path, holders):
+    dev = device(tmp_path)
+    a = holders.spawn(dev)
+    b = holders.spawn(dev)
+    rc, rep, _ = run_reset(tmp_path, "--all", "--only-pids", str(a.pid), "--grace", "2")
+    assert rc == 0
+    assert a.wait(timeout=5) == -signal.SIGTERM
+    assert alive(b) and by_pid(rep)[b.pid]["signal_sent"] is None
+
+
+def test_host_without_gpu(tmp_path):
+    # No nvidia-smi, and the device glob matches nothing.
+    rc, rep, _ = run_reset(tmp_path)
+    assert rc == 0 and rep["ok"] is True
+    assert "no NVIDIA driver" in rep["note"] and rep["holders"] == []
+    rc, rep, _ = run_reset(tmp_path, "--require-gpu")
+    assert rc == 1 and rep["ok"] is False and "no NVIDIA driver" in rep["note"]
+
+
+def test_host_without_fuser(tmp_path):
+    device(tmp_path)
+    rc, rep, _ = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"))
+    assert rc == 0 and "fuser not found" in rep["note"]
+    rc, _, _ = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"), "--require-gpu")
+    assert rc == 1
+
+
+# --- memory verification, with a bash stand-in for nvidia-smi --------------------
+
+FAKE_SMI = r"""#!/usr/bin/env bash
+# Stand-in for nvidia-smi. $STATE/apps: lines "pid,mem_mib,gpu_uuid". A pid's memory is
+# listed while it lives (zombies count as dead) and stays in memory.used for $STATE/release_s
+# seconds after death, like a driver that frees late. $STATE/leak_mib: memory no process owns.
+STATE="$(dirname "$0")"
+now=$(date +%s.%N)
+release=$(cat "$STATE/release_s" 2>/dev/null || echo 0)
+used=$(cat "$STATE/leak_mib" 2>/dev/null || echo 0)
+listing=""
+while IFS=, read -r pid mem uuid; do
+  [ -z "$pid" ] && continue
+  state=""
+  [ -r "/proc/$pid/stat" ] && state=$(sed 's/.*) //' "/proc/$pid/stat" | cut -d' ' -f1)
+  if [ -n "$state" ] && [ "$state" != Z ]; then
+    listing+="$pid, $mem, $uuid"$'\n'
+    used=$((used + mem))
+  else
+    [ -f "$STATE/dead_$pid" ] || echo "$now" > "$STATE/dead_$pid"
+    died=$(cat "$STATE/dead_$pid")
+    if awk -v n="$now" -v d="$died" -v r="$release" 'BEGIN{exit !(n - d < r)}'; then
+      used=$((used + mem))
+    fi
+  fi
+done < "$STATE/apps"
+case "$*" in
+  *--query-gpu=*) echo "0, GPU-fake-0, NVIDIA H200, $used, 143771" ;;
+  *--query-compute-apps=*) printf "%s" "$listing" ;;
+  *) echo "fake nvidia-smi" ;;
+esac
+"""
+
+
+def fake_smi(tmp: Path, apps: list[tuple[int, int]], release_s: float = 0, leak_mib: int = 0) -> str:
+    d = tmp / "smi"
+    d.mkdir(exist_ok=True)
+    exe = d / "nvidia-smi"
+    exe.write_text(FAKE_SMI)
+    exe.chmod(0o755)
+    (d / "apps").write_text("".join(f"{pid},{mem},GPU-fake-0\n" for pid, mem in apps))
+    (d / "release_s").write_text(str(release_s))
+    (d / "leak_mib").write_text(str(leak_mib))
+    return str(exe)
+
+
+def test_memory_verified_after_late_release(tmp_path, holders):
+    dev = device(tmp_path)
+    ours = holders.spawn(dev, ours=True)
+    foreign = holders.spawn(dev)
+    smi = fake_smi(tmp_path, [(ours.pid, 80000), (foreign.pid, 4000)], release_s=1.5, leak_mib=3)
+    rc, rep, err = run_reset(tmp_path, "--grace", "2", "--timeout", "10", smi=smi)
+    assert rc == 0, (rep, err)
+    gpu = rep["gpus"][0]
+    assert gpu["mem_used_before"] == 84003 and gpu["mem_total"] == 143771
+    # The foreign process keeps its 4000 MiB; the 3 MiB nobody owns is the baseline.
+    assert gpu["mem_used_after"] == 4003 and gpu["baseline_mib"] == 3
+    assert gpu["held_by"] == [{"pid": foreign.pid, "mem_mib": 4000.0, "owner": "foreign"}]
+    h = by_pid(rep)
+    assert h[ours.pid]["mem_mib"] == 80000 and h[ours.pid]["gpu"] == [0]
+    assert h[ours.pid]["sources"] == ["fuser", "nvidia-smi"]
+    # Verified only once the late-freed memory was gone, not when the pid died.
+    assert rep["elapsed_s"] >= 1.4 and rep["elapsed_s"] > rep["t_processes_gone_s"]
+    assert alive(foreign)
+
+
+def test_memory_still_held_exits_1_naming_it(tmp_path, holders):
+    dev = device(tmp_path)
+    ours = holders.spawn(dev, ours=True)
+    # The memory is never released after the holder dies.
+    smi = fake_smi(tmp_path, [(ours.pid, 20000)], release_s=3600)
+    rc, rep, err = run_reset(tmp_path, "--grace", "1", "--timeout", "1.5", smi=smi)
+    assert rc == 1 and rep["ok"] is False
+    assert by_pid(rep)[ours.pid]["result"] == "gone"
+    assert any("GPU 0" in p and "20000 MiB not accounted for" in p for p in rep["problems"]), rep["problems"]
+    assert rep["gpus"][0]["free"] is False
+
+
+def test_invisible_pid_is_reported(tmp_path, holders):
+    device(tmp_path)
+    ghost = 4_000_000  # a pid no process here has (checked below)
+    assert not Path(f"/proc/{ghost}").exists()
+    smi = fake_smi(tmp_path, [], leak_mib=0)
+    # The stand-in lists a pid that is not in our namespace.
+    exe = Path(smi)
+    exe.write_text(exe.read_text().replace(
+        '*--query-compute-apps=*) printf "%s" "$listing" ;;',
+        f'*--query-compute-apps=*) printf "%s" "$listing"; echo "{ghost}, 7000, GPU-fake-0" ;;'))
+    rc, rep, _ = run_reset(tmp_path, "--grace", "1", "--timeout", "1", smi=smi)
+    h = by_pid(rep)[ghost]
+    assert h["owner"] == "invisible" and h["result"] == "not-visible" and h["action"] == "none"
+    assert h["mem_mib"] == 7000
+    assert rc == 0  # nothing targeted, and an invisible holder is not ours to fix by default
+    rc, rep, _ = run_reset(tmp_path, "--all", "--grace", "1", "--timeout", "1", smi=smi)
+    assert rc == 1 and any("not in this PID namespace" in p for p in rep["problems"])
+
+
+def test_importable_main(tmp_path, capsys):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_reset
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    rc = gpu_reset.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
+    assert rc == 0 and "no NVIDIA driver" in json.loads(capsys.readouterr().out)["note"]
+
+
+def test_pgid_from_an_earlier_boot_is_not_ours(tmp_path, holders):
+    dev = device(tmp_path)
+    p = holders.spawn(dev, ours=True)
+    meta = tmp_path / "runs" / f"job-{p.pid}" / "meta.json"
+    meta.write_text(json.dumps({"job_id": f"job-{p.pid}", "boot_id": "some-earlier-boot"}))
+    rc, rep, _ = run_reset(tmp_path, "--grace", "1")
+    assert rc == 0 and by_pid(rep)[p.pid]["owner"] == "foreign"
+    assert alive(p)
