@@ -1,3 +1,79 @@
-"""(commands of this feature register here)"""
+"""gpu-reset: stop GPU holders on hosts (only ours unless --all) and verify the memory is free."""
 
-from .cli import app, state  # noqa: F401
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from .cli import _ui, app, state
+from .errors import EXIT_FAILED, ConfigError
+
+
+@app.command("gpu-reset")
+def gpu_reset(
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
+    group: Optional[str] = typer.Option(None, "--group", "-g"),
+    all_: bool = typer.Option(False, "--all", help="Stop every holder, other users' too (asks first)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; stop nothing."),
+    grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0, help="Seconds to wait for processes to go and memory to free."),
+    require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail on a host without an NVIDIA driver or fuser."),
+    device_path: List[str] = typer.Option([], "--device-path", help="Device files/globs to inspect (default /dev/nvidia*)."),
+):
+    """Find every process holding a GPU (fuser + nvidia-smi), stop ours (or --all), verify memory is back."""
+    from . import gpu
+    from .parallel import each_host
+
+    hosts = state.inventory.select(host, group)
+    extra = [a for p in device_path for a in ("--device-path", p)]
+    kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu)
+    ui = _ui()
+    if all_ and not dry_run and not yes:
+        plans = each_host(hosts, lambda s: gpu.reset(s, stop_all=True, dry_run=True, extra=extra, **kw))
+        _print(plans, ui)
+        if not sys.stdin.isatty():
+            raise ConfigError("gpu-reset --all stops other users' processes: confirm with --yes (nothing was stopped)")
+        if not typer.confirm("Stop every process listed above?", default=False):
+            raise typer.Exit(EXIT_FAILED)
+        # Signal only what the user saw and confirmed, never a process that appeared since.
+        confirmed = {o.host: [str(h["pid"]) for h in o.value.holders] for o in plans if o.ok}
+        outcomes = each_host(hosts, lambda s: gpu.reset(
+            s, stop_all=True, extra=extra + ["--only-pids", ",".join(confirmed.get(s.name, [])) or "0"], **kw))
+    else:
+        outcomes = each_host(hosts, lambda s: gpu.reset(s, stop_all=all_, dry_run=dry_run, extra=extra, **kw))
+    _print(outcomes, ui)
+    if not all(o.ok and o.value.ok for o in outcomes):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _print(outcomes, ui) -> None:
+    if state.json:
+        ui.emit_json([{"host": o.host, "ok": bool(o.ok and o.value.ok), "error": str(o.error) if o.error else None,
+                       **(o.value.data if o.value else {})} for o in outcomes])
+        return
+    for o in outcomes:
+        if not o.ok:
+            ui.line(f"[{o.host}] failed: {o.error}", style="red")
+            continue
+        d = o.value.data
+        if d.get("note"):
+            ui.line(f"[{o.host}] {d['note']}", style="yellow")
+        if d.get("holders"):
+            rows = [[h.get("pid"), h.get("user"), h.get("owner"), (h.get("cmd") or "")[:50], h.get("gpu", ""),
+                     h.get("mem_mib", ""), h.get("action") if h.get("action") != "none" else f"(would {h.get('planned', 'keep')})",
+                     h.get("result", "")] for h in d["holders"]]
+            ui.table(f"[{o.host}] GPU holders ({d.get('mode', '')})",
+                     ["pid", "user", "owner", "command", "gpu", "MiB", "action", "result"], rows)
+        elif not d.get("note"):
+            ui.line(f"[{o.host}] no process holds a GPU")
+        for g in d.get("gpus", []):
+            ui.line(f"[{o.host}] GPU {g.get('index')}: {g.get('mem_used_before')} -> {g.get('mem_used_after')} MiB used "
+                    f"of {g.get('mem_total')}")
+        for p in d.get("problems", []):
+            ui.line(f"[{o.host}] still held: {p}", style="red")
+        if d.get("elapsed_s") is not None and d.get("mode") != "dry-run" and d.get("holders"):
+            ui.line(f"[{o.host}] {'verified free' if o.value.ok else 'NOT free'} after {d['elapsed_s']}s",
+                    style="green" if o.value.ok else "red")

@@ -1,3 +1,51 @@
-"""(commands of this feature register here)"""
+"""preflight: check a host for every known failure before the model load."""
 
-from .cli import app, state  # noqa: F401
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .cli import _ui, app, state
+from .errors import EXIT_FAILED
+
+ICON = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
+STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def preflight(
+    ctx: typer.Context,
+    step: str = typer.Argument("all", help="prepare | extract | vocab | train | all"),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
+    group: Optional[str] = typer.Option(None, "--group", "-g"),
+):
+    """Check versions, patch, model config, layer ids, GPU memory, disk, dataset and the GPU lock, in seconds.
+
+    `run` does this automatically (skip with --no-preflight). Flags after `--` go to the check script.
+    """
+    from . import preflight as pf
+    from .parallel import each_host
+    from .pipeline import STEPS
+
+    if step not in (*STEPS, "all"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
+    outcomes = each_host(state.inventory.select(host, group), lambda s: pf.run(s, step, list(ctx.args)))
+    ui = _ui()
+    if state.json:
+        ui.emit_json([{"host": o.host, "ok": bool(o.ok and o.value.ok), "error": str(o.error) if o.error else None,
+                       "checks": o.value.checks if o.value else []} for o in outcomes])
+    else:
+        for o in outcomes:
+            if not o.ok:
+                ui.line(f"[{o.host}] failed: {o.error}", style="red")
+                continue
+            for c in o.value.checks:
+                ui.line(f"[{o.host}] {ICON[c['status']]}  {c['name']}: {c['detail']}", style=STYLE[c["status"]])
+                if c["status"] != "pass" and c.get("fix"):
+                    ui.line(f"[{o.host}]       fix: {c['fix']}")
+            ui.line(f"[{o.host}] preflight {'passed' if o.value.ok else 'FAILED'}", style="green" if o.value.ok else "red")
+    if not all(o.ok and o.value.ok for o in outcomes):
+        raise typer.Exit(EXIT_FAILED)

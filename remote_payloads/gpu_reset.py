@@ -535,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stop the processes holding NVIDIA GPUs (default: only kimi-eagle jobs' ones) "
                     "and verify the memory is free. JSON report on stdout.")
     p.add_argument("--device-path", action="append", default=None, metavar="PATH",
-                   help=f"device file or glob to inspect with fuser (repeatable; default {DEFAULT_DEVICE_GLOB})")
+                   help=f"device file or glob to inspect with fuser (repeatable; default $KIMI_EAGLE_GPU_DEVICES "
+                        f"split on ':', else {DEFAULT_DEVICE_GLOB})")
     p.add_argument("--nvidia-smi", default=None, metavar="PATH",
                    help="nvidia-smi binary (default: from PATH or /usr/local/nvidia/bin); absent: skip that source")
     p.add_argument("--fuser", default=None, metavar="PATH", help="fuser binary (default: from PATH)")
@@ -576,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_reset.py: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
             return 2
     runs_dir = args.runs_dir if args.runs_dir is not None else default_runs_dir()
-    report = run_reset(device_paths=args.device_path, nvidia_smi=args.nvidia_smi, fuser=args.fuser,
+    # The inventory can point a host at other device files through its env (tests, unusual drivers).
+    env_paths = [p for p in os.environ.get("KIMI_EAGLE_GPU_DEVICES", "").split(":") if p]
+    report = run_reset(device_paths=args.device_path or env_paths or None, nvidia_smi=args.nvidia_smi, fuser=args.fuser,
                        runs_dir=runs_dir, stop_all=args.stop_all, dry_run=args.dry_run,
                        grace=args.grace, timeout=args.timeout, threshold_mib=args.threshold_mib,
                        require_gpu=args.require_gpu, only_pids=only)

@@ -131,7 +131,8 @@ def check_versions(args, ctx: dict) -> list[dict]:
         out.append(check("packages", "fail", f"missing {', '.join(missing)}; have {shown}",
                          f"install {' '.join(missing)} into the host python's environment"))
     elif torch_v and cuda == "cpu":
-        status = "fail" if args.backend == "vllm" else "warn"
+        # vLLM cannot run on a CPU torch; the other steps (and hf extraction) can, slowly.
+        status = "fail" if args.backend == "vllm" and args.step in ("extract", "all") else "warn"
         out.append(check("packages", status, f"torch is a CPU-only build; {shown}",
                          "install a CUDA build of torch on the host"))
     else:

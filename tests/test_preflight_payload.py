@@ -15,7 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "remote_payloads" / "preflight.py"
 REAL_PATCH_ENGINE = ROOT / "remote_payloads" / "patch_engine.py"
-SPEC_WHEEL = Path("/tmp/specwheels/speculators-0.3.0-py3-none-any.whl")
 
 FAKE_SMI = """#!/usr/bin/env bash
 # Stand-in for nvidia-smi --query-gpu=index,name,memory.total,memory.free
@@ -212,11 +211,12 @@ def test_gpu_too_small_for_model(env, tmp_path):
 @pytest.fixture(scope="module")
 def spec030(tmp_path_factory) -> Path:
     """The real speculators 0.3.0 wheel, plus a metadata-only vllm 0.16.0 (never imported)."""
-    if not SPEC_WHEEL.is_file():
-        pytest.skip(f"{SPEC_WHEEL} not present")
+    from fixtures_speculators import _wheel
+
     d = tmp_path_factory.mktemp("site")
+    wheel = _wheel("0.3.0", tmp_path_factory.mktemp("wheels"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(d),
-                    str(SPEC_WHEEL)], check=True, capture_output=True, timeout=300)
+                    str(wheel)], check=True, capture_output=True, timeout=300)
     # Preflight reads versions through importlib.metadata only, so dist-info metadata is
     # all a vllm needs to be "installed" for the compatibility table.
     info = d / "vllm-0.16.0.dist-info"
@@ -233,10 +233,6 @@ def test_unpatched_speculators_030(env, spec030):
     assert checks["compat"]["status"] == "pass"
     assert doc["patch_set"] == "speculators-0.3.0-vllm-0.16"
     patch = checks["patch"]
-    if not REAL_PATCH_ENGINE.is_file():
-        # Only the patch-state assertion depends on the colleague's engine.
-        assert patch["status"] == "warn" and "not found" in patch["detail"]
-        pytest.skip("remote_payloads/patch_engine.py not present yet: patch state not checked")
     assert rc == 1
     assert_failed(checks, "patch", "not applied", "kimi-eagle deploy-patch --host {host}")
 

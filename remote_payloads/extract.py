@@ -1,0 +1,611 @@
+#!/usr/bin/env python3
+"""Pipeline step 2: run the target model over the prepared samples and save per-sample hidden states.
+
+Output under <output-dir>/hidden_states/ (speculators >= 0.5 layout):
+  hs_{i}.safetensors  token_ids int64 [T], hidden_states [T, L, H] (dtype of the run), loss_mask int64 [T]
+                      i = index in the prepared dataset; L = len(layer ids)
+  data_config.json    model, model class, layer ids + convention, num layers, hidden size, dtype, backend, versions
+
+Layer-id convention (vLLM serving): id i = INPUT of decoder layer i (residual stream before it), id N = OUTPUT
+of the last decoder layer BEFORE the final norm. Default [2, N//2, N-3, N].
+
+Backends:
+  hf    transformers + forward hooks on the decoder stack (multimodal wrappers included). Samples are sorted
+        by length, right-padded into batches; the forward stops right after the last needed layer; a writer
+        thread overlaps disk I/O with compute.
+  vllm  speculators' VllmHiddenStatesGenerator (0.3/0.4 API) on an install carrying the kimi-eagle patch;
+        refuses (exit 1) when speculators is missing or unpatched.
+
+Resumable: valid existing samples are skipped; every file is written to a temp name and os.replace()d, so a
+kill -9 never leaves a corrupt sample. --rank/--world-size split the indices into contiguous ranges.
+--validate checks every output of the range (token ids echo the input, shapes, finite values); exit 1 if bad.
+
+stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad usage/input.
+"""
+import argparse
+import json
+import os
+import queue
+import re
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, local_text_config_dict,  # noqa: E402
+                          parse_layer_ids, resolve_decoder_stack, text_config)
+from prepare import BadInput, PreparedDataset, atomic_write_json, emit, log, progress  # noqa: E402
+
+FORMAT = "kimi-eagle-hidden-states/1"
+KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
+# Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
+SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
+TMP_RE = re.compile(r"^\.hs_(\d+)\.safetensors\.tmp-\d+$")
+# data_config fields that must agree before we resume into an existing directory
+COMPAT_KEYS = ("layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention")
+
+
+class Refused(RuntimeError):
+    """Exit-1 condition with a clear message (e.g. speculators not patched)."""
+
+
+def sample_path(out_dir, i):
+    return os.path.join(out_dir, f"hs_{i}.safetensors")
+
+
+def shard_range(n, rank, world_size):
+    """Contiguous [lo, hi) of rank; the ranges of ranks 0..world_size-1 tile 0..n exactly once."""
+    return rank * n // world_size, (rank + 1) * n // world_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# checking outputs
+
+def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=False):
+    """Return None if the file is a valid sample for these token ids, else a short reason.
+
+    Cheap mode (resume): header + token ids + shape. Full mode (--validate): also loss mask and finiteness.
+    """
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        return "missing"
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            if keys != {"token_ids", "hidden_states", "loss_mask"}:
+                return f"unexpected tensors {sorted(keys)}"
+            t = len(token_ids)
+            shape = list(f.get_slice("hidden_states").get_shape())
+            if shape != [t, num_layer_ids, hidden_size]:
+                return f"hidden_states shape {shape}, expected {[t, num_layer_ids, hidden_size]}"
+            got = f.get_tensor("token_ids").numpy()
+            if got.shape != (t,) or not np.array_equal(got, token_ids):
+                return "token_ids do not match the prepared sample"
+            if not full:
+                return None
+            mask = f.get_tensor("loss_mask").numpy()
+            if mask.shape != (t,) or not np.array_equal(mask.astype(np.int64), loss_mask.astype(np.int64)):
+                return "loss_mask does not match the prepared sample"
+            hs = f.get_tensor("hidden_states")
+            if not bool(torch.isfinite(hs.float()).all()):
+                return "hidden_states contain NaN/Inf"
+    except Exception as e:  # truncated / corrupt file
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# writing outputs
+
+class Writer:
+    """Background thread that saves samples (tmp file + os.replace) so disk I/O overlaps the forward passes.
+
+    The queue is bounded so a slow disk applies back-pressure instead of filling host memory.
+    """
+
+    def __init__(self, out_dir, maxsize=8):
+        self.out_dir = out_dir
+        self.q = queue.Queue(maxsize=maxsize)
+        self.error = None
+        self.written = 0
+        self.delay = float(os.environ.get(SLOW_ENV, "0") or 0)
+        self.thread = threading.Thread(target=self._loop, name="hs-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, index, token_ids, hidden_states, loss_mask):
+        if self.error is not None:
+            raise self.error
+        self.q.put((index, token_ids, hidden_states, loss_mask))
+
+    def close(self):
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _loop(self):
+        from safetensors.torch import save_file
+
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # keep draining so put() never blocks forever
+            index, token_ids, hidden_states, loss_mask = item
+            final = sample_path(self.out_dir, index)
+            tmp = os.path.join(self.out_dir, f".hs_{index}.safetensors.tmp-{os.getpid()}")
+            try:
+                save_file({"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}, tmp)
+                os.replace(tmp, final)
+                self.written += 1
+                if self.delay:
+                    time.sleep(self.delay)
+            except BaseException as e:
+                self.error = e
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+
+def clean_stale_tmp(out_dir, lo, hi):
+    """Remove temp files a killed run of *this* range left behind (other ranks may be writing theirs)."""
+    for name in os.listdir(out_dir):
+        m = TMP_RE.match(name)
+        if m and lo <= int(m.group(1)) < hi:
+            os.unlink(os.path.join(out_dir, name))
+
+
+# ----------------------------------------------------------------------------------------------------
+# hf backend
+
+class _StopForward(Exception):
+    """Raised from a hook once every requested layer is captured: skips the rest of the model (and lm_head)."""
+
+
+class HiddenStateCapture:
+    """Forward hooks implementing the layer-id convention on a decoder stack of N layers.
+
+    id i < N: forward pre-hook on layers[i] (its input = residual stream before it).
+    id N:     forward hook on layers[N-1], first element of its output (before the final norm).
+    """
+
+    def __init__(self, layers, layer_ids, early_stop=True):
+        self.layer_ids = list(layer_ids)
+        self.n = len(layers)
+        self.captured = {}
+        self.handles = []
+        last = max(self.layer_ids)  # ids are captured in increasing order during the forward
+        self.stop_after = last if early_stop else None
+        for lid in self.layer_ids:
+            if lid < self.n:
+                self.handles.append(layers[lid].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
+            else:
+                self.handles.append(layers[self.n - 1].register_forward_hook(self._post_hook(lid)))
+
+    def _store(self, lid, tensor):
+        # clone: the next layer must not be able to modify our copy in place
+        self.captured[lid] = tensor.detach().clone()
+        if self.stop_after == lid:
+            raise _StopForward()
+
+    def _pre_hook(self, lid):
+        def hook(module, args, kwargs):
+            self._store(lid, args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    def _post_hook(self, lid):
+        def hook(module, args, output):
+            self._store(lid, output[0] if isinstance(output, (tuple, list)) else output)
+        return hook
+
+    def run(self, model, **inputs):
+        """Forward pass; returns [B, T, L, H] stacked in layer-id order."""
+        import torch
+
+        self.captured = {}
+        try:
+            model(**inputs)
+        except _StopForward:
+            pass
+        missing = [lid for lid in self.layer_ids if lid not in self.captured]
+        if missing:
+            raise RuntimeError(f"hooks did not capture layer ids {missing}; the model did not run those layers")
+        dev = self.captured[self.layer_ids[0]].device
+        return torch.stack([self.captured[lid].to(dev) for lid in self.layer_ids], dim=2)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def resolve_device_dtype(device, dtype):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is visible")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
+def _auto_class(model_path):
+    """Pick the Auto class from the config instead of trial and error (a failed Auto lookup is slow)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    cfg = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+    auto_map = getattr(cfg, "auto_map", None) or {}
+    if "AutoModelForCausalLM" in auto_map or cfg.model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    if cfg.model_type in getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModel
+
+
+def load_model(model_path, torch_dtype, device, tp_size):
+    """Load the target with trust_remote_code; multimodal wrappers go through AutoModelForImageTextToText."""
+    cls = _auto_class(model_path)
+    kwargs = {"trust_remote_code": True, "dtype": torch_dtype}
+    if device == "cuda":
+        try:  # spreads a huge target over all visible GPUs (layer-wise; tp_size is a vllm-backend notion)
+            return cls.from_pretrained(model_path, device_map="auto", **kwargs).eval()
+        except ImportError as e:  # device_map needs accelerate; a single GPU works without it
+            log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
+            return cls.from_pretrained(model_path, **kwargs).to("cuda").eval()
+    return cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
+
+
+def extract_hf(args, ds, todo, layer_ids, info, out_dir):
+    import torch
+
+    device, dtype = args.device, info["dtype"]
+    torch_dtype = getattr(torch, dtype)
+    t0 = time.time()
+    model = load_model(args.model, torch_dtype, device, args.tp_size)
+    owner, layers, path = resolve_decoder_stack(model)
+    if len(layers) != info["num_layers"]:
+        raise RuntimeError(f"decoder stack {path} has {len(layers)} layers but the config says {info['num_layers']}")
+    info.update(model_class=type(model).__name__, decoder_path=path)
+    log(f"[extract] loaded {type(model).__name__} in {time.time() - t0:.1f}s; layers at {path}; ids {layer_ids}")
+    input_device = model.get_input_embeddings().weight.device
+
+    capture = HiddenStateCapture(layers, layer_ids, early_stop=not args.no_early_stop)
+    writer = Writer(out_dir, maxsize=args.write_queue)
+    # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
+    order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
+    tokens = 0
+    bar = progress(None, total=len(order), desc="extract")
+    try:
+        for b in range(0, len(order), args.batch_size):
+            batch = order[b:b + args.batch_size]
+            seqs = [ds[i][0][:args.seq_len] for i in batch]
+            t_max = max(len(s) for s in seqs)
+            # Right padding: with a causal mask, real tokens never see the pads, and positions stay 0..T-1.
+            ids = torch.zeros(len(batch), t_max, dtype=torch.long)
+            attn = torch.zeros(len(batch), t_max, dtype=torch.long)
+            for j, s in enumerate(seqs):
+                ids[j, :len(s)] = torch.from_numpy(s)
+                attn[j, :len(s)] = 1
+            with torch.inference_mode():
+                hs = capture.run(model, input_ids=ids.to(input_device), attention_mask=attn.to(input_device),
+                                 use_cache=False)
+                hs = hs.to(torch_dtype).cpu()  # one device→host copy per batch
+            for j, (i, s) in enumerate(zip(batch, seqs)):
+                mask = ds[i][1][:args.seq_len]
+                writer.put(i, torch.from_numpy(s.copy()), hs[j, :len(s)].clone(), torch.from_numpy(mask.astype("int64")))
+                tokens += len(s)
+            if hasattr(bar, "update"):
+                bar.update(len(batch))
+    finally:
+        capture.remove()
+        if hasattr(bar, "close"):
+            bar.close()
+        writer.close()
+    return writer.written, tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# vllm backend (speculators 0.3 / 0.4 in-process generator)
+
+def parse_version(v):
+    parts = []
+    for p in str(v).split(".")[:3]:
+        m = re.match(r"\d+", p)
+        parts.append(int(m.group()) if m else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def to_speculators_layer_ids(layer_ids, num_layers, speculators_version):
+    """Translate our ids (vLLM convention) to what the installed speculators' generator captures.
+
+    speculators 0.3.0 / 0.4.0 record the OUTPUT of decoder layer j (valid j: 0..N-1), so our id i (input of
+    layer i = output of layer i-1) is their j = i-1, and our id N is their N-1. Our id 0 (the embeddings) has
+    no equivalent. speculators >= 0.5 delegates to vLLM's own convention, which is ours: ids pass unchanged.
+    """
+    n = int(num_layers)
+    for lid in layer_ids:
+        if not 0 <= lid <= n:
+            raise LayerIdError(f"layer id {lid} is out of range 0..{n}")
+    if parse_version(speculators_version) >= (0, 5, 0):
+        return list(layer_ids)
+    if 0 in layer_ids:
+        raise LayerIdError(
+            f"layer id 0 (the embeddings = input of decoder layer 0) cannot be captured by speculators "
+            f"{speculators_version}, which records the output of layer j (our id i is its j = i-1); use ids 1..{n}")
+    return [lid - 1 for lid in layer_ids]
+
+
+def check_speculators_patch():
+    """(version, location) of an installed, kimi-eagle-patched speculators, else raise Refused.
+
+    Uses importlib.metadata only: importing speculators would import vLLM (slow, may initialise CUDA).
+    """
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("speculators")
+    except metadata.PackageNotFoundError:
+        raise Refused(f"--backend vllm: speculators is not installed for {sys.executable}; install speculators "
+                      f"0.3/0.4 and apply the kimi-eagle patch, or use --backend hf") from None
+    location = str(dist.locate_file(""))
+    for f in dist.files or []:
+        name = str(f).replace("\\", "/")
+        if not (name.startswith("speculators/") and name.endswith(".py")):
+            continue
+        try:
+            with open(f.locate(), encoding="utf-8", errors="replace") as fh:
+                if KIMI_EAGLE_PATCH_MARKER in fh.read():
+                    return dist.version, location
+        except OSError:
+            continue
+    raise Refused(f"--backend vllm: speculators {dist.version} at {location} is not patched (no "
+                  f"'{KIMI_EAGLE_PATCH_MARKER}' marker in its files); apply the kimi-eagle patch first, or use --backend hf")
+
+
+def extract_vllm(args, ds, todo, layer_ids, info, out_dir, spec_version):
+    import torch
+
+    spec_ids = to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
+    if parse_version(spec_version) >= (0, 5, 0):
+        raise Refused(f"--backend vllm: speculators {spec_version} has no in-process generator (it extracts through "
+                      f"a vLLM server); use speculators 0.3/0.4 with the kimi-eagle patch, or --backend hf")
+    info.update(speculators_layer_ids=spec_ids)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA cannot be re-initialised in a fork
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    torch_dtype = getattr(torch, info["dtype"])
+    # The generator truncates prompts to max_model_len - 1 (it reserves one decode token).
+    gen = VllmHiddenStatesGenerator(model_path=args.model, layer_ids=spec_ids, max_model_len=args.seq_len + 1,
+                                    tensor_parallel_size=args.tp_size)
+    writer = Writer(out_dir, maxsize=args.write_queue)
+    order = sorted(todo, key=lambda i: (-len(ds[i][0]), i))
+    tokens = 0
+    bar = progress(None, total=len(order), desc="extract[vllm]")
+    try:
+        for b in range(0, len(order), args.batch_size):
+            batch = order[b:b + args.batch_size]
+            seqs = {i: ds[i][0][:args.seq_len] for i in batch}
+            results = gen.generate([seqs[i].tolist() for i in batch])
+            # speculators 0.4 returns results in sorted request-id order, not input order: pair by token ids.
+            waiting = {}
+            for i in batch:
+                waiting.setdefault(tuple(seqs[i].tolist()), []).append(i)
+            for r in results:
+                key = tuple(torch.as_tensor(r["input_ids"]).tolist())
+                if not waiting.get(key):
+                    raise RuntimeError("speculators returned hidden states for a sequence that was not requested "
+                                       "(truncated or reordered tokens)")
+                i = waiting[key].pop()
+                layers = r["hidden_states"]
+                if len(layers) != len(layer_ids):
+                    raise RuntimeError(f"speculators returned {len(layers)} layers, expected {len(layer_ids)}")
+                hs = torch.stack([h.to("cpu") for h in layers], dim=1).to(torch_dtype)
+                mask = ds[i][1][:args.seq_len]
+                writer.put(i, torch.from_numpy(seqs[i].copy()), hs, torch.from_numpy(mask.astype("int64")))
+                tokens += len(seqs[i])
+            if any(waiting.values()):
+                raise RuntimeError(f"speculators returned no hidden states for samples "
+                                   f"{sorted(i for v in waiting.values() for i in v)}")
+            if hasattr(bar, "update"):
+                bar.update(len(batch))
+    finally:
+        if hasattr(bar, "close"):
+            bar.close()
+        writer.close()
+    return writer.written, tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def package_versions():
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "safetensors", "numpy", "speculators", "vllm"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def model_info(model_path):
+    local = local_text_config_dict(model_path)
+    if local and local.get("num_hidden_layers") and local.get("hidden_size"):
+        with open(os.path.join(model_path, "config.json")) as f:
+            arch = (json.load(f).get("architectures") or ["?"])[0]
+        return {"num_layers": int(local["num_hidden_layers"]), "hidden_size": int(local["hidden_size"]),
+                "model_class": arch}
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+    except Exception as e:
+        raise BadInput(f"{model_path}: cannot load the model config ({type(e).__name__}: {e})") from None
+    tc = text_config(cfg)
+    n = getattr(tc, "num_hidden_layers", None)
+    h = getattr(tc, "hidden_size", None)
+    if not n or not h:
+        raise BadInput(f"{model_path}: config has no num_hidden_layers/hidden_size (looked in text_config too)")
+    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
+    return {"num_layers": int(n), "hidden_size": int(h), "model_class": arch}
+
+
+def validate(args, ds, out_dir, lo, hi):
+    cfg_path = os.path.join(out_dir, "data_config.json")
+    if not os.path.isfile(cfg_path):
+        return {"ok": False, "step": "extract", "mode": "validate", "error": f"{cfg_path}: not found"}, 1
+    with open(cfg_path) as f:
+        dc = json.load(f)
+    seq_len = dc.get("seq_len", args.seq_len)
+    bad = []
+    for i in progress(range(lo, hi), total=hi - lo, desc="validate"):
+        ids, mask = ds[i]
+        why = check_sample(sample_path(out_dir, i), ids[:seq_len], mask[:seq_len], len(dc["layer_ids"]),
+                           dc["hidden_size"], full=True)
+        if why:
+            bad.append({"index": i, "error": why})
+            log(f"[validate] hs_{i}.safetensors: {why}")
+    result = {"ok": not bad, "step": "extract", "mode": "validate", "out_dir": os.path.abspath(out_dir),
+              "range": [lo, hi], "checked": hi - lo, "bad_count": len(bad), "bad": bad[:1000]}
+    return result, (1 if bad else 0)
+
+
+def run(args):
+    if args.batch_size <= 0:
+        raise BadInput(f"--batch-size must be positive, got {args.batch_size}")
+    if args.world_size <= 0 or not 0 <= args.rank < args.world_size:
+        raise BadInput(f"--rank {args.rank} is not in 0..{args.world_size - 1} (--world-size {args.world_size})")
+    if args.seq_len <= 0:
+        raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
+    prepared_dir = args.prepared_dir or os.path.join(args.output_dir, "prepared")
+    out_dir = args.out or os.path.join(args.output_dir, "hidden_states")
+    ds = PreparedDataset(prepared_dir)
+    lo, hi = shard_range(len(ds), args.rank, args.world_size)
+
+    if args.validate:
+        return validate(args, ds, out_dir, lo, hi)
+
+    spec_version = None
+    if args.backend == "vllm":
+        spec_version, spec_location = check_speculators_patch()  # refuse before anything expensive
+        log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
+
+    info = model_info(args.model)
+    try:
+        layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
+        if args.backend == "vllm":
+            to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
+    except LayerIdError as e:
+        raise BadInput(str(e)) from None
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    args.device = device
+    data_config = {
+        "format": FORMAT,
+        "layout": "hs_{i}.safetensors: token_ids int64 [T], hidden_states [T, L, H], loss_mask int64 [T]",
+        "model": args.model,
+        "model_class": info["model_class"],
+        "layer_ids": layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "num_layers": info["num_layers"],
+        "hidden_size": info["hidden_size"],
+        "dtype": dtype,
+        "backend": args.backend,
+        "seq_len": args.seq_len,
+        "count": len(ds),
+        "prepared_dir": os.path.abspath(prepared_dir),
+        "versions": package_versions(),
+    }
+
+    os.makedirs(out_dir, exist_ok=True)
+    cfg_path = os.path.join(out_dir, "data_config.json")
+    if os.path.isfile(cfg_path) and not args.overwrite:
+        with open(cfg_path) as f:
+            old = json.load(f)
+        diff = [k for k in COMPAT_KEYS if old.get(k) != data_config[k]]
+        if diff:
+            raise BadInput(f"{cfg_path}: existing samples were extracted with a different "
+                           + ", ".join(f"{k} ({old.get(k)!r} vs now {data_config[k]!r})" for k in diff)
+                           + "; use another --output-dir or pass --overwrite")
+        for key in ("model_class", "decoder_path"):  # learnt from the loaded model by an earlier run
+            if key in old:
+                data_config[key] = old[key]
+    clean_stale_tmp(out_dir, lo, hi)
+    # Written before any sample (so a killed run can still be checked for compatibility on resume) and again
+    # at the end with what only the loaded model knows (decoder path, model class).
+    atomic_write_json(cfg_path, data_config)
+
+    # Resume: skip samples whose file is already valid (unless --overwrite).
+    todo, skipped = [], 0
+    n_ids = len(layer_ids)
+    for i in progress(range(lo, hi), total=hi - lo, desc="scan"):
+        ids, _ = ds[i]
+        if not args.overwrite and check_sample(sample_path(out_dir, i), ids[:args.seq_len], None, n_ids,
+                                               info["hidden_size"]) is None:
+            skipped += 1
+        else:
+            todo.append(i)
+    log(f"[extract] rank {args.rank}/{args.world_size}: samples [{lo}, {hi}), {skipped} done already, {len(todo)} to do")
+
+    t0 = time.time()
+    written = tokens = 0
+    if todo:
+        if args.backend == "hf":
+            written, tokens = extract_hf(args, ds, todo, layer_ids, data_config, out_dir)
+        else:
+            written, tokens = extract_vllm(args, ds, todo, layer_ids, data_config, out_dir, spec_version)
+        atomic_write_json(cfg_path, data_config)
+    secs = time.time() - t0
+    return {"ok": True, "step": "extract", "backend": args.backend, "out_dir": os.path.abspath(out_dir),
+            "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
+            "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,
+            "seconds": round(secs, 3), "tokens": tokens,
+            "tokens_per_s": round(tokens / secs, 1) if secs > 0 and tokens else None}, 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=False, help="target model dir or id (trust_remote_code)")
+    ap.add_argument("--output-dir", default=".", help="pipeline root: reads prepared/, writes hidden_states/")
+    ap.add_argument("--prepared-dir", default=None, help="read prepared samples here instead of <output-dir>/prepared")
+    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/hidden_states")
+    ap.add_argument("--layer-ids", default=None, help="comma list, vLLM convention (default 2,N//2,N-3,N)")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--tp-size", type=int, default=1, help="vllm: tensor parallel size (hf spreads over all visible GPUs)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="auto = bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--rank", type=int, default=0, help="this worker's rank (contiguous index ranges)")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--validate", action="store_true", help="only check the outputs of this rank's range")
+    ap.add_argument("--overwrite", action="store_true", help="re-extract everything, ignore an existing data_config")
+    ap.add_argument("--no-early-stop", action="store_true", help="run the full forward (incl. lm_head)")
+    ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer thread")
+    args = ap.parse_args(argv)
+    if not args.validate and not args.model:
+        ap.error("--model is required (except with --validate)")
+    try:
+        result, code = run(args)
+        return emit(result, code)
+    except BadInput as e:
+        print(f"extract: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": "extract", "error": str(e)}, 2)
+    except (Refused, LayerResolutionError) as e:
+        print(f"extract: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": "extract", "error": str(e)}, 1)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        return emit({"ok": False, "step": "extract", "error": f"{type(e).__name__}: {e}"}, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Build small (or benchmark-sized) target models with random weights, entirely offline.
+
+Kinds:
+  kimi   DeepseekV3 text model inside a Kimi-K2.5-style multimodal wrapper implemented as *remote code*
+         saved next to the weights (configuration_kimi_tiny.py / modeling_kimi_tiny.py + auto_map), so it
+         loads only with trust_remote_code=True, exactly like the real checkpoint. Layers live at
+         language_model.model.layers.
+  llama  plain LlamaForCausalLM (use --hidden/--layers/--vocab/--dtype bf16 for a ~1B benchmark model).
+  llava  LlavaForConditionalGeneration (tiny Llama text + tiny CLIP vision tower), used as a text-only
+         target. It loads with AutoModelForImageTextToText (transformers has no CausalLM mapping for llava).
+
+The tokenizer is a byte-level BPE trained on the sample chat data (or --corpus), padded with filler tokens
+to exactly the model's vocab size, with a Jinja chat template that marks roles and ends every turn with
+<|end|> (the eos token). Everything is seeded: the same arguments give byte-identical weights.
+
+Output (stdout): one JSON summary. Progress: stderr. Exit 2 on bad arguments.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CORPUS = os.path.join(HERE, "sample_data", "chat.jsonl")
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<image>"]
+
+# Roles are marked with tags; every message ends with <|end|>. The assistant body is wrapped in
+# {% generation %} so HF's assistant masks also work, but prepare.py does not rely on it.
+# The separator newline is emitted *before* a role tag, so rendering messages[:k] + generation prompt is
+# an exact prefix of rendering messages[:k+1] (prepare.py uses that to find assistant spans).
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{%- if not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{- '<|' + m['role'] + '|>\\n' -}}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{% generation %}{{- m['content'] + '<|end|>' -}}{% endgeneration %}"
+    "{%- else -%}{{- m['content'] + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{%- if messages -%}{{ '\\n' }}{%- endif -%}{{- '<|assistant|>\\n' -}}"
+    "{%- endif -%}"
+)
+
+CONFIGURATION_CODE = '''\
+"""Tiny stand-in for Kimi-K2.5's configuration (remote code, loaded with trust_remote_code=True)."""
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class KimiK25Config(PretrainedConfig):
+    model_type = "kimi_k25"
+    sub_configs = {"text_config": DeepseekV3Config}
+
+    def __init__(self, text_config=None, vision_hidden_size=16, media_placeholder_token_id=None, **kwargs):
+        if isinstance(text_config, dict):
+            text_config = DeepseekV3Config(**text_config)
+        elif text_config is None:
+            text_config = DeepseekV3Config()
+        self.text_config = text_config
+        self.vision_hidden_size = vision_hidden_size
+        self.media_placeholder_token_id = media_placeholder_token_id
+        super().__init__(**kwargs)
+'''
+
+MODELING_CODE = '''\
+"""Tiny stand-in for Kimi-K2.5's multimodal wrapper (remote code).
+
+Like the real model, the language model is a DeepseekV3ForCausalLM stored at `.language_model`, so its
+decoder layers are `language_model.model.layers`; there is no `model.model`. The "vision" part is a pair of
+linear layers that text-only inputs never touch.
+"""
+import torch
+from torch import nn
+from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
+
+try:
+    from .configuration_kimi_tiny import KimiK25Config
+except ImportError:  # imported as a plain module (tiny_model.py builds the weights this way)
+    from configuration_kimi_tiny import KimiK25Config
+
+
+class KimiK25PreTrainedModel(PreTrainedModel):
+    config_class = KimiK25Config
+    base_model_prefix = ""
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeepseekV3DecoderLayer"]
+    _supports_sdpa = True
+
+
+class KimiK25ForConditionalGeneration(KimiK25PreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        text = config.text_config
+        self.vision_tower = nn.Linear(config.vision_hidden_size, config.vision_hidden_size)
+        self.mm_projector = nn.Linear(config.vision_hidden_size, text.hidden_size)
+        self.language_model = DeepseekV3ForCausalLM(text)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.language_model.get_output_embeddings()
+
+    def forward(self, input_ids=None, attention_mask=None, pixel_values=None, **kwargs):
+        if pixel_values is not None:
+            raise NotImplementedError("the tiny Kimi stand-in is text-only")
+        return self.language_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+'''
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizer
+
+def _corpus_texts(path):
+    """All strings found in a chat JSONL (both ShareGPT and OpenAI shapes); tolerant of junk lines."""
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            for turn in (row.get("conversations") or row.get("messages") or []) if isinstance(row, dict) else []:
+                if isinstance(turn, dict):
+                    v = turn.get("value", turn.get("content"))
+                    if isinstance(v, str):
+                        texts.append(v)
+    return texts
+
+
+def build_tokenizer(vocab_size, corpus=DEFAULT_CORPUS):
+    """Byte-level BPE (no <unk> ever needed) trained on the corpus, padded to exactly vocab_size ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(vocab_size, len(SPECIAL_TOKENS) + 256), special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_texts(corpus), trainer=trainer)
+    n = tok.get_vocab_size()
+    if n > vocab_size:
+        raise ValueError(f"--vocab {vocab_size} is too small: the byte-level tokenizer needs at least {n} ids")
+    if n < vocab_size:
+        # A tiny corpus cannot produce vocab_size merges; add filler entries to the BPE vocab (never produced
+        # by a merge, harmless) so tokenizer ids cover exactly the model's embedding rows.
+        spec = json.loads(tok.to_str())
+        vocab = spec["model"]["vocab"]
+        for i in range(n, vocab_size):
+            vocab[f"<|filler_{i}|>"] = i
+        tok = Tokenizer.from_str(json.dumps(spec))
+    assert tok.get_vocab_size() == vocab_size
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
+        unk_token="<|unk|>", additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<image>"],
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------
+# weights
+
+def _seeded_init(model, seed):
+    """Deterministic init independent of transformers' own init code (which changes between versions)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif "norm" in name or "layernorm" in name:
+                # near 1, but not exactly, so a test can tell normed from un-normed states
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.zero_()
+
+
+def _import_code(tmpdir):
+    """Import the Kimi remote-code modules from a temp dir as plain modules (no trust_remote_code cache)."""
+    import importlib.util
+
+    mods = {}
+    sys.path.insert(0, tmpdir)
+    try:
+        for name in ("configuration_kimi_tiny", "modeling_kimi_tiny"):
+            spec = importlib.util.spec_from_file_location(name, os.path.join(tmpdir, name + ".py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+    finally:
+        sys.path.remove(tmpdir)
+    return mods["configuration_kimi_tiny"], mods["modeling_kimi_tiny"]
+
+
+def _text_kwargs(hidden, layers, vocab, heads, intermediate, tok):
+    if not heads:
+        heads = hidden // 64 if hidden >= 256 else 4  # head_dim 64 for real sizes, 4 heads for toys
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate or (hidden * 8 // 3 + 63) // 64 * 64,
+        max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+
+
+def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, intermediate=None,
+          dtype="float32", seed=0, corpus=DEFAULT_CORPUS):
+    """Write a loadable model directory (weights + config + tokenizer [+ remote code]); return a summary."""
+    import torch
+
+    torch_dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(vocab, corpus)
+    text_kw = _text_kwargs(hidden, layers, vocab, heads, intermediate, tok)
+    torch.manual_seed(seed)
+
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(num_key_value_heads=max(1, text_kw["num_attention_heads"] // 2), **text_kw)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llava":
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+        text = LlamaConfig(num_key_value_heads=max(1, text_kw["num_attention_heads"] // 2), **text_kw)
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14, projection_dim=32)
+        cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                          vision_feature_layer=-1, vision_feature_select_strategy="default")
+        model = LlavaForConditionalGeneration(cfg)
+    elif kind == "kimi":
+        from transformers import DeepseekV3Config
+
+        # MLA attention + MoE, shrunk: layer 0 dense (first_k_dense_replace=1), later layers 4 routed experts.
+        head_dim = max(8, hidden // text_kw["num_attention_heads"])
+        text = DeepseekV3Config(
+            **{k: v for k, v in text_kw.items() if k != "intermediate_size"},
+            intermediate_size=text_kw["intermediate_size"], moe_intermediate_size=max(16, hidden // 2),
+            num_key_value_heads=text_kw["num_attention_heads"], n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            q_lora_rank=max(16, hidden // 2), kv_lora_rank=max(16, hidden // 4), qk_rope_head_dim=head_dim // 2,
+            qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim,
+        )
+        with tempfile.TemporaryDirectory() as td:
+            for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
+                with open(os.path.join(td, name + ".py"), "w") as f:
+                    f.write(code)
+            conf_mod, model_mod = _import_code(td)
+        cfg = conf_mod.KimiK25Config(text_config=text, architectures=["KimiK25ForConditionalGeneration"],
+                                     media_placeholder_token_id=tok.convert_tokens_to_ids("<image>"),
+                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+        model = model_mod.KimiK25ForConditionalGeneration(cfg)
+    else:
+        raise ValueError(f"unknown kind {kind!r} (expected kimi, llama or llava)")
+
+    _seeded_init(model, seed)
+    model = model.to(torch_dtype).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[tiny_model] {kind}: {n_params:,} parameters, dtype {dtype}, writing {out_dir}")
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+    if kind == "kimi":
+        for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
+            with open(os.path.join(out_dir, name + ".py"), "w") as f:
+                f.write(code)
+        cfg_path = os.path.join(out_dir, "config.json")
+        with open(cfg_path) as f:
+            cfg_json = json.load(f)
+        cfg_json["auto_map"] = {
+            "AutoConfig": "configuration_kimi_tiny.KimiK25Config",
+            "AutoModel": "modeling_kimi_tiny.KimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_tiny.KimiK25ForConditionalGeneration",
+        }
+        with open(cfg_path, "w") as f:
+            json.dump(cfg_json, f, indent=2, sort_keys=True)
+
+    return {"ok": True, "out_dir": os.path.abspath(out_dir), "kind": kind, "model_class": type(model).__name__,
+            "parameters": n_params, "vocab_size": vocab, "num_layers": layers, "hidden_size": hidden,
+            "dtype": dtype, "seed": seed}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", "--output-dir", dest="out", required=True, help="model directory to write")
+    ap.add_argument("--kind", choices=["kimi", "llama", "llava"], default="llama")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (2048 with --layers 20 --vocab 32000 --dtype bf16 ≈ 1.06B params)")
+    ap.add_argument("--layers", type=int, default=8, help="number of decoder layers")
+    ap.add_argument("--vocab", type=int, default=512, help="vocab size (tokenizer is padded to match)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: 4, or hidden/64 when hidden>=256)")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP size (default ≈ 8/3·hidden)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--corpus", default=DEFAULT_CORPUS, help="chat JSONL used to train the tokenizer")
+    args = ap.parse_args(argv)
+    if args.hidden <= 0 or args.layers <= 0 or args.vocab <= 0:
+        print("tiny_model: --hidden, --layers and --vocab must be positive", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.corpus):
+        print(f"tiny_model: corpus file not found: {args.corpus}", file=sys.stderr)
+        return 2
+    try:
+        summary = build(args.out, args.kind, args.hidden, args.layers, args.vocab, args.heads, args.intermediate,
+                        args.dtype, args.seed, args.corpus)
+    except ValueError as e:
+        print(f"tiny_model: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""kimi-eagle gpu-reset over the real sshd: device paths point at files held open by real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_env
+
+PY = sys.executable
+
+HOLDER = """
+import signal, sys, time
+f = open(sys.argv[1], "rb")
+if len(sys.argv) > 2 and sys.argv[2] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def gpu_env(tmp_path, sshd):
+    dev = tmp_path / "nvidia0"
+    dev.write_bytes(b"")
+    e = make_env(tmp_path, sshd, host_env={"KIMI_EAGLE_GPU_DEVICES": str(dev)})
+    e.dev = dev
+    e.procs = []
+    yield e
+    for p in e.procs:
+        p.kill()
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def holding(path: Path) -> set[int]:
+    out = subprocess.run(["fuser", str(path)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def foreign_holder(env, *mode):
+    p = subprocess.Popen([PY, "-c", HOLDER, str(env.dev), *mode], start_new_session=True)
+    env.procs.append(p)
+    return p.pid
+
+
+def our_stale_holder(env, *mode):
+    """A job that leaves a child holding the device after it exits: ours, and stale."""
+    script = env.root / "leaver.py"
+    script.write_text(f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {HOLDER!r}, {str(env.dev)!r}, *{list(mode)!r}])\n")
+    r = env.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script))
+    assert r.code == 0, r.stderr
+    deadline = time.monotonic() + 20
+    while len(holding(env.dev)) < 1 + len([p for p in env.procs if alive(p.pid)]):
+        assert time.monotonic() < deadline, "holder never opened the device"
+        time.sleep(0.05)
+    return r.json()["id"]
+
+
+def wait_held(env, n):
+    deadline = time.monotonic() + 20
+    while len(holding(env.dev)) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_default_stops_only_ours_escalating_to_sigkill(gpu_env):
+    foreign = foreign_holder(gpu_env)
+    wait_held(gpu_env, 1)
+    our_stale_holder(gpu_env, "stubborn")
+    ours = holding(gpu_env.dev) - {foreign}
+    assert len(ours) == 1
+    r = gpu_env.cli("--json", "gpu-reset", "--host", "gpu", "--grace", "1")
+    assert r.code == 0, r.stdout + r.stderr
+    by_pid = {h["pid"]: h for h in r.json()[0]["holders"]}
+    (our_pid,) = ours
+    assert by_pid[our_pid]["owner"] == "ours" and by_pid[our_pid]["result"] == "killed-after-term"
+    assert by_pid[foreign]["owner"] == "foreign" and by_pid[foreign]["action"] == "keep"
+    assert not alive(our_pid) and alive(foreign)
+    # --all without --yes and without a terminal: refused, nothing stopped.
+    refused = gpu_env.cli("gpu-reset", "--host", "gpu", "--all")
+    assert refused.code == 2 and "--yes" in refused.stderr and alive(foreign)
+    # --dry-run stops nothing, even with --all.
+    dry = gpu_env.cli("--json", "gpu-reset", "--host", "gpu", "--all", "--dry-run")
+    assert dry.code == 0 and alive(foreign)
+    assert dry.json()[0]["holders"][0]["planned"] == "stop"
+    # --all --yes stops the foreign holder too.
+    r = gpu_env.cli("gpu-reset", "--host", "gpu", "--all", "--yes", "--grace", "1")
+    assert r.code == 0, r.stdout + r.stderr
+    assert not alive(foreign)
+    assert "foreign" in r.stdout and str(foreign) in r.stdout
+
+
+def test_run_reset_gpus_frees_our_stale_holder_first(gpu_env):
+    our_stale_holder(gpu_env)
+    (stale,) = holding(gpu_env.dev)
+    foreign = foreign_holder(gpu_env)
+    wait_held(gpu_env, 2)
+    r = gpu_env.cli("run", "exec", "--host", "gpu", "--reset-gpus", "--", "true")
+    assert r.code == 0, r.stdout + r.stderr
+    assert not alive(stale) and alive(foreign)
+    assert f"pid {stale}" in r.stdout
+
+
+def test_host_without_gpu_is_a_clear_no_op(tmp_path, sshd):
+    e = make_env(tmp_path, sshd, host_env={"KIMI_EAGLE_GPU_DEVICES": str(tmp_path / "no-such-device*"), "PATH": "/usr/bin:/bin"})
+    r = e.cli("gpu-reset", "--host", "gpu")
+    assert r.code == 0 and "no NVIDIA driver" in r.stdout
+    assert e.cli("gpu-reset", "--host", "gpu", "--require-gpu").code == 1

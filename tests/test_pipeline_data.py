@@ -1,0 +1,560 @@
+"""CPU tests for the data steps of the pipeline: prepare → extract → vocab, on tiny offline models.
+
+Every payload runs as a subprocess under sys.executable (the "host Python"), the way the launcher runs it.
+Three targets: a plain Llama, a Kimi-K2.5-style remote-code wrapper around DeepseekV3 (layers at
+language_model.model.layers) and a transformers Llava (layers at model.language_model.layers).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAYLOADS = os.path.join(REPO, "remote_payloads")
+SAMPLE = os.path.join(PAYLOADS, "sample_data", "chat.jsonl")
+sys.path.insert(0, PAYLOADS)
+
+import extract  # noqa: E402
+import model_layers  # noqa: E402
+import tiny_model  # noqa: E402
+import vocab  # noqa: E402
+from prepare import PreparedDataset  # noqa: E402
+
+KINDS = ["llama", "kimi", "llava"]
+N_LAYERS = 8
+SEQ_LEN = 64  # some sample conversations are longer, so truncation is exercised
+N_SAMPLES = 32
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def script(name):
+    return os.path.join(PAYLOADS, name + ".py")
+
+
+def run(name, *args, env=None, timeout=300):
+    """Run a payload; return (returncode, parsed stdout JSON or None, stderr)."""
+    p = subprocess.run([sys.executable, script(name), *map(str, args)], capture_output=True, text=True,
+                       env=env or ENV, timeout=timeout)
+    try:
+        out = json.loads(p.stdout)
+    except ValueError:
+        out = None
+    return p.returncode, out, p.stderr
+
+
+def popen(name, *args, env=None):
+    return subprocess.Popen([sys.executable, script(name), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env or ENV)
+
+
+def load_target(path):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    except ValueError:
+        m = AutoModelForImageTextToText.from_pretrained(path, trust_remote_code=True)
+    return m.eval()
+
+
+def load_hs(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fixtures: models + one full pipeline run per model (extract split over 2 ranks running concurrently)
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {k: tiny_model.build(str(root / k), kind=k, layers=N_LAYERS, seed=0)["out_dir"] for k in KINDS}
+
+
+@pytest.fixture(scope="session")
+def pipeline(models, tmp_path_factory):
+    roots = {}
+    for kind in KINDS:
+        root = tmp_path_factory.mktemp("run_" + kind)
+        code, out, err = run("prepare", "--model", models[kind], "--dataset", SAMPLE, "--output-dir", root,
+                             "--seq-len", SEQ_LEN, "--max-samples", N_SAMPLES)
+        assert code == 0, err
+        roots[kind] = {"root": str(root), "prepare": out}
+    # extract for all models at once; the llama run is split over 2 ranks (sharding), the others use 1
+    procs = {}
+    for kind in KINDS:
+        ranks = 2 if kind == "llama" else 1
+        procs[kind] = [popen("extract", "--model", models[kind], "--output-dir", roots[kind]["root"], "--batch-size", 4,
+                             "--seq-len", SEQ_LEN, "--rank", r, "--world-size", ranks) for r in range(ranks)]
+    for kind in KINDS:
+        results = []
+        for p in procs[kind]:
+            stdout, stderr = p.communicate(timeout=300)
+            assert p.returncode == 0, stderr
+            results.append(json.loads(stdout))
+        roots[kind]["ranks"] = results
+    return roots
+
+
+# ----------------------------------------------------------------------------------------------------
+# model_layers
+
+def test_parse_layer_ids():
+    assert model_layers.default_layer_ids(61) == [2, 30, 58, 61]
+    assert model_layers.parse_layer_ids(None, 8) == [2, 4, 5, 8]
+    assert model_layers.parse_layer_ids(" 0, 3 ,8", 8) == [0, 3, 8]
+    with pytest.raises(model_layers.LayerIdError, match=r"layer id 9 is out of range 0\.\.8"):
+        model_layers.parse_layer_ids("2,9", 8)
+    with pytest.raises(model_layers.LayerIdError, match=r"layer id -1 is out of range"):
+        model_layers.parse_layer_ids("-1", 8)
+    with pytest.raises(model_layers.LayerIdError, match="given twice"):
+        model_layers.parse_layer_ids("2,2", 8)
+    with pytest.raises(model_layers.LayerIdError, match="'x' is not an integer"):
+        model_layers.parse_layer_ids("2,x", 8)
+    with pytest.raises(model_layers.LayerIdError, match="collide"):
+        model_layers.default_layer_ids(4)
+
+
+def test_text_config():
+    class Inner:
+        vocab_size = 7
+
+    class Wrapped:
+        text_config = Inner()
+
+    class Getter:
+        def get_text_config(self):
+            return Inner
+
+    plain = object()
+    assert isinstance(model_layers.text_config(Wrapped()), Inner)
+    assert model_layers.text_config(Getter()) is Inner
+    assert model_layers.text_config(plain) is plain
+
+
+def test_resolve_decoder_stack_paths(models):
+    expected = {"llama": "model.layers", "kimi": "language_model.model.layers", "llava": "model.language_model.layers"}
+    for kind, path in expected.items():
+        m = load_target(models[kind])
+        owner, layers, got = model_layers.resolve_decoder_stack(m)
+        assert got == path and len(layers) == N_LAYERS and owner.layers is layers
+        assert m.get_submodule(got) is layers
+    # remote code really is remote code (loaded from the model dir, like Kimi-K2.5)
+    kimi = load_target(models["kimi"])
+    assert type(kimi).__module__.startswith("transformers_modules")
+    assert not hasattr(kimi, "model")
+
+
+def test_resolve_decoder_stack_order_and_error():
+    from torch import nn
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Identity(), nn.Identity()])
+
+    class SupportsEagle3:  # stands in for vLLM's interface marker
+        pass
+
+    class Flagged(nn.Module, SupportsEagle3):
+        def __init__(self):
+            super().__init__()
+            self.model = Stack()
+            self.language_model = nn.Module()
+            self.language_model.model = Stack()
+
+    class ViaGetter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = nn.Module()
+            self.lm.model = Stack()
+            self.model = Stack()  # must lose against get_language_model()
+
+        def get_language_model(self):
+            return self.lm
+
+    class Nothing(nn.Module):
+        pass
+
+    assert model_layers.resolve_decoder_stack(Flagged())[2] == "model.layers"
+    assert model_layers.resolve_decoder_stack(ViaGetter())[2] == "lm.model.layers"
+    with pytest.raises(model_layers.LayerResolutionError) as e:
+        model_layers.resolve_decoder_stack(Nothing())
+    msg = str(e.value)
+    assert "Nothing" in msg and "model.layers" in msg and "<model itself>.layers" in msg
+
+
+# ----------------------------------------------------------------------------------------------------
+# tiny_model
+
+def test_tiny_model_deterministic_and_tokenizer(models, tmp_path):
+    from transformers import AutoTokenizer
+
+    again = tiny_model.build(str(tmp_path / "llama2"), kind="llama", layers=N_LAYERS, seed=0)["out_dir"]
+    with open(os.path.join(models["llama"], "model.safetensors"), "rb") as a, \
+            open(os.path.join(again, "model.safetensors"), "rb") as b:
+        assert a.read() == b.read()
+    for kind in KINDS:
+        tok = AutoTokenizer.from_pretrained(models[kind], trust_remote_code=True)
+        with open(os.path.join(models[kind], "config.json")) as f:
+            cfg = json.load(f)
+        vocab_size = cfg.get("text_config", cfg)["vocab_size"]
+        assert len(tok) == vocab_size == 512
+        text = tok.apply_chat_template([{"role": "user", "content": "Grüß dich, 日本"},
+                                        {"role": "assistant", "content": "Hallo!"}], tokenize=False)
+        assert text == "<|bos|><|user|>\nGrüß dich, 日本<|end|>\n<|assistant|>\nHallo!<|end|>"
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    with open(os.path.join(models["kimi"], "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_tiny.KimiK25ForConditionalGeneration"
+    assert cfg["text_config"]["model_type"] == "deepseek_v3" and cfg["text_config"]["n_routed_experts"] == 4
+
+
+# ----------------------------------------------------------------------------------------------------
+# prepare
+
+def _expected_assistant_text(row):
+    turns = row.get("messages") or row.get("conversations")
+    out = []
+    for t in turns:
+        if t.get("role", t.get("from")) in ("assistant", "gpt"):
+            out.append(t.get("content", t.get("value")) + "<|end|>")
+    return "".join(out)
+
+
+def test_prepare_loss_mask_is_exactly_assistant_tokens(models, pipeline):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["kimi"], trust_remote_code=True)
+    root = pipeline["kimi"]["root"]
+    ds = PreparedDataset(os.path.join(root, "prepared"))
+    with open(SAMPLE, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(ds) == N_SAMPLES
+    freq = np.zeros(512, dtype=np.int64)
+    truncated = 0
+    for i in range(len(ds)):
+        ids, mask = ds[i]
+        row = rows[ds.lines[i] - 1]
+        msgs = row.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+                                        "content": t["value"]} for t in row["conversations"]]
+        full = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        # independent oracle: the template's {% generation %} markers
+        assert list(ids) == full["input_ids"][:SEQ_LEN]
+        assert list(mask) == full["assistant_masks"][:SEQ_LEN]
+        if len(full["input_ids"]) > SEQ_LEN:
+            truncated += 1
+        else:
+            assert tok.decode(ids[mask.astype(bool)]) == _expected_assistant_text(row)
+        np.add.at(freq, ids[mask.astype(bool)], 1)
+    assert truncated > 0  # the test data exercises truncation
+    assert np.array_equal(np.load(os.path.join(root, "prepared", "token_freq.npy")), freq)
+    with open(os.path.join(root, "prepared", "manifest.json")) as f:
+        man = json.load(f)
+    assert man["count"] == N_SAMPLES and man["seq_len"] == SEQ_LEN and man["model"] == models["kimi"]
+    assert len(man["source_sha256"]) == 64 and man["loss_tokens"] == int(freq.sum())
+
+
+BAD_ROWS = [
+    ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}', "conversations[1]: missing field 'value'"),
+    ('{"messages": [{"role": "user", "content": "hi"}', "invalid JSON"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "messages[0].role: 'robot' is not supported"),
+    ('{"messages": [{"role": "user", "content": "only a question"}]}', "no assistant turn"),
+    ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}',
+     "messages[0].content: expected a string, got int"),
+    ('["not", "an", "object"]', "expected an object"),
+    ('{"text": "plain"}', "neither 'conversations'"),
+]
+
+
+@pytest.mark.parametrize("bad,why", BAD_ROWS[:1])
+def test_prepare_bad_row_fails_with_file_and_line(models, tmp_path, bad, why):
+    good = open(SAMPLE, encoding="utf-8").read().splitlines()[:4]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(good[:2] + [bad] + good[2:]) + "\n", encoding="utf-8")
+    code, out, err = run("prepare", "--model", models["llama"], "--dataset", data, "--output-dir", tmp_path / "o")
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert f"{data}:3: " in line and why in line
+    assert not (tmp_path / "o").exists()  # nothing changed
+
+
+def test_prepare_bad_rows_messages_and_skip(models, tmp_path):
+    import prepare
+
+    for bad, why in BAD_ROWS:  # every kind of malformed row, checked in-process (fast)
+        with pytest.raises(prepare.BadRow, match=None) as e:
+            try:
+                row = json.loads(bad)
+            except ValueError as ex:
+                raise prepare.BadRow(f"invalid JSON ({ex})")
+            prepare.normalize_row(row)
+        assert why in str(e.value), (bad, str(e.value))
+    good = open(SAMPLE, encoding="utf-8").read().splitlines()[:5]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join([good[0], BAD_ROWS[0][0], "", good[1], BAD_ROWS[2][0]] + good[2:]) + "\n",
+                    encoding="utf-8")
+    code, out, err = run("prepare", "--model", models["llama"], "--dataset", data, "--output-dir", tmp_path / "o",
+                         "--on-bad-row", "skip")
+    assert code == 0, err
+    assert out["count"] == 5 and out["skipped_bad_rows"] == 2
+    man = json.load(open(tmp_path / "o" / "prepared" / "manifest.json"))
+    assert [b["line"] for b in man["bad_rows"]] == [2, 5]
+    assert PreparedDataset(str(tmp_path / "o" / "prepared")).lines == [1, 4, 6, 7, 8]
+
+
+# ----------------------------------------------------------------------------------------------------
+# extract
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extract_matches_reference_forward(models, pipeline, kind):
+    root = pipeline[kind]["root"]
+    hs_dir = os.path.join(root, "hidden_states")
+    ds = PreparedDataset(os.path.join(root, "prepared"))
+    ids_expected = [2, N_LAYERS // 2, N_LAYERS - 3, N_LAYERS]
+    dc = json.load(open(os.path.join(hs_dir, "data_config.json")))
+    assert dc["layer_ids"] == ids_expected and dc["num_layers"] == N_LAYERS and dc["hidden_size"] == 64
+    assert dc["dtype"] == "float32" and dc["backend"] == "hf" and "input of decoder layer i" in dc["layer_convention"]
+    assert dc["versions"]["transformers"] and dc["decoder_path"].endswith("layers")
+    # sharding (llama runs as 2 ranks): the ranks together wrote every sample exactly once, nothing else
+    ranks = pipeline[kind]["ranks"]
+    assert [r["range"] for r in ranks] == [[N_SAMPLES * k // len(ranks), N_SAMPLES * (k + 1) // len(ranks)]
+                                           for k in range(len(ranks))]
+    assert sum(r["written"] for r in ranks) == N_SAMPLES
+    assert sorted(os.listdir(hs_dir)) == sorted(["data_config.json"] + [f"hs_{i}.safetensors" for i in range(N_SAMPLES)])
+
+    model = load_target(models[kind])
+    owner, layers, _ = model_layers.resolve_decoder_stack(model)
+    # every sample is checked against an unbatched, hook-free reference forward
+    for i in range(N_SAMPLES):
+        t = load_hs(os.path.join(hs_dir, f"hs_{i}.safetensors"))
+        ids, mask = ds[i]
+        assert t["token_ids"].dtype == torch.int64 and t["token_ids"].tolist() == ids.tolist()
+        assert t["loss_mask"].tolist() == mask.tolist()
+        hs = t["hidden_states"]
+        assert hs.shape == (len(ids), 4, 64) and hs.dtype == torch.float32
+        with torch.no_grad():
+            ref = model(input_ids=torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
+        assert len(ref) == N_LAYERS + 1
+        for k, lid in enumerate(ids_expected[:-1]):  # id i < N ↔ hidden_states[i] = input of layer i
+            torch.testing.assert_close(hs[:, k], ref[lid][0], rtol=1e-4, atol=1e-5)
+        # id N = last layer output BEFORE the final norm: transformers' last entry is post-norm
+        last = hs[:, -1]
+        with torch.no_grad():
+            torch.testing.assert_close(owner.norm(last), ref[N_LAYERS][0], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(last, ref[N_LAYERS][0], atol=1e-3)
+
+    code, out, err = run("extract", "--validate", "--output-dir", root)
+    assert code == 0 and out["ok"] and out["checked"] == N_SAMPLES and out["bad_count"] == 0, err
+
+
+@pytest.mark.parametrize("kind", ["llama", "kimi"])
+def test_capture_early_stop_equals_full_forward(models, kind):
+    """Stopping the forward right after the last needed layer changes nothing (ids without N, with id 0)."""
+    model = load_target(models[kind])
+    _, layers, _ = model_layers.resolve_decoder_stack(model)
+    ids = torch.tensor([[1, 5, 40, 41, 42, 2, 6, 50, 51]])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True).hidden_states
+    hooks_before = [len(layer._forward_pre_hooks) + len(layer._forward_hooks) for layer in layers]
+    for layer_ids in ([0, 3, 5], [1, 7, 8]):
+        outs = []
+        for early in (True, False):
+            cap = extract.HiddenStateCapture(layers, layer_ids, early_stop=early)
+            with torch.inference_mode():
+                outs.append(cap.run(model, input_ids=ids, attention_mask=attn, use_cache=False))
+            cap.remove()
+        assert torch.equal(outs[0], outs[1])
+        for k, lid in enumerate(layer_ids):
+            if lid < N_LAYERS:
+                torch.testing.assert_close(outs[0][0, :, k], ref[lid][0])
+    assert [len(layer._forward_pre_hooks) + len(layer._forward_hooks) for layer in layers] == hooks_before
+
+
+def test_shard_ranges_cover_every_index_once():
+    for n in range(0, 40):
+        for ws in range(1, 9):
+            seen = []
+            for r in range(ws):
+                lo, hi = extract.shard_range(n, r, ws)
+                assert lo <= hi
+                seen += range(lo, hi)
+            assert seen == list(range(n))
+
+
+def test_extract_resume_after_kill_matches_uninterrupted_run(models, pipeline, tmp_path):
+    """kill -9 mid-extract, corrupt one finished file, rerun: identical files to an uninterrupted run."""
+    prepared = os.path.join(pipeline["llama"]["root"], "prepared")
+    common = ["--model", models["llama"], "--prepared-dir", prepared, "--batch-size", 1, "--seq-len", SEQ_LEN]
+    ref_dir, dut_dir = tmp_path / "ref", tmp_path / "dut"
+    ref = popen("extract", *common, "--out", ref_dir)  # runs concurrently with the killed one
+    slow = popen("extract", *common, "--out", dut_dir, env={**ENV, extract.SLOW_ENV: "0.4"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        done = [n for n in os.listdir(dut_dir) if n.startswith("hs_")] if dut_dir.exists() else []
+        if len(done) >= 4:
+            break
+        assert slow.poll() is None, slow.communicate()[1]
+        time.sleep(0.05)
+    os.kill(slow.pid, signal.SIGKILL)
+    slow.communicate()
+    done = sorted(n for n in os.listdir(dut_dir) if n.startswith("hs_"))
+    assert 4 <= len(done) < N_SAMPLES
+    # a torn file (e.g. from a copy) must be detected and redone, a stale temp file removed
+    victim = dut_dir / done[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    (dut_dir / ".hs_9999.safetensors.tmp-1").write_bytes(b"junk")  # outside any range: left alone
+    (dut_dir / f".hs_{N_SAMPLES - 1}.safetensors.tmp-1").write_bytes(b"junk")
+
+    code, out, err = run("extract", *common, "--out", dut_dir)
+    assert code == 0, err
+    assert out["skipped_existing"] == len(done) - 1 and out["written"] == N_SAMPLES - len(done) + 1
+    stdout, stderr = ref.communicate(timeout=300)
+    assert ref.returncode == 0, stderr
+    (dut_dir / ".hs_9999.safetensors.tmp-1").unlink()
+    names = sorted(os.listdir(ref_dir))
+    assert names == sorted(os.listdir(dut_dir))
+    for name in names:
+        if name.startswith("hs_"):
+            assert (ref_dir / name).read_bytes() == (dut_dir / name).read_bytes(), name
+    assert json.load(open(ref_dir / "data_config.json")) == json.load(open(dut_dir / "data_config.json"))
+
+
+def test_extract_rejects_bad_layer_ids_and_mismatched_resume(models, pipeline, tmp_path):
+    root = pipeline["llama"]["root"]
+    code, out, err = run("extract", "--model", models["llama"], "--output-dir", root, "--layer-ids", "2,4,99")
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "layer id 99 is out of range 0..8" in line and not out["ok"]
+    # resuming into a directory extracted with other layer ids would mix features: refused
+    code, out, err = run("extract", "--model", models["llama"], "--output-dir", root, "--layer-ids", "1,4,5,8")
+    assert code == 2 and "layer_ids ([2, 4, 5, 8] vs now [1, 4, 5, 8])" in err
+
+
+def test_validate_reports_bad_samples(pipeline, tmp_path):
+    from safetensors.torch import save_file
+
+    root = pipeline["llama"]["root"]
+    out_dir = tmp_path / "hs"
+    shutil.copytree(os.path.join(root, "hidden_states"), out_dir)
+    t = load_hs(str(out_dir / "hs_3.safetensors"))
+    t["hidden_states"][0, 0, 0] = float("nan")
+    save_file(t, str(out_dir / "hs_3.safetensors"))
+    t = load_hs(str(out_dir / "hs_5.safetensors"))
+    t["token_ids"][0] += 1
+    save_file(t, str(out_dir / "hs_5.safetensors"))
+    os.unlink(out_dir / "hs_7.safetensors")
+    code, out, err = run("extract", "--validate", "--prepared-dir", os.path.join(root, "prepared"), "--out", out_dir)
+    assert code == 1 and not out["ok"]
+    assert {b["index"]: b["error"] for b in out["bad"]} == {
+        3: "hidden_states contain NaN/Inf", 5: "token_ids do not match the prepared sample", 7: "missing"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# vllm backend: layer-id translation and refusal
+
+def test_speculators_layer_id_translation():
+    t = extract.to_speculators_layer_ids
+    assert t([2, 30, 58, 61], 61, "0.3.0") == [1, 29, 57, 60]
+    assert t([2, 4, 5, 8], 8, "0.4.0") == [1, 3, 4, 7]
+    assert t([0, 2, 8], 8, "0.5.0") == [0, 2, 8]  # >= 0.5 uses vLLM's convention = ours
+    with pytest.raises(model_layers.LayerIdError, match="layer id 0"):
+        t([0, 4], 8, "0.3.0")
+    with pytest.raises(model_layers.LayerIdError, match="out of range 0..8"):
+        t([9], 8, "0.4.0")
+
+
+@pytest.fixture(scope="module")
+def spec_site(tmp_path_factory):
+    """A throwaway site dir where the real speculators 0.3.0 wheel is installed, unpatched."""
+    from fixtures_speculators import _wheel
+
+    site = tmp_path_factory.mktemp("site")
+    wheel = _wheel("0.3.0", tmp_path_factory.mktemp("wheels"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    return site
+
+
+def test_vllm_backend_refuses_unpatched_and_missing(models, pipeline, spec_site, monkeypatch):
+    root = pipeline["llama"]["root"]
+    args = ["--model", models["llama"], "--output-dir", root, "--backend", "vllm"]
+    code, out, err = run("extract", *args, env={**ENV, "PYTHONPATH": str(spec_site)})
+    assert code == 1 and "speculators 0.3.0" in err and "is not patched" in err and extract.KIMI_EAGLE_PATCH_MARKER in err
+    from importlib import metadata
+
+    try:
+        metadata.distribution("speculators")
+        installed_here = True
+    except metadata.PackageNotFoundError:
+        installed_here = False
+    if not installed_here:
+        code, out, err = run("extract", *args)
+        assert code == 1 and "speculators is not installed" in err
+
+    # the marker anywhere in speculators' files counts as patched (checked in-process via importlib.metadata)
+    monkeypatch.syspath_prepend(str(spec_site))
+    with pytest.raises(extract.Refused, match="not patched"):
+        extract.check_speculators_patch()
+    target = spec_site / "speculators" / "data_generation" / "vllm_hidden_states_generator.py"
+    original = target.read_text()
+    try:
+        target.write_text(original + f"\n# {extract.KIMI_EAGLE_PATCH_MARKER}: test\n")
+        version, location = extract.check_speculators_patch()
+        assert version == "0.3.0" and os.path.samefile(location, spec_site)
+    finally:
+        target.write_text(original)
+
+
+# ----------------------------------------------------------------------------------------------------
+# vocab
+
+def test_vocab_selection_round_trip_and_ties():
+    freq = np.array([5, 0, 9, 5, 5, 1, 9, 0], dtype=np.int64)
+    d2t, t2d = vocab.select_draft_vocab(freq, 4)
+    # top-4: ids 2 and 6 (9), then the 5s with the smallest ids: 0 and 3
+    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_
+    assert vocab.draft_to_target(d2t).tolist() == [0, 2, 3, 6]
+    assert d2t.tolist() == [0, 1, 1, 3]
+    assert t2d.tolist() == [True, False, True, True, False, False, True, False]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        f = rng.integers(0, 4, size=50)
+        k = int(rng.integers(1, 51))
+        d2t, t2d = vocab.select_draft_vocab(f, k)
+        tgt = vocab.draft_to_target(d2t)
+        assert len(d2t) == k and t2d.sum() == k and t2d[tgt].all()
+        assert (np.diff(tgt) > 0).all()  # draft ids ordered by target id
+        assert np.flatnonzero(t2d).tolist() == tgt.tolist()
+        assert f[t2d].min() >= f[~t2d].max(initial=0)  # nothing left out is more frequent
+    with pytest.raises(vocab.BadInput, match="must be in 1..8"):
+        vocab.select_draft_vocab(freq, 9)
+
+
+def test_vocab_step(models, pipeline, tmp_path):
+    root = pipeline["kimi"]["root"]
+    code, out, err = run("vocab", "--model", models["kimi"], "--output-dir", root, "--draft-vocab-size", 100)
+    assert code == 0, err
+    d2t = np.load(os.path.join(root, "vocab", "d2t.npy"))
+    t2d = np.load(os.path.join(root, "vocab", "t2d.npy"))
+    freq = np.load(os.path.join(root, "prepared", "token_freq.npy"))
+    assert d2t.shape == (100,) and d2t.dtype == np.int64 and t2d.shape == (512,) and t2d.dtype == np.bool_
+    tgt = np.arange(100) + d2t
+    assert t2d[tgt].all() and t2d.sum() == 100
+    assert freq[t2d].min() >= freq[~t2d].max()
+    assert out["target_vocab_size"] == 512 and 0 < out["coverage"] <= 1
+
+    code, out, err = run("vocab", "--model", models["kimi"], "--output-dir", root, "--draft-vocab-size", 513)
+    assert code == 2 and "--draft-vocab-size 513 must be in 1..512" in err
+    code, out, err = run("vocab", "--output-dir", tmp_path, "--draft-vocab-size", 10)
+    assert code == 2 and os.path.join(str(tmp_path), "prepared", "token_freq.npy") in err and "not found" in err
