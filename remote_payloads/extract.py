@@ -100,54 +100,125 @@ def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=Fa
 # ----------------------------------------------------------------------------------------------------
 # writing outputs
 
-class Writer:
-    """Background thread that saves samples (tmp file + os.replace) so disk I/O overlaps the forward passes.
+_ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32", "torch.int64": "I64",
+              "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL"}
 
-    The queue is bounded so a slow disk applies back-pressure instead of filling host memory.
+
+def write_safetensors(path, tensors):
+    """Write a .safetensors file straight from the tensors' memory.
+
+    safetensors' own save_file first copies every tensor into a Python bytes object; here the kernel copies
+    once, from (pinned) host memory into the file, and the GIL is released during the write, so several
+    writer threads really run in parallel. The layout is the format's: 8-byte header length, JSON header
+    padded to 8 bytes, then the tensors' bytes back to back.
+    """
+    import json as _json
+
+    header, views, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        # A byte view of the same memory (numpy has no bfloat16; raw bytes need none).
+        views.append(t.view(-1).view(dtype=__import__("torch").uint8).numpy() if nbytes else b"")
+        offset += nbytes
+    raw = _json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for v in views:
+            f.write(memoryview(v))
+
+
+class Writer:
+    """Background threads that save samples (tmp file + os.replace) so disk I/O overlaps the forward passes.
+
+    The queue is bounded so a slow disk applies back-pressure instead of filling host memory. Several threads,
+    because one sample's save is a single-threaded copy and write: one thread cannot keep up with a GPU.
     """
 
-    def __init__(self, out_dir, maxsize=8):
+    def __init__(self, out_dir, maxsize=8, threads=1):
         self.out_dir = out_dir
         self.q = queue.Queue(maxsize=maxsize)
         self.error = None
         self.written = 0
+        self.lock = threading.Lock()
         self.delay = float(os.environ.get(SLOW_ENV, "0") or 0)
-        self.thread = threading.Thread(target=self._loop, name="hs-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"hs-writer-{k}", daemon=True) for k in range(threads)]
+        for t in self.threads:
+            t.start()
 
-    def put(self, index, token_ids, hidden_states, loss_mask):
+    def put(self, index, token_ids, hidden_states, loss_mask, done=None):
+        """`done()` is called once the sample is on disk (or failed): the caller may then reuse its memory."""
         if self.error is not None:
             raise self.error
-        self.q.put((index, token_ids, hidden_states, loss_mask))
+        self.q.put((index, token_ids, hidden_states, loss_mask, done))
 
     def close(self):
-        self.q.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
         if self.error is not None:
             raise self.error
 
     def _loop(self):
-        from safetensors.torch import save_file
-
         while True:
             item = self.q.get()
             if item is None:
                 return
+            index, token_ids, hidden_states, loss_mask, done = item
             if self.error is not None:
+                if done:
+                    done()
                 continue  # keep draining so put() never blocks forever
-            index, token_ids, hidden_states, loss_mask = item
             final = sample_path(self.out_dir, index)
             tmp = os.path.join(self.out_dir, f".hs_{index}.safetensors.tmp-{os.getpid()}")
             try:
-                save_file({"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}, tmp)
+                write_safetensors(tmp, {"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask})
                 os.replace(tmp, final)
-                self.written += 1
+                with self.lock:
+                    self.written += 1
                 if self.delay:
                     time.sleep(self.delay)
             except BaseException as e:
                 self.error = e
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            finally:
+                if done:
+                    done()
+
+
+class PinnedPool:
+    """A few pinned host buffers, made once and recycled: pinning memory (cudaHostAlloc) costs far more than
+    the copy it speeds up, so a fresh pinned tensor per batch would cost more than it saves."""
+
+    def __init__(self, torch, count, numel, dtype):
+        self.free = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty(numel, dtype=dtype, pin_memory=True))
+
+    def take(self, shape):
+        """(buffer, view of `shape`); blocks until the writer has released a buffer."""
+        buf = self.free.get()
+        n = 1
+        for d in shape:
+            n *= d
+        return buf, buf[:n].view(shape)
+
+    def releaser(self, buf, uses):
+        """A callback that returns `buf` to the pool after it was called `uses` times (once per sample)."""
+        left = [uses]
+        lock = threading.Lock()
+
+        def done():
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.free.put(buf)
+        return done
 
 
 def clean_stale_tmp(out_dir, lo, hi):
@@ -275,11 +346,31 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     input_device = model.get_input_embeddings().weight.device
 
     capture = HiddenStateCapture(layers, layer_ids, early_stop=not args.no_early_stop)
-    writer = Writer(out_dir, maxsize=args.write_queue)
+    writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
     # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
     order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
     tokens = 0
     bar = progress(None, total=len(order), desc="extract")
+    cuda = input_device.type == "cuda"
+    # On GPU the device→host copy of batch k runs on its own stream, into a recycled pinned buffer, while
+    # batch k+1 computes; batch k goes to the writer threads once its copy has finished, and its buffer
+    # returns to the pool once every sample in it is on disk.
+    copy_stream = torch.cuda.Stream(device=input_device) if cuda else None
+    pool = PinnedPool(torch, 3, args.batch_size * args.seq_len * len(layer_ids) * info["hidden_size"], torch_dtype) if cuda else None
+    pending = None
+    t_loop = time.time()
+
+    def hand_over(item):
+        batch, seqs, host, done_copy, release = item
+        if done_copy is not None:
+            done_copy.synchronize()
+        for j, (i, s) in enumerate(zip(batch, seqs)):
+            mask = ds[i][1][:args.seq_len]
+            # host[j, :n] is a contiguous view: no copy here, the writer serialises straight from it.
+            writer.put(i, torch.from_numpy(s.copy()), host[j, :len(s)], torch.from_numpy(mask.astype("int64")), release)
+        if hasattr(bar, "update"):
+            bar.update(len(batch))
+
     try:
         for b in range(0, len(order), args.batch_size):
             batch = order[b:b + args.batch_size]
@@ -292,20 +383,31 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
                 ids[j, :len(s)] = torch.from_numpy(s)
                 attn[j, :len(s)] = 1
             with torch.inference_mode():
-                hs = capture.run(model, input_ids=ids.to(input_device), attention_mask=attn.to(input_device),
-                                 use_cache=False)
-                hs = hs.to(torch_dtype).cpu()  # one device→host copy per batch
-            for j, (i, s) in enumerate(zip(batch, seqs)):
-                mask = ds[i][1][:args.seq_len]
-                writer.put(i, torch.from_numpy(s.copy()), hs[j, :len(s)].clone(), torch.from_numpy(mask.astype("int64")))
-                tokens += len(s)
-            if hasattr(bar, "update"):
-                bar.update(len(batch))
+                hs = capture.run(model, input_ids=ids.to(input_device, non_blocking=cuda),
+                                 attention_mask=attn.to(input_device, non_blocking=cuda), use_cache=False).to(torch_dtype)
+                if cuda:
+                    buf, host = pool.take(tuple(hs.shape))
+                    copy_stream.wait_stream(torch.cuda.current_stream(input_device))
+                    with torch.cuda.stream(copy_stream):
+                        host.copy_(hs, non_blocking=True)
+                        done_copy = torch.cuda.Event()
+                        done_copy.record(copy_stream)
+                    hs.record_stream(copy_stream)
+                    release = pool.releaser(buf, len(batch))
+                else:
+                    host, done_copy, release = hs, None, None
+            if pending is not None:
+                hand_over(pending)
+            pending = (batch, seqs, host, done_copy, release)
+            tokens += sum(len(s) for s in seqs)
+        if pending is not None:
+            hand_over(pending)
     finally:
         capture.remove()
         if hasattr(bar, "close"):
             bar.close()
         writer.close()
+    info["extract_seconds"] = time.time() - t_loop  # the steady state: after the model load, until all is written
     return writer.written, tokens
 
 
@@ -382,7 +484,8 @@ def extract_vllm(args, ds, todo, layer_ids, info, out_dir, spec_version):
     # The generator truncates prompts to max_model_len - 1 (it reserves one decode token).
     gen = VllmHiddenStatesGenerator(model_path=args.model, layer_ids=spec_ids, max_model_len=args.seq_len + 1,
                                     tensor_parallel_size=args.tp_size)
-    writer = Writer(out_dir, maxsize=args.write_queue)
+    writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+    t_loop = time.time()
     order = sorted(todo, key=lambda i: (-len(ds[i][0]), i))
     tokens = 0
     bar = progress(None, total=len(order), desc="extract[vllm]")
@@ -417,6 +520,7 @@ def extract_vllm(args, ds, todo, layer_ids, info, out_dir, spec_version):
         if hasattr(bar, "close"):
             bar.close()
         writer.close()
+    info["extract_seconds"] = time.time() - t_loop  # the steady state: after the model load, until all is written
     return writer.written, tokens
 
 
@@ -554,18 +658,22 @@ def run(args):
 
     t0 = time.time()
     written = tokens = 0
+    extract_s = None
     if todo:
         if args.backend == "hf":
             written, tokens = extract_hf(args, ds, todo, layer_ids, data_config, out_dir)
         else:
             written, tokens = extract_vllm(args, ds, todo, layer_ids, data_config, out_dir, spec_version)
+        extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
         atomic_write_json(cfg_path, data_config)
     secs = time.time() - t0
     return {"ok": True, "step": "extract", "backend": args.backend, "out_dir": os.path.abspath(out_dir),
             "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
             "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,
             "seconds": round(secs, 3), "tokens": tokens,
-            "tokens_per_s": round(tokens / secs, 1) if secs > 0 and tokens else None}, 0
+            "tokens_per_s": round(tokens / secs, 1) if secs > 0 and tokens else None,
+            "extract_seconds": round(extract_s, 3) if extract_s else None,
+            "extract_tokens_per_s": round(tokens / extract_s, 1) if extract_s else None}, 0
 
 
 def main(argv=None):
@@ -587,7 +695,8 @@ def main(argv=None):
     ap.add_argument("--validate", action="store_true", help="only check the outputs of this rank's range")
     ap.add_argument("--overwrite", action="store_true", help="re-extract everything, ignore an existing data_config")
     ap.add_argument("--no-early-stop", action="store_true", help="run the full forward (incl. lm_head)")
-    ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer thread")
+    ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer threads")
+    ap.add_argument("--writers", type=int, default=4, help="writer threads (saving overlaps the forward passes)")
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
