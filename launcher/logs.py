@@ -8,6 +8,7 @@ stays intact.
 from __future__ import annotations
 
 import codecs
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,9 @@ from . import jobs
 from .errors import HostError
 from .host import HostSession
 from .shell import join
+
+
+_BREAK = re.compile(r"\r\n|\n|\r")
 
 
 class LineSplitter:
@@ -27,23 +31,21 @@ class LineSplitter:
         self.buf = ""
 
     def feed(self, data: bytes) -> None:
-        self.buf += self.decoder.decode(data)
-        while True:
-            nl, cr = self.buf.find("\n"), self.buf.find("\r")
-            if nl < 0 and cr < 0:
-                return
-            if cr >= 0 and (nl < 0 or cr < nl):
-                if cr + 1 == len(self.buf):
-                    return  # a lone \r at the end may be half of \r\n: wait for more
-                piece, self.buf = self.buf[:cr], self.buf[cr + 1 :]
-                if self.buf.startswith("\n"):
-                    self.buf = self.buf[1:]
-                    self.emit("line", piece)
-                elif piece:
+        buf = self.buf + self.decoder.decode(data)
+        start = 0
+        # One pass with an index: slicing the remainder after every line would be quadratic in the chunk size.
+        for m in _BREAK.finditer(buf):
+            end, brk = m.start(), m.group()
+            if brk == "\r" and m.end() == len(buf):
+                break  # a lone \r at the end may be half of \r\n: wait for more
+            piece = buf[start:end]
+            if brk == "\r":
+                if piece:
                     self.emit("progress", piece)
             else:
-                piece, self.buf = self.buf[:nl], self.buf[nl + 1 :]
                 self.emit("line", piece)
+            start = m.end()
+        self.buf = buf[start:]
 
     def flush(self) -> None:
         self.buf += self.decoder.decode(b"", final=True)

@@ -38,8 +38,13 @@ class Printer:
         if self.as_json:
             sys.stdout.write(json.dumps({"host": self.host, "line": text}, ensure_ascii=False) + "\n")
             sys.stdout.flush()
+        elif self.progress is not None:
+            self.console.print(f"[{self.host}] {text}", markup=False, highlight=False, soft_wrap=True)  # above the bars
         else:
-            self.console.print(f"[{self.host}] {text}", markup=False, highlight=False, soft_wrap=True)
+            # Plain lines skip rich's renderer: a busy log must not be slowed down by printing it.
+            f = self.console.file
+            f.write(f"[{self.host}] {text}\n")
+            f.flush()
 
     def _bar(self, desc: str, n: int, total: int) -> None:
         key = desc

@@ -55,11 +55,15 @@ class SyncReport:
 
 
 # Hashing on the host runs under the host's Python: hashlib (OpenSSL, SHA-NI) is ~4x coreutils' sha256sum.
+# Arguments come in pairs (path, expected size or -1); a file whose size differs is not worth hashing.
 _HASH_CODE = """
-import hashlib, sys
-for p in sys.argv[1:]:
-    h = hashlib.sha256()
+import hashlib, os, sys
+a = sys.argv[1:]
+for p, want in zip(a[::2], a[1::2]):
     try:
+        if int(want) >= 0 and os.path.getsize(p) != int(want):
+            continue
+        h = hashlib.sha256()
         with open(p, "rb") as f:
             while True:
                 b = f.read(1 << 20)
@@ -95,10 +99,11 @@ def _python(transport) -> str:
     return sh_path(transport.host.python)
 
 
-def _hash_remote(transport, paths: list[str], prefix: str = "") -> dict[str, str]:
-    if not paths:
+def _hash_remote(transport, sized: list[tuple[str, int]], prefix: str = "") -> dict[str, str]:
+    if not sized:
         return {}
-    res = transport.run(f"{prefix}{_python(transport)} -c {join([_HASH_CODE])} {join(paths)}", check=True, what="sha256 on the host")
+    args = [str(v) for pair in sized for v in pair]
+    res = transport.run(f"{prefix}{_python(transport)} -c {join([_HASH_CODE])} {join(args)}", check=True, what="sha256 on the host")
     out = {}
     for line in res.stdout.splitlines():
         digest, _, name = line.partition("  ")
@@ -107,44 +112,48 @@ def _hash_remote(transport, paths: list[str], prefix: str = "") -> dict[str, str
     return out
 
 
-def _remote_hashes(transport, root: str, paths: list[str]) -> dict[str, str]:
-    """One round trip: create the folders and hash whatever is already there."""
-    dirs = sorted({posixpath.dirname(posixpath.join(root, p)) for p in paths} | {root})
-    return _hash_remote(transport, paths, prefix=f"mkdir -p -- {join(dirs)} && cd {join([root])} && ")
+def _remote_hashes(transport, root: str, items: list[Item]) -> dict[str, str]:
+    """One round trip: create the folders and hash what is already there with the size we would send."""
+    dirs = sorted({posixpath.dirname(posixpath.join(root, i.remote)) for i in items} | {root})
+    return _hash_remote(transport, [(i.remote, i.size) for i in items], prefix=f"mkdir -p -- {join(dirs)} && cd {join([root])} && ")
+
+
+def _mismatch(transport, item, tmps):
+    transport.run(f"rm -f -- {join(tmps)}")
+    return CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
 
 
 def sync(transport, root: str, items: list[Item], progress=None) -> SyncReport:
     root = transport.abspath(root)
     report = SyncReport(transport.name, root)
-    remote = _remote_hashes(transport, root, [i.remote for i in items])
-    verify = []
-    done = []
+    remote = _remote_hashes(transport, root, items)
+    verify, done = [], []
     for item in items:
-        if remote.get(item.remote) == item.digest():
+        # Hash locally only when the host has a file of the same size; otherwise hash while sending.
+        if item.remote in remote and remote[item.remote] == item.digest():
             report.unchanged.append(item.remote)
             continue
         final = posixpath.join(root, item.remote)
-        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{item.digest()[:12]}.part")
+        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.part")
         if item.data is not None:
             transport.write_bytes(tmp, item.data, item.mode)
             verify.append((item, tmp, final))
         else:
-            # Large files stream through the fastest path the transport has, hashed on the host in the same pass.
-            got = transport.upload_hashed(str(item.local), tmp, item.mode, progress=progress)
-            if got is None:
+            # Large files stream through the fastest path the transport has, hashed on both sides in the same pass.
+            local, remote_digest = transport.upload_hashed(str(item.local), tmp, item.mode, progress=progress)
+            item.sha256 = local
+            if remote_digest is None:
                 verify.append((item, tmp, final))
-            elif got != item.digest():
-                transport.run(f"rm -f -- {join([tmp])}")
-                raise CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
+            elif remote_digest != local:
+                raise _mismatch(transport, item, [tmp])
             else:
                 done.append((item, tmp, final))
         report.bytes_sent += item.size
     if verify:
-        got = _hash_remote(transport, [t for _, t, _ in verify])
+        got = _hash_remote(transport, [(t, -1) for _, t, _ in verify])
         for item, tmp, final in verify:
             if got.get(tmp) != item.digest():
-                transport.run(f"rm -f -- {join([t for _, t, _ in verify])}")
-                raise CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
+                raise _mismatch(transport, item, [t for _, t, _ in verify])
     for item, tmp, final in done + verify:
         transport.rename(tmp, final)
         report.changed.append(item.remote)

@@ -23,8 +23,6 @@ def collect(paths: list[Path]) -> list[sync.Item]:
     names = [i.remote for i in items]
     if len(set(names)) != len(names):
         raise ConfigError("two of the given paths would land on the same name on the host")
-    for i in items:
-        i.digest()  # hash once, before any host is contacted
     return items
 
 

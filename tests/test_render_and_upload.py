@@ -141,7 +141,7 @@ def test_killed_upload_leaves_nothing_at_the_final_path_and_a_rerun_completes(en
     deadline = time.monotonic() + 60
     part = None
     while time.monotonic() < deadline:
-        parts = list(target_dir.glob(".big.bin.*.part")) if target_dir.exists() else []
+        parts = list(target_dir.glob(".big.bin.part")) if target_dir.exists() else []
         if parts and parts[0].stat().st_size > (8 << 20):
             part = parts[0]
             break

@@ -45,6 +45,26 @@ class Stream:
     extra: dict = field(default_factory=dict)
 
 
+class HashingReader:
+    """A file wrapper that hashes what is read through it (one pass over a large file, not two)."""
+
+    def __init__(self, f, progress=None):
+        import hashlib
+
+        self.f, self.h, self.progress, self.done = f, hashlib.sha256(), progress, 0
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        self.h.update(data)
+        self.done += len(data)
+        if self.progress and data:
+            self.progress(self.done, None)
+        return data
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
 class Transport(abc.ABC):
     def __init__(self, host):
         self.host = host
@@ -76,13 +96,19 @@ class Transport(abc.ABC):
         """Write `data` to `path` (not atomic: callers write a temporary name, then rename)."""
 
     @abc.abstractmethod
-    def upload_file(self, local_path: str, path: str, mode: int | None = None, progress=None) -> None:
-        """Copy a local file to `path` (not atomic; see write_bytes)."""
+    def upload_fileobj(self, fileobj, path: str, mode: int | None = None) -> None:
+        """Copy a readable file object to `path` (not atomic; see write_bytes)."""
 
-    def upload_hashed(self, local_path: str, path: str, mode: int, progress=None) -> str | None:
-        """Upload and return the sha256 the host computed while writing; None: caller verifies afterwards."""
-        self.upload_file(local_path, path, mode, progress=progress)
-        return None
+    def upload_hashed(self, local_path: str, path: str, mode: int, progress=None) -> tuple[str, str | None]:
+        """Upload a local file, hashing it in the same pass.
+
+        Returns (sha256 of what was read here, sha256 the host computed while writing, or None when the
+        caller must verify on the host afterwards).
+        """
+        with open(local_path, "rb") as f:
+            reader = HashingReader(f, progress)
+            self.upload_fileobj(reader, path, mode)
+        return reader.hexdigest(), None
 
     @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:

@@ -54,10 +54,10 @@ class LocalTransport(Transport):
         if mode is not None:
             os.chmod(path, mode)
 
-    def upload_file(self, local_path, path, mode=None, progress=None):
+    def upload_fileobj(self, fileobj, path, mode=None):
         path = self.abspath(path)
-        with open(local_path, "rb") as src, open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(path, "wb") as dst:
+            shutil.copyfileobj(fileobj, dst, 1 << 20)
         if mode is not None:
             os.chmod(path, mode)
 

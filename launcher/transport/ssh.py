@@ -13,7 +13,7 @@ import threading
 
 from ..errors import HostError, HostKeyError
 from .. import hostkeys
-from .base import Stream, Transport
+from .base import HashingReader, Stream, Transport
 
 _GCM_FIRST = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
@@ -215,10 +215,10 @@ class SSHTransport(Transport):
         if mode is not None:
             self.sftp.chmod(path, mode)
 
-    def upload_file(self, local_path, path, mode=None, progress=None):
+    def upload_fileobj(self, fileobj, path, mode=None):
         path = self.abspath(path)
-        # put() pipelines its writes; confirm=False because the caller verifies the sha256.
-        self.sftp.put(local_path, path, callback=progress, confirm=False)
+        # putfo() pipelines its writes; confirm=False because the caller verifies the sha256.
+        self.sftp.putfo(fileobj, path, confirm=False)
         if mode is not None:
             self.sftp.chmod(path, mode)
 
@@ -260,23 +260,20 @@ class SSHTransport(Transport):
         remote = f"exec {sh_path(self.host.python)} -c {join([RECEIVE_CODE, path, format(mode, 'o')])}"
         proc = subprocess.Popen(self.openssh_argv() + ["--", remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
-        sent = 0
-        try:
-            with open(local_path, "rb") as f:
-                while chunk := f.read(1 << 20):
+        with open(local_path, "rb") as f:
+            reader = HashingReader(f, progress)
+            try:
+                while chunk := reader.read(1 << 20):
                     proc.stdin.write(chunk)
-                    sent += len(chunk)
-                    if progress:
-                        progress(sent, None)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
         out, err = proc.stdout.read(), proc.stderr.read()  # both tiny: a digest, maybe a warning
         proc.wait()
         if proc.returncode != 0:
             raise HostError(f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): "
                             f"{err.decode(errors='replace').strip().splitlines()[-1:] or ''}")
-        return out.decode().strip()
+        return reader.hexdigest(), out.decode().strip()
 
     def rename(self, src, dst):
         self.sftp.posix_rename(self.abspath(src), self.abspath(dst))
