@@ -696,7 +696,8 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true", help="re-extract everything, ignore an existing data_config")
     ap.add_argument("--no-early-stop", action="store_true", help="run the full forward (incl. lm_head)")
     ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer threads")
-    ap.add_argument("--writers", type=int, default=4, help="writer threads (saving overlaps the forward passes)")
+    ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 4),
+                    help="writer threads (saving overlaps the forward passes; default min(16, cores))")
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")

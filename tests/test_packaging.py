@@ -1,0 +1,36 @@
+"""The built wheel carries templates/ and remote_payloads/, so an installed kimi-eagle works anywhere."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+
+def test_wheel_works_from_any_directory(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(REPO)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("kimi_eagle-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for needed in ("launcher/_data/templates/job.sh.j2", "launcher/_data/remote_payloads/extract.py",
+                   "launcher/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
+                   "launcher/_data/remote_payloads/sample_data/chat.jsonl", "launcher/default_inventory.yaml"):
+        assert needed in names, needed
+    # A venv that sees this interpreter's packages (the dependencies) but not the source tree.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+                   check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "NO_COLOR": "1"}
+    r = subprocess.run([str(venv / "bin" / "kimi-eagle"), "render", "job", "all", "--host", "local", "--out", "r"],
+                       cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    script = next((elsewhere / "r").rglob("job.sh")).read_text()
+    assert "tiny_model.py" in script and "train.py" in script
+    located = subprocess.run([str(venv / "bin" / "python"), "-c", "import launcher.resources as r; print(r.payloads_dir())"],
+                             cwd=elsewhere, env=env, capture_output=True, text=True).stdout
+    assert "_data" in located and str(REPO) not in located
