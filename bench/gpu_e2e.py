@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 from sshd import Sshd  # noqa: E402
 
 PY = sys.executable
@@ -170,8 +171,18 @@ pipeline:
     sshd.restart()  # every SSH connection dies; the job must not notice, the follower must resume
     fout, ferr = follower.communicate(timeout=1800)
     LOG.write(f"\n$ kimi-eagle logs {job['id']} --follow   # exit {follower.returncode}\n{fout}{ferr}")
-    followed_lines = [ln for ln in fout.splitlines() if ln.startswith("[h200] ")]
-    on_disk = log_path.read_text(errors="replace").splitlines()
+    # Every log line exactly once: what the follower printed vs the log file split the same way
+    # (progress-bar redraws excluded on both sides; the follower prints a finished bar as "k/n done").
+    from launcher.logs import LineSplitter
+    from launcher.logview import parse_progress
+
+    events = []
+    splitter = LineSplitter(lambda kind, text: events.append((kind, text)))
+    splitter.feed(log_path.read_bytes())
+    splitter.flush()
+    on_disk = [t for k, t in events if k == "line" and not parse_progress(t)]
+    followed_lines = [ln[len("[h200] "):] for ln in fout.splitlines()
+                      if ln.startswith("[h200] ") and not re.search(r": \d+/\d+ done$", ln)]
     _, out, _, _ = cli("--json", "status", job["id"], "--host", "h200", check=False)
     st = json.loads(out)["jobs"][0]
     text = log_path.read_text(errors="replace")
@@ -179,7 +190,7 @@ pipeline:
     tr = [float(x) for x in re.findall(r"tok/s (\d+)", text)]
     step("run_all", exit=follower.returncode, state=st["state"], exit_code=st["exit_code"], runtime_s=st["runtime_s"],
          ssh_dropped_after_s=dropped_at, reconnected="reconnecting" in ferr,
-         lines_followed=len(followed_lines), lines_in_log=len([ln for ln in on_disk if ln.strip()]),
+         lines_followed=len(followed_lines), lines_in_log=len(on_disk), every_line_exactly_once=followed_lines == on_disk,
          extract=json.loads(ex.group(0)) if ex else None,
          train_tokens_per_s_median=sorted(tr)[len(tr) // 2] if tr else None)
 

@@ -11,7 +11,7 @@ import re
 import sys
 
 # "desc:  45%|####5     | 45/100 [00:01<00:02, 30.0it/s]" and vLLM's "...: 40% Completed | 2/5 [...]"
-PROGRESS = re.compile(r"^(?P<desc>.*?):?\s*(?P<pct>\d{1,3})%(?:\s*Completed)?\s*\|[^|]*\|?\s*(?P<n>\d+)/(?P<total>\d+)")
+PROGRESS = re.compile(r"^(?P<desc>.*?):?\s*(?P<pct>\d{1,3})%(?:\s*Completed\s*\||\|[^|]*\|)\s*(?P<n>\d+)/(?P<total>\d+)")
 
 
 def parse_progress(text: str):

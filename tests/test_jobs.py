@@ -103,8 +103,10 @@ def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tm
     first = follower.stdout.readline()
     assert first.startswith("[gpu] ")
     sshd.restart()
-    out, err = follower.communicate(timeout=120)
-    out = first + out
+    # Read through the same buffered stream: communicate() would skip what readline() already buffered.
+    out = first + follower.stdout.read()
+    err = follower.stderr.read()
+    follower.wait(timeout=120)
     assert follower.returncode == 0, err
     assert "reconnecting" in err  # the drop really happened mid-stream
     assert wait_state(env, job["id"], {"succeeded"})["exit_code"] == 0

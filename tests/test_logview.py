@@ -1,0 +1,38 @@
+"""Progress lines in logs become bars (or one line when not on a terminal); other lines keep a host prefix."""
+
+from __future__ import annotations
+
+import io
+
+from launcher.logs import LineSplitter
+from launcher.logview import Printer, parse_progress
+
+
+def test_parses_tqdm_and_vllm_progress():
+    assert parse_progress("extract:  45%|####5     | 45/100 [00:01<00:02, 30.0it/s]") == ("extract", 45, 100)
+    assert parse_progress("Loading safetensors checkpoint shards:  40% Completed | 26/64 [01:02<01:31,  2.41s/it]") == (
+        "Loading safetensors checkpoint shards", 26, 64)
+    assert parse_progress("step 10/40 loss 0.02") is None  # a plain line with a fraction is not a bar
+
+
+def test_bar_spam_collapses_to_one_line_off_terminal():
+    from rich.console import Console
+
+    out = io.StringIO()
+    printer = Printer("h200", Console(file=out, force_terminal=False, width=200))
+    splitter = LineSplitter(printer)
+    frames = "".join(f"\rLoading safetensors checkpoint shards: {100 * k // 64:3d}% Completed | {k}/64 [00:0{k % 10}<00:00]"
+                     for k in range(65))
+    splitter.feed(("==> step extract\n" + frames + "\nloaded model ✓\n").encode())
+    splitter.flush()
+    lines = out.getvalue().splitlines()
+    assert lines == ["[h200] ==> step extract", "[h200] Loading safetensors checkpoint shards: 64/64 done", "[h200] loaded model ✓"]
+
+
+def test_multibyte_characters_split_across_reads_stay_intact():
+    got = []
+    s = LineSplitter(lambda kind, text: got.append(text))
+    data = "日本語 ✓ 🙂\n".encode() * 3
+    for i in range(0, len(data), 5):  # every read cuts a character somewhere
+        s.feed(data[i:i + 5])
+    assert got == ["日本語 ✓ 🙂"] * 3
