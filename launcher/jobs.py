@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import pipeline, render
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, KimiEagleError
-from .host import PAYLOADS, RUNS, HostSession
+from .host import RUNS, HostSession
 from .shell import join
 
 # What `logs --follow` and `status` exit with, by job state (documented in the README).

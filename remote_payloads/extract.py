@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, local_text_config_dict,  # noqa: E402
                           parse_layer_ids, resolve_decoder_stack, text_config)
-from prepare import BadInput, PreparedDataset, atomic_write_json, emit, log, progress  # noqa: E402
+from prepare import BadInput, PreparedDataset, atomic_write_json, log, progress, run_step  # noqa: E402
 
 FORMAT = "kimi-eagle-hidden-states/1"
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
@@ -701,20 +701,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
-    try:
-        result, code = run(args)
-        return emit(result, code)
-    except BadInput as e:
-        print(f"extract: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": "extract", "error": str(e)}, 2)
-    except (Refused, LayerResolutionError) as e:
-        print(f"extract: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": "extract", "error": str(e)}, 1)
-    except Exception as e:
-        import traceback
-
-        traceback.print_exc()
-        return emit({"ok": False, "step": "extract", "error": f"{type(e).__name__}: {e}"}, 1)
+    return run_step("extract", run, args, refused=(Refused, LayerResolutionError))
 
 
 if __name__ == "__main__":

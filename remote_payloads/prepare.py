@@ -99,6 +99,25 @@ def emit(result, code):
     return code
 
 
+def run_step(step, fn, args, refused=()):
+    """A step's main: its JSON result on stdout; bad input exits 2, a refusal (`refused`) or a crash exits 1."""
+    try:
+        result = fn(args)
+        result, code = result if isinstance(result, tuple) else (result, 0)
+        return emit(result, code)
+    except BadInput as e:
+        print(f"{step}: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": step, "error": str(e)}, 2)
+    except refused as e:
+        print(f"{step}: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": step, "error": str(e)}, 1)
+    except Exception as e:  # the operation failed (I/O, tokenizer crash, ...): keep the traceback in the log
+        import traceback
+
+        traceback.print_exc()
+        return emit({"ok": False, "step": step, "error": f"{type(e).__name__}: {e}"}, 1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # reading the prepared dataset (used by extract and the trainer)
 
@@ -415,16 +434,7 @@ def main(argv=None):
     ap.add_argument("--shard-size", type=int, default=10000, help="samples per shard file")
     ap.add_argument("--max-samples", type=int, default=0, help="stop after this many samples (0 = all)")
     args = ap.parse_args(argv)
-    try:
-        return emit(run(args), 0)
-    except BadInput as e:
-        print(f"prepare: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": "prepare", "error": str(e)}, 2)
-    except Exception as e:  # operation failed (I/O, tokenizer crash, ...)
-        import traceback
-
-        traceback.print_exc()
-        return emit({"ok": False, "step": "prepare", "error": f"{type(e).__name__}: {e}"}, 1)
+    return run_step("prepare", run, args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare import BadInput, atomic_save_npy, atomic_write_json, emit, log  # noqa: E402
+from prepare import BadInput, atomic_save_npy, atomic_write_json, log, run_step  # noqa: E402
 
 
 def select_draft_vocab(freq, k):
@@ -111,16 +111,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write here instead of <output-dir>/vocab")
     ap.add_argument("--draft-vocab-size", type=int, default=32000)
     args = ap.parse_args(argv)
-    try:
-        return emit(run(args), 0)
-    except BadInput as e:
-        print(f"vocab: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": "vocab", "error": str(e)}, 2)
-    except Exception as e:
-        import traceback
-
-        traceback.print_exc()
-        return emit({"ok": False, "step": "vocab", "error": f"{type(e).__name__}: {e}"}, 1)
+    return run_step("vocab", run, args)
 
 
 if __name__ == "__main__":

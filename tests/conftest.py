@@ -68,7 +68,6 @@ def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_en
     known = tmp_path / "known_hosts"
     known.write_text(sshd.host_key_line() if (sshd and trusted) else "")
     host_env = host_env or {}
-    env_yaml = "".join(f"\n      {k}: {json.dumps(v)}" for k, v in host_env.items())
     ssh_host = ""
     if sshd:
         ssh_host = f"""

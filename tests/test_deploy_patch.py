@@ -70,7 +70,7 @@ def test_check_diff_apply_reapply_revert(tmp_path, sshd, install, version):
     # Second apply: ok, byte-identical; the human view says so.
     r = e.cli("deploy-patch", "--host", "gpu")
     assert r.code == 0, r.stderr
-    assert "already patched" in r.stdout and f"[gpu] patched (2 ok)" in r.stdout
+    assert "already patched" in r.stdout and "[gpu] patched (2 ok)" in r.stdout
     assert tree_hashes(site) == patched
 
     # --check on a patched install: nothing to do, nothing changed.

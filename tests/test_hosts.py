@@ -51,7 +51,7 @@ def test_unknown_host_key_is_refused_with_fingerprint_and_trust_command(tmp_path
 
 def test_changed_host_key_is_always_refused(tmp_path, sshd):
     e = make_env(tmp_path, sshd, trusted=False)
-    other = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     kind, b64 = (tmp_path / "other.pub").read_text().split()[:2]
     (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{sshd.port} {kind} {b64}\n")
     r = e.cli("hosts", "check", "gpu")

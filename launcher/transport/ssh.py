@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 
-from ..errors import HostError, HostKeyError
+from ..errors import HostError
 from .. import hostkeys
 from .base import HashingReader, Stream, Transport
 
