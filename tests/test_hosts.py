@@ -91,3 +91,23 @@ def test_unreachable_host_is_reported_per_host(tmp_path, sshd):
     by_host = {d["host"]: d for d in r.json()}
     assert by_host["local"]["ok"] and not by_host["gpu"]["ok"]
     assert "cannot reach" in by_host["gpu"]["error"]
+
+
+def test_proxyjump_hops_are_verified_too(tmp_path, sshd):
+    """ProxyJump from ~/.ssh/config works, and the jump host's key is checked like the target's."""
+    import sys
+
+    e = make_env(tmp_path, sshd)
+    (e.home / ".ssh" / "config").write_text(
+        f"Host jump\n  HostName localhost\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.client_key}\n"
+        f"Host box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.client_key}\n  ProxyJump jump\n"
+    )
+    known = tmp_path / "known_hosts"  # trusts [127.0.0.1]:port only, not the jump host's name
+    e.write_inventory(f"hosts:\n  box:\n    address: box\n    known_hosts: {known}\n    python: {sys.executable}\n"
+                      f"    workdir: {tmp_path / 'w'}\n")
+    r = e.cli("hosts", "check", "box")
+    assert r.code == 1 and "unknown host key" in r.stdout + r.stderr and "localhost" in r.stdout + r.stderr
+    assert known.read_text() == sshd.host_key_line()  # nothing was added
+    known.write_text(sshd.host_key_line() + sshd.host_key_line().replace("[127.0.0.1]", "[localhost]"))
+    r = e.cli("--json", "hosts", "check", "box")
+    assert r.code == 0, r.stdout + r.stderr

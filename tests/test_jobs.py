@@ -177,3 +177,18 @@ def test_bad_step_and_missing_command_are_usage_errors(env):
     r = env.cli("run", "exec", "--host", "gpu")
     assert r.code == 2 and "needs a command" in r.stderr
     assert not (env.workdir / "runs").exists()  # nothing half-done on the host
+
+
+def test_ctrl_c_detaches_and_the_job_keeps_running(env, tmp_path):
+    script = lines_script(tmp_path, 400, 0.05)
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    proc = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
+                             "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("[gpu] ")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    job_id = json.loads(env.cli("--json", "status", "--host", "gpu").stdout)["jobs"][-1]["id"]
+    assert "detached" in err and f"kimi-eagle logs {job_id} --follow" in err and f"kimi-eagle stop {job_id}" in err
+    assert wait_state(env, job_id, {"running"})["state"] == "running"
+    assert env.cli("stop", job_id, "--grace", "1").code == 0

@@ -71,7 +71,11 @@ class SSHTransport(Transport):
             h.address, user=h.user, port=h.port, connect_timeout=h.connect_timeout,
             connect_kwargs=connect_kwargs, forward_agent=False, config=Config(),
         )
-        hostkeys.load_into(conn.client, h.known_hosts)
+        # Fabric builds ProxyJump hops as Connections of its own, which auto-add unknown keys: verify them too.
+        hop = conn
+        while hop is not None and not isinstance(hop, str):
+            hostkeys.load_into(hop.client, h.known_hosts)
+            hop = hop.gateway
         if not conn.gateway:
             # Our own socket: NODELAY turns a 43 ms channel open into 0.3 ms.
             try:
