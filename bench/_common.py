@@ -48,7 +48,10 @@ class Bench:
         return inventory.load(self.inventory).hosts["gpu"]
 
     def close(self):
+        import shutil
+
         self.sshd.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)  # the upload benchmark leaves gigabytes here
 
 
 def pct(values, q):

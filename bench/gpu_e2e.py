@@ -225,3 +225,4 @@ if __name__ == "__main__":
     finally:
         (OUT / "report.json").write_text(json.dumps(report, indent=2))
         LOG.close()
+        shutil.rmtree(TMP, ignore_errors=True)

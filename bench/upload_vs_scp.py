@@ -44,6 +44,8 @@ def main():
                     subprocess.run([sys.executable, "-m", "launcher", "upload", str(src), "--host", "gpu", "--to", str(dest)],
                                    check=True, env=e, stdout=subprocess.DEVNULL)
                 runs[name].append(a.size_mib / (time.perf_counter() - t0))
+                for leftover in b.tmp.glob("dest-*"):  # keep the disk from filling up across repeats
+                    subprocess.run(["rm", "-rf", str(leftover)], check=True)
         # A second deploy of the unchanged file: nothing may travel.
         dest = b.tmp / "again"
         subprocess.run([sys.executable, "-m", "launcher", "upload", str(src), "--host", "gpu", "--to", str(dest)], check=True, env=env,
