@@ -75,7 +75,9 @@ def run(
 
     h = state.inventory.one(host)
     extra = list(ctx.args)
-    jobs.render_job(HostSession(h, transport=_NoTransport()), step, extra)  # validate before connecting
+    from .renderables import Offline
+
+    jobs.render_job(HostSession(h, transport=Offline(h)), step, extra)  # validate before connecting
     ui = _ui()
     session = HostSession(h)
     try:
@@ -101,16 +103,6 @@ def run(
             ui.line(job.id)
         return
     _follow_and_exit(h, job.id, follow=True, tail=None, session=session)
-
-
-class _NoTransport:
-    name = "-"
-
-    def abspath(self, p):
-        return p
-
-    def close(self):
-        pass
 
 
 @app.command()

@@ -34,7 +34,7 @@ class PayloadResult:
         return self.exited == 0
 
 
-def expand(value, workdir_rel: bool = True):
+def expand(value):
     """Placeholders in pipeline settings: paths on the host, relative to the workdir (scripts cd there)."""
     if isinstance(value, str):
         return value.replace("{workdir}", ".").replace("{payloads}", PAYLOADS)

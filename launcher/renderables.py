@@ -6,17 +6,14 @@ from .errors import ConfigError
 from .host import HostSession
 
 
-class _Offline:
-    """A transport stand-in for rendering: it never connects."""
+class Offline:
+    """A transport stand-in for rendering and validating: it never connects."""
 
     def __init__(self, host):
         self.name = host.name
 
     def abspath(self, p):
         return p
-
-    def path(self, rel):
-        return rel
 
     def close(self):
         pass
@@ -43,7 +40,7 @@ def _preflight(session, step):
 
 
 def files_for(what: str, step, host) -> dict[str, str]:
-    session = HostSession(host, transport=_Offline(host))
+    session = HostSession(host, transport=Offline(host))
     makers = dict(_extra)
     if what not in makers:
         raise ConfigError(f"render: unknown WHAT {what!r} (choose from {', '.join(sorted(makers))})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import CommandResult, Transport
 
 
-def open_transport(host, *, known_hosts_extra=None) -> Transport:
+def open_transport(host) -> Transport:
     """A transport for one host, for the length of one CLI command. Connects lazily."""
     if host.transport == "local":
         from .local import LocalTransport
