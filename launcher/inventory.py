@@ -9,15 +9,46 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
 
 DEFAULT_INVENTORY = Path(__file__).resolve().parent / "default_inventory.yaml"
 EMBEDDED = "<embedded default>"
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _no_bool(value):
+    # YAML's `true` would otherwise pass as the number 1 (`port: true` meaning port 1).
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+def _control_chars(text: str) -> str | None:
+    """The first character of `text` that is not printable (newline, tab, escape, NUL…), as an escape."""
+    for c in text:
+        if not c.isprintable():
+            return ascii(c)[1:-1]
+    return None
+
+
+def _printable(value):
+    # A newline or escape in a name or path ends a shell comment, splits a log line or fools a terminal.
+    if isinstance(value, str) and (bad := _control_chars(value)):
+        raise ValueError(f"contains a control character ({bad})")
+    return value
+
+
+Number = Annotated[int, BeforeValidator(_no_bool)]
+Real = Annotated[float, BeforeValidator(_no_bool)]
+Text = Annotated[str, BeforeValidator(_printable)]
 
 
 class _Strict(BaseModel):
@@ -30,15 +61,15 @@ class Pipeline(_Strict):
     model: str | None = None
     dataset: str | None = None
     output_dir: str = "{workdir}/out"
-    layer_ids: list[int] | None = None
+    layer_ids: list[Number] | None = None
     backend: Literal["hf", "vllm"] = "hf"
-    seq_len: int = Field(2048, gt=0)
-    batch_size: int = Field(8, gt=0)
-    tp_size: int = Field(1, gt=0)
-    draft_vocab_size: int = Field(32000, gt=0)
-    epochs: int = Field(1, gt=0)
-    lr: float = Field(1e-4, gt=0)
-    ttt_steps: int = Field(3, gt=0)
+    seq_len: Number = Field(2048, gt=0)
+    batch_size: Number = Field(8, gt=0)
+    tp_size: Number = Field(1, gt=0)
+    draft_vocab_size: Number = Field(32000, gt=0)
+    epochs: Number = Field(1, gt=0)
+    lr: Real = Field(1e-4, gt=0)
+    ttt_steps: Number = Field(3, gt=0)
     # Build a tiny random model of this kind at `model` before the chain starts (the demo).
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
 
@@ -49,37 +80,40 @@ class PipelineOverride(_Strict):
     model: str | None = None
     dataset: str | None = None
     output_dir: str | None = None
-    layer_ids: list[int] | None = None
+    layer_ids: list[Number] | None = None
     backend: Literal["hf", "vllm"] | None = None
-    seq_len: int | None = Field(None, gt=0)
-    batch_size: int | None = Field(None, gt=0)
-    tp_size: int | None = Field(None, gt=0)
-    draft_vocab_size: int | None = Field(None, gt=0)
-    epochs: int | None = Field(None, gt=0)
-    lr: float | None = Field(None, gt=0)
-    ttt_steps: int | None = Field(None, gt=0)
+    seq_len: Number | None = Field(None, gt=0)
+    batch_size: Number | None = Field(None, gt=0)
+    tp_size: Number | None = Field(None, gt=0)
+    draft_vocab_size: Number | None = Field(None, gt=0)
+    epochs: Number | None = Field(None, gt=0)
+    lr: Real | None = Field(None, gt=0)
+    ttt_steps: Number | None = Field(None, gt=0)
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
 
 
 class HostFields(_Strict):
-    address: str | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
-    port: int | None = Field(None, gt=0, lt=65536)
-    user: str | None = None
-    identity_file: str | None = None
-    python: str | None = None
-    workdir: str | None = None
+    address: Text | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
+    port: Number | None = Field(None, gt=0, lt=65536)
+    user: Text | None = None
+    identity_file: Text | None = None
+    python: Text | None = None
+    workdir: Text | None = None
     env: dict[str, str] = Field(default_factory=dict)
     transport: Literal["ssh", "local"] | None = None
-    known_hosts: str | None = None
-    connect_timeout: float | None = Field(None, gt=0)
+    known_hosts: Text | None = None
+    connect_timeout: Real | None = Field(None, gt=0)
     pipeline: PipelineOverride | None = None
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
-            if not name.replace("_", "a").isalnum() or name[0].isdigit():
+        for name, value in env.items():
+            if not _ENV_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid environment variable name")
+            if "\x00" in value:
+                # Values may hold newlines (quoted, they arrive intact); a NUL no environment can carry.
+                raise ValueError(f"the value of {name} contains a NUL byte, which no environment variable can carry")
         return env
 
 
@@ -202,6 +236,8 @@ def parse(text: str, shown: str) -> Inventory:
         raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{shown}: the inventory must be a mapping with a 'hosts' section")
+    _refuse_duplicate_keys(shown, node)
+    _refuse_bad_names(shown, node, raw)
     try:
         data = InventoryFile.model_validate(raw)
     except ValidationError as e:
@@ -217,6 +253,42 @@ def parse(text: str, shown: str) -> Inventory:
     return Inventory(shown, data)
 
 
+def _refuse_duplicate_keys(shown: str, node, path: tuple = ()) -> None:
+    """YAML lets a later key silently replace an earlier one (a second host of the same name): refuse it."""
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            if key is not None and key in first:
+                what = f"host {key!r}" if path == ("hosts",) else f"group {key!r}" if path == ("groups",) else f"key {key!r}"
+                inside = f" in {'.'.join(path)}" if path and path not in (("hosts",), ("groups",)) else ""
+                raise ConfigError(f"{shown}:{k.start_mark.line + 1}: {what}{inside} is defined twice "
+                                  f"(first at line {first[key]}); remove one")
+            if key is not None:
+                first[key] = k.start_mark.line + 1
+            _refuse_duplicate_keys(shown, v, path + (key,))
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            _refuse_duplicate_keys(shown, v, path)
+
+
+def _refuse_bad_names(shown: str, node, raw: dict) -> None:
+    """Host and group names land in scripts, comments and log prefixes: printable text only."""
+    for section, kind in (("hosts", "host"), ("groups", "group")):
+        names = raw.get(section)
+        if not isinstance(names, dict):
+            continue
+        for name, members in names.items():
+            bad = _control_chars(str(name))
+            if bad:
+                raise ConfigError(f"{shown}{_line_of(node, (section, name))}: {kind} name {name!r} contains a "
+                                  f"control character ({bad})")
+            for m in members if section == "groups" and isinstance(members, list) else []:
+                if isinstance(m, str) and (bad := _control_chars(m)):
+                    raise ConfigError(f"{shown}{_line_of(node, (section, name))}: group {name!r} names host {m!r}, "
+                                      f"which contains a control character ({bad})")
+
+
 def _describe(shown: str, node, err: dict[str, Any]) -> str:
     loc = tuple(err["loc"])
     line = _line_of(node, loc)
@@ -225,7 +297,7 @@ def _describe(shown: str, node, err: dict[str, Any]) -> str:
         where = f"host {loc[1]!r}, field {'.'.join(map(str, loc[2:])) or '(host)'}"
     else:
         where = f"field {'.'.join(map(str, loc))}"
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     elif err["type"] == "missing":

@@ -1,8 +1,9 @@
 """One Jinja2 environment for every rendered script.
 
-Values reach shell lines only through the `sh`, `sh_path`, `sh_join` and `sh_name` filters; `finalize`
-refuses anything else at render time, and tests/test_render.py scans the templates for
-interpolations that skip the filters.
+Values reach shell lines only through the `sh`, `sh_path`, `sh_join` and `sh_name` filters, and shell
+comments only through `comment` (a shell-quoted value may still carry a newline, which ends a comment);
+`finalize` refuses anything else at render time, and tests/test_render_and_upload.py and
+tests/test_template_safety.py scan the templates for interpolations that skip the filters.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def sh_name(value) -> Quoted:
     return Quoted(str(value))
 
 
+def comment(value) -> Quoted:
+    """A value for a `#` comment: printable, on one line. Anything a terminal or shell could read as a
+    line end or a control sequence is written as a Python escape (`\\n`, `\\x1b`, `\\u2028`)."""
+    s = str(value)
+    return Quoted("".join(c if c.isprintable() else ascii(c)[1:-1] for c in s))
+
+
 def _finalize(value):
     if isinstance(value, Quoted):
         return value
@@ -70,7 +78,7 @@ def environment():
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(sh=sh, sh_path=sh_path, sh_join=sh_join, sh_name=sh_name)
+    env.filters.update(sh=sh, sh_path=sh_path, sh_join=sh_join, sh_name=sh_name, comment=comment)
     env.globals["version"] = Quoted(__version__)
     return env
 

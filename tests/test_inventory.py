@@ -51,6 +51,36 @@ CASES = {
         "hosts:\n  b:\n    pipeline:\n      seq_len: -4\n",
         ["inventory.yaml:4", "host 'b'", "field pipeline.seq_len"],
     ),
+    # A second host of the same name used to replace the first silently.
+    "duplicate host": (
+        GOOD_HOST + "  blackwell-01:\n    address: other.example\n",
+        ["inventory.yaml:6", "host 'blackwell-01' is defined twice", "first at line 2"],
+    ),
+    "duplicate field": (
+        "hosts:\n  b:\n    port: 22\n    port: 2222\n",
+        ["inventory.yaml:4", "key 'port' in hosts.b is defined twice"],
+    ),
+    # YAML's `true` used to pass as port 1.
+    "boolean port": (
+        "hosts:\n  b:\n    port: true\n",
+        ["inventory.yaml:3", "host 'b'", "field port", "not a boolean"],
+    ),
+    "boolean pipeline number": (
+        GOOD_HOST + "pipeline:\n  epochs: yes\n",
+        ["inventory.yaml:7", "field pipeline.epochs", "not a boolean"],
+    ),
+    "NUL in an env value": (
+        'hosts:\n  b:\n    env:\n      HF_HOME: "/data\\0/hf"\n',
+        ["inventory.yaml:3", "host 'b'", "field env", "HF_HOME", "NUL"],
+    ),
+    "newline in the workdir": (
+        'hosts:\n  b:\n    workdir: "/root/x\\ntouch /tmp/p"\n',
+        ["inventory.yaml:3", "host 'b'", "field workdir", "control character"],
+    ),
+    "control character in a group name": (
+        GOOD_HOST + 'groups:\n  "g\\x1b[2J": [blackwell-01]\n',
+        ["inventory.yaml:7", "group name", "control character"],
+    ),
 }
 
 
