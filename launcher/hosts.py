@@ -34,7 +34,9 @@ def offered_key(host):
     return conn.host, conn.port, key
 
 
-def trust(host, key_hostname: str, port: int, key):
+def trust(host, key_hostname: str, port: int, key, *, replace: str | None = None):
+    """Record the offered key; a changed key is refused unless `replace` names the old fingerprint.
+    Returns hostkeys.Recorded (path, whether a line was added, old entries removed)."""
     from . import hostkeys
 
-    return hostkeys.record(host.known_hosts, key_hostname, port, key)
+    return hostkeys.record(host.known_hosts, key_hostname, port, key, name=host.name, replace=replace)

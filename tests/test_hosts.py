@@ -111,3 +111,68 @@ def test_proxyjump_hops_are_verified_too(tmp_path, sshd):
     known.write_text(sshd.host_key_line() + sshd.host_key_line().replace("[127.0.0.1]", "[localhost]"))
     r = e.cli("--json", "hosts", "check", "box")
     assert r.code == 0, r.stdout + r.stderr
+
+
+def _other_key(tmp_path):
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    kind, b64 = (tmp_path / "other.pub").read_text().split()[:2]
+    fp = subprocess.run(["ssh-keygen", "-lf", str(tmp_path / "other.pub")], capture_output=True, text=True).stdout.split()[1]
+    return kind, b64, fp
+
+
+def _fp(sshd):
+    return subprocess.run(["ssh-keygen", "-lf", str(sshd.host_key) + ".pub"], capture_output=True, text=True).stdout.split()[1]
+
+
+def test_trust_yes_on_a_changed_key_refuses_and_records_nothing(tmp_path, sshd):
+    """It used to append a second, conflicting line and exit 0 (OpenSSH then accepts either key)."""
+    e = make_env(tmp_path, sshd, trusted=False)
+    kind, b64, old_fp = _other_key(tmp_path)
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {kind} {b64}\n")
+    before = known.read_text()
+    r = e.cli("hosts", "trust", "gpu", "--yes")
+    out = r.stdout + r.stderr
+    assert r.code == 1, out
+    assert "HOST KEY CHANGED" in out and old_fp in out and _fp(sshd) in out
+    assert f"--replace {old_fp} --fingerprint {_fp(sshd)}" in out
+    assert known.read_text() == before
+    # The same with --fingerprint naming the new key: still a changed key, still refused.
+    r = e.cli("hosts", "trust", "gpu", "--fingerprint", _fp(sshd))
+    assert r.code == 1 and known.read_text() == before
+
+
+def test_changed_key_hint_removes_the_right_line_for_a_non_22_port(tmp_path, sshd):
+    """The suggested ssh-keygen command names [host]:port and the inventory's known_hosts file, and works."""
+    import re
+    import shlex
+
+    e = make_env(tmp_path, sshd, trusted=False)
+    kind, b64, old_fp = _other_key(tmp_path)
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {kind} {b64}\n")
+    r = e.cli("hosts", "check", "gpu")
+    out = r.stdout + r.stderr
+    assert r.code == 1 and "HOST KEY CHANGED" in out
+    m = re.search(r"(ssh-keygen -R .*? -f \S+)\)", out)
+    assert m, out
+    argv = shlex.split(m.group(1))
+    assert argv[2] == f"[127.0.0.1]:{sshd.port}" and argv[4] == str(known)
+    subprocess.run(argv, check=True, capture_output=True)
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 1 and "unknown host key" in r.stdout + r.stderr  # the old key is gone; the new one not yet trusted
+
+
+def test_trusting_the_same_key_twice_adds_no_duplicate_line(tmp_path, sshd):
+    e = make_env(tmp_path, sshd, trusted=False)
+    known = tmp_path / "known_hosts"
+    for _ in range(2):
+        r = e.cli("hosts", "trust", "gpu", "--yes")
+        assert r.code == 0, r.stderr
+    assert known.read_text() == sshd.host_key_line()
+    assert "already recorded" in r.stdout
+    # A key already in ~/.ssh/known_hosts is not copied into the inventory's file either.
+    known.write_text("")
+    (e.home / ".ssh" / "known_hosts").write_text(sshd.host_key_line())
+    assert e.cli("hosts", "trust", "gpu", "--yes").code == 0
+    assert known.read_text() == ""

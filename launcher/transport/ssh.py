@@ -89,7 +89,10 @@ class SSHTransport(Transport):
         except hostkeys.UnknownHostKey as e:
             raise e.for_host(h.name) from None
         except paramiko.BadHostKeyException as e:
-            raise hostkeys.changed_key_error(h.name, e.hostname, e.key, e.expected_key) from None
+            # paramiko names the bare host; known_hosts (and ssh-keygen -R) name `[host]:port` off port 22.
+            known_name = hostkeys.known_host_name(conn.host, conn.port) if e.hostname == conn.host else e.hostname
+            raise hostkeys.changed_key_error(h.name, known_name, e.key, e.expected_key,
+                                             hostkeys.trusted_files(h.known_hosts)) from None
         except paramiko.AuthenticationException as e:
             raise HostError(f"{h.name}: authentication failed for {conn.user}@{conn.host}:{conn.port}: {e}") from None
         except (paramiko.SSHException, OSError, EOFError) as e:
