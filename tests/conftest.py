@@ -79,7 +79,7 @@ def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_en
     python: {sys.executable}
     workdir: {workdir}
     known_hosts: {known}
-    env: {{PYTHONPATH: {json.dumps(str(REPO))}{"".join(f", {k}: {json.dumps(v)}" for k, v in host_env.items())}}}"""
+    env: {json.dumps({"PYTHONPATH": str(REPO), **host_env})}"""
     env.write_inventory(
         f"""hosts:{ssh_host}
   local:
