@@ -1,19 +1,24 @@
-"""Uploads over SFTP, never heredocs: temporary name in the target folder, sha256 verified on the
+"""Uploads over SFTP, never heredocs: a temporary name in the target folder, sha256 verified on the
 host, then an atomic rename. Files whose remote sha256 already matches are skipped.
 
-An interrupted upload leaves at most a `.NAME.SHA.part` file beside the target, never a partial
-file at the final path; a rerun writes the same temporary name again and completes.
+Every temporary name is unique to its call (`.NAME.TOKEN.part`, TOKEN random), so two uploads of one name
+at once never write the same file; the winner of the final rename holds its own bytes whole. A lease process
+on the host creates the temporary files exclusively and holds a lock on each while the call runs; when the
+controller goes away (killed, connection lost) it removes them, and the next upload of a name removes any
+`.part` of that name that no lease holds. A full disk or a read-only folder is said in one line.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import posixpath
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CommandError
+from .errors import CommandError, KimiEagleError
 from .shell import join
 
 
@@ -55,27 +60,109 @@ class SyncReport:
 
 
 # Hashing on the host runs under the host's Python: hashlib (OpenSSL, SHA-NI) is ~4x coreutils' sha256sum.
-# Arguments come in pairs (path, expected size or -1); a file whose size differs is not worth hashing.
-_HASH_CODE = """
+_SHA_FN = """
 import hashlib, os, sys
+def sha(p):
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while True:
+            b = f.read(1 << 20)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+"""
+
+# Arguments come in pairs (path, expected size or -1); a file whose size differs is not worth hashing.
+_HASH_CODE = _SHA_FN + """
 a = sys.argv[1:]
 for p, want in zip(a[::2], a[1::2]):
     try:
         if int(want) >= 0 and os.path.getsize(p) != int(want):
             continue
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while True:
-                b = f.read(1 << 20)
-                if not b:
-                    break
-                h.update(b)
+        print(sha(p) + "  " + p)
     except OSError:
         continue
-    print(h.hexdigest() + "  " + p)
 """
 
-# Receives a file on stdin, writes it and hashes it in the same pass; prints the digest.
+# Verify what is about to be renamed (the temporary file itself, not the stream that filled it), then rename.
+# Arguments come in triples (temporary, final, expected sha256 or "-" when the receiver hashed its own file).
+_COMMIT_CODE = _SHA_FN + """
+import json
+a = sys.argv[1:]
+todo = list(zip(a[0::3], a[1::3], a[2::3]))
+bad = [final for tmp, final, want in todo if want != "-" and sha(tmp) != want]
+if not bad:
+    for tmp, final, want in todo:
+        os.replace(tmp, final)
+print(json.dumps({"mismatch": bad}))
+"""
+
+# The lease: sweeps `.part` files of these names that no lease holds any more (and that stopped changing), then
+# creates this call's temporary files exclusively and locks each. It says "ready" and then writes a heartbeat:
+# when the controller is gone the write fails (or a signal comes) and it removes the files it still holds.
+LEASE_CODE = """
+import errno, fcntl, json, os, re, signal, sys, time
+parts = sys.argv[1:]
+held = []
+def leave(*_):
+    raise SystemExit(0)
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(s, leave)
+def sweep(part):
+    d, b = os.path.split(part)
+    stem = re.escape(b[: -len(".part")].rsplit(".", 1)[0])
+    pattern = re.compile(stem + r"(\\.[0-9a-f]{12})?\\.part")
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for n in names:
+        if not pattern.fullmatch(n):
+            continue
+        try:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime > 2:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(os.path.join(d, n))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+try:
+    try:
+        for p in parts:
+            sweep(p)
+        for p in parts:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            held.append((p, fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        print(json.dumps({"errno": e.errno, "path": e.filename, "error": e.strerror}), flush=True)
+        raise SystemExit(1)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.2)
+        sys.stdout.write(".")
+        sys.stdout.flush()
+except (OSError, SystemExit, KeyboardInterrupt):
+    pass
+finally:
+    for p, fd in held:
+        try:
+            os.unlink(p)  # gone already when it was renamed into place
+        except OSError:
+            pass
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no complaint about a closed stdout on the way out
+    except OSError:
+        pass
+"""
+
+# Receives a file on stdin into a temporary file its lease created, hashing in the same pass; prints the digest.
+# The file is this call's alone (created exclusively by the lease), so the digest is that of the bytes renamed.
 RECEIVE_CODE = """
 import hashlib, os, sys
 path, mode = sys.argv[1], int(sys.argv[2], 8)
@@ -85,20 +172,31 @@ try:
 except (ImportError, OSError):
     pass
 h = hashlib.sha256()
-fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 try:
-    while True:
-        b = os.read(0, 1 << 20)
-        if not b:
-            break
-        h.update(b)
-        view = memoryview(b)
-        while view:
-            view = view[os.write(fd, view):]
-finally:
-    os.close(fd)
-os.chmod(path, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        while True:
+            b = os.read(0, 1 << 20)
+            if not b:
+                break
+            h.update(b)
+            view = memoryview(b)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.chmod(path, mode)
+except OSError as e:
+    sys.stderr.write("errno %d %s\\n" % (e.errno, e.strerror))
+    sys.exit(3)
 print(h.hexdigest())
+"""
+
+# Why a write failed, asked of the host: read-only, or how much room is left (bytes free to unprivileged users).
+_SPACE_CODE = """
+import os, sys
+st = os.statvfs(sys.argv[1])
+print(int(bool(st.f_flag & os.ST_RDONLY)), st.f_bavail * st.f_frsize)
 """
 
 
@@ -127,46 +225,128 @@ def _remote_hashes(transport, root: str, items: list[Item]) -> dict[str, str]:
     return _hash_remote(transport, [(i.remote, i.size) for i in items], prefix=f"mkdir -p -- {join(dirs)} && cd {join([root])} && ")
 
 
-def _mismatch(transport, item, tmps):
-    transport.run(f"rm -f -- {join(tmps)}")
-    return CommandError(f"{transport.name}: sha256 mismatch after uploading {item.remote}; nothing was replaced")
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _why_not_written(transport, folder: str, need: int, errno_: int | None = None) -> str | None:
+    """A one-line reason a write into `folder` failed, when it is space or a read-only file system."""
+    import errno as E
+
+    try:
+        res = transport.run(f"{_python(transport)} -c {join([_SPACE_CODE, folder])}", timeout=30)
+        ro, free = (int(x) for x in res.stdout.split())
+    except Exception:  # the diagnosis is best effort; the caller still has its own error
+        ro, free = errno_ == E.EROFS, None
+    if ro or errno_ == E.EROFS:
+        return f"{transport.name}:{folder} is read-only; nothing was replaced"
+    if errno_ in (E.ENOSPC, E.EDQUOT) or (free is not None and free < need):
+        room = "" if free is None else f" ({_human(free)} free, {_human(need)} needed)"
+        return f"no space left on {transport.name}:{folder}{room}; nothing was replaced"
+    return None
+
+
+class _Lease:
+    """The host-side holder of one call's temporary files (see LEASE_CODE)."""
+
+    def __init__(self, transport, parts: list[str]):
+        self.transport, self.parts = transport, parts
+        self.stream = transport.stream(f"exec {_python(transport)} -u -c {join([LEASE_CODE, *parts])}")
+        buf = b""
+        for chunk in self.stream.chunks:
+            buf += chunk
+            if b"\n" in buf:
+                break
+        first = buf.split(b"\n", 1)[0].decode(errors="replace")
+        if first != "ready":
+            self.stream.close()
+            try:
+                failed = json.loads(first)
+            except ValueError:
+                raise CommandError(f"{transport.name}: cannot create temporary files for the upload: {first or 'no answer'}") from None
+            folder = posixpath.dirname(failed.get("path") or parts[0])
+            raise CommandError(_why_not_written(transport, folder, 0, failed.get("errno"))
+                               or f"{transport.name}: cannot write {failed.get('path')}: {failed.get('error')}")
+
+    def release(self, *, remove: bool = False) -> None:
+        if remove:  # at once, not a heartbeat later: the caller reports a failure and must leave nothing
+            self.transport.run(f"rm -f -- {join(self.parts)}", timeout=30)
+        self.stream.close()
+
+
+def _mismatch(transport, names):
+    return CommandError(f"{transport.name}: sha256 mismatch after uploading {', '.join(names)}; nothing was replaced")
 
 
 def sync(transport, root: str, items: list[Item], progress=None) -> SyncReport:
     root = transport.abspath(root)
     report = SyncReport(transport.name, root)
     remote = _remote_hashes(transport, root, items)
-    verify, done = [], []
-    for item in items:
-        # Hash locally only when the host has a file of the same size; otherwise hash while sending.
-        if item.remote in remote and remote[item.remote] == item.digest():
-            report.unchanged.append(item.remote)
-            continue
+    # Hash locally only when the host has a file of the same size; otherwise hash while sending.
+    send = [i for i in items if not (i.remote in remote and remote[i.remote] == i.digest())]
+    report.unchanged = [i.remote for i in items if i not in send]
+    if not send:
+        return report
+    token = secrets.token_hex(6)
+    plan = []
+    for item in send:
         final = posixpath.join(root, item.remote)
-        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.part")
-        if item.data is not None:
-            transport.write_bytes(tmp, item.data, item.mode)
-            verify.append((item, tmp, final))
-        else:
-            # Large files stream through the fastest path the transport has, hashed on both sides in the same pass.
-            local, remote_digest = transport.upload_hashed(str(item.local), tmp, item.mode, progress=progress)
-            item.sha256 = local
-            if remote_digest is None:
-                verify.append((item, tmp, final))
-            elif remote_digest != local:
-                raise _mismatch(transport, item, [tmp])
-            else:
-                done.append((item, tmp, final))
-        report.bytes_sent += item.size
-    if verify:
-        got = _hash_remote(transport, [(t, -1) for _, t, _ in verify])
-        for item, tmp, final in verify:
-            if got.get(tmp) != item.digest():
-                raise _mismatch(transport, item, [t for _, t, _ in verify])
-    for item, tmp, final in done + verify:
-        transport.rename(tmp, final)
-        report.changed.append(item.remote)
+        plan.append((item, posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{token}.part"), final))
+    lease = _Lease(transport, [tmp for _, tmp, _ in plan])
+    committed = False
+    try:
+        commit = []
+        for item, tmp, final in plan:
+            try:
+                commit.append((tmp, final, _send(transport, item, tmp, progress)))
+            except (OSError, KimiEagleError) as e:
+                folder = posixpath.dirname(final)
+                reason = _why_not_written(transport, folder, item.size, getattr(e, "errno", None) or _errno_in(str(e)))
+                if reason:
+                    raise CommandError(reason) from None
+                raise
+            report.bytes_sent += item.size
+        args = [v for triple in commit for v in triple]
+        res = transport.run(f"{_python(transport)} -c {join([_COMMIT_CODE])} {join(args)}", check=True,
+                            what="verify and rename on the host")
+        bad = json.loads(res.stdout.strip().splitlines()[-1])["mismatch"]
+        if bad:
+            # SFTP's pipelined writes can lose a write error (ENOSPC) silently: the bytes are just not there.
+            need = sum(i.size for i, _, final in plan if final in bad)
+            raise CommandError(_why_not_written(transport, posixpath.dirname(bad[0]), need)
+                               or str(_mismatch(transport, [posixpath.relpath(b, root) for b in bad])))
+        committed = True
+    finally:
+        lease.release(remove=not committed)
+    report.changed = [item.remote for item, _, _ in plan]
     return report
+
+
+def _send(transport, item: Item, tmp: str, progress) -> str:
+    """Write one item to its temporary file; returns the digest the host must verify, or "-" when the host
+    already hashed the bytes it wrote (the OpenSSH path) and they matched ours."""
+    if item.data is not None:
+        transport.write_bytes(tmp, item.data, item.mode)
+        return item.digest()
+    # Large files stream through the fastest path the transport has, hashed on both sides in the same pass.
+    local, remote_digest = transport.upload_hashed(str(item.local), tmp, item.mode, progress=progress)
+    item.sha256 = local
+    if remote_digest is None:
+        return local
+    if remote_digest != local:
+        raise _mismatch(transport, [item.remote])
+    return "-"
+
+
+def _errno_in(message: str) -> int | None:
+    """The errno a host-side receiver reported (`errno 28 …`), if any."""
+    import re
+
+    m = re.search(r"errno (\d+)", message)
+    return int(m.group(1)) if m else None
 
 
 def tree_items(local_root: Path, files: list[Path], prefix: str = "") -> list[Item]:

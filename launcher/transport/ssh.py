@@ -278,8 +278,8 @@ class SSHTransport(Transport):
         out, err = proc.stdout.read(), proc.stderr.read()  # both tiny: a digest, maybe a warning
         proc.wait()
         if proc.returncode != 0:
-            raise HostError(f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): "
-                            f"{err.decode(errors='replace').strip().splitlines()[-1:] or ''}")
+            last = (err.decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise HostError(f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): {last}")
         return reader.hexdigest(), out.decode().strip()
 
     def rename(self, src, dst):
