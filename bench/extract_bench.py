@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "remote_payloads"))
+sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
 
 
 def measured_matmul_tflops(torch) -> float:
@@ -56,7 +56,7 @@ def main():
     # Run twice and keep the second: a fresh VM's RAM grows on first touch, which slows only the first
     # run's pinned buffers and output pages (seen: 47k vs 107k tokens/s on the same data).
     for _ in range(2):
-        res = subprocess.run([sys.executable, str(ROOT / "remote_payloads" / "extract.py"), "--model", a.model,
+        res = subprocess.run([sys.executable, str(ROOT / "remote_payloads" / "pipeline" / "extract.py"), "--model", a.model,
                               "--prepared-dir", a.prepared, "--out", str(out / "ours"), "--batch-size", str(a.batch_size),
                               "--seq-len", str(a.seq_len), "--device", "cuda", "--dtype", "bfloat16", "--overwrite",
                               "--writers", str(a.writers)],

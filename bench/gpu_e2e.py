@@ -121,7 +121,7 @@ pipeline:
 
     # 4. A ~1B-parameter random model (bf16), built on the host by a detached job.
     _, out, _, _ = cli("--json", "run", "exec", "--host", "h200", "--detach", "--no-gpu", "--", PY,
-                       ".kimi-eagle/payloads/tiny_model.py", "--kind", "llama", "--hidden", str(E["HIDDEN"]),
+                       ".kimi-eagle/payloads/pipeline/tiny_model.py", "--kind", "llama", "--hidden", str(E["HIDDEN"]),
                        "--layers", str(E["LAYERS"]), "--vocab", str(E["VOCAB"]), "--heads", str(max(1, E["HIDDEN"] // 128)),
                        "--dtype", "bf16", "--out", "models/llama-1b")
     job = json.loads(out)["id"]

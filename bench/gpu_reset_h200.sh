@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-GPU check of remote_payloads/gpu_reset.py (issue 5), for a machine with an NVIDIA GPU.
+# Real-GPU check of remote_payloads/ops/gpu_reset.py (issue 5), for a machine with an NVIDIA GPU.
 #
 #   1. record nvidia-smi's baseline memory on GPU $GPU;
 #   2. start an "ours" holder (own session, pgid recorded in a fake runs dir, like a job)
@@ -28,7 +28,7 @@ GRACE="${GRACE:-10}"
 TIMEOUT="${TIMEOUT:-60}"
 TOL_MIB="${TOL_MIB:-256}"
 SMI="${NVIDIA_SMI:-$(command -v nvidia-smi || echo /usr/local/nvidia/bin/nvidia-smi)}"
-RESET="$ROOT/remote_payloads/gpu_reset.py"
+RESET="$ROOT/remote_payloads/ops/gpu_reset.py"
 
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"

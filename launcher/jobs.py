@@ -1,4 +1,4 @@
-"""Detached jobs on a host: start, status, stop. The host-side half is remote_payloads/jobctl.py."""
+"""Detached jobs on a host: start, status, stop. The host-side half is remote_payloads/ops/jobctl.py."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _under(workdir: str, rel: str) -> str:
 
 
 def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
-    res = session.call("jobctl.py", ["--runs-dir", RUNS, *args])
+    res = session.call("ops/jobctl.py", ["--runs-dir", RUNS, *args])
     try:
         return res.exited, json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

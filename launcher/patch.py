@@ -1,4 +1,4 @@
-"""deploy-patch: run remote_payloads/patch_engine.py on hosts and read back what it did per file.
+"""deploy-patch: run remote_payloads/ops/patch_engine.py on hosts and read back what it did per file.
 
 The engine and its patch-set JSON files travel with every payload deploy (HostSession.deploy_payloads);
 this module only picks the engine's arguments, checks the patch-set name against the local copies of
@@ -15,8 +15,9 @@ from .host import PAYLOADS, HostSession
 from .parallel import HostOutcome, each_host
 from .resources import payload_files, payloads_dir
 
-ENGINE = "patch_engine.py"
+ENGINE = "ops/patch_engine.py"
 SETS_DIR = "patch_sets"
+RUNTIME = "step_runtime.py"  # the engine imports it
 PAYLOAD_NAME = "patch"
 MODES = ("apply", "check", "diff", "revert")
 # Per mode, the file statuses that count as "ended in the wanted state".
@@ -158,7 +159,7 @@ def upload_files() -> dict[str, str]:
     out = {}
     for f in payload_files():
         rel = f.relative_to(root).as_posix()
-        if rel == ENGINE or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
+        if rel in (ENGINE, RUNTIME) or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
             out[f"{PAYLOADS}/{rel}"] = f.read_text()
     return out
 

@@ -59,8 +59,8 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
     steps = []
     if pipeline.tiny_model:
         model = str(expand(pipeline.model))
-        steps.append(Step("tiny-model", [f"{PAYLOADS}/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
+        steps.append(Step("tiny-model", [f"{PAYLOADS}/pipeline/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
                           unless_exists=f"{model}/config.json"))
     for n in names:
-        steps.append(Step(n, [f"{PAYLOADS}/{n}.py", *step_args(n, pipeline), *extra]))
+        steps.append(Step(n, [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline), *extra]))
     return steps

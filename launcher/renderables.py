@@ -30,31 +30,33 @@ def _job(session, step):
 def _gpu_reset(session, step):
     from .gpu import reset_args
 
-    return dict([session.render_payload("gpu-reset", "gpu_reset.py", reset_args(session))])
+    return dict([session.render_payload("gpu-reset", "ops/gpu_reset.py", reset_args(session))])
 
 
 def _preflight(session, step):
     from .preflight import preflight_args
 
-    return dict([session.render_payload("preflight", "preflight.py", preflight_args(session, step or "all"))])
+    return dict([session.render_payload("preflight", "ops/preflight.py", preflight_args(session, step or "all"))])
+
+
+def _patch(session, step):
+    from .patch import render_files
+
+    return render_files(session, step)
 
 
 def files_for(what: str, step, host) -> dict[str, str]:
     session = HostSession(host, transport=Offline(host))
-    makers = dict(_extra)
-    if what not in makers:
-        raise ConfigError(f"render: unknown WHAT {what!r} (choose from {', '.join(sorted(makers))})")
-    return makers[what](session, step)
+    if what not in MAKERS:
+        raise ConfigError(f"render: unknown WHAT {what!r} (choose from {', '.join(sorted(MAKERS))})")
+    return MAKERS[what](session, step)
 
 
-_extra: dict = {
-    "probe": lambda session, step: dict([session.render_payload("probe", "probe.py", [])]),
+# WHAT -> fn(session, step) -> {path relative to the workdir: text}
+MAKERS = {
+    "probe": lambda session, step: dict([session.render_payload("probe", "ops/probe.py", [])]),
     "job": _job,
     "gpu-reset": _gpu_reset,
     "preflight": _preflight,
+    "patch": _patch,
 }
-
-
-def register(name: str, fn) -> None:
-    """fn(session, step) -> {relative path: text}"""
-    _extra[name] = fn

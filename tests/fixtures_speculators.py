@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = REPO / "remote_payloads" / "patch_engine.py"
+ENGINE = REPO / "remote_payloads" / "ops" / "patch_engine.py"
 PATCH_DIR = REPO / "remote_payloads" / "patch_sets"
 WHEEL_CACHE = Path("/tmp/specwheels")
 VERSIONS = ("0.3.0", "0.4.0")

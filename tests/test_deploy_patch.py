@@ -173,14 +173,14 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
     r = e.cli("render", "patch", "--host", "gpu", "--out", str(work), timeout=60)
     assert r.code == 0, r.stderr
     script = work / ".kimi-eagle" / "bin" / "patch.sh"
-    engine = work / ".kimi-eagle" / "payloads" / "patch_engine.py"
-    assert engine.read_bytes() == (REPO / "remote_payloads" / "patch_engine.py").read_bytes()
+    engine = work / ".kimi-eagle" / "payloads" / "ops" / "patch_engine.py"
+    assert engine.read_bytes() == (REPO / "remote_payloads" / "ops" / "patch_engine.py").read_bytes()
     sets = sorted(p.name for p in (work / ".kimi-eagle" / "payloads" / "patch_sets").iterdir())
     assert sets == sorted(p.name for p in PATCH_DIR.glob("*.json")) and sets
     for name in sets:
         assert (work / ".kimi-eagle/payloads/patch_sets" / name).read_bytes() == (PATCH_DIR / name).read_bytes()
     text = script.read_text()
-    assert ".kimi-eagle/payloads/patch_engine.py" in text and "--patch-set auto" in text
+    assert ".kimi-eagle/payloads/ops/patch_engine.py" in text and "--patch-set auto" in text
     assert os.access(script, os.X_OK)
     assert {str(script), str(engine)} <= set(r.stdout.split())
 
@@ -195,6 +195,7 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
 def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypatch, capsys):
     """Should the host's engine refuse the set (exit 2, no JSON), the CLI exits 2 with its one line."""
     from launcher import cli, patch
+    from launcher.cli.context import state
 
     inv = tmp_path / "inventory.yaml"
     inv.write_text(f"""hosts:
@@ -205,7 +206,7 @@ def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypat
     env: {{PYTHONPATH: "{install('0.4.0')}"}}
 """)
     monkeypatch.setattr(patch, "check_patch_set", lambda name: None)  # skip the local check
-    monkeypatch.setattr(cli.state, "_inventory", None)
+    monkeypatch.setattr(state, "_inventory", None)
     with pytest.raises(SystemExit) as exc:
         cli.main(["--inventory", str(inv), "deploy-patch", "--patch-set", "no-such-set"])
     assert exc.value.code == 2

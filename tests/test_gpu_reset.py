@@ -1,4 +1,4 @@
-"""remote_payloads/gpu_reset.py with real fuser and real signals, no GPU.
+"""remote_payloads/ops/gpu_reset.py with real fuser and real signals, no GPU.
 
 Ordinary temp files stand in for /dev/nvidia*: spawned processes hold them open, so
 fuser reports them exactly as it reports GPU holders. A bash `nvidia-smi` stand-in is
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "gpu_reset.py"
+SCRIPT = ROOT / "remote_payloads" / "ops" / "gpu_reset.py"
 
 pytestmark = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) not installed")
 

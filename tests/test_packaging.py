@@ -14,7 +14,7 @@ def test_wheel_works_from_any_directory(tmp_path):
                    check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("kimi_eagle-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("launcher/_data/templates/job.sh.j2", "launcher/_data/remote_payloads/extract.py",
+    for needed in ("launcher/_data/templates/job.sh.j2", "launcher/_data/remote_payloads/pipeline/extract.py",
                    "launcher/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
                    "launcher/_data/remote_payloads/sample_data/chat.jsonl", "launcher/default_inventory.yaml"):
         assert needed in names, needed

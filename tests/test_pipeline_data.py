@@ -17,8 +17,8 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAYLOADS = os.path.join(REPO, "remote_payloads")
-SAMPLE = os.path.join(PAYLOADS, "sample_data", "chat.jsonl")
+PAYLOADS = os.path.join(REPO, "remote_payloads", "pipeline")
+SAMPLE = os.path.join(REPO, "remote_payloads", "sample_data", "chat.jsonl")
 sys.path.insert(0, PAYLOADS)
 
 import extract  # noqa: E402

@@ -1,4 +1,4 @@
-"""remote_payloads/preflight.py: each failure kind is reported with its fix; a healthy setup passes."""
+"""remote_payloads/ops/preflight.py: each failure kind is reported with its fix; a healthy setup passes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "preflight.py"
-REAL_PATCH_ENGINE = ROOT / "remote_payloads" / "patch_engine.py"
+SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight.py"
+REAL_PATCH_ENGINE = ROOT / "remote_payloads" / "ops" / "patch_engine.py"
 
 FAKE_SMI = """#!/usr/bin/env bash
 # Stand-in for nvidia-smi --query-gpu=index,name,memory.total,memory.free

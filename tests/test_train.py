@@ -1,4 +1,4 @@
-"""remote_payloads/train.py on CPU: learning, resume determinism, speculators-format export.
+"""remote_payloads/pipeline/train.py on CPU: learning, resume determinism, speculators-format export.
 
 Inputs are generated here in the exact formats extract/vocab write (hs_{i}.safetensors +
 data_config.json, d2t.npy/t2d.npy) from a tiny random Llama target, with a learnable rule:
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "remote_payloads" / "train.py"
+TRAIN = REPO / "remote_payloads" / "pipeline" / "train.py"
 WHEEL_CACHE = Path("/tmp/specwheels")
 
 V, H, N, K = 64, 32, 4, 24          # target vocab, hidden, layers, draft vocab
@@ -33,6 +33,7 @@ SEQ, SAMPLES = 24, 16
 
 
 def load_train_module():
+    sys.path.insert(0, str(TRAIN.parent))  # as when run as a script: its siblings (draft_model) import
     spec = importlib.util.spec_from_file_location("kimi_eagle_train", TRAIN)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -40,6 +41,7 @@ def load_train_module():
 
 
 tr = load_train_module()
+import draft_model as dm  # noqa: E402  (the model and export; train.py holds the loop)
 # The models here are tiny: extra intra-op threads only add overhead (and contention with other suites).
 torch.set_num_threads(1)
 
@@ -237,10 +239,10 @@ def test_wrapper_weight_names(tmp_path):
     assert cfg["speculators_config"]["verifier"]["architectures"] == ["FakeVLForConditionalGeneration"]
     assert torch.equal(tensors["lm_head.weight"], p["sd"]["lm_head.weight"][torch.from_numpy(p["t2d"])])
     names = ["language_model.lm_head.weight", "vision_tower.model.norm.weight", "language_model.model.norm.weight"]
-    assert tr.resolve_weight_name(names, "model.norm.weight", "norm", "m") == "language_model.model.norm.weight"
-    assert tr.resolve_weight_name(names, "embed_tokens.weight", "embed", "m") is None
-    with pytest.raises(tr.UsageError, match="several tensors"):
-        tr.resolve_weight_name(["a.model.norm.weight", "b.model.norm.weight"], "model.norm.weight", "norm", "m")
+    assert dm.resolve_weight_name(names, "model.norm.weight", "norm", "m") == "language_model.model.norm.weight"
+    assert dm.resolve_weight_name(names, "embed_tokens.weight", "embed", "m") is None
+    with pytest.raises(dm.BadInput, match="several tensors"):
+        dm.resolve_weight_name(["a.model.norm.weight", "b.model.norm.weight"], "model.norm.weight", "norm", "m")
 
 
 def test_bad_input_exit_2(tmp_path):
@@ -324,7 +326,7 @@ def test_speculators_loads_export_same_logits(trained, speculators_site, tmp_pat
          "num_key_value_heads": tl["num_key_value_heads"], "head_dim": tl["head_dim"],
          "intermediate_size": tl["intermediate_size"], "rms_norm_eps": tl["rms_norm_eps"],
          "rope_theta": tl["rope_parameters"]["rope_theta"]}
-    ours = tr.Eagle3Draft(c, len(cfg["eagle_aux_hidden_state_layer_ids"]), cfg["draft_vocab_size"],
+    ours = dm.Eagle3Draft(c, len(cfg["eagle_aux_hidden_state_layer_ids"]), cfg["draft_vocab_size"],
                           cfg["norm_before_residual"])
     sd = load_file(str(exp / "model.safetensors"))
     embed = sd.pop("embed_tokens.weight")

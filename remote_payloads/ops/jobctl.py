@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import atomic_write as write_atomic  # noqa: E402
+
 EXIT_HELD = 3
 
 
@@ -39,12 +42,6 @@ def read(path, default=None):
     except OSError:
         return default
 
-
-def write_atomic(path, text):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def cmdline(pid):

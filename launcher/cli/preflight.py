@@ -6,14 +6,13 @@ from typing import Optional
 
 import typer
 
-from .cli import _ui, app, state
-from .errors import EXIT_FAILED
+from .context import console_ui, state
+from ..errors import EXIT_FAILED
 
 ICON = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
 STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def preflight(
     ctx: typer.Context,
     step: str = typer.Argument("all", help="prepare | extract | vocab | train | all"),
@@ -24,16 +23,16 @@ def preflight(
 
     `run` does this automatically (skip with --no-preflight). Flags after `--` go to the check script.
     """
-    from . import preflight as pf
-    from .parallel import each_host
-    from .pipeline import STEPS
+    from .. import preflight as pf
+    from ..parallel import each_host
+    from ..pipeline import STEPS
 
     if step not in (*STEPS, "all"):
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
     outcomes = each_host(state.inventory.select(host, group), lambda s: pf.run(s, step, list(ctx.args)))
-    ui = _ui()
+    ui = console_ui()
     if state.json:
         ui.emit_json([{"host": o.host, "ok": bool(o.ok and o.value.ok), "error": str(o.error) if o.error else None,
                        "checks": o.value.checks if o.value else []} for o in outcomes])
@@ -49,3 +48,8 @@ def preflight(
             ui.line(f"[{o.host}] preflight {'passed' if o.value.ok else 'FAILED'}", style="green" if o.value.ok else "red")
     if not all(o.ok and o.value.ok for o in outcomes):
         raise typer.Exit(EXIT_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(preflight)

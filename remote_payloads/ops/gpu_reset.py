@@ -35,6 +35,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import host_runs_dir  # noqa: E402
+from step_runtime import log as _log  # noqa: E402
+
 JOB_ENV_MARKER = b"KIMI_EAGLE_JOB_ID="
 DEFAULT_DEVICE_GLOB = "/dev/nvidia*"
 # nvidia-smi is often outside PATH in a non-login SSH session (see the H200 notes).
@@ -46,7 +50,7 @@ POLL_S = 0.1
 
 
 def log(msg: str) -> None:
-    print(f"[gpu_reset] {msg}", file=sys.stderr, flush=True)
+    _log(msg, "gpu_reset")
 
 
 # ---------------------------------------------------------------------------
@@ -261,12 +265,8 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
 
 
 def default_runs_dir() -> str | None:
-    """Payloads live in <workdir>/.kimi-eagle/payloads/; jobs in <workdir>/runs."""
-    here = Path(__file__).resolve().parent
-    if here.name == "payloads" and here.parent.name == ".kimi-eagle":
-        cand = here.parent.parent / "runs"
-        return str(cand) if cand.is_dir() else None
-    return None
+    runs = host_runs_dir()
+    return runs if runs and os.path.isdir(runs) else None
 
 
 # ---------------------------------------------------------------------------

@@ -22,8 +22,10 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CORPUS = os.path.join(HERE, "sample_data", "chat.jsonl")
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import log, payload_root  # noqa: E402
+
+DEFAULT_CORPUS = os.path.join(payload_root(), "sample_data", "chat.jsonl")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<image>"]
 
@@ -113,10 +115,6 @@ class KimiK25ForConditionalGeneration(KimiK25PreTrainedModel, GenerationMixin):
             raise NotImplementedError("the tiny Kimi stand-in is text-only")
         return self.language_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 '''
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -7,11 +7,10 @@ from typing import List, Optional
 
 import typer
 
-from .cli import _ui, app, state
-from .errors import EXIT_FAILED, ConfigError
+from .context import console_ui, state
+from ..errors import EXIT_FAILED, ConfigError
 
 
-@app.command("gpu-reset")
 def gpu_reset(
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g"),
@@ -24,13 +23,13 @@ def gpu_reset(
     device_path: List[str] = typer.Option([], "--device-path", help="Device files/globs to inspect (default /dev/nvidia*)."),
 ):
     """Find every process holding a GPU (fuser + nvidia-smi), stop ours (or --all), verify memory is back."""
-    from . import gpu
-    from .parallel import each_host
+    from .. import gpu
+    from ..parallel import each_host
 
     hosts = state.inventory.select(host, group)
     extra = [a for p in device_path for a in ("--device-path", p)]
     kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu)
-    ui = _ui()
+    ui = console_ui()
     if all_ and not dry_run and not yes:
         plans = each_host(hosts, lambda s: gpu.reset(s, stop_all=True, dry_run=True, extra=extra, **kw))
         _print(plans, ui)
@@ -77,3 +76,8 @@ def _print(outcomes, ui) -> None:
         if d.get("elapsed_s") is not None and d.get("mode") != "dry-run" and d.get("holders"):
             ui.line(f"[{o.host}] {'verified free' if o.value.ok else 'NOT free'} after {d['elapsed_s']}s",
                     style="green" if o.value.ok else "red")
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command("gpu-reset")(gpu_reset)

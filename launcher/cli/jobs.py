@@ -7,12 +7,12 @@ from typing import Optional
 
 import typer
 
-from .cli import _ui, app, state
-from .errors import EXIT_RUNNING, ConfigError
+from .context import console_ui, state
+from ..errors import EXIT_RUNNING, ConfigError
 
 
 def _host_for_job(job_id: str, host: Optional[str]):
-    from . import jobs
+    from .. import jobs
 
     if host:
         return state.inventory.one(host)
@@ -25,9 +25,9 @@ def _host_for_job(job_id: str, host: Optional[str]):
 
 
 def _follow_and_exit(host, job_id: str, *, follow: bool, tail: Optional[int], session=None):
-    from . import jobs, logs, logview
+    from .. import jobs, logs, logview
 
-    ui = _ui()
+    ui = console_ui()
     printer = logview.Printer(host.name, ui.console(), as_json=state.json)
 
     def reconnecting(n, wait):
@@ -55,7 +55,6 @@ def _follow_and_exit(host, job_id: str, *, follow: bool, tail: Optional[int], se
     raise typer.Exit(jobs.STATE_EXIT[job.state])
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
     step: str = typer.Argument(..., help="prepare | extract | vocab | train | all | exec (any command after --)"),
@@ -70,23 +69,23 @@ def run(
     Flags after `--` go to the step's script, e.g. `kimi-eagle run extract -- --validate`;
     `kimi-eagle run exec -- CMD ARGS` runs any command with the same log, stop and exit-code guarantees.
     """
-    from . import jobs
-    from .host import HostSession
+    from .. import jobs
+    from ..host import HostSession
 
     h = state.inventory.one(host)
     extra = list(ctx.args)
-    from .renderables import Offline
+    from ..renderables import Offline
 
     jobs.render_job(HostSession(h, transport=Offline(h)), step, extra)  # validate before connecting
-    ui = _ui()
+    ui = console_ui()
     session = HostSession(h)
     try:
         if reset_gpus:
-            from . import gpu
+            from .. import gpu
 
             gpu.reset_before_run(session, printer=lambda text: ui.line(f"[{h.name}] {text}"))
         if not no_preflight and step != "exec":
-            from . import preflight
+            from .. import preflight
 
             preflight.gate(session, step, printer=lambda text, style=None: ui.line(f"[{h.name}] {text}", style=style))
         job = jobs.start(session, step, extra, gpu=gpu)
@@ -105,7 +104,6 @@ def run(
     _follow_and_exit(h, job.id, follow=True, tail=None, session=session)
 
 
-@app.command()
 def logs(
     job_id: str = typer.Argument(..., metavar="JOB"),
     host: Optional[str] = typer.Option(None, "--host", "-H"),
@@ -116,15 +114,14 @@ def logs(
     _follow_and_exit(_host_for_job(job_id, host), job_id, follow=follow, tail=tail)
 
 
-@app.command()
 def status(
     job_id: Optional[str] = typer.Argument(None, metavar="[JOB]"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host or group (default: every host)."),
 ):
     """List jobs with id, step, host, state, runtime and exit code."""
-    from . import jobs
-    from .errors import EXIT_FAILED
-    from .parallel import each_host
+    from .. import jobs
+    from ..errors import EXIT_FAILED
+    from ..parallel import each_host
 
     if job_id:
         targets = [_host_for_job(job_id, host)]
@@ -132,7 +129,7 @@ def status(
         targets = state.inventory.select(host)
     outcomes = each_host(targets, lambda s: jobs.status(s, job_id))
     all_jobs = [j for o in outcomes if o.ok for j in o.value]
-    ui = _ui()
+    ui = console_ui()
     if state.json:
         ui.emit_json({"jobs": [j.as_dict() for j in all_jobs],
                       "errors": {o.host: str(o.error) for o in outcomes if not o.ok}})
@@ -156,20 +153,19 @@ def _duration(seconds) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-@app.command()
 def stop(
     job_id: str = typer.Argument(..., metavar="JOB"),
     host: Optional[str] = typer.Option(None, "--host", "-H"),
     grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
 ):
     """Stop a job: SIGTERM to its whole process group, SIGKILL after --grace, verify nothing is left."""
-    from . import jobs
-    from .host import HostSession
+    from .. import jobs
+    from ..host import HostSession
 
     h = _host_for_job(job_id, host)
     with HostSession(h) as session:
         data = jobs.stop(session, job_id, grace)
-    ui = _ui()
+    ui = console_ui()
     if state.json:
         return ui.emit_json(data)
     if data.get("already"):
@@ -179,3 +175,11 @@ def stop(
     ui.line(f"[{h.name}] job {job_id} stopped: {len(data['signalled'])} processes, SIGTERM then "
             f"{'SIGKILL to ' + str(sent['KILL']) if sent['KILL'] else 'no SIGKILL needed'}; nothing left "
             f"({data['elapsed_s']}s)", style="green")
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)
+    app.command()(logs)
+    app.command()(status)
+    app.command()(stop)

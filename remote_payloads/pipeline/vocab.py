@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare import BadInput, atomic_save_npy, atomic_write_json, log, run_step  # noqa: E402
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import BadInput, atomic_save_npy, atomic_write_json, log, run_step  # noqa: E402
 
 
 def select_draft_vocab(freq, k):

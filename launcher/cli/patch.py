@@ -6,21 +6,10 @@ from typing import Optional
 
 import typer
 
-from . import renderables
-from .cli import _ui, app, state
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from .context import console_ui, state
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 
 
-def _render_patch(session, step):
-    from . import patch
-
-    return patch.render_files(session, step)
-
-
-renderables.register("patch", _render_patch)
-
-
-@app.command("deploy-patch")
 def deploy_patch(
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
@@ -35,7 +24,7 @@ def deploy_patch(
     Exit 0 when every file ends in the wanted state (for --check/--diff: nothing failed); 1 otherwise
     (a failed or skipped file, an unsupported version, an unreachable host); 2 for bad usage or an unknown set.
     """
-    from . import patch
+    from .. import patch
 
     if revert and (check or diff):
         raise ConfigError("--revert cannot be combined with --check/--diff")
@@ -44,7 +33,7 @@ def deploy_patch(
     outcomes = patch.deploy(hosts, patch_set, mode)
 
     if state.json:
-        _ui().emit_json([
+        console_ui().emit_json([
             {"host": o.host, "error": str(o.error) if o.error else None,
              **(o.value.to_dict() if o.value is not None else {"mode": mode, "files": []}),
              "ok": patch.succeeded(o)}
@@ -57,7 +46,7 @@ def deploy_patch(
     usage = [o for o in outcomes if isinstance(o.error, ConfigError)]
     if usage:
         for o in usage:  # the host refused its input (e.g. a malformed patch-set file): one line each
-            _ui().error(str(o.error))
+            console_ui().error(str(o.error))
         raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(EXIT_OK if all(patch.succeeded(o) for o in outcomes) else EXIT_FAILED)
 
@@ -69,7 +58,7 @@ _STYLE = {"changed": "green", "reverted": "green", "ok": "green", "would-change"
 
 
 def _show(o, mode: str, good: bool) -> None:
-    ui = _ui()
+    ui = console_ui()
     if isinstance(o.error, ConfigError):
         return  # reported on stderr with exit 2
     if o.error is not None:
@@ -106,7 +95,7 @@ def _show(o, mode: str, good: bool) -> None:
 
 
 def _show_diff(text: str) -> None:
-    ui = _ui()
+    ui = console_ui()
     con = ui.console()
     if con.is_terminal and not con.no_color:
         from rich.syntax import Syntax
@@ -114,3 +103,8 @@ def _show_diff(text: str) -> None:
         con.print(Syntax(text.rstrip("\n"), "diff", word_wrap=True, background_color="default"))
     else:
         ui.line(text.rstrip("\n"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command("deploy-patch")(deploy_patch)

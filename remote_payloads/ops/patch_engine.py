@@ -49,16 +49,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_PATCH_DIR = Path(__file__).resolve().parent / "patch_sets"
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import BadInput, atomic_write  # noqa: E402
+from step_runtime import log as _log  # noqa: E402
+
+DEFAULT_PATCH_DIR = Path(__file__).resolve().parent.parent / "patch_sets"
 STATE_DIR_NAME = ".kimi-eagle-pristine"
 
 
-class UsageError(Exception):
-    """Bad arguments or a malformed patch-set file: exit 2."""
-
-
 def log(msg: str) -> None:
-    print(f"[patch_engine] {msg}", file=sys.stderr)
+    _log(msg, "patch_engine")
 
 
 def sha256(data: bytes) -> str:
@@ -117,7 +117,7 @@ def _text(value, where: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(x, str) for x in value):
         return "".join(line + "\n" for line in value)
-    raise UsageError(f"{where}: must be a string or a list of strings")
+    raise BadInput(f"{where}: must be a string or a list of strings")
 
 
 def load_patch_set(path: Path) -> dict:
@@ -125,58 +125,58 @@ def load_patch_set(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UsageError(f"{where}: not readable JSON ({exc})") from None
+        raise BadInput(f"{where}: not readable JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise UsageError(f"{where}: top level must be an object")
+        raise BadInput(f"{where}: top level must be an object")
     for key in ("name", "package", "versions", "marker"):
         if not isinstance(data.get(key), str) or not data[key]:
-            raise UsageError(f"{where}: field '{key}' must be a non-empty string")
+            raise BadInput(f"{where}: field '{key}' must be a non-empty string")
     try:
         version_matches("0", data["versions"])
     except ValueError as exc:
-        raise UsageError(f"{where}: field 'versions': {exc}") from None
+        raise BadInput(f"{where}: field 'versions': {exc}") from None
     if "\n" in data["marker"]:
-        raise UsageError(f"{where}: field 'marker' must be one line")
+        raise BadInput(f"{where}: field 'marker' must be one line")
     files = data.get("files")
     if not isinstance(files, list) or not files:
-        raise UsageError(f"{where}: field 'files' must be a non-empty list")
+        raise BadInput(f"{where}: field 'files' must be a non-empty list")
     for i, f in enumerate(files):
         fw = f"{where}: files[{i}]"
         if not isinstance(f, dict) or not isinstance(f.get("path"), str) or not f["path"]:
-            raise UsageError(f"{fw}.path must be a non-empty string")
+            raise BadInput(f"{fw}.path must be a non-empty string")
         if Path(f["path"]).is_absolute() or ".." in Path(f["path"]).parts:
-            raise UsageError(f"{fw}.path must be relative to the install location")
+            raise BadInput(f"{fw}.path must be relative to the install location")
         hunks = f.get("hunks")
         if not isinstance(hunks, list) or not hunks:
-            raise UsageError(f"{fw}.hunks must be a non-empty list")
+            raise BadInput(f"{fw}.hunks must be a non-empty list")
         for j, h in enumerate(hunks):
             hw = f"{fw}.hunks[{j}]"
             if not isinstance(h, dict):
-                raise UsageError(f"{hw} must be an object")
+                raise BadInput(f"{hw} must be an object")
             if "old" in h:
                 h["old"], h["new"] = _text(h["old"], hw + ".old"), _text(h.get("new"), hw + ".new")
                 if not h["old"]:
-                    raise UsageError(f"{hw}.old must not be empty")
+                    raise BadInput(f"{hw}.old must not be empty")
             elif "anchor" in h:
                 h["anchor"] = _text(h["anchor"], hw + ".anchor")
                 keys = [k for k in ("insert_before", "insert_after") if k in h]
                 if len(keys) != 1 or not h["anchor"]:
-                    raise UsageError(f"{hw}: anchor needs exactly one of insert_before/insert_after")
+                    raise BadInput(f"{hw}: anchor needs exactly one of insert_before/insert_after")
                 h[keys[0]] = _text(h[keys[0]], f"{hw}.{keys[0]}")
             else:
-                raise UsageError(f"{hw}: needs 'old'+'new' or 'anchor'+'insert_before|insert_after'")
+                raise BadInput(f"{hw}: needs 'old'+'new' or 'anchor'+'insert_before|insert_after'")
     data["_file"] = where
     return data
 
 
 def all_patch_sets(patch_dir: Path) -> list[dict]:
     if not patch_dir.is_dir():
-        raise UsageError(f"{patch_dir}: patch directory does not exist")
+        raise BadInput(f"{patch_dir}: patch directory does not exist")
     sets = [load_patch_set(p) for p in sorted(patch_dir.glob("*.json"))]
     names = [s["name"] for s in sets]
     for n in names:
         if names.count(n) > 1:
-            raise UsageError(f"{patch_dir}: field 'name': {n!r} is used by more than one file")
+            raise BadInput(f"{patch_dir}: field 'name': {n!r} is used by more than one file")
     return sets
 
 
@@ -264,17 +264,7 @@ def record_hashes(dist) -> dict[str, str]:
 
 
 def write_atomic(path: Path, data: bytes, mode: int | None) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(str(path), data, mode)
 
 
 def drop_bytecode(path: Path) -> None:
@@ -336,7 +326,7 @@ def run(args) -> tuple[dict, int]:
     if args.patch_set == "auto":
         hits = [s for s in sets if (v := installed_version(s["package"])) and version_matches(v, s["versions"])]
         if len(hits) > 1:
-            raise UsageError(f"{patch_dir}: field 'versions': sets {[s['name'] for s in hits]} all match")
+            raise BadInput(f"{patch_dir}: field 'versions': sets {[s['name'] for s in hits]} all match")
         if not hits:
             found = {s["package"]: installed_version(s["package"]) for s in sets}
             reason = f"no patch set matches the installed versions {found}"
@@ -347,7 +337,7 @@ def run(args) -> tuple[dict, int]:
         by_name = {s["name"]: s for s in sets}
         by_name.update({Path(s["_file"]).stem: s for s in sets})
         if args.patch_set not in by_name:
-            raise UsageError(f"--patch-set: unknown patch set {args.patch_set!r} "
+            raise BadInput(f"--patch-set: unknown patch set {args.patch_set!r} "
                              f"(available: {sorted(s['name'] for s in sets)})")
         pset = by_name[args.patch_set]
 
@@ -509,11 +499,11 @@ def main(argv=None) -> int:
         return int(exc.code or 0)
     try:
         if not args.list and not args.patch_set:
-            raise UsageError("--patch-set: required (a name or 'auto'), or use --list")
+            raise BadInput("--patch-set: required (a name or 'auto'), or use --list")
         if args.revert and (args.check or args.diff):
-            raise UsageError("--revert: cannot be combined with --check/--diff")
+            raise BadInput("--revert: cannot be combined with --check/--diff")
         doc, code = run(args)
-    except UsageError as exc:
+    except BadInput as exc:
         print(f"patch_engine: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2))

@@ -25,7 +25,10 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
+
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,  # noqa: E402
+                          run_step, sha256_file)
 
 FORMAT = "kimi-eagle-prepared/1"
 SHARE_GPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -35,87 +38,6 @@ OPENAI_ROLES = {"system", "user", "assistant"}
 
 class BadRow(ValueError):
     pass
-
-
-class BadInput(ValueError):
-    """Exit-2 condition: bad usage or input."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# small shared helpers (extract.py and vocab.py import these)
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
-
-
-def progress(iterable, total=None, desc=""):
-    """tqdm on stderr when available (the launcher renders tqdm bars), else a plain iterator."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-
-
-def atomic_write_bytes(path, data):
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path, obj):
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def atomic_save_npy(path, array):
-    import io
-
-    import numpy as np
-
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def emit(result, code):
-    print(json.dumps(result, ensure_ascii=False))
-    return code
-
-
-def run_step(step, fn, args, refused=()):
-    """A step's main: its JSON result on stdout; bad input exits 2, a refusal (`refused`) or a crash exits 1."""
-    try:
-        result = fn(args)
-        result, code = result if isinstance(result, tuple) else (result, 0)
-        return emit(result, code)
-    except BadInput as e:
-        print(f"{step}: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": step, "error": str(e)}, 2)
-    except refused as e:
-        print(f"{step}: {e}", file=sys.stderr)
-        return emit({"ok": False, "step": step, "error": str(e)}, 1)
-    except Exception as e:  # the operation failed (I/O, tokenizer crash, ...): keep the traceback in the log
-        import traceback
-
-        traceback.print_exc()
-        return emit({"ok": False, "step": step, "error": f"{type(e).__name__}: {e}"}, 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,7 +205,6 @@ def target_vocab_size(model, tok):
     """Rows of the target's embedding (config vocab_size), never less than the tokenizer's id range."""
     n = len(tok)
     try:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from model_layers import local_text_config_dict, text_config
 
         local = local_text_config_dict(model)
@@ -312,7 +233,7 @@ def write_shards(out_dir, samples, shard_size):
             "source_line": np.asarray([line for _, _, line in chunk], dtype=np.int64),
         }
         name = f"shard_{k:05d}.safetensors"
-        atomic_write_bytes(os.path.join(out_dir, name), save(tensors, metadata={"start": str(start)}))
+        atomic_write(os.path.join(out_dir, name), save(tensors, metadata={"start": str(start)}))
         shards.append({"file": name, "start": start, "count": len(chunk)})
     return shards
 

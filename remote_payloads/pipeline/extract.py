@@ -31,10 +31,11 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, local_text_config_dict,  # noqa: E402
                           parse_layer_ids, resolve_decoder_stack, text_config)
-from prepare import BadInput, PreparedDataset, atomic_write_json, log, progress, run_step  # noqa: E402
+from prepare import PreparedDataset  # noqa: E402
+from step_runtime import BadInput, Refused, atomic_write_json, log, progress, run_step  # noqa: E402
 
 FORMAT = "kimi-eagle-hidden-states/1"
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
@@ -43,10 +44,6 @@ SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
 TMP_RE = re.compile(r"^\.hs_(\d+)\.safetensors\.tmp-\d+$")
 # data_config fields that must agree before we resume into an existing directory
 COMPAT_KEYS = ("layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention")
-
-
-class Refused(RuntimeError):
-    """Exit-1 condition with a clear message (e.g. speculators not patched)."""
 
 
 def sample_path(out_dir, i):
@@ -701,7 +698,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
-    return run_step("extract", run, args, refused=(Refused, LayerResolutionError))
+    return run_step("extract", run, args, refused=(LayerResolutionError,))
 
 
 if __name__ == "__main__":

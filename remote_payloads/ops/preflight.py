@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
+from step_runtime import host_runs_dir  # noqa: E402
+from step_runtime import log as _log  # noqa: E402
+
 # ---------------------------------------------------------------------------
 # Compatibility table: which patch set each speculators/vLLM combination needs.
 # First matching row wins. `patch_set` None means the combination works unpatched.
@@ -54,7 +58,7 @@ DEPLOY_FIX = "run `kimi-eagle deploy-patch --host {host}`"
 
 
 def log(msg: str) -> None:
-    print(f"[preflight] {msg}", file=sys.stderr, flush=True)
+    _log(msg, "preflight")
 
 
 def check(name: str, status: str, detail: str, fix: str | None = None) -> dict:
@@ -621,11 +625,7 @@ def check_lock(args) -> dict:
 # ---------------------------------------------------------------------------
 
 def default_runs_dir() -> str | None:
-    """Payloads live in <workdir>/.kimi-eagle/payloads/; jobs in <workdir>/runs."""
-    here = Path(__file__).resolve().parent
-    if here.name == "payloads" and here.parent.name == ".kimi-eagle":
-        return str(here.parent.parent / "runs")
-    return None
+    return host_runs_dir()
 
 
 def resolve_smi(arg: str | None) -> str | None:

@@ -1,0 +1,59 @@
+"""`kimi-eagle render` and `upload`: files to look at, files to send."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import EXIT_FAILED
+from .context import console_ui, state
+
+def render(
+    what: str = typer.Argument(..., metavar="WHAT", help="probe | patch | gpu-reset | preflight | job STEP (e.g. 'job extract')."),
+    step: Optional[str] = typer.Argument(None, help="The step, for WHAT=job: prepare|extract|vocab|train|all."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
+    out: Path = typer.Option(..., "--out", "-o", help="Local folder to write the rendered files into."),
+):
+    """Write exactly what would be uploaded and run, without touching the network."""
+    from .. import render as r, renderables
+
+    files = renderables.files_for(what, step, state.inventory.one(host))
+    written = r.write(out, files)
+    if state.json:
+        return console_ui().emit_json([str(p) for p in written])
+    for p in written:
+        console_ui().line(str(p))
+
+
+# ---------------------------------------------------------------------------------------------- upload
+def upload(
+    paths: List[Path] = typer.Argument(..., exists=True, dir_okay=True, help="Local files or folders."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
+    group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
+    to: str = typer.Option(..., "--to", help="Folder on the host; relative paths are under the host's workdir."),
+):
+    """Copy files to hosts atomically, sha256-verified; files already there unchanged are skipped."""
+    from .. import transfer
+
+    outcomes = transfer.upload(state.inventory.select(host, group), paths, to)
+    if state.json:
+        console_ui().emit_json([{"host": o.host, "ok": o.ok, "error": str(o.error) if o.error else None,
+                          **({"root": o.value.root, "changed": o.value.changed, "unchanged": o.value.unchanged,
+                              "bytes_sent": o.value.bytes_sent} if o.value else {})} for o in outcomes])
+    else:
+        for o in outcomes:
+            if not o.ok:
+                console_ui().line(f"[{o.host}] failed: {o.error}", style="red")
+                continue
+            for path, status in o.value.rows():
+                console_ui().line(f"[{o.host}] {status:9} {o.value.root}/{path}")
+    if not all(o.ok for o in outcomes):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command()(render)
+    app.command()(upload)

@@ -1,0 +1,87 @@
+"""`kimi-eagle hosts`: list, check and trust the inventory's hosts."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import EXIT_FAILED, ConfigError, KimiEagleError
+from .context import console_ui, state
+
+app = typer.Typer(help="List, check and trust hosts.", invoke_without_command=True, no_args_is_help=False)
+
+@app.callback()
+def hosts_list(ctx: typer.Context):
+    """List the hosts of the inventory (or run a subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    inv = state.inventory
+    groups = {m: [g for g, ms in inv.data.groups.items() if m in ms] for m in inv.hosts}
+    rows = [
+        dict(name=h.name, transport=h.transport, address=h.address if h.transport == "ssh" else "(this machine)",
+             port=h.port, user=h.user, workdir=h.workdir, python=h.python, groups=groups[h.name])
+        for h in inv.hosts.values()
+    ]
+    if state.json:
+        return console_ui().emit_json({"inventory": inv.path, "hosts": rows})
+    console_ui().table(
+        f"hosts in {inv.path}", ["host", "transport", "address", "user", "workdir", "python", "groups"],
+        [[r["name"], r["transport"], r["address"] + (f":{r['port']}" if r["port"] else ""), r["user"] or "",
+          r["workdir"], r["python"], ", ".join(r["groups"])] for r in rows],
+    )
+
+
+@app.command("check")
+def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROUP]", help="Default: every host.")):
+    """Connect to each host in parallel and report Python, torch/CUDA, transformers, vllm, speculators, GPUs."""
+    from .. import hosts
+
+    outcomes = hosts.check(state.inventory.select(target))
+    if state.json:
+        console_ui().emit_json([{"host": o.host, "ok": o.ok, "error": str(o.error) if o.error else None, **(o.value or {})} for o in outcomes])
+    else:
+        ui = console_ui()
+        for o in outcomes:
+            if not o.ok:
+                ui.line(f"[{o.host}] unreachable: {o.error}", style="red")
+                continue
+            d = o.value
+            pk = d["packages"]
+            show = lambda name: pk.get(name) or "missing"  # noqa: E731
+            ui.line(f"[{o.host}] reachable  python {d['python']} ({d['executable']})", style="green")
+            torch = show("torch") + (f" (CUDA {d['torch_cuda']})" if d.get("torch_cuda") else "")
+            ui.line(f"[{o.host}] torch {torch}  transformers {show('transformers')}  vllm {show('vllm')}  speculators {show('speculators')}")
+            if d.get("gpus"):
+                for g in d["gpus"]:
+                    ui.line(f"[{o.host}] GPU {g['index']}: {g['name']}  {g['memory_used_mib']}/{g['memory_total_mib']} MiB used")
+            else:
+                ui.line(f"[{o.host}] GPUs: none ({d.get('gpu_note') or 'no GPU'})", style="yellow")
+    if not all(o.ok for o in outcomes):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("trust")
+def hosts_trust(
+    host: str = typer.Argument(..., help="Host name from the inventory."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Record the key without asking."),
+    fingerprint: Optional[str] = typer.Option(None, "--fingerprint", help="Record only if the key has this SHA256 fingerprint."),
+):
+    """Show a host's key fingerprint and record it in the known_hosts file (the inventory's, else ~/.ssh/known_hosts)."""
+    from .. import hosts, hostkeys
+
+    h = state.inventory.one(host)
+    hostname, port, key = hosts.offered_key(h)
+    fp = hostkeys.fingerprint(key)
+    ui = console_ui()
+    ui.line(f"{h.name} ({hostname}:{port}) offers {key.get_name()} {fp}")
+    if fingerprint and fingerprint != fp:
+        raise KimiEagleError(f"{h.name}: offered fingerprint {fp} does not match --fingerprint {fingerprint}; nothing recorded")
+    if not (yes or fingerprint):
+        if not sys.stdin.isatty():
+            raise ConfigError(f"{h.name}: not a terminal; confirm with --yes or --fingerprint {fp}")
+        if not typer.confirm("Trust this key?", default=False):
+            raise typer.Exit(EXIT_FAILED)
+    path = hosts.trust(h, hostname, port, key)
+    ui.line(f"recorded in {path}", style="green")

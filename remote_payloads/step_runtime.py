@@ -1,0 +1,141 @@
+"""The step contract every payload follows (docs/CONTRACTS.md), in one place. Stdlib only.
+
+- one JSON document on stdout: the result;
+- human progress on stderr;
+- exit 0 success, 1 the operation failed or was refused (the JSON says why), 2 bad usage or input
+  (one line on stderr naming the file/field; nothing changed);
+- every output file written atomically: a temporary name in the same folder, then os.replace.
+
+Entry scripts live one folder below the payload root (pipeline/, ops/) and put the root on sys.path
+themselves before importing this module, so they run the same from a checkout, a wheel or a host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+
+class BadInput(ValueError):
+    """Exit 2: bad usage or input. The message names the file, flag or field."""
+
+
+class Refused(RuntimeError):
+    """Exit 1 without a traceback: the step declined to act (e.g. outputs of another run are in the way)."""
+
+
+def log(msg: str, prefix: str = "") -> None:
+    print(f"[{prefix}] {msg}" if prefix else msg, file=sys.stderr, flush=True)
+
+
+def progress(iterable, total=None, desc=""):
+    """tqdm on stderr when available (the launcher renders tqdm bars), else the plain iterable."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+# --------------------------------------------------------------------------------------- atomic writes
+def atomic_write_via(path: str, writer, mode: int | None = None) -> None:
+    """Write `path` through `writer(tmp_path)`; readers see the old file or the whole new one, never a part.
+
+    The temporary name is unique to this call (mkstemp), so concurrent writers of one path never mix bytes.
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    os.close(fd)
+    try:
+        writer(tmp)
+        if mode is None:  # mkstemp makes 0600; give what a plain open() would (vLLM may run as another user)
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str, data, mode: int | None = None) -> None:
+    """Bytes or text (UTF-8), fsynced before the rename."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write_via(path, write, mode)
+
+
+def atomic_write_json(path: str, obj) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def atomic_save_npy(path: str, array) -> None:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    atomic_write(path, buf.getvalue())
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- main
+def emit(result, code: int) -> int:
+    print(json.dumps(result, ensure_ascii=False))
+    return code
+
+
+def run_step(step: str, fn, args, refused=()) -> int:
+    """A step's main: fn(args) returns its result (or (result, exit code)).
+
+    BadInput exits 2 with one line; Refused (and the classes in `refused`) exit 1 with one line; anything
+    else exits 1 with its traceback in the log, since that is a bug or an environment failure to debug.
+    """
+    try:
+        result = fn(args)
+        result, code = result if isinstance(result, tuple) else (result, 0)
+        return emit(result, code)
+    except BadInput as e:
+        print(f"{step}: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": step, "error": str(e), "kind": "usage"}, 2)
+    except (Refused, *refused) as e:
+        print(f"{step}: {e}", file=sys.stderr)
+        return emit({"ok": False, "step": step, "error": str(e)}, 1)
+    except Exception as e:  # noqa: BLE001 - the operation failed: keep the traceback in the log
+        import traceback
+
+        traceback.print_exc()
+        return emit({"ok": False, "step": step, "error": f"{type(e).__name__}: {e}"}, 1)
+
+
+def payload_root() -> str:
+    """The folder this file lives in: the payload root (on a host, <workdir>/.kimi-eagle/payloads)."""
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def host_runs_dir() -> str | None:
+    """<workdir>/runs when these payloads were deployed to a host's <workdir>/.kimi-eagle/payloads, else None."""
+    root = payload_root()
+    if os.path.basename(root) == "payloads" and os.path.basename(os.path.dirname(root)) == ".kimi-eagle":
+        return os.path.join(os.path.dirname(os.path.dirname(root)), "runs")
+    return None
