@@ -28,10 +28,17 @@ class LineSplitter:
     def __init__(self, emit: Callable[[str, str], None]):
         self.emit = emit
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.buf = ""
+        self.pending: list[str] = []  # text after the last break; joined only when a break arrives
 
     def feed(self, data: bytes) -> None:
-        buf = self.buf + self.decoder.decode(data)
+        text = self.decoder.decode(data)
+        if "\n" not in text and "\r" not in text:
+            # Part of a long line: keep the piece, do not rebuild and rescan the whole line for every read
+            # (a 10 MB line arriving 64 KiB at a time was quadratic).
+            if text:
+                self.pending.append(text)
+            return
+        buf = "".join(self.pending) + text
         start = 0
         # One pass with an index: slicing the remainder after every line would be quadratic in the chunk size.
         for m in _BREAK.finditer(buf):
@@ -45,13 +52,13 @@ class LineSplitter:
             else:
                 self.emit("line", piece)
             start = m.end()
-        self.buf = buf[start:]
+        self.pending = [buf[start:]] if start < len(buf) else []
 
     def flush(self) -> None:
-        self.buf += self.decoder.decode(b"", final=True)
-        if self.buf:
-            self.emit("line", self.buf.rstrip("\r"))
-            self.buf = ""
+        rest = "".join(self.pending) + self.decoder.decode(b"", final=True)
+        self.pending = []
+        if rest:
+            self.emit("line", rest.rstrip("\r"))
 
 
 @dataclass

@@ -10,15 +10,19 @@ import json
 import re
 import sys
 
-# "desc:  45%|####5     | 45/100 [00:01<00:02, 30.0it/s]" and vLLM's "...: 40% Completed | 2/5 [...]"
-PROGRESS = re.compile(r"^(?P<desc>.*?):?\s*(?P<pct>\d{1,3})%(?:\s*Completed\s*\||\|[^|]*\|)\s*(?P<n>\d+)/(?P<total>\d+)")
+# "desc:  45%|####5     | 45/100 [00:01<00:02, 30.0it/s]" and vLLM's "...: 40% Completed | 2/5 [...]".
+# Anchored on the percent sign, with no open-ended prefix: every attempt starts at a digit before a `%`
+# and stops at the next `|`, so a line of any length is scanned in linear time (a leading `.*?` with a
+# following `\s*` was quadratic on runs of spaces: 45 s for a 60 KB line).
+PROGRESS = re.compile(r"(?<!\d)(?P<pct>\d{1,3})%(?:[ \t]*Completed[ \t]*\||\|[^|]*\|)[ \t]*(?P<n>\d+)/(?P<total>\d+)")
 
 
 def parse_progress(text: str):
-    m = PROGRESS.search(text.strip())
+    m = PROGRESS.search(text)
     if not m:
         return None
-    return (m.group("desc").strip() or "progress"), int(m.group("n")), int(m.group("total"))
+    desc = text[: m.start()].strip().rstrip(":").strip()
+    return (desc or "progress"), int(m.group("n")), int(m.group("total"))
 
 
 class Printer:
@@ -27,10 +31,13 @@ class Printer:
         self.progress = None
         self.tasks: dict[str, int] = {}
         self.done: set[str] = set()
+        self.drawn: set[str] = set()  # bars seen as redraws, so their newline-ended last frame is theirs too
 
     def __call__(self, kind: str, text: str) -> None:
-        bar = parse_progress(text)
-        if bar:
+        # Only carriage-return redraws are bars, and the newline-ended last frame of a bar already drawn; any
+        # other finished line is printed as it is, however much it looks like one.
+        bar = parse_progress(text) if kind == "progress" or self.tasks or self.drawn else None
+        if bar and (kind == "progress" or bar[0] in self.drawn):
             self._bar(*bar)
             return
         if kind == "progress":
@@ -48,6 +55,7 @@ class Printer:
 
     def _bar(self, desc: str, n: int, total: int) -> None:
         key = desc
+        self.drawn.add(key)
         if self.as_json or not self.console.is_terminal:
             if n >= total and key not in self.done:
                 self.done.add(key)
