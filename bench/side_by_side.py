@@ -1,0 +1,703 @@
+"""Side by side on a 2-GPU H200 machine (issue 15): extraction (our hf backend vs vLLM-native), serving
+(`eval` of a SmolLM2-135M draft trained there, with and without the draft) and training (ours vs speculators'
+own trainer on the same hidden states). Driven by bench/gpu_side_by_side.sh, one call at a time:
+
+    python bench/side_by_side.py absorb  [--from .gpu]     carried pieces -> checked -> installed when complete
+    python bench/side_by_side.py start                     the stage runner, in its own session, once
+    python bench/side_by_side.py wait --seconds S [--until STAGE ...] --out DIR    results so far -> DIR
+    python bench/side_by_side.py run                       (what start launches)
+
+Why this shape: the machine has no network and takes at most 64 MiB per call and 10 minutes per command,
+and its /tmp lives only while it is warm. So the dependencies arrive in pieces over consecutive calls, and the
+work runs in a detached runner that outlives each call: stages that need nothing carried start at once,
+the others start when their bundle is installed. Two lanes, one per GPU; the issue-16 scaling run (both GPUs)
+goes last. Every stage writes results/<stage>.json and logs/<stage>.log under $KE_WORK (default /tmp/ke).
+Sizes and time limits come from the environment (KE_*), so the same code rehearses on a CPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(os.environ.get("KE_WORK", "/tmp/ke"))
+SHM = Path(os.environ.get("KE_SHM", "/dev/shm/ke" if os.path.isdir("/dev/shm") else str(WORK / "shm")))
+PY = os.environ.get("PYTHON", sys.executable)
+TINY = os.environ.get("KE_TINY") == "1"          # CPU rehearsal: toy sizes, --device cpu
+DEVICE = "cpu" if TINY else "cuda"
+BUDGET_S = float(os.environ.get("KE_BUDGET_S", "1260"))   # the runner starts no stage after this
+SCALING_S = float(os.environ.get("KE_SCALING_S", "330"))  # what the issue-16 scaling run needs at the end
+SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "240"))
+
+D = {n: WORK / n for n in ("pieces", "results", "logs", "flags", "site-early", "site-vllm", "repo")}
+TERMINAL = ("done", "failed", "skipped")
+
+
+class StageFailed(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------------
+# small helpers
+
+def now() -> float:
+    return time.time()
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def state(name: str) -> str | None:
+    for s in ("done", "failed", "skipped", "running"):
+        if (D["flags"] / f"{name}.{s}").exists():
+            return s
+    return None
+
+
+def set_state(name: str, s: str) -> None:
+    for old in D["flags"].glob(f"{name}.*"):
+        old.unlink()
+    (D["flags"] / f"{name}.{s}").write_text(str(now()))
+
+
+def payload(name: str) -> str:
+    """A payload script by name, in the layout of the checkout (remote_payloads/pipeline/ or flat)."""
+    for sub in ("remote_payloads/pipeline", "remote_payloads/ops", "remote_payloads"):
+        p = ROOT / sub / name
+        if p.exists():
+            return str(p)
+    raise StageFailed(f"payload {name} not in this checkout")
+
+
+def last_json(text: str):
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------
+# carried pieces -> installed bundles
+
+def absorb(src: Path) -> None:
+    for d in D.values():
+        d.mkdir(parents=True, exist_ok=True)
+    if (src / "manifest.json").exists():
+        shutil.copy(src / "manifest.json", WORK / "manifest.json")
+    if not (WORK / "manifest.json").exists():
+        print("absorb: no manifest yet")
+        return
+    man = json.loads((WORK / "manifest.json").read_text())
+    want = {p["name"]: p for p in man["pieces"]}
+    for p in sorted(src.glob("p*")):
+        dest = D["pieces"] / p.name
+        if dest.exists() or p.name not in want:
+            continue
+        t0 = now()
+        digest = sha256_file(p)
+        if digest != want[p.name]["sha256"]:
+            print(f"absorb: {p}: sha256 mismatch, ignored")
+            continue
+        shutil.copy(p, dest.with_suffix(".part"))
+        os.replace(dest.with_suffix(".part"), dest)
+        print(f"absorb: {p.name} ok ({p.stat().st_size / 2**20:.1f} MiB, {now() - t0:.1f} s)")
+    piece = man["piece_bytes"]
+    for b in man["bundles"]:
+        name = b["name"]
+        if state(f"bundle-{name}") == "done":
+            continue
+        first, last = b["offset"] // piece, (b["offset"] + b["bytes"] - 1) // piece
+        missing = [f"p{i}" for i in range(first, last + 1) if not (D["pieces"] / f"p{i}").exists()]
+        if missing:
+            print(f"absorb: bundle {name} waits for {' '.join(missing)}")
+            continue
+        t0 = now()
+        try:
+            install_bundle(b, piece)
+        except Exception as e:  # noqa: BLE001 - reported in the results, the other stages go on
+            set_state(f"bundle-{name}", "failed")
+            write_json(D["results"] / f"install_{name}.json", {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            print(f"absorb: bundle {name} FAILED: {e}")
+            continue
+        info = {"ok": True, "bundle": name, "bytes_carried": b["bytes"], "install_s": round(now() - t0, 1),
+                "pieces": last - first + 1}
+        write_json(D["results"] / f"install_{name}.json", info)
+        set_state(f"bundle-{name}", "done")
+        print(f"absorb: bundle {name} installed in {info['install_s']} s")
+
+
+def bundle_stream(b: dict, piece: int):
+    """The bundle's bytes, read across the pieces that hold them."""
+    pos, end = b["offset"], b["offset"] + b["bytes"]
+    while pos < end:
+        idx, off = divmod(pos, piece)
+        with open(D["pieces"] / f"p{idx}", "rb") as f:
+            f.seek(off)
+            while pos < end:
+                data = f.read(min(1 << 22, end - pos))
+                if not data:
+                    break
+                pos += len(data)
+                yield data
+
+
+def install_bundle(b: dict, piece: int) -> None:
+    h = hashlib.sha256()
+    if b["format"] == "tar-of-wheels":
+        tar_path = WORK / f"{b['name']}.tar"
+        with open(tar_path, "wb") as f:
+            for data in bundle_stream(b, piece):
+                h.update(data)
+                f.write(data)
+        if h.hexdigest() != b["sha256"]:
+            raise StageFailed(f"{b['name']}: sha256 mismatch")
+        site = D["site-early"]
+        with tarfile.open(tar_path) as tar:
+            for m in tar.getmembers():
+                with zipfile.ZipFile(tar.extractfile(m)) as z:  # a wheel is a zip of site-packages
+                    z.extractall(site)
+        tar_path.unlink()
+    elif b["format"] == "site-tree-tar-xz":
+        site = D["site-vllm"]
+        xz = shutil.which("xz")
+        cmd = f"{xz} -dc -T0 | tar -x -C {site}" if xz else \
+            f"{PY} -c \"import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('{site}')\""
+        proc = subprocess.Popen(cmd, shell=True, stdin=subprocess.PIPE)
+        for data in bundle_stream(b, piece):
+            h.update(data)
+            proc.stdin.write(data)
+        proc.stdin.close()
+        if proc.wait() != 0:
+            raise StageFailed(f"{b['name']}: unpacking failed")
+        if h.hexdigest() != b["sha256"]:
+            shutil.rmtree(site)
+            site.mkdir()
+            raise StageFailed(f"{b['name']}: sha256 mismatch")
+    else:
+        raise StageFailed(f"unknown bundle format {b['format']}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# running steps
+
+def env_for(gpu: str | None, sites=()) -> dict:
+    env = dict(os.environ)
+    paths = [str(D[s]) for s in sites] + [str(ROOT / "remote_payloads")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if gpu is not None and not TINY:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               XDG_CACHE_HOME=str(WORK / "cache"), HF_HOME=str(WORK / "cache" / "hf"))
+    if "vllm" in str(sites) and not TINY:
+        env.setdefault("VLLM_CACHE_ROOT", str(WORK / "cache" / "vllm"))
+    return env
+
+
+def run(stage: str, args: list[str], gpu: str | None, sites=(), timeout: float = 600, check=True):
+    """Run one command for a stage; stdout's last JSON line is the result. stderr goes to the stage log."""
+    log = D["logs"] / f"{stage}.log"
+    t0 = now()
+    with open(log, "a") as lf:
+        lf.write(f"\n$ {' '.join(args)}\n")
+        lf.flush()
+        try:
+            p = subprocess.run(args, cwd=ROOT, env=env_for(gpu, sites), stdout=subprocess.PIPE, stderr=lf,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise StageFailed(f"{Path(args[1]).name if len(args) > 1 else args[0]}: timed out after {timeout:.0f} s") from e
+        lf.write(p.stdout[-20000:])
+    res = last_json(p.stdout)
+    if check and p.returncode != 0:
+        err = (res or {}).get("error") or tail(log, 1500)
+        raise StageFailed(f"{Path(args[1]).name}: exit {p.returncode}: {err}")
+    if isinstance(res, dict):
+        res.setdefault("wall_s", round(now() - t0, 1))
+    return res
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        data = path.read_bytes()[-n:]
+        return data.decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------------------------------
+# sizes
+
+if TINY:
+    M1 = dict(hidden=64, layers=4, heads=4, kv=2, inter=128, vocab=512)
+    M8 = dict(hidden=128, layers=6, heads=4, kv=2, inter=256, vocab=512)
+    ROWS, WORDS, SEQ, XBATCH, TBATCH, TSTEPS = 40, 60, 256, 8, 4, 6
+    DRAFT_VOCAB = 256
+else:
+    M1 = dict(hidden=2048, layers=20, heads=16, kv=8, inter=5504, vocab=32000)     # the existing 1.06 B benchmark shape
+    M8 = dict(hidden=4096, layers=32, heads=32, kv=8, inter=14336, vocab=32000)    # Llama-3-8B's shapes (32 k vocab)
+    ROWS, WORDS, SEQ, XBATCH, TBATCH, TSTEPS = 600, 600, 2048, 32, 16, 60
+    DRAFT_VOCAB = 8192
+
+
+def layer_params(m: dict) -> int:
+    h, hd = m["hidden"], m["hidden"] // m["heads"]
+    attn = 2 * h * h + 2 * h * m["kv"] * hd
+    return m["layers"] * (attn + 3 * h * m["inter"] + 2 * h)
+
+
+def flops(m: dict, lengths) -> float:
+    """2·P·T for the decoder layers plus 2·L·H·T² for causal attention (QKᵀ and AV over T²/2 pairs),
+    per sample of T tokens; the embedding lookup and lm_head are not run by extraction and not counted."""
+    return sum(2 * layer_params(m) * t + 2 * m["layers"] * m["hidden"] * t * t for t in lengths)
+
+
+def lengths_of(prepared: Path, lo: int = 0, hi: int | None = None) -> list[int]:
+    sys.path.insert(0, str(ROOT / "remote_payloads"))
+    sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
+    from prepare import PreparedDataset
+
+    ds = PreparedDataset(str(prepared))
+    hi = len(ds) if hi is None else hi
+    return [min(len(ds[i][0]), SEQ) for i in range(lo, hi)]
+
+
+def results(name: str) -> dict:
+    p = D["results"] / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+# ------------------------------------------------------------------------------------------------------
+# stages (each returns its result dict; StageFailed or any exception marks it failed)
+
+MATMUL = r"""
+import json, torch, sys
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+n = 8192 if dev == "cuda" else 512
+a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=dev) for _ in range(2))
+res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__}
+if dev == "cuda":
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); a @ b; e.record(); torch.cuda.synchronize()
+        if i >= 3: times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    res["bf16_matmul_tflops"] = round(2 * n**3 / times[len(times) // 2] / 1e12, 1)
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=dev); y = torch.empty_like(x)
+    for _ in range(2): y.copy_(x)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5): y.copy_(x)
+    e.record(); torch.cuda.synchronize()
+    res["d2d_copy_tb_s"] = round(5 * 2 * x.numel() / (s.elapsed_time(e) / 1e3) / 1e12, 2)
+    res["gpus"] = torch.cuda.device_count()
+print(json.dumps(res))
+"""
+
+
+def st_matmul(gpu):
+    return run("matmul", [PY, "-c", MATMUL], gpu, timeout=120)
+
+
+def st_models(gpu):
+    res = {}
+    for tag, m in (("m1b", M1), ("m8b", M8)):
+        if not (SHM / tag / "config.json").exists():
+            res[tag] = run("models", [PY, "bench/random_llama.py", "--out", str(SHM / tag), "--hidden", str(m["hidden"]),
+                                      "--layers", str(m["layers"]), "--heads", str(m["heads"]), "--kv-heads", str(m["kv"]),
+                                      "--intermediate", str(m["inter"]), "--vocab", str(m["vocab"]), "--device", DEVICE],
+                           gpu, timeout=300)
+    chat = WORK / "chat.jsonl"
+    run("models", [PY, "bench/make_chat_dataset.py", "--rows", str(ROWS), "--words", str(WORDS), "--out", str(chat)],
+        None, timeout=120, check=True)
+    res["prepare"] = run("models", [PY, payload("prepare.py"), "--model", str(SHM / "m1b"), "--dataset", str(chat),
+                                    "--output-dir", str(SHM / "p1b"), "--seq-len", str(SEQ)], None, timeout=300)
+    return res
+
+
+def extract_cmd(model: str, backend: str, out: Path, prepared: Path, shard=None, extra=()):
+    cmd = [PY, payload("extract.py"), "--model", model, "--prepared-dir", str(prepared), "--out", str(out),
+           "--backend", backend, "--batch-size", str(XBATCH), "--seq-len", str(SEQ), "--device", DEVICE,
+           "--dtype", "bfloat16", "--overwrite", *extra]
+    if backend == "hf":
+        cmd += ["--writers", "16"]
+    if shard:
+        cmd += ["--rank", "0", "--world-size", str(shard)]
+    return cmd
+
+
+def extraction_result(stage, m, res_runs, prepared, shard=None):
+    r = res_runs[-1]
+    n = len(lengths_of(prepared))
+    hi = -(-n // shard) if shard else n
+    ls = lengths_of(prepared, 0, hi)
+    secs = r.get("extract_seconds") or r.get("seconds")
+    f = flops(m, ls) / secs / 1e12 if secs else None
+    mm = results("matmul").get("bf16_matmul_tflops")
+    return {"runs": [{k: x.get(k) for k in ("extract_tokens_per_s", "extract_seconds", "tokens_per_s", "seconds",
+                                           "tokens", "backend")} for x in res_runs],
+            "samples": len(ls), "tokens": sum(ls), "tokens_per_s": r.get("extract_tokens_per_s") or r.get("tokens_per_s"),
+            "tflops": round(f, 1) if f else None, "fraction_of_989_peak": round(f / 989, 3) if f else None,
+            "fraction_of_measured_matmul": round(f / mm, 3) if f and mm else None,
+            "decoder_layer_params": layer_params(m), "model": m}
+
+
+def st_hf(stage, gpu, tag, m, shard=None):
+    out = SHM / f"x{tag}_hf" if tag == "8b" else SHM / "p1b" / "hidden_states"
+    prepared = SHM / "p1b" / "prepared"
+    runs = [run(stage, extract_cmd(str(SHM / f"m{tag}"), "hf", out, prepared, shard), gpu, timeout=420)
+            for _ in range(2)]  # a fresh VM's RAM grows on first touch: the second run is the figure
+    return extraction_result(stage, m, runs, prepared, shard)
+
+
+def st_vllm(stage, gpu, tag, m, shard=None):
+    out = SHM / f"x{tag}_vllm"
+    prepared = SHM / "p1b" / "prepared"
+    runs = [run(stage, extract_cmd(str(SHM / f"m{tag}"), "vllm", out, prepared, shard), gpu, sites=("site-vllm",),
+                timeout=480)]
+    res = extraction_result(stage, m, runs, prepared, shard)
+    ref = SHM / "p1b" / "hidden_states" if tag == "1b" else SHM / f"x{tag}_hf"
+    res["agreement_with_hf"] = compare_states(ref, out, 4)
+    return res
+
+
+def compare_states(a: Path, b: Path, n: int):
+    """Mean relative error per layer between two extractions of the same samples (bf16 both)."""
+    try:
+        import torch
+        from safetensors.torch import load_file
+    except ImportError:
+        return None
+    errs = []
+    for i in range(n):
+        fa, fb = a / f"hs_{i}.safetensors", b / f"hs_{i}.safetensors"
+        if not (fa.exists() and fb.exists()):
+            continue
+        x, y = load_file(str(fa)), load_file(str(fb))
+        if not torch.equal(x["token_ids"], y["token_ids"]):
+            return {"error": f"token ids differ in sample {i}"}
+        ha, hb = x["hidden_states"].float(), y["hidden_states"].float()
+        errs.append([((ha[:, j] - hb[:, j]).norm() / ha[:, j].norm()).item() for j in range(ha.shape[1])])
+    if not errs:
+        return None
+    return {"samples": len(errs), "rel_err_per_layer": [round(statistics.mean(e[j] for e in errs), 4)
+                                                        for j in range(len(errs[0]))]}
+
+
+TOKS_RE = re.compile(r"tok/s (\d+)")
+
+
+def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=()):
+    cmd = [PY, payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), "--batch-size", str(TBATCH),
+           "--ttt-steps", "3", "--max-steps", str(steps), "--epochs", "1000", "--log-every", "5",
+           "--save-every", "100000", "--device", DEVICE, *extra]
+    before = tail(D["logs"] / f"{stage}.log", 10**9).count("\n")
+    res = run(stage, cmd, gpu, timeout=900)
+    lines = tail(D["logs"] / f"{stage}.log", 10**9).splitlines()[before:]
+    rates = [int(x) for line in lines if "step " in line for x in TOKS_RE.findall(line)]
+    steady = rates[1:]  # the first log line covers start-up
+    res["tokens_per_s_median_interval"] = statistics.median(steady) if steady else None
+    res.pop("history", None)
+    return res
+
+
+def st_train_1b(gpu):
+    pipe = SHM / "p1b"
+    vocab = run("train_1b", [PY, payload("vocab.py"), "--model", str(SHM / "m1b"), "--output-dir", str(pipe),
+                             "--draft-vocab-size", str(DRAFT_VOCAB)], None, timeout=120)
+    ours = our_train("train_1b", gpu, pipe, SHM / "m1b", TSTEPS)
+    ls = lengths_of(pipe / "prepared")
+    seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128  # tokens per step as ours packs on average
+    spec = run("train_1b", [PY, "bench/spec_train_bench.py", "--pipeline", str(pipe), "--model", str(SHM / "m1b"),
+                            "--steps", str(TSTEPS), "--total-seq-len", str(seq), "--ttt-steps", "3",
+                            "--save-path", str(WORK / "spec_1b")], gpu, sites=("site-early",), timeout=900)
+    ratio = (ours.get("tokens_per_s_median_interval") or 0) / spec["tokens_per_s"] if spec.get("tokens_per_s") else None
+    return {"ours": ours, "speculators": spec, "vocab": vocab, "tokens_per_step_speculators": seq,
+            "ours_over_speculators_tokens_per_s": round(ratio, 3) if ratio else None}
+
+
+# --- SmolLM2: the real target --------------------------------------------------------------------------
+SMOL = WORK / "smol"
+SPIPE = SHM / "smol"
+
+
+def st_smol_model(gpu):
+    return run("smol_model", [PY, payload("models.py"), "smollm2", "--out", str(SMOL)], None,
+               sites=("site-early",), timeout=300)
+
+
+def st_smol_data(gpu):
+    res = {}
+    prompts = ROOT / "remote_payloads" / "sample_data" / "prompts_train.jsonl"
+    chat = SPIPE / "regenerated.jsonl"
+    res["regenerate"] = run("smol_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", str(prompts),
+                                          "--out", str(chat), "--engine", "vllm"], gpu, sites=("site-early", "site-vllm"),
+                            timeout=600)
+    res["prepare"] = run("smol_data", [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset", str(chat),
+                                       "--output-dir", str(SPIPE), "--seq-len", "2048"], None, timeout=300)
+    res["extract"] = run("smol_data", [PY, payload("extract.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
+                                       "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16"],
+                         gpu, timeout=600)
+    res["vocab"] = run("smol_data", [PY, payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
+                                     "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)
+    return res
+
+
+def st_smol_train(gpu):
+    return our_train("smol_train", gpu, SPIPE, SMOL, int(os.environ.get("KE_SMOL_STEPS", "1500")),
+                     extra=["--lr", os.environ.get("KE_SMOL_LR", "5e-4")])
+
+
+def eval_cmd(draft: Path, out: Path):
+    return [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
+            "--engine", "vllm", "--k", "3"]
+
+
+def st_eval_smol(gpu):
+    return run("eval_smol", eval_cmd(SPIPE / "draft" / "export", WORK / "eval_ours"), gpu,
+               sites=("site-early", "site-vllm"), timeout=600)
+
+
+def st_spec_smol(gpu):
+    steps = results("smol_train").get("step") or int(os.environ.get("KE_SMOL_STEPS", "1500"))
+    ls = lengths_of(SPIPE / "prepared")
+    seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128
+    return run("spec_smol", [PY, "bench/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
+                             "--steps", str(steps), "--epochs", "1000", "--total-seq-len", str(seq), "--ttt-steps", "3",
+                             "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=900)
+
+
+def st_eval_spec_smol(gpu):
+    export = results("spec_smol").get("export_dir")
+    if not export:
+        raise StageFailed("speculators wrote no checkpoint")
+    return run("eval_spec_smol", eval_cmd(Path(export), WORK / "eval_spec"), gpu, sites=("site-early", "site-vllm"),
+               timeout=600)
+
+
+def st_scaling(gpu):
+    script = ROOT / "bench" / "gpu_scaling.sh"
+    if not script.exists():
+        raise StageFailed("bench/gpu_scaling.sh is not in this checkout (issue 16 not landed)")
+    out = D["results"] / "scaling"
+    out.mkdir(exist_ok=True)
+    env = env_for(None)
+    env["OUT"] = str(out)
+    t0 = now()
+    with open(D["logs"] / "scaling.log", "a") as lf:
+        p = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, stdout=lf, stderr=lf,
+                           timeout=max(60, BUDGET_S + SCALING_S - (now() - T0)))
+    res = json.loads((out / "gpu_scaling.json").read_text()) if (out / "gpu_scaling.json").exists() else {}
+    return {"exit": p.returncode, "wall_s": round(now() - t0, 1), "report": res}
+
+
+# (name, function, needs): needs are stages or bundles that must be done first.
+LANE0 = [("matmul", st_matmul, []),
+         ("models", st_models, []),
+         ("hf_1b", lambda g: st_hf("hf_1b", g, "1b", M1), ["models"]),
+         ("hf_8b", lambda g: st_hf("hf_8b", g, "8b", M8, shard=2), ["models"]),
+         ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
+         ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["hf_8b", "bundle-vllm"]),
+         ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"]),
+         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
+LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
+         ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
+         ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
+         ("smol_train", st_smol_train, ["smol_data"]),
+         ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"])]
+ALL = [s[0] for s in LANE0 + LANE1] + ["scaling"]
+T0 = now()
+
+
+def lane(stages, gpu):
+    for name, fn, needs in stages:
+        while True:
+            states = {n: state(n) for n in needs}
+            if all(s == "done" for s in states.values()):
+                break
+            bad = [n for n, s in states.items() if s in ("failed", "skipped")]
+            if bad or now() - T0 > BUDGET_S:
+                set_state(name, "skipped")
+                write_json(D["results"] / f"{name}.json", {"ok": False, "skipped": True,
+                                                            "why": f"needs {bad}" if bad else "out of time"})
+                break
+            time.sleep(1)
+        if state(name) == "skipped":
+            continue
+        set_state(name, "running")
+        t0 = now()
+        try:
+            res = fn(gpu)
+            res = {"ok": True, "seconds": round(now() - t0, 1), **(res or {})}
+            write_json(D["results"] / f"{name}.json", res)
+            set_state(name, "done")
+        except Exception as e:  # noqa: BLE001 - one failed stage must not stop the others
+            write_json(D["results"] / f"{name}.json", {"ok": False, "seconds": round(now() - t0, 1),
+                                                        "error": f"{type(e).__name__}: {e}"[-3000:]})
+            set_state(name, "failed")
+
+
+def run_all():
+    global T0
+    T0 = now()
+    (WORK / "runner.started").write_text(str(T0))
+    threads = [threading.Thread(target=lane, args=(LANE0, "0")), threading.Thread(target=lane, args=(LANE1, "1"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # The scaling run needs both GPUs to itself: after both lanes, if time is left.
+    if now() - T0 < BUDGET_S + 30 and os.environ.get("KE_SCALING", "1") == "1":
+        set_state("scaling", "running")
+        try:
+            write_json(D["results"] / "scaling.json", {"ok": True, **st_scaling(None)})
+            set_state("scaling", "done")
+        except Exception as e:  # noqa: BLE001
+            write_json(D["results"] / "scaling.json", {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            set_state("scaling", "failed")
+    else:
+        set_state("scaling", "skipped")
+    (WORK / "runner.finished").write_text(str(now()))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the calls
+
+def start() -> None:
+    for d in D.values():
+        d.mkdir(parents=True, exist_ok=True)
+    pid_file = WORK / "runner.pid"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            print("runner already running")
+            return
+        except (OSError, ValueError):
+            if (WORK / "runner.finished").exists():
+                print("runner finished earlier")
+                return
+    # The runner runs from a copy: each call re-sends the checkout, and the runner must not see files change.
+    repo = D["repo"]
+    if not (repo / "bench").exists():
+        shutil.copytree(ROOT, repo, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".gpu", ".git", "out", "__pycache__"))
+    log = open(D["logs"] / "runner.log", "a")
+    p = subprocess.Popen([PY, str(repo / "bench" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
+                         start_new_session=True, env=dict(os.environ, KE_WORK=str(WORK), KE_SHM=str(SHM)))
+    pid_file.write_text(str(p.pid))
+    print(f"runner started (pid {p.pid})")
+
+
+def status_table() -> str:
+    rows = []
+    for name in ALL:
+        r = results(name)
+        s = state(name) or "waiting"
+        head = ""
+        if r.get("error"):
+            head = r["error"][:150].replace("\n", " ")
+        elif r.get("why"):
+            head = r["why"]
+        elif name.startswith(("hf_", "vllm_")) and r.get("tokens_per_s"):
+            head = f"{r['tokens_per_s']:.0f} tok/s, {r.get('tflops')} TFLOP/s, {r.get('fraction_of_989_peak')} of peak"
+        elif name == "train_1b" and r.get("ours"):
+            head = (f"ours {r['ours'].get('tokens_per_s_median_interval')} tok/s {r['ours'].get('cuda_peak_mem_gb')} GB; "
+                    f"spec {r['speculators'].get('tokens_per_s')} tok/s {r['speculators'].get('cuda_peak_mem_gb')} GB")
+        elif name == "matmul" and r.get("bf16_matmul_tflops"):
+            head = f"{r['bf16_matmul_tflops']} TFLOP/s bf16, {r.get('d2d_copy_tb_s')} TB/s"
+        rows.append(f"{name:15s} {s:8s} {r.get('seconds', ''):>7} {head}")
+    for b in ("early", "vllm"):
+        r = results(f"install_{b}")
+        rows.append(f"bundle-{b:8s} {state('bundle-' + b) or 'waiting':8s} {r.get('install_s', ''):>7}")
+    return "\n".join(rows)
+
+
+def collect(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    merged = {p.stem: json.loads(p.read_text()) for p in sorted(D["results"].glob("*.json"))}
+    merged["_elapsed_s"] = round(now() - float((WORK / "runner.started").read_text()), 1) \
+        if (WORK / "runner.started").exists() else None
+    write_json(out / "side_by_side.json", merged)
+    with tarfile.open(out / "side_by_side_logs.tar.gz", "w:gz") as tar:
+        for p in sorted(D["logs"].glob("*.log")):
+            data = tail(p, 400_000).encode()
+            info = tarfile.TarInfo(p.name)
+            info.size = len(data)
+            import io
+            tar.addfile(info, io.BytesIO(data))
+        for p in sorted(D["results"].rglob("*")):
+            if p.is_file() and p.stat().st_size < 4 << 20:
+                tar.add(p, arcname=f"results/{p.relative_to(D['results'])}")
+        for p in (WORK / "eval_ours", WORK / "eval_spec"):
+            for f in sorted(p.rglob("*")) if p.exists() else []:
+                if f.is_file() and f.stat().st_size < 4 << 20:
+                    tar.add(f, arcname=f"{p.name}/{f.relative_to(p)}")
+
+
+def wait(seconds: float, until: list[str], out: Path) -> None:
+    end = now() + seconds
+    while now() < end:
+        if (WORK / "runner.finished").exists():
+            break
+        if until and all(state(n) in TERMINAL for n in until):
+            break
+        time.sleep(2)
+    collect(out)
+    print(status_table())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a1 = sub.add_parser("absorb")
+    a1.add_argument("--from", dest="src", type=Path, default=ROOT / ".gpu")
+    sub.add_parser("start")
+    a3 = sub.add_parser("wait")
+    a3.add_argument("--seconds", type=float, default=0)
+    a3.add_argument("--until", nargs="*", default=[])
+    a3.add_argument("--out", type=Path, required=True)
+    sub.add_parser("run")
+    sub.add_parser("status")
+    a = ap.parse_args()
+    if a.cmd == "absorb":
+        absorb(a.src)
+    elif a.cmd == "start":
+        start()
+    elif a.cmd == "wait":
+        wait(a.seconds, a.until, a.out)
+    elif a.cmd == "run":
+        run_all()
+    else:
+        print(status_table())
+
+
+if __name__ == "__main__":
+    main()
