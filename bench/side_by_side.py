@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import os
 import re
 import shutil
@@ -38,9 +39,9 @@ SHM = Path(os.environ.get("KE_SHM", "/dev/shm/ke" if os.path.isdir("/dev/shm") e
 PY = os.environ.get("PYTHON", sys.executable)
 TINY = os.environ.get("KE_TINY") == "1"          # CPU rehearsal: toy sizes, --device cpu
 DEVICE = "cpu" if TINY else "cuda"
-BUDGET_S = float(os.environ.get("KE_BUDGET_S", "1260"))   # the runner starts no stage after this
+BUDGET_S = float(os.environ.get("KE_BUDGET_S", "1080"))   # the runner starts no stage after this
 SCALING_S = float(os.environ.get("KE_SCALING_S", "330"))  # what the issue-16 scaling run needs at the end
-SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "240"))
+SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "210"))
 
 D = {n: WORK / n for n in ("pieces", "results", "logs", "flags", "site-early", "site-vllm", "repo")}
 TERMINAL = ("done", "failed", "skipped")
@@ -170,39 +171,34 @@ def bundle_stream(b: dict, piece: int):
 
 
 def install_bundle(b: dict, piece: int) -> None:
+    """A tar of wheels (each unzipped into the bundle's own site folder, which is what installing a wheel
+    means) and xz/<path>.xz files (decompressed to <path> in the same folder)."""
+    if b["format"] != "tar-of-wheels":
+        raise StageFailed(f"unknown bundle format {b['format']}")
     h = hashlib.sha256()
-    if b["format"] == "tar-of-wheels":
-        tar_path = WORK / f"{b['name']}.tar"
-        with open(tar_path, "wb") as f:
-            for data in bundle_stream(b, piece):
-                h.update(data)
-                f.write(data)
-        if h.hexdigest() != b["sha256"]:
-            raise StageFailed(f"{b['name']}: sha256 mismatch")
-        site = D["site-early"]
-        with tarfile.open(tar_path) as tar:
-            for m in tar.getmembers():
-                with zipfile.ZipFile(tar.extractfile(m)) as z:  # a wheel is a zip of site-packages
-                    z.extractall(site)
-        tar_path.unlink()
-    elif b["format"] == "site-tree-tar-xz":
-        site = D["site-vllm"]
-        xz = shutil.which("xz")
-        cmd = f"{xz} -dc -T0 | tar -x -C {site}" if xz else \
-            f"{PY} -c \"import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('{site}')\""
-        proc = subprocess.Popen(cmd, shell=True, stdin=subprocess.PIPE)
+    tar_path = WORK / f"{b['name']}.tar"
+    with open(tar_path, "wb") as f:
         for data in bundle_stream(b, piece):
             h.update(data)
-            proc.stdin.write(data)
-        proc.stdin.close()
-        if proc.wait() != 0:
-            raise StageFailed(f"{b['name']}: unpacking failed")
-        if h.hexdigest() != b["sha256"]:
-            shutil.rmtree(site)
-            site.mkdir()
-            raise StageFailed(f"{b['name']}: sha256 mismatch")
-    else:
-        raise StageFailed(f"unknown bundle format {b['format']}")
+            f.write(data)
+    if h.hexdigest() != b["sha256"]:
+        raise StageFailed(f"{b['name']}: sha256 mismatch")
+    site = D[f"site-{b['name']}"]
+    with tarfile.open(tar_path) as tar:
+        for m in tar.getmembers():
+            if m.name.endswith(".whl"):
+                with zipfile.ZipFile(tar.extractfile(m)) as z:
+                    for info in z.infolist():
+                        z.extract(info, site)
+                        if (info.external_attr >> 16) & 0o111:
+                            os.chmod(site / info.filename, 0o755)
+            elif m.name.startswith("xz/") and m.name.endswith(".xz"):
+                dest = site / m.name[len("xz/"):-len(".xz")]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with lzma.open(tar.extractfile(m)) as src, open(dest, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 22)
+                os.chmod(dest, 0o755)
+    tar_path.unlink()
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -257,8 +253,8 @@ def tail(path: Path, n: int) -> str:
 # sizes
 
 if TINY:
-    M1 = dict(hidden=64, layers=4, heads=4, kv=2, inter=128, vocab=512)
-    M8 = dict(hidden=128, layers=6, heads=4, kv=2, inter=256, vocab=512)
+    M1 = dict(hidden=64, layers=8, heads=4, kv=2, inter=128, vocab=512)
+    M8 = dict(hidden=128, layers=10, heads=4, kv=2, inter=256, vocab=512)
     ROWS, WORDS, SEQ, XBATCH, TBATCH, TSTEPS = 40, 60, 256, 8, 4, 6
     DRAFT_VOCAB = 256
 else:
@@ -348,8 +344,9 @@ def extract_cmd(model: str, backend: str, out: Path, prepared: Path, shard=None,
     cmd = [PY, payload("extract.py"), "--model", model, "--prepared-dir", str(prepared), "--out", str(out),
            "--backend", backend, "--batch-size", str(XBATCH), "--seq-len", str(SEQ), "--device", DEVICE,
            "--dtype", "bfloat16", "--overwrite", *extra]
-    if backend == "hf":
-        cmd += ["--writers", "16"]
+    cmd += ["--writers", "16"]
+    if backend == "vllm":  # requests per generate() call: let vLLM's scheduler batch many prompts
+        cmd[cmd.index("--batch-size") + 1] = str(max(XBATCH, 256))
     if shard:
         cmd += ["--rank", "0", "--world-size", str(shard)]
     return cmd
@@ -368,7 +365,7 @@ def extraction_result(stage, m, res_runs, prepared, shard=None):
             "samples": len(ls), "tokens": sum(ls), "tokens_per_s": r.get("extract_tokens_per_s") or r.get("tokens_per_s"),
             "tflops": round(f, 1) if f else None, "fraction_of_989_peak": round(f / 989, 3) if f else None,
             "fraction_of_measured_matmul": round(f / mm, 3) if f and mm else None,
-            "decoder_layer_params": layer_params(m), "model": m}
+            "decoder_layer_params": layer_params(m), "model": m, "layer_ids": r.get("layer_ids")}
 
 
 def st_hf(stage, gpu, tag, m, shard=None):
@@ -388,6 +385,21 @@ def st_vllm(stage, gpu, tag, m, shard=None):
     ref = SHM / "p1b" / "hidden_states" if tag == "1b" else SHM / f"x{tag}_hf"
     res["agreement_with_hf"] = compare_states(ref, out, 4)
     return res
+
+
+def st_vllm_smoke(gpu):
+    """vLLM's own ExampleHiddenStatesConnector on the 1 B model: the carried install works, and vLLM's stock figure."""
+    r = run("vllm_smoke", [PY, "bench/vllm_smoke.py", "--model", str(SHM / "m1b"), "--prepared",
+                           str(SHM / "p1b" / "prepared"), "--out", str(SHM / "x1b_vllm_stock"), "--seq-len", str(SEQ),
+                           "--layer-ids", ",".join(str(i) for i in results("hf_1b").get("layer_ids", []))
+                           or f"2,{M1['layers'] // 2},{M1['layers'] - 3},{M1['layers']}"],
+            gpu, sites=("site-vllm",), timeout=480)
+    f = flops(M1, lengths_of(SHM / "p1b" / "prepared")) / r["seconds"] / 1e12
+    mm = results("matmul").get("bf16_matmul_tflops")
+    r.update(tflops=round(f, 1), fraction_of_989_peak=round(f / 989, 3),
+             fraction_of_measured_matmul=round(f / mm, 3) if mm else None)
+    shutil.rmtree(SHM / "x1b_vllm_stock", ignore_errors=True)
+    return r
 
 
 def compare_states(a: Path, b: Path, n: int):
@@ -451,35 +463,54 @@ SPIPE = SHM / "smol"
 
 
 def st_smol_model(gpu):
-    return run("smol_model", [PY, payload("models.py"), "smollm2", "--out", str(SMOL)], None,
+    return run("smol_model", [PY, payload("models.py"), "--source", "smollm2", "--out", str(SMOL)], None,
                sites=("site-early",), timeout=300)
 
 
 def st_smol_data(gpu):
     res = {}
     prompts = ROOT / "remote_payloads" / "sample_data" / "prompts_train.jsonl"
-    chat = SPIPE / "regenerated.jsonl"
     res["regenerate"] = run("smol_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", str(prompts),
-                                          "--out", str(chat), "--engine", "vllm"], gpu, sites=("site-early", "site-vllm"),
-                            timeout=600)
-    res["prepare"] = run("smol_data", [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset", str(chat),
-                                       "--output-dir", str(SPIPE), "--seq-len", "2048"], None, timeout=300)
+                                          "--output-dir", str(SPIPE), "--engine", "vllm",
+                                          "--max-tokens", os.environ.get("KE_SMOL_MAX_TOKENS", "384"),
+                                          "--chunk-size", "4096"], gpu, sites=("site-early", "site-vllm"), timeout=600)
+    res["prepare"] = run("smol_data", [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset",
+                                       str(SPIPE / "regenerated" / "chat.jsonl"), "--output-dir", str(SPIPE),
+                                       "--seq-len", "2048"], None, timeout=300)
     res["extract"] = run("smol_data", [PY, payload("extract.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
-                                       "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16"],
-                         gpu, timeout=600)
+                                       "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
+                                       "--writers", "16"], gpu, timeout=600)
     res["vocab"] = run("smol_data", [PY, payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
                                      "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)
     return res
 
 
 def st_smol_train(gpu):
-    return our_train("smol_train", gpu, SPIPE, SMOL, int(os.environ.get("KE_SMOL_STEPS", "1500")),
-                     extra=["--lr", os.environ.get("KE_SMOL_LR", "5e-4")])
+    """Ours, as many steps as fit KE_SMOL_TRAIN_S: a 30-step calibration run gives the seconds per step."""
+    lr = ["--lr", os.environ.get("KE_SMOL_LR", "5e-4")]
+    calib = our_train("smol_train", gpu, SPIPE, SMOL, 30 if not TINY else 6, extra=lr)
+    tps = calib.get("tokens_per_s_median_interval") or 1
+    ls = lengths_of(SPIPE / "prepared")
+    sec_per_step = TBATCH * statistics.mean(ls) / tps
+    steps = max(10, int(SMOL_TRAIN_S / sec_per_step))
+    shutil.rmtree(SPIPE / "draft", ignore_errors=True)
+    res = our_train("smol_train", gpu, SPIPE, SMOL, steps, extra=lr)
+    res["calibration"] = {"steps": 30, "tokens_per_s": tps, "planned_steps": steps,
+                          "epochs": round(steps * TBATCH / len(ls), 2)}
+    return res
 
 
-def eval_cmd(draft: Path, out: Path):
-    return [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
-            "--engine", "vllm", "--k", "3"]
+def eval_cmd(draft: Path, out: Path, batch_sizes=True, eager=False):
+    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
+           "--prompts", str(ROOT / "remote_payloads" / "sample_data" / "prompts_eval.jsonl"),
+           "--num-prompts", os.environ.get("KE_EVAL_PROMPTS", "64"), "--max-tokens", "128",
+           "--num-speculative-tokens", "3", "--engine", "vllm"]
+    if not TINY and not eager:
+        cmd.append("--no-enforce-eager")  # CUDA graphs: batch-1 decode of a 135M model is launch-bound without
+    src = Path(payload("eval.py")).read_text()
+    if batch_sizes and "--batch-sizes" in src:
+        cmd += ["--batch-sizes", "1,16"]
+    return cmd
 
 
 def st_eval_smol(gpu):
@@ -493,15 +524,16 @@ def st_spec_smol(gpu):
     seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128
     return run("spec_smol", [PY, "bench/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
                              "--steps", str(steps), "--epochs", "1000", "--total-seq-len", str(seq), "--ttt-steps", "3",
-                             "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=900)
+                             "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=720)
 
 
 def st_eval_spec_smol(gpu):
     export = results("spec_smol").get("export_dir")
     if not export:
         raise StageFailed("speculators wrote no checkpoint")
-    return run("eval_spec_smol", eval_cmd(Path(export), WORK / "eval_spec"), gpu, sites=("site-early", "site-vllm"),
-               timeout=600)
+    # Acceptance is what this one is for: one batch, no graph capture (faster start).
+    return run("eval_spec_smol", eval_cmd(Path(export), WORK / "eval_spec", batch_sizes=False, eager=True), gpu,
+               sites=("site-early", "site-vllm"), timeout=600)
 
 
 def st_scaling(gpu):
@@ -525,6 +557,7 @@ LANE0 = [("matmul", st_matmul, []),
          ("models", st_models, []),
          ("hf_1b", lambda g: st_hf("hf_1b", g, "1b", M1), ["models"]),
          ("hf_8b", lambda g: st_hf("hf_8b", g, "8b", M8, shard=2), ["models"]),
+         ("vllm_smoke", st_vllm_smoke, ["hf_8b", "bundle-vllm"]),
          ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
          ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["hf_8b", "bundle-vllm"]),
          ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"]),
@@ -538,8 +571,15 @@ ALL = [s[0] for s in LANE0 + LANE1] + ["scaling"]
 T0 = now()
 
 
+SELECTED = [x for x in os.environ.get("KE_STAGES", "").split(",") if x]
+
+
 def lane(stages, gpu):
     for name, fn, needs in stages:
+        if SELECTED and name not in SELECTED:
+            set_state(name, "skipped")
+            write_json(D["results"] / f"{name}.json", {"ok": False, "skipped": True, "why": "not selected (KE_STAGES)"})
+            continue
         while True:
             states = {n: state(n) for n in needs}
             if all(s == "done" for s in states.values()):
@@ -576,7 +616,7 @@ def run_all():
     for t in threads:
         t.join()
     # The scaling run needs both GPUs to itself: after both lanes, if time is left.
-    if now() - T0 < BUDGET_S + 30 and os.environ.get("KE_SCALING", "1") == "1":
+    if now() - T0 < BUDGET_S and (not SELECTED or "scaling" in SELECTED):
         set_state("scaling", "running")
         try:
             write_json(D["results"] / "scaling.json", {"ok": True, **st_scaling(None)})
