@@ -17,14 +17,17 @@ both before it installs anything.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payloads"))
+from step_runtime import sha256_file as sha256  # noqa: E402
 
 # Never loaded on a Hopper GPU for a Llama target in bf16: FlashAttention 2 (Hopper takes FA3,
 # vllm/v1/attention/backends/fa_utils.py), the opt-in Rust frontend binary, the Blackwell-only sparse FMHA
@@ -36,13 +39,6 @@ DROP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs", "vllm/third_
 # libraries gain nothing: _C_stable_libtorch 55 -> 54 MB).
 XZ = ("vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",)
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def strip_vllm(wheel: Path, work: Path) -> list[tuple[Path, str]]:

@@ -34,6 +34,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "remote_payloads"))
+from step_runtime import sha256_file  # noqa: E402
 WORK = Path(os.environ.get("KE_WORK", "/tmp/ke"))
 SHM = Path(os.environ.get("KE_SHM", "/dev/shm/ke" if os.path.isdir("/dev/shm") else str(WORK / "shm")))
 PY = os.environ.get("PYTHON", sys.executable)
@@ -63,13 +65,6 @@ def write_json(path: Path, obj) -> None:
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def state(name: str) -> str | None:
