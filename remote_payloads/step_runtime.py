@@ -101,7 +101,13 @@ def sha256_file(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- main
 def emit(result, code: int) -> int:
-    print(json.dumps(result, ensure_ascii=False))
+    # Under torchrun every worker runs the step; rank 0 answers for all of them (one JSON document on
+    # stdout), the others' results go to the log.
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(f"[rank {rank}] result: {json.dumps(result, ensure_ascii=False)}", file=sys.stderr, flush=True)
     return code
 
 

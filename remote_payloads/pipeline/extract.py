@@ -17,8 +17,11 @@ Backends:
         refuses (exit 1) when speculators is missing or unpatched.
 
 Resumable: valid existing samples are skipped; every file is written to a temp name and os.replace()d, so a
-kill -9 never leaves a corrupt sample. --rank/--world-size split the indices into contiguous ranges.
---validate checks every output of the range (token ids echo the input, shapes, finite values); exit 1 if bad.
+kill -9 never leaves a corrupt sample. --rank/--world-size split the indices into contiguous ranges (hosts of a
+group, Slurm array tasks); under torchrun (pipeline/launch.py: one worker per GPU, or per group of GPUs when the
+model needs several) the workers split that range further, every N-th sample by length, each on its own GPUs;
+rank 0 writes data_config.json and answers for all. --validate checks every output of the range (token ids
+echo the input, shapes, finite values); exit 1 if bad.
 
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad usage/input.
 """
@@ -36,6 +39,7 @@ from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, 
                           parse_layer_ids, resolve_decoder_stack, text_config)
 from prepare import PreparedDataset  # noqa: E402
 from step_runtime import BadInput, Refused, atomic_write_json, log, progress, run_step  # noqa: E402
+import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
 
 FORMAT = "kimi-eagle-hidden-states/1"
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
@@ -315,10 +319,31 @@ def _auto_class(model_path):
     return transformers.AutoModel
 
 
-def load_model(model_path, torch_dtype, device, tp_size):
-    """Load the target with trust_remote_code; multimodal wrappers go through AutoModelForImageTextToText."""
+def replica_gpus(w, visible):
+    """The GPUs of this rank's model copy: alone, all visible ones; under torchrun, rank r of n on a host
+    with G GPUs gets the r-th block of G // n (launch.py chose n so that one block holds the model)."""
+    if not w.distributed:
+        return list(range(visible))
+    per = visible // w.local_size
+    if per < 1:
+        raise BadInput(f"{w.local_size} extraction processes on this host but only {visible} GPU(s) visible")
+    return list(range(w.local_rank * per, (w.local_rank + 1) * per))
+
+
+def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
+    """Load the target with trust_remote_code; multimodal wrappers go through AutoModelForImageTextToText.
+
+    gpus: the CUDA devices of this copy (None: all visible). One GPU takes the whole model; several share
+    it layer by layer (accelerate's device_map, limited to these GPUs by max_memory)."""
     cls = _auto_class(model_path)
     kwargs = {"trust_remote_code": True, "dtype": torch_dtype}
+    if device == "cuda" and gpus is not None:
+        import torch
+
+        if len(gpus) == 1:
+            return cls.from_pretrained(model_path, **kwargs).to(f"cuda:{gpus[0]}").eval()
+        max_memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}
+        return cls.from_pretrained(model_path, device_map="auto", max_memory=max_memory, **kwargs).eval()
     if device == "cuda":
         try:  # spreads a huge target over all visible GPUs (layer-wise; tp_size is a vllm-backend notion)
             return cls.from_pretrained(model_path, device_map="auto", **kwargs).eval()
@@ -334,12 +359,15 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     device, dtype = args.device, info["dtype"]
     torch_dtype = getattr(torch, dtype)
     t0 = time.time()
-    model = load_model(args.model, torch_dtype, device, args.tp_size)
+    w = dist_.world()
+    gpus = replica_gpus(w, torch.cuda.device_count()) if device == "cuda" and w.distributed else None
+    model = load_model(args.model, torch_dtype, device, args.tp_size, gpus)
     owner, layers, path = resolve_decoder_stack(model)
     if len(layers) != info["num_layers"]:
         raise RuntimeError(f"decoder stack {path} has {len(layers)} layers but the config says {info['num_layers']}")
     info.update(model_class=type(model).__name__, decoder_path=path)
-    log(f"[extract] loaded {type(model).__name__} in {time.time() - t0:.1f}s; layers at {path}; ids {layer_ids}")
+    log(f"[extract] loaded {type(model).__name__} in {time.time() - t0:.1f}s; layers at {path}; ids {layer_ids}"
+        + (f"; rank {w.rank}/{w.size} on GPU(s) {gpus}" if gpus is not None else ""))
     input_device = model.get_input_embeddings().weight.device
 
     capture = HiddenStateCapture(layers, layer_ids, early_stop=not args.no_early_stop)
@@ -347,7 +375,9 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
     order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
     tokens = 0
-    bar = progress(None, total=len(order), desc="extract")
+    # One bar per host: the launcher renders tqdm bars from the log, and N interleaved bars would jump.
+    bar = progress(None, total=len(order), desc=f"extract[rank 0/{w.size}]" if w.distributed else "extract") \
+        if w.main else None
     cuda = input_device.type == "cuda"
     # On GPU the device→host copy of batch k runs on its own stream, into a recycled pinned buffer, while
     # batch k+1 computes; batch k goes to the writer threads once its copy has finished, and its buffer
@@ -557,7 +587,7 @@ def model_info(model_path):
     return {"num_layers": int(n), "hidden_size": int(h), "model_class": arch}
 
 
-def validate(args, ds, out_dir, lo, hi):
+def validate(args, ds, out_dir, lo, hi, mine):
     cfg_path = os.path.join(out_dir, "data_config.json")
     if not os.path.isfile(cfg_path):
         return {"ok": False, "step": "extract", "mode": "validate", "error": f"{cfg_path}: not found"}, 1
@@ -565,13 +595,15 @@ def validate(args, ds, out_dir, lo, hi):
         dc = json.load(f)
     seq_len = dc.get("seq_len", args.seq_len)
     bad = []
-    for i in progress(range(lo, hi), total=hi - lo, desc="validate"):
+    for i in progress(mine, total=len(mine), desc="validate"):
         ids, mask = ds[i]
         why = check_sample(sample_path(out_dir, i), ids[:seq_len], mask[:seq_len], len(dc["layer_ids"]),
                            dc["hidden_size"], full=True)
         if why:
             bad.append({"index": i, "error": why})
             log(f"[validate] hs_{i}.safetensors: {why}")
+    # Under torchrun every rank checked its share; the answer covers them all.
+    bad = sorted((b for part in dist_.gather(bad) for b in part), key=lambda b: b["index"])
     result = {"ok": not bad, "step": "extract", "mode": "validate", "out_dir": os.path.abspath(out_dir),
               "range": [lo, hi], "checked": hi - lo, "bad_count": len(bad), "bad": bad[:1000]}
     return result, (1 if bad else 0)
@@ -587,10 +619,16 @@ def run(args):
     prepared_dir = args.prepared_dir or os.path.join(args.output_dir, "prepared")
     out_dir = args.out or os.path.join(args.output_dir, "hidden_states")
     ds = PreparedDataset(prepared_dir)
+    # --rank/--world-size pick this host's contiguous share; torchrun's ranks split it further, striped
+    # over the samples sorted by length so that every rank gets the same mix of long and short ones.
     lo, hi = shard_range(len(ds), args.rank, args.world_size)
+    w = dist_.world()
+    mine = dist_.stripe(sorted(range(lo, hi), key=lambda i: (-min(len(ds[i][0]), args.seq_len), i)), w.rank, w.size)
+    # A gloo group: extraction exchanges only a few small objects (barriers, counts), never tensors.
+    dist_.init(w, "gloo")
 
     if args.validate:
-        return validate(args, ds, out_dir, lo, hi)
+        return validate(args, ds, out_dir, lo, hi, mine)
 
     spec_version = None
     if args.backend == "vllm":
@@ -625,6 +663,8 @@ def run(args):
 
     os.makedirs(out_dir, exist_ok=True)
     cfg_path = os.path.join(out_dir, "data_config.json")
+    # Every rank checks the existing config (the same answer everywhere, so a mismatch exits every rank);
+    # rank 0 alone cleans and writes, the others wait for it.
     if os.path.isfile(cfg_path) and not args.overwrite:
         with open(cfg_path) as f:
             old = json.load(f)
@@ -636,22 +676,26 @@ def run(args):
         for key in ("model_class", "decoder_path"):  # learnt from the loaded model by an earlier run
             if key in old:
                 data_config[key] = old[key]
-    clean_stale_tmp(out_dir, lo, hi)
-    # Written before any sample (so a killed run can still be checked for compatibility on resume) and again
-    # at the end with what only the loaded model knows (decoder path, model class).
-    atomic_write_json(cfg_path, data_config)
+    if w.main:
+        clean_stale_tmp(out_dir, lo, hi)
+        # Written before any sample (so a killed run can still be checked for compatibility on resume) and
+        # again at the end with what only the loaded model knows (decoder path, model class).
+        atomic_write_json(cfg_path, data_config)
+    dist_.barrier()
 
     # Resume: skip samples whose file is already valid (unless --overwrite).
     todo, skipped = [], 0
     n_ids = len(layer_ids)
-    for i in progress(range(lo, hi), total=hi - lo, desc="scan"):
+    for i in progress(mine, total=len(mine), desc="scan"):
         ids, _ = ds[i]
         if not args.overwrite and check_sample(sample_path(out_dir, i), ids[:args.seq_len], None, n_ids,
                                                info["hidden_size"]) is None:
             skipped += 1
         else:
             todo.append(i)
-    log(f"[extract] rank {args.rank}/{args.world_size}: samples [{lo}, {hi}), {skipped} done already, {len(todo)} to do")
+    who = f"rank {args.rank}/{args.world_size}" + (f", process {w.rank}/{w.size}" if w.distributed else "")
+    log(f"[extract] {who}: samples [{lo}, {hi}){' (every ' + str(w.size) + 'th by length)' if w.distributed else ''}, "
+        f"{skipped} done already, {len(todo)} to do")
 
     t0 = time.time()
     written = tokens = 0
@@ -662,12 +706,25 @@ def run(args):
         else:
             written, tokens = extract_vllm(args, ds, todo, layer_ids, data_config, out_dir, spec_version)
         extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
-        atomic_write_json(cfg_path, data_config)
     secs = time.time() - t0
+    # One data_config.json at the end, by rank 0 once every rank is done (the gather is the barrier), with
+    # what the ranks that loaded the model learnt from it.
+    parts = dist_.gather({"written": written, "tokens": tokens, "skipped": skipped, "extract_s": extract_s,
+                          "learnt": {k: data_config[k] for k in ("model_class", "decoder_path") if k in data_config}
+                          if todo else {}})
+    for part in parts:
+        data_config.update(part["learnt"])
+    if w.main and (any(part["written"] for part in parts) or not os.path.isfile(cfg_path)):
+        atomic_write_json(cfg_path, data_config)
+    if w.distributed:
+        log(f"[extract] process {w.rank}/{w.size}: wrote {written}, {tokens} tokens")
+        written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))
+        times = [part["extract_s"] for part in parts if part["extract_s"]]
+        extract_s = max(times) if times else None  # the ranks ran side by side: the slowest is the wall time
     return {"ok": True, "step": "extract", "backend": args.backend, "out_dir": os.path.abspath(out_dir),
             "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
             "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,
-            "seconds": round(secs, 3), "tokens": tokens,
+            "processes": w.size, "seconds": round(secs, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / secs, 1) if secs > 0 and tokens else None,
             "extract_seconds": round(extract_s, 3) if extract_s else None,
             "extract_tokens_per_s": round(tokens / extract_s, 1) if extract_s else None}, 0
@@ -698,7 +755,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
-    return run_step("extract", run, args, refused=(LayerResolutionError,))
+    try:
+        return run_step("extract", run, args, refused=(LayerResolutionError,))
+    finally:
+        dist_.shutdown()
 
 
 if __name__ == "__main__":

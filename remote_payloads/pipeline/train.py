@@ -15,6 +15,11 @@ Outputs:
   draft/export/config.json + model.safetensors   speculators Eagle3 format (what vLLM loads)
 
 The draft model and its export format live in draft_model.py; this file is the data and the loop.
+
+Under torchrun (pipeline/launch.py starts it so on a host with several GPUs) every rank takes its share of each
+global batch (--batch-size counts all ranks) and the update equals one process's: DDP, or FSDP2 for a draft
+whose training state does not fit one GPU (--parallel). Rank 0 writes full checkpoints, so --resume works on any
+world size. SIGTERM (kimi-eagle stop) ends the current step, saves a checkpoint and exits 1.
 """
 from __future__ import annotations
 
@@ -36,12 +41,23 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators, load_target_config,  # noqa: E402
                          load_target_tensors)
 from step_runtime import BadInput, atomic_write_json, atomic_write_via, log, run_step  # noqa: E402
+import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 
 CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
+# Test-only: seconds to sleep after each optimizer step, so a test can stop a run mid-training.
+STEP_DELAY_ENV = "KIMI_EAGLE_TEST_STEP_DELAY_S"
 
 
-def step_losses(logits_per_step, target_logits, loss_mask, decay: float):
+def mask_counts(loss_mask, ttt_steps: int) -> list[float]:
+    """Loss-masked positions per TTT step (step k scores loss_mask[:, k:])."""
+    return [float(loss_mask[:, k:].sum()) for k in range(ttt_steps)]
+
+
+def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=None):
     """Forward KL(target || draft) per TTT step over loss-masked positions, weighted decay**k.
+
+    `denoms`: per-step position counts to divide by (default: this batch's). Data-parallel ranks pass the
+    counts of the whole global batch, so their losses add up to the global batch's loss, exactly.
 
     Step-k logits at index j predict what the target predicts at index j+k, so compare
     logits[:, :T-k] with targets[:, k:] and mask with loss_mask[:, k:] (speculators' align_for_step).
@@ -53,9 +69,9 @@ def step_losses(logits_per_step, target_logits, loss_mask, decay: float):
     n0 = 0
     for k, logits in enumerate(logits_per_step):
         lg, tg, m = logits[:, : T - k], target_logits[:, k:], loss_mask[:, k:]
-        n = m.sum()
+        n = m.sum() if denoms is None else torch.tensor(denoms[k], device=m.device)
         if k == 0:
-            n0 = int(n)
+            n0 = int(m.sum())
         logp = F.log_softmax(lg.float(), dim=-1)
         tp = F.softmax(tg.float(), dim=-1)
         kl = (tp * (torch.log(tp.clamp_min(1e-30)) - logp)).sum(-1)
@@ -152,20 +168,27 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, names[-1]) if names else None
 
 
-def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int) -> str:
+def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int, sharding: str = "none",
+                    trainable_names=None) -> str:
+    """Rank 0 writes the whole (unsharded) state, so any world size can resume it; under FSDP every rank
+    must call this (the shards are gathered), and all ranks return once the file is in place."""
     path = os.path.join(ckpt_dir, f"step_{step:08d}.pt")
-    state = {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "meta": meta,
-    }
-    atomic_write_via(path, lambda tmp: torch.save(state, tmp))
-    old = sorted(n for n in os.listdir(ckpt_dir) if CKPT_RE.match(n))
-    for n in old[:-keep] if keep > 0 else []:
-        os.unlink(os.path.join(ckpt_dir, n))
+    msd, osd = dist_.full_state(model, opt, sharding, trainable_names or [])
+    if dist_.world().main:
+        state = {
+            "step": step,
+            "model": msd,
+            "optimizer": osd,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "meta": meta,
+            "world_size": dist_.world().size,  # informative only: any world size may resume it
+        }
+        atomic_write_via(path, lambda tmp: torch.save(state, tmp))
+        old = sorted(n for n in os.listdir(ckpt_dir) if CKPT_RE.match(n))
+        for n in old[:-keep] if keep > 0 else []:
+            os.unlink(os.path.join(ckpt_dir, n))
+    dist_.barrier()
     return path
 
 
@@ -180,14 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="pipeline root (reads hidden_states/, vocab/)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the samples (default 1)")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    p.add_argument("--batch-size", type=int, default=1, help="samples per optimizer step (padded)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per optimizer step over all ranks (each of N ranks takes 1/N of them)")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth (default 3)")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step k is decay**k")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype (autocast); master weights stay fp32. auto: bf16 on CUDA, fp32 on CPU; "
                         "also the export dtype")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint (saved by any number of ranks)")
+    p.add_argument("--parallel", choices=["auto", "ddp", "fsdp"], default="auto",
+                   help="under torchrun: ddp (a replica per rank) or fsdp (weights, gradients and optimizer "
+                        "state sharded); auto = fsdp when they would take > 60%% of one GPU")
     p.add_argument("--max-steps", type=int, default=None,
                    help="cap the total number of optimizer steps (defines the LR schedule length)")
     p.add_argument("--stop-at-step", type=int, default=None,
@@ -282,13 +310,24 @@ def train(args) -> dict:
         raise BadInput(f"{vocab_dir}/t2d.npy: length {t2d.shape[0]} != target vocab_size {tcfg['vocab_size']}")
     c = draft_layer_config(tcfg, args)
 
-    # --- device / dtype -------------------------------------------------------------------------
+    # --- device / dtype / ranks ------------------------------------------------------------------
+    w = dist_.world()
+    if args.batch_size < w.size:
+        raise BadInput(f"--batch-size {args.batch_size} is the global batch (samples per optimizer step over "
+                       f"all ranks): it must be at least the world size {w.size}")
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise BadInput("--device cuda: no CUDA device visible")
+    if device.type == "cuda" and w.distributed:
+        if w.local_rank >= torch.cuda.device_count():
+            raise BadInput(f"local rank {w.local_rank} has no GPU: {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", w.local_rank)
+    # gloo for CPU tensors, nccl for CUDA ones; the timeout covers rank 0 writing a big checkpoint while
+    # the others wait at the barrier.
+    dist_.init(w, "nccl" if device.type == "cuda" else "gloo", timeout_s=3600)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     # Frozen target tensors and the feature stream are kept in the compute dtype (halves memory for
@@ -315,6 +354,13 @@ def train(args) -> dict:
     model.lm_head.weight.data.copy_(target_lm_rows)  # start from the target's own head (speculators)
     model.lm_head.weight.requires_grad_(bool(args.train_lm_head))
     model.to(device)
+    trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # fp32 weight + gradient + two AdamW moments per trainable parameter, frozen fp32 weights, target tensors.
+    state_bytes = 16 * n_trainable + 4 * n_frozen + embed.numel() * embed.element_size() + 4 * target_lm_rows.numel()
+    sharding = dist_.choose_sharding(args.parallel, w, state_bytes, device)
+    model = dist_.wrap(model, sharding, device)  # before the optimizer: FSDP replaces the parameters
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
@@ -336,74 +382,122 @@ def train(args) -> dict:
             diff = {k: (ck["meta"].get(k), v) for k, v in meta.items() if ck["meta"].get(k) != v}
             if diff:
                 raise BadInput(f"{path}: checkpoint was made with different settings {diff}")
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
+            dist_.load_full_state(model, opt, sharding, trainable_names, ck["model"], ck["optimizer"])
             torch.set_rng_state(ck["rng_cpu"])
             if ck.get("rng_cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(ck["rng_cuda"])
             start = resumed_from = int(ck["step"])
-            log(f"resumed from {path} at step {start}/{total}")
+            log(f"resumed from {path} at step {start}/{total} (saved by {ck.get('world_size', 1)} rank(s), "
+                f"now {w.size})")
 
     def embed_fn(ids):
         return F.embedding(ids, embed)
 
     log(f"train: {len(files)} samples, {n_tokens} tokens, aux ids {aux_ids}, draft vocab {K}, "
-        f"{sum(p.numel() for p in params)} trainable params, {total} steps on {device} ({dtype})")
+        f"{n_trainable} trainable params, {total} steps on {device} ({dtype})"
+        + (f", rank {w.rank}/{w.size} ({sharding})" if w.distributed else ""))
     stop = total if args.stop_at_step is None else min(total, args.stop_at_step)
     history = []
     last_path = None
+    interrupted = None
     t_log, tok_log = time.time(), 0
+    t_loop, tok_loop, done = time.time(), 0, start
+    step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
     model.train()
-    for step in range(start, stop):
-        lr = lr_at(step, total, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        aux, last, ids, lmask, valid = load_batch(batch_files(files, step, args.batch_size, args.seed),
-                                                  device, feat_dtype)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            with torch.no_grad():
-                # The target's next-token distribution, restricted to the draft vocabulary.
-                target_logits = F.linear(target_norm(last.float()), target_lm_rows).float()
-            logits = model(aux, ids, valid, embed_fn, args.ttt_steps)
-            loss, losses, accs, n_tok = step_losses(logits, target_logits, lmask, args.ttt_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
-        tok_log += int(valid.sum())
-        done = step + 1
-        if done == 1 or done % args.log_every == 0 or done == stop:
-            dt = max(time.time() - t_log, 1e-9)
-            acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(accs))
-            log(f"step {done}/{total} loss {loss.item():.4f} {acc_s} lr {lr:.2e} tok/s {tok_log / dt:.0f}")
-            history.append({"step": done, "loss": loss.item(), "step_losses": losses, "acc": accs})
-            t_log, tok_log = time.time(), 0
-        if done % args.save_every == 0 or done == stop:
-            last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints)
+    with dist_.StopRequest() as stop_request:
+        for step in range(start, stop):
+            lr = lr_at(step, total, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            # The global batch of a step is the same whatever the world size; rank r takes every size-th
+            # sample of it. A rank left without one (a short last batch) runs a sample with an empty loss
+            # mask, so that every rank still joins the gradient all-reduce.
+            batch = batch_files(files, step, args.batch_size, args.seed)
+            mine = dist_.stripe(batch, w.rank, w.size)
+            aux, last, ids, lmask, valid = load_batch(mine or batch[:1], device, feat_dtype)
+            if not mine:
+                lmask = torch.zeros_like(lmask)
+            denoms = dist_.all_sum(mask_counts(lmask, args.ttt_steps)) if w.distributed else None
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                with torch.no_grad():
+                    # The target's next-token distribution, restricted to the draft vocabulary.
+                    target_logits = F.linear(target_norm(last.float()), target_lm_rows).float()
+                logits = model(aux, ids, valid, embed_fn, args.ttt_steps)
+                loss, losses, accs, n_tok = step_losses(logits, target_logits, lmask, args.ttt_decay, denoms)
+            opt.zero_grad(set_to_none=True)
+            # Each rank's loss is its share of the global batch's; DDP/FSDP average the gradients over the
+            # ranks, so scaling by the world size makes the update exactly the global batch's.
+            (loss * w.size).backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            opt.step()
+            n_valid = int(valid.sum()) if mine else 0
+            tok_log += n_valid
+            tok_loop += n_valid
+            done = step + 1
+            if step_delay:
+                time.sleep(step_delay)
+            # Every rank takes the same decision, so none waits in a collective the others skipped.
+            if dist_.any_rank(stop_request.requested):
+                interrupted = stop_request.received or "SIGTERM"
+            if done == 1 or done % args.log_every == 0 or done == stop or interrupted:
+                dt = max(time.time() - t_log, 1e-9)
+                tot = dist_.all_sum([loss.item(), *losses, *accs, tok_log])
+                loss_v, losses, accs, tok_g = tot[0], tot[1:1 + len(losses)], tot[1 + len(losses):-1], tot[-1]
+                acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(accs))
+                if w.main:
+                    log(f"step {done}/{total} loss {loss_v:.4f} {acc_s} lr {lr:.2e} tok/s {tok_g / dt:.0f}")
+                history.append({"step": done, "loss": loss_v, "step_losses": losses, "acc": accs,
+                                "tokens_per_s": round(tok_g / dt, 1)})
+                t_log, tok_log = time.time(), 0
+            if done % args.save_every == 0 or done == stop or interrupted:
+                last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints,
+                                            sharding, trainable_names)
+            if interrupted:
+                log(f"{interrupted}: stopped after step {done}/{total}; checkpoint {last_path}; "
+                    f"continue with --resume")
+                break
+    loop_s = time.time() - t_loop
+    tok_loop = int(dist_.all_sum([tok_loop])[0])
 
-    finished = stop == total
-    result = {"ok": True, "finished": finished, "step": max(stop, start), "total_steps": total,
+    finished = done == total and not interrupted
+    result = {"ok": not interrupted, "finished": finished, "step": max(done, start), "total_steps": total,
               "resumed_from_step": resumed_from, "samples": len(files), "tokens": n_tokens,
               "aux_layer_ids": aux_ids, "draft_vocab_size": K, "device": str(device), "dtype": str(dtype),
+              "world_size": w.size, "parallel": sharding,
               "checkpoint": last_path or latest_checkpoint(ckpt_dir), "history": history,
+              "train_tokens": tok_loop, "train_seconds": round(loop_s, 3),
+              "train_tokens_per_s": round(tok_loop / loop_s, 1) if loop_s > 0 and tok_loop else None,
               "elapsed_s": round(time.time() - t_start, 2)}
+    if interrupted:
+        result["error"] = f"stopped by {interrupted} after step {done}; checkpoint saved, continue with --resume"
     if device.type == "cuda":
         result["cuda_peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if history:
         result["final_loss"], result["final_acc"] = history[-1]["loss"], history[-1]["acc"]
     if finished:
-        cfg = export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
-        atomic_write_json(os.path.join(export_dir, "training_info.json"),
-                          {"data_config": dc, "meta": meta, "final": history[-1] if history else None})
+        plain = dist_.unwrap(model)
+        if sharding == "fsdp":  # gather the shards into a plain copy for the export (every rank takes part)
+            msd, _ = dist_.full_state(model, opt, sharding, trainable_names)
+            plain = Eagle3Draft(c, len(aux_ids), K, bool(args.norm_before_residual))
+            if w.main:
+                plain.load_state_dict(msd)
+        if w.main:
+            cfg = export_speculators(export_dir, plain, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
+            atomic_write_json(os.path.join(export_dir, "training_info.json"),
+                              {"data_config": dc, "meta": meta, "final": history[-1] if history else None})
+            result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
+            log(f"exported {export_dir}")
         result["export_dir"] = export_dir
-        result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
-        log(f"exported {export_dir}")
-    return result
+        dist_.barrier()
+    return (result, 0) if result["ok"] else (result, 1)
 
 
 def main(argv=None) -> int:
-    return run_step("train", train, build_parser().parse_args(argv))
+    try:
+        return run_step("train", train, build_parser().parse_args(argv))
+    finally:
+        dist_.shutdown()
 
 
 if __name__ == "__main__":
