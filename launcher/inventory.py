@@ -47,6 +47,18 @@ def _printable(value):
 
 
 Number = Annotated[int, BeforeValidator(_no_bool)]
+Positive = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
+
+
+def _count_or_auto(value):
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("expected a positive number or auto")
+    return value
+
+
+CountOrAuto = Annotated[int | str, BeforeValidator(_count_or_auto)]
 Real = Annotated[float, BeforeValidator(_no_bool)]
 Text = Annotated[str, BeforeValidator(_printable)]
 
@@ -72,6 +84,12 @@ class Pipeline(_Strict):
     ttt_steps: Number = Field(3, gt=0)
     # Build a tiny random model of this kind at `model` before the chain starts (the demo).
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
+    # extract (hf) and train run through pipeline/launch.py on the host (docs/CONTRACTS.md, "Many processes"):
+    # processes per host; null = one per GPU the host shows (1 without GPUs); a number forces torchrun workers
+    # (on CPU too: gloo).
+    nproc_per_node: Positive | None = None
+    # extract (hf): GPUs one model copy spans, layer by layer; auto = the fewest whose memory holds the model.
+    gpus_per_replica: CountOrAuto = "auto"
 
 
 class PipelineOverride(_Strict):
@@ -90,6 +108,8 @@ class PipelineOverride(_Strict):
     lr: Real | None = Field(None, gt=0)
     ttt_steps: Number | None = Field(None, gt=0)
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
+    nproc_per_node: Positive | None = None
+    gpus_per_replica: CountOrAuto | None = None
 
 
 class HostFields(_Strict):

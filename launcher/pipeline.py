@@ -10,6 +10,9 @@ from .host import PAYLOADS, expand
 STEPS = ("prepare", "extract", "vocab", "train")
 # Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
 GPU_STEPS = {"extract", "train", "all"}
+# Steps that may run as several processes. They start through pipeline/launch.py, which decides on the host
+# (it sees the GPUs and the model) between one process and torchrun workers (docs/CONTRACTS.md).
+TORCHRUN_STEPS = {"extract", "train"}
 
 FLAGS = {
     "prepare": ("model", "dataset", "output_dir", "seq_len"),
@@ -62,5 +65,18 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
         steps.append(Step("tiny-model", [f"{PAYLOADS}/pipeline/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
                           unless_exists=f"{model}/config.json"))
     for n in names:
-        steps.append(Step(n, [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline), *extra]))
+        argv = [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline), *extra]
+        if n in TORCHRUN_STEPS:
+            argv = [f"{PAYLOADS}/pipeline/launch.py", *launch_flags(n, pipeline), "--", *argv]
+        steps.append(Step(n, argv))
     return steps
+
+
+def launch_flags(step: str, pipeline) -> list[str]:
+    """pipeline/launch.py's flags from the inventory; what is not set there launch.py finds out on the host."""
+    flags = []
+    if pipeline.nproc_per_node is not None:
+        flags += ["--nproc-per-node", str(pipeline.nproc_per_node)]
+    if step == "extract":
+        flags += ["--gpus-per-replica", str(pipeline.gpus_per_replica)]
+    return flags

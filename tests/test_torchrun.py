@@ -1,0 +1,336 @@
+"""One host, many processes: extract and train under torchrun (gloo on CPU), launch.py's decisions, and
+`kimi-eagle stop` of a torchrun job over the real sshd.
+
+What a user would notice: 2 workers write exactly the samples 1 process writes; 2 DDP/FSDP ranks follow the
+same loss curve as 1 process on the same global batch; a checkpoint of 2 ranks resumes on 1; SIGTERM saves a
+checkpoint that --resume continues from; stop leaves no worker behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import make_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+PAY = REPO / "remote_payloads"
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_VERBOSITY": "error", "CUDA_VISIBLE_DEVICES": ""}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def answer(stdout: str):
+    """The step's JSON answer: exactly one document on stdout, whatever the number of ranks."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one JSON answer on stdout, got {len(lines)} lines: {stdout[-2000:]}"
+    return json.loads(lines[0])
+
+
+def step(script, *args, nproc=1, env=None, timeout=300):
+    """A payload run: in this process when nproc is 1 (saves a torch import on a busy CI box), else torchrun."""
+    if nproc == 1 and env is None:
+        return in_process(script, *args)
+    p = subprocess.run([*TORCHRUN, "--nproc-per-node", str(nproc), str(PAY / "pipeline" / script), *map(str, args)],
+                       capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def in_process(script, *args):
+    if str(PAY / "pipeline") not in sys.path:
+        sys.path.insert(0, str(PAY / "pipeline"))  # as when run as a script: its siblings import
+    spec = importlib.util.spec_from_file_location(f"kimi_eagle_{script[:-3]}", PAY / "pipeline" / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = mod.main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch.py: one process or torchrun, from the visible GPUs
+
+@pytest.fixture
+def fake_gpus(tmp_path):
+    """An nvidia-smi on PATH that reports GPUs of the given sizes (MiB), like the real one."""
+    def make(*mib):
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        tool = bin_dir / "nvidia-smi"
+        tool.write_text("#!/bin/sh\n" + "".join(f"echo {m}\n" for m in mib))
+        tool.chmod(0o755)
+        return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return make
+
+
+def decide(*args, env):
+    e = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
+    p = subprocess.run([sys.executable, str(PAY / "pipeline" / "launch.py"), "--print", *map(str, args)],
+                       capture_output=True, text=True, env={**e, **env}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
+    env = fake_gpus(81920, 81920, 81920, 81920)
+    d = decide("--", "pipeline/train.py", "--model", "m", env=env)
+    assert d["mode"] == "torchrun" and d["nproc_per_node"] == 4 and "--standalone" in d["argv"]
+    assert d["argv"][-3:] == ["pipeline/train.py", "--model", "m"]
+    # CUDA_VISIBLE_DEVICES narrows what a job may use.
+    assert decide("--", "pipeline/train.py", env={**env, "CUDA_VISIBLE_DEVICES": "2"})["mode"] == "single"
+    # A model of 100 GiB on 80 GiB GPUs needs 2 per replica: 4 GPUs give 2 extraction processes.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 100 * 2**30}}))
+    d = decide("--gpus-per-replica", "auto", "--", "pipeline/extract.py", "--model", model, env=env)
+    assert (d["gpus_per_replica"], d["nproc_per_node"]) == (2, 2)
+    # vLLM spreads over the GPUs itself: one process, whatever is asked.
+    d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--backend", "hf", "--backend", "vllm", env=env)
+    assert d["mode"] == "single" and "vllm" in d["reason"]
+    # Forced on a host without GPUs (gloo workers), and multi-node rendezvous flags.
+    cpu = fake_gpus()
+    assert decide("--", "x.py", env=cpu)["mode"] == "single"
+    d = decide("--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h0:29500",
+               "--rdzv-id", "job-1", "--", "x.py", env=cpu)
+    assert d["mode"] == "torchrun-multinode" and d["argv"][d["argv"].index("--rdzv-endpoint") + 1] == "h0:29500"
+    for flags, why in ((["--nproc-per-node", "8"], "8 processes x 1 GPUs each need 8 GPUs; this host shows 4"),
+                       (["--gpus", "6"], "--gpus 6 (the inventory's gpus:) but this host shows 4 GPU(s)")):
+        p = subprocess.run([sys.executable, str(PAY / "pipeline" / "launch.py"), *flags, "--", "x.py"],
+                           capture_output=True, text=True, env={**ENV, **env, "CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+                           timeout=60)
+        assert p.returncode == 2 and why in p.stderr, p.stderr
+    d = decide("--gpus", "2", "--", "x.py", env={**env, "CUDA_VISIBLE_DEVICES": "3,1,2"})
+    assert d["nproc_per_node"] == 2 and d["env"] == {"CUDA_VISIBLE_DEVICES": "3,1"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# extract
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    sys.path.insert(0, str(PAY / "pipeline"))
+    import tiny_model
+
+    root = tmp_path_factory.mktemp("tr_extract")
+    model = tiny_model.build(str(root / "llama"), kind="llama", layers=8, seed=0)["out_dir"]
+    code, out, err = step("prepare.py", "--model", model, "--dataset", PAY / "sample_data" / "chat.jsonl",
+                          "--output-dir", root / "one", "--seq-len", 48, "--max-samples", 20)
+    assert code == 0, err
+    shutil.copytree(root / "one" / "prepared", root / "two" / "prepared")
+    return {"root": root, "model": model}
+
+
+def read_samples(d: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted(d.glob("hs_*.safetensors"))}
+
+
+def test_torchrun_extract_equals_one_process_and_validates_all(prepared):
+    import torch
+
+    root, model = prepared["root"], prepared["model"]
+    args = ["--model", model, "--batch-size", 1, "--seq-len", 48]
+    code, out, err = step("extract.py", *args, "--output-dir", root / "one")
+    assert code == 0, err
+    code, out, err = step("extract.py", *args, "--output-dir", root / "two", nproc=2)
+    assert code == 0, err
+    doc = answer(out)
+    assert doc["processes"] == 2 and doc["written"] == 20 and doc["range"] == [0, 20]
+    one, two = read_samples(root / "one" / "hidden_states"), read_samples(root / "two" / "hidden_states")
+    assert sorted(one) == sorted(two) and len(one) == 20
+    for name in one:
+        for key in ("token_ids", "hidden_states", "loss_mask"):
+            assert torch.equal(one[name][key], two[name][key]), (name, key)
+    # Both ranks wrote samples (the work was shared), and one data_config.json describes them all.
+    assert "process 1/2: wrote" in err and "process 0/2: wrote" in err
+    cfg1 = json.loads((root / "one" / "hidden_states" / "data_config.json").read_text())
+    cfg2 = json.loads((root / "two" / "hidden_states" / "data_config.json").read_text())
+    assert {k: v for k, v in cfg1.items() if k != "prepared_dir"} == {k: v for k, v in cfg2.items() if k != "prepared_dir"}
+    assert not [p for p in (root / "two" / "hidden_states").iterdir() if p.name.startswith(".")]
+
+    # --validate over all ranks finds a bad sample whichever rank owns it.
+    bad = root / "two" / "hidden_states" / "hs_7.safetensors"
+    bad.write_bytes(bad.read_bytes()[:200])
+    code, out, err = step("extract.py", "--output-dir", root / "two", "--seq-len", 48, "--validate", nproc=2)
+    doc = answer(out)
+    assert code == 1 and doc["checked"] == 20 and [b["index"] for b in doc["bad"]] == [7]
+
+    # Resumable per rank: only the missing samples are redone, by whichever rank owns them.
+    (root / "two" / "hidden_states" / "hs_12.safetensors").unlink()
+    code, out, err = step("extract.py", *args, "--output-dir", root / "two", nproc=2)
+    doc = answer(out)
+    assert code == 0 and doc["written"] == 2 and doc["skipped_existing"] == 18
+    for name in ("hs_7.safetensors", "hs_12.safetensors"):
+        again = read_samples(root / "two" / "hidden_states")[name]
+        assert torch.equal(again["hidden_states"], one[name]["hidden_states"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# train
+
+TRAIN_ARGS = ["--device", "cpu", "--batch-size", 4, "--ttt-steps", 3, "--lr", 3e-3, "--seed", 7,
+              "--log-every", 1, "--epochs", 2]
+
+
+@pytest.fixture(scope="module")
+def train_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tr_train")
+    p = make_pipeline(root)
+    return p
+
+
+def fresh_out(p, name: str) -> Path:
+    out = p["out"].parent / name
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(p["out"], out, ignore=shutil.ignore_patterns("draft"))
+    return out
+
+
+def train(p, out, *extra, nproc=1, env=None):
+    code, stdout, err = step("train.py", "--model", p["target"], "--output-dir", out, *TRAIN_ARGS, *extra,
+                             nproc=nproc, env=env)
+    return code, answer(stdout), err
+
+
+def losses(doc):
+    return [h["loss"] for h in doc["history"]]
+
+
+@pytest.fixture(scope="module")
+def reference(train_inputs):
+    """One process, the whole run: 16 samples, global batch 4, 2 epochs = 8 steps."""
+    code, doc, err = train(train_inputs, fresh_out(train_inputs, "ref"))
+    assert code == 0 and doc["finished"] and doc["total_steps"] == 8, err
+    return doc
+
+
+def test_ddp_two_ranks_same_curve_and_resume_on_one(train_inputs, reference):
+    out = fresh_out(train_inputs, "ddp")
+    code, a, err = train(train_inputs, out, "--stop-at-step", 4, nproc=2)
+    assert code == 0 and a["world_size"] == 2 and a["parallel"] == "ddp", err
+    assert a["history"][-1]["step"] == 4 and not a["finished"]
+    # Each rank computed half of every global batch; their update is the global batch's.
+    assert losses(a) == pytest.approx(losses(reference)[:4], rel=1e-4)
+    code, b, err = train(train_inputs, out, "--resume")
+    assert code == 0 and b["world_size"] == 1 and b["resumed_from_step"] == 4 and b["finished"], err
+    assert "saved by 2 rank(s), now 1" in err
+    assert losses(b) == pytest.approx(losses(reference)[4:], rel=1e-4)
+
+
+def test_fsdp_two_ranks_same_curve_and_export(train_inputs, reference):
+    import torch
+    from safetensors.torch import load_file
+
+    out = fresh_out(train_inputs, "fsdp")
+    code, a, err = train(train_inputs, out, "--parallel", "fsdp", nproc=2)
+    assert code == 0 and a["parallel"] == "fsdp" and a["finished"], err
+    assert losses(a) == pytest.approx(losses(reference), rel=1e-4)
+    ours = load_file(str(out / "draft" / "export" / "model.safetensors"))
+    ref = load_file(str(Path(reference["export_dir"]) / "model.safetensors"))
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), k
+
+
+def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, reference):
+    out = fresh_out(train_inputs, "sigterm")
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", str(PAY / "pipeline" / "train.py"), "--model",
+           str(train_inputs["target"]), "--output-dir", str(out), *map(str, TRAIN_ARGS), "--epochs", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": "0.3"})
+    err_lines = []
+    try:
+        for line in proc.stderr:
+            err_lines.append(line)
+            if line.startswith("step 3/"):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)  # what `kimi-eagle stop` does to the job's process group
+        stdout, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = "".join(err_lines) + rest
+    doc = answer(stdout)
+    assert not doc["ok"] and "SIGTERM" in doc["error"] and not doc["finished"], err
+    stopped_at = doc["step"]
+    assert 3 <= stopped_at < 200 and doc["checkpoint"].endswith(f"step_{stopped_at:08d}.pt")
+    assert Path(doc["checkpoint"]).is_file()
+    # The next run picks it up (on 1 process) and runs the remaining steps only.
+    code, b, err = train(train_inputs, out, "--epochs", "50", "--resume")
+    assert code == 0 and b["resumed_from_step"] == stopped_at and b["finished"], err
+    assert b["history"][0]["step"] == stopped_at + 1 and b["step"] == b["total_steps"] == 200
+
+
+# ----------------------------------------------------------------------------------------------------
+# the launcher: a torchrun job through the CLI over the real sshd, and its stop
+
+def job_processes(job_id: str) -> list[int]:
+    """Live pids carrying the job's id in their environment: torchrun and its workers (which torchrun starts
+    in sessions of their own, outside the job's process group)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and f"KIMI_EAGLE_JOB_ID={job_id}\0".encode() in environ + b"\0":
+            found.append(int(name))
+    return found
+
+
+def test_stop_of_a_torchrun_job_over_ssh_leaves_no_process(tmp_path, sshd, train_inputs):
+    from conftest import make_env
+
+    out = fresh_out(train_inputs, "cli")
+    env = make_env(tmp_path, sshd, host_env={"KIMI_EAGLE_TEST_STEP_DELAY_S": "0.3", "OMP_NUM_THREADS": "1",
+                                             "CUDA_VISIBLE_DEVICES": ""},
+                   extra=f"""pipeline:
+  model: {train_inputs['target']}
+  output_dir: {out}
+  batch_size: 4
+  epochs: 1000
+  nproc_per_node: 2
+""")
+    rendered = env.cli("render", "job", "train", "--host", "gpu", "--out", str(tmp_path / "rendered"))
+    assert rendered.code == 0, rendered.stderr
+    script = next((tmp_path / "rendered").rglob("job.sh")).read_text()
+    assert "pipeline/launch.py --nproc-per-node 2 -- " in script and "pipeline/train.py" in script
+
+    r = env.cli("--json", "run", "train", "--host", "gpu", "--detach", "--no-preflight", "--",
+                "--device", "cpu", "--log-every", "1")
+    assert r.code == 0, (r.stdout, r.stderr)
+    job = r.json()
+    log = Path(job["log"])
+    deadline = time.monotonic() + 240
+    while "step 2/" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        assert "exited with code" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
+        time.sleep(0.3)
+    running = job_processes(job["id"])
+    # torchrun and its 2 workers (the job shell exports the id itself, so its own environ lacks it).
+    assert len(running) == 3, running
+    stopped = env.cli("--json", "stop", job["id"], "--host", "gpu", "--grace", "60")
+    assert stopped.code == 0, (stopped.stdout, stopped.stderr)
+    assert job_processes(job["id"]) == []
+    status = env.cli("--json", "status", job["id"], "--host", "gpu").json()["jobs"][0]
+    assert status["state"] == "stopped"
+    text = log.read_text(errors="replace")
+    assert "==> kimi-eagle: torchrun: 2 process(es)" in text and "SIGTERM received" in text
+    # The workers saved where they stopped: a later `run train -- --resume` continues from there.
+    ckpts = sorted((out / "draft" / "checkpoints").glob("step_*.pt"))
+    assert ckpts, text[-3000:]
