@@ -5,8 +5,24 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from conftest import REPO
+
+
+def _venv_seeing_our_dependencies(venv: Path) -> Path:
+    """A venv that sees this interpreter's installed packages (the dependencies) but not the source tree.
+
+    Not `--system-site-packages`: inside a venv that sees the *base* interpreter's packages, which on a fresh
+    machine lack typer & co. A .pth with plain paths adds our site dirs without running their .pth files, so an
+    editable install of this checkout stays out of sight.
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    ours = [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    (Path(purelib) / "kimi_eagle_test_deps.pth").write_text("".join(p + "\n" for p in ours))
+    return venv
 
 
 def test_wheel_works_from_any_directory(tmp_path):
@@ -18,9 +34,7 @@ def test_wheel_works_from_any_directory(tmp_path):
                    "launcher/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
                    "launcher/_data/remote_payloads/sample_data/chat.jsonl", "launcher/default_inventory.yaml"):
         assert needed in names, needed
-    # A venv that sees this interpreter's packages (the dependencies) but not the source tree.
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    venv = _venv_seeing_our_dependencies(tmp_path / "venv")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
                    check=True, capture_output=True)
     elsewhere = tmp_path / "elsewhere"
