@@ -277,8 +277,8 @@ def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, referenc
 # the launcher: a torchrun job through the CLI over the real sshd, and its stop
 
 def job_processes(job_id: str) -> list[int]:
-    """Live pids carrying the job's id in their environment: torchrun and its workers (which torchrun starts
-    in sessions of their own, outside the job's process group)."""
+    """Live pids carrying the job's id in their environment: torchrun and its workers, which torchrun starts in
+    sessions of their own, outside the job's process group. Our own scan, not jobctl's: the test checks jobctl."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():

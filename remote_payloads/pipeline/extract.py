@@ -340,6 +340,9 @@ def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
     if device == "cuda" and gpus is not None:
         import torch
 
+        # This worker's own GPU is the current device, so nothing it allocates without naming a device
+        # (pinned host buffers, streams) opens a context on another worker's GPU.
+        torch.cuda.set_device(gpus[0])
         if len(gpus) == 1:
             return cls.from_pretrained(model_path, **kwargs).to(f"cuda:{gpus[0]}").eval()
         max_memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}
