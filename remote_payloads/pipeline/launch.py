@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 
+NVIDIA_SMI_FALLBACKS = ("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi")
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
 
 
@@ -55,7 +56,8 @@ def visible_gpus(environ=None) -> list[int]:
 
 
 def _nvidia_smi_sizes() -> list[int]:
-    exe = shutil.which("nvidia-smi")
+    # A non-interactive SSH login may lack the driver's folder on PATH (seen: /usr/local/nvidia/bin).
+    exe = shutil.which("nvidia-smi") or next((p for p in NVIDIA_SMI_FALLBACKS if os.access(p, os.X_OK)), None)
     if not exe:
         return []
     try:
