@@ -24,6 +24,14 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"kimi-eagle {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     inventory: Optional[str] = typer.Option(
@@ -32,6 +40,8 @@ def _global(
     ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail (repeat for more)."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the version and exit."),
 ):
     state.inventory_path = inventory
     state.json = json_out
@@ -43,26 +53,62 @@ for _module in (files, jobs, patch, preflight, gpu):
     _module.register(app)
 
 
+def command():
+    """The click command behind `app`, with flags shown without a value placeholder (newer typer prints `<bool>`)."""
+    cmd = typer.main.get_command(app)
+    todo = [cmd]
+    while todo:
+        c = todo.pop()
+        todo += list(getattr(c, "commands", {}).values())
+        for p in c.params:
+            _no_placeholder(p)
+        c.get_help_option = lambda ctx, _made=c.get_help_option: _no_placeholder(_made(ctx))  # made per call
+    return cmd
+
+
+def _no_placeholder(param):
+    if param is not None and getattr(param, "is_flag", False) and not getattr(param, "count", False):
+        param.metavar = ""
+    return param
+
+
+def _click_kind(e: BaseException) -> str | None:
+    """What a click exception is, whichever click raised it: typer >= 0.2x bundles its own as `typer._click`,
+    older typer uses the `click` package, so the classes are matched by name within either module."""
+    kinds = {c.__name__ for c in type(e).__mro__ if c.__module__.split(".")[0] in ("click", "typer")}
+    for name, kind in (("UsageError", "usage"), ("Abort", "abort"), ("Exit", "exit"), ("ClickException", "click")):
+        if name in kinds:
+            return kind
+    return None
+
+
+def _usage_line(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "kimi-eagle"
+    message = " ".join(e.format_message().split())  # click's "Did you mean …" comes on a line of its own
+    return f"{where}: {message} (see: {where} --help)"
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     try:
-        rc = app(args=argv, standalone_mode=False)
+        rc = command().main(args=argv, prog_name="kimi-eagle", standalone_mode=False)
     except KimiEagleError as e:
         console_ui().error(str(e))
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        console_ui().error("aborted")
-        sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
+    except Exception as e:
+        kind = _click_kind(e)
+        if kind == "usage":
+            console_ui().error(_usage_line(e))
+            sys.exit(EXIT_USAGE)
+        if kind == "abort":
+            console_ui().error("aborted")
+            sys.exit(EXIT_FAILED)
+        if kind == "exit":
+            sys.exit(e.exit_code)
+        if kind == "click":
+            console_ui().error(e.format_message())
             sys.exit(e.exit_code)
         raise
     # With standalone_mode=False click returns the code of a typer.Exit instead of raising it.

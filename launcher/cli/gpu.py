@@ -13,7 +13,7 @@ from ..errors import EXIT_FAILED, ConfigError
 
 def gpu_reset(
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
-    group: Optional[str] = typer.Option(None, "--group", "-g"),
+    group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
     all_: bool = typer.Option(False, "--all", help="Stop every holder, other users' too (asks first)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; stop nothing."),

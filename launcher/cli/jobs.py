@@ -106,7 +106,7 @@ def run(
 
 def logs(
     job_id: str = typer.Argument(..., metavar="JOB"),
-    host: Optional[str] = typer.Option(None, "--host", "-H"),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host of the job (remembered for jobs started here)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the job ends; survive connection drops."),
     tail: Optional[int] = typer.Option(None, "--tail", "-n", min=0, help="Start with the last N lines."),
 ):
@@ -155,7 +155,7 @@ def _duration(seconds) -> str:
 
 def stop(
     job_id: str = typer.Argument(..., metavar="JOB"),
-    host: Optional[str] = typer.Option(None, "--host", "-H"),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host of the job (remembered for jobs started here)."),
     grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
 ):
     """Stop a job: SIGTERM to its whole process group, SIGKILL after --grace, verify nothing is left."""

@@ -17,7 +17,7 @@ def preflight(
     ctx: typer.Context,
     step: str = typer.Argument("all", help="prepare | extract | vocab | train | all"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
-    group: Optional[str] = typer.Option(None, "--group", "-g"),
+    group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
 ):
     """Check versions, patch, model config, layer ids, GPU memory, disk, dataset and the GPU lock, in seconds.
 

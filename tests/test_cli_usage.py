@@ -1,0 +1,61 @@
+"""Usage errors are one line and exit 2, whatever click the installed typer uses (typer >= 0.2x bundles its own);
+`--version`; `--help` shows no `<bool>` placeholder and every option says what it does."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_env
+
+USAGE_ERRORS = {
+    "unknown option": (["--bogus"], "--bogus"),
+    "unknown option of a command": (["status", "--bogus"], "--bogus"),
+    "missing argument": (["logs"], "JOB"),
+    "negative grace": (["stop", "x", "--grace", "-1"], "--grace"),
+    "missing upload path": (["upload", "/nonexistent", "--to", "x"], "/nonexistent"),
+    "unknown command": (["frobnicate"], "frobnicate"),
+    "not a number": (["logs", "j", "--tail", "many"], "--tail"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_usage_error_is_one_line_and_exit_2(tmp_path, case):
+    argv, needle = USAGE_ERRORS[case]
+    r = make_env(tmp_path, None).cli(*argv)
+    assert r.code == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_version(tmp_path):
+    from launcher import __version__
+
+    r = make_env(tmp_path, None).cli("--version")
+    assert r.code == 0 and r.stdout.strip() == f"kimi-eagle {__version__}", (r.stdout, r.stderr)
+
+
+def _commands():
+    from launcher.cli.app import command
+
+    todo = [command()]
+    while todo:
+        c = todo.pop()
+        yield c
+        todo += list(getattr(c, "commands", {}).values())
+
+
+def test_every_option_has_a_description_and_flags_show_no_placeholder(tmp_path):
+    names = []
+    for c in _commands():
+        for p in c.params:
+            if p.param_type_name == "option" and "--help" not in p.opts:
+                assert (p.help or "").strip(), f"{c.name} {p.opts}: no description"
+        names.append(c.name)
+    assert {"run", "logs", "stop", "gpu-reset", "deploy-patch", "trust"} <= set(names)
+    e = make_env(tmp_path, None)
+    for argv in (["run", "--help"], ["gpu-reset", "--help"], ["deploy-patch", "--help"], ["--help"]):
+        r = e.cli(*argv, env={"COLUMNS": "200"})
+        assert r.code == 0, r.stderr
+        assert "<bool>" not in r.stdout, r.stdout
