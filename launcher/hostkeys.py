@@ -152,9 +152,6 @@ class Recorded:
     added: bool  # False: the key was already recorded, nothing written
     removed: list[Entry]  # old keys taken out (only with an explicit replacement)
 
-    def __str__(self) -> str:
-        return str(self.path) if self.added else f"{self.path} (already recorded there; nothing added)"
-
 
 def record(path: str | None, hostname: str, port: int | None, key, *, name: str | None = None,
            replace: str | None = None) -> Recorded:

@@ -176,3 +176,26 @@ def test_trusting_the_same_key_twice_adds_no_duplicate_line(tmp_path, sshd):
     (e.home / ".ssh" / "known_hosts").write_text(sshd.host_key_line())
     assert e.cli("hosts", "trust", "gpu", "--yes").code == 0
     assert known.read_text() == ""
+
+
+def test_a_changed_key_is_replaced_only_by_naming_old_and_new_fingerprints(tmp_path, sshd):
+    e = make_env(tmp_path, sshd, trusted=False)
+    kind, b64, old_fp = _other_key(tmp_path)
+    known = tmp_path / "known_hosts"
+    known.write_text(f"# ours\n[127.0.0.1]:{sshd.port} {kind} {b64}\nother.example {kind} {b64}\n")
+    new_fp = _fp(sshd)
+    # --replace alone, or naming the wrong old key, changes nothing.
+    assert e.cli("hosts", "trust", "gpu", "--replace", old_fp, "--yes").code == 2
+    wrong = e.cli("hosts", "trust", "gpu", "--replace", new_fp, "--fingerprint", new_fp)
+    assert wrong.code == 1 and "not the recorded key" in wrong.stdout + wrong.stderr
+    assert old_fp in known.read_text() or b64 in known.read_text()
+    ok = e.cli("hosts", "trust", "gpu", "--replace", old_fp, "--fingerprint", new_fp)
+    assert ok.code == 0, ok.stdout + ok.stderr
+    assert f"removed the old key ssh-ed25519 {old_fp}" in ok.stdout
+    # Only that host's old line went; the comment and the other host's line stay; the new key is there once.
+    assert known.read_text() == f"# ours\nother.example {kind} {b64}\n" + sshd.host_key_line()
+    assert e.cli("hosts", "check", "gpu").code == 0
+    # The OpenSSH client (the large-upload path, the user's own ssh) accepts the host with this file alone.
+    r = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
+                        "-i", str(sshd.client_key), "-p", str(sshd.port), "root@127.0.0.1", "true"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

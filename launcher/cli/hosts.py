@@ -66,12 +66,22 @@ def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROU
 def hosts_trust(
     host: str = typer.Argument(..., help="Host name from the inventory."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Record the key without asking."),
-    fingerprint: Optional[str] = typer.Option(None, "--fingerprint", help="Record only if the key has this SHA256 fingerprint."),
+    fingerprint: Optional[str] = typer.Option(None, "--fingerprint", metavar="SHA256:…",
+                                              help="Record only if the key has this SHA256 fingerprint."),
+    replace: Optional[str] = typer.Option(
+        None, "--replace", metavar="SHA256:…",
+        help="The host's key changed and you verified the new one: remove the recorded key with this fingerprint "
+             "(needs --fingerprint naming the new key)."),
 ):
-    """Show a host's key fingerprint and record it in the known_hosts file (the inventory's, else ~/.ssh/known_hosts)."""
+    """Show a host's key fingerprint and record it in the known_hosts file (the inventory's, else ~/.ssh/known_hosts).
+
+    A changed key is refused; replace it only with --replace OLD --fingerprint NEW.
+    """
     from .. import hosts, hostkeys
 
     h = state.inventory.one(host)
+    if replace and not fingerprint:
+        raise ConfigError(f"{h.name}: --replace {replace} needs --fingerprint naming the new key")
     hostname, port, key = hosts.offered_key(h)
     fp = hostkeys.fingerprint(key)
     ui = console_ui()
@@ -83,5 +93,7 @@ def hosts_trust(
             raise ConfigError(f"{h.name}: not a terminal; confirm with --yes or --fingerprint {fp}")
         if not typer.confirm("Trust this key?", default=False):
             raise typer.Exit(EXIT_FAILED)
-    path = hosts.trust(h, hostname, port, key)
-    ui.line(f"recorded in {path}", style="green")
+    done = hosts.trust(h, hostname, port, key, replace=replace)
+    for old in done.removed:
+        ui.line(f"removed the old key {old.key_type} {old.fingerprint} from {old.path}", style="yellow")
+    ui.line(f"recorded in {done.path}" if done.added else f"already recorded in {done.path}; nothing added", style="green")
