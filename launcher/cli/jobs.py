@@ -124,10 +124,15 @@ def status(
     from ..parallel import each_host
 
     if job_id:
-        targets = [_host_for_job(job_id, host)]
+        # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
+        from ..host import HostSession
+        from ..parallel import HostOutcome
+
+        h = _host_for_job(job_id, host)
+        with HostSession(h) as session:
+            outcomes = [HostOutcome(h.name, jobs.status(session, job_id))]
     else:
-        targets = state.inventory.select(host)
-    outcomes = each_host(targets, lambda s: jobs.status(s, job_id))
+        outcomes = each_host(state.inventory.select(host), lambda s: jobs.status(s, job_id))
     all_jobs = [j for o in outcomes if o.ok for j in o.value]
     ui = console_ui()
     if state.json:
