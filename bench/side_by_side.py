@@ -43,7 +43,7 @@ TINY = os.environ.get("KE_TINY") == "1"          # CPU rehearsal: toy sizes, --d
 DEVICE = "cpu" if TINY else "cuda"
 BUDGET_S = float(os.environ.get("KE_BUDGET_S", "1080"))   # the runner starts no stage after this
 SCALING_S = float(os.environ.get("KE_SCALING_S", "330"))  # what the issue-16 scaling run needs at the end
-SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "210"))
+SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "150"))
 
 D = {n: WORK / n for n in ("pieces", "results", "logs", "flags", "site-early", "site-vllm", "repo")}
 TERMINAL = ("done", "failed", "skipped")
@@ -201,6 +201,8 @@ def install_bundle(b: dict, piece: int) -> None:
 
 def env_for(gpu: str | None, sites=()) -> dict:
     env = dict(os.environ)
+    if "site-vllm" in sites and "site-early" not in sites:  # vLLM's pydantic/openai/... travel in the early bundle
+        sites = ("site-early", *sites)
     paths = [str(D[s]) for s in sites] + [str(ROOT / "remote_payloads")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if gpu is not None and not TINY:
@@ -374,27 +376,40 @@ def st_hf(stage, gpu, tag, m, shard=None):
 def st_vllm(stage, gpu, tag, m, shard=None):
     out = SHM / f"x{tag}_vllm"
     prepared = SHM / "p1b" / "prepared"
+    if not (ROOT / "remote_payloads" / "pipeline" / "vllm_hs_connector.py").exists():
+        # Our connector (issue 13) is not in this checkout: vLLM's own example connector gives vLLM's figure.
+        res = vllm_stock(stage, gpu, tag, m, shard)
+        res["path"] = "vLLM ExampleHiddenStatesConnector (ours not in this checkout)"
+        return res
     runs = [run(stage, extract_cmd(str(SHM / f"m{tag}"), "vllm", out, prepared, shard), gpu, sites=("site-vllm",),
                 timeout=480)]
     res = extraction_result(stage, m, runs, prepared, shard)
+    res["path"] = "extract --backend vllm (native, our connector)"
     ref = SHM / "p1b" / "hidden_states" if tag == "1b" else SHM / f"x{tag}_hf"
     res["agreement_with_hf"] = compare_states(ref, out, 4)
     return res
 
 
-def st_vllm_smoke(gpu):
-    """vLLM's own ExampleHiddenStatesConnector on the 1 B model: the carried install works, and vLLM's stock figure."""
-    r = run("vllm_smoke", [PY, "bench/vllm_smoke.py", "--model", str(SHM / "m1b"), "--prepared",
-                           str(SHM / "p1b" / "prepared"), "--out", str(SHM / "x1b_vllm_stock"), "--seq-len", str(SEQ),
-                           "--layer-ids", ",".join(str(i) for i in results("hf_1b").get("layer_ids", []))
-                           or f"2,{M1['layers'] // 2},{M1['layers'] - 3},{M1['layers']}"],
+def vllm_stock(stage, gpu, tag, m, shard=None):
+    """vLLM's own ExampleHiddenStatesConnector (bench/vllm_smoke.py) on the same samples: vLLM's stock figure."""
+    prepared = SHM / "p1b" / "prepared"
+    n = len(lengths_of(prepared))
+    hi = -(-n // shard) if shard else n
+    ids = f"2,{m['layers'] // 2},{m['layers'] - 3},{m['layers']}"
+    out = SHM / f"x{tag}_vllm_stock"
+    r = run(stage, [PY, "bench/vllm_smoke.py", "--model", str(SHM / f"m{tag}"), "--prepared", str(prepared),
+                    "--out", str(out), "--seq-len", str(SEQ), "--layer-ids", ids, "--max-samples", str(hi)],
             gpu, sites=("site-vllm",), timeout=480)
-    f = flops(M1, lengths_of(SHM / "p1b" / "prepared")) / r["seconds"] / 1e12
+    f = flops(m, lengths_of(prepared, 0, hi)) / r["seconds"] / 1e12
     mm = results("matmul").get("bf16_matmul_tflops")
     r.update(tflops=round(f, 1), fraction_of_989_peak=round(f / 989, 3),
              fraction_of_measured_matmul=round(f / mm, 3) if mm else None)
-    shutil.rmtree(SHM / "x1b_vllm_stock", ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
     return r
+
+
+def st_vllm_smoke(gpu):
+    return vllm_stock("vllm_smoke", gpu, "1b", M1)
 
 
 def compare_states(a: Path, b: Path, n: int):
@@ -552,13 +567,13 @@ LANE0 = [("matmul", st_matmul, []),
          ("models", st_models, []),
          ("hf_1b", lambda g: st_hf("hf_1b", g, "1b", M1), ["models"]),
          ("hf_8b", lambda g: st_hf("hf_8b", g, "8b", M8, shard=2), ["models"]),
-         ("vllm_smoke", st_vllm_smoke, ["hf_8b", "bundle-vllm"]),
+         ("vllm_smoke", st_vllm_smoke, ["hf_1b", "bundle-vllm"]),
          ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
-         ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["hf_8b", "bundle-vllm"]),
+         ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["models", "bundle-vllm"]),
+         ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
          ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"]),
          ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
 LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
-         ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
          ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
          ("smol_train", st_smol_train, ["smol_data"]),
          ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"])]

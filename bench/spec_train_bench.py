@@ -11,7 +11,8 @@ vocab/d2t.npy + t2d.npy (speculators' convention). What speculators needs beside
 folder with input_ids / loss_mask / seq_len and the vocab files next to it, is written to DIR/spec_data.
 The draft shape is speculators' default EAGLE-3 (one Llama layer, the target's hidden size), the aux layer ids
 are ours (data_config.json), the draft vocab is ours; batch = --total-seq-len tokens packed per step,
-TTT steps --ttt-steps. Everything else is speculators' default (muon optimizer, KL loss, flex attention).
+TTT steps --ttt-steps. Everything else is speculators' default (muon optimizer, KL loss, flex attention,
+torch.compile), except the loss implementation (eager: the fused one fails to compile, see below).
 Prints one JSON line.
 """
 
@@ -120,6 +121,10 @@ def main() -> None:
             "--total-seq-len", str(a.total_seq_len), "--ttt-steps", str(a.ttt_steps), "--on-missing", "raise",
             "--num-workers", str(a.num_workers), "--log-freq", "1000000", "--train-data-ratio", "0.98",
             "--no-resume-from-checkpoint", "--log-dir", str(a.save_path / "logs"),
+            # The default fused Triton loss does not trace under torch 2.11's dynamo (seen on the H200:
+            # "ListVariable ... is already tracked for mutation" in losses/fused.py); eager is speculators'
+            # own compatibility option, and the rest of the forward stays compiled.
+            "--loss-implementation", "eager",
             "--target-layer-ids", *[str(i) for i in layer_ids[:-1]], *extra]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

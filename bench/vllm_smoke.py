@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--layer-ids", required=True)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-samples", type=int, default=0, help="the first N samples (0 = all)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     t0 = time.time()
@@ -50,7 +51,8 @@ def main() -> None:
               kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                   "kv_connector_extra_config": {"shared_storage_path": a.out}})
     start_s = time.time() - t1
-    prompts = [{"prompt_token_ids": [int(t) for t in ds[i][0][:a.seq_len]]} for i in range(len(ds))]
+    n = min(len(ds), a.max_samples) if a.max_samples else len(ds)
+    prompts = [{"prompt_token_ids": [int(t) for t in ds[i][0][:a.seq_len]]} for i in range(n)]
     tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     t2 = time.time()
     outs = llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
