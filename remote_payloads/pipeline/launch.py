@@ -159,6 +159,10 @@ def decide(a, environ=None) -> dict:
         if a.max_restarts is not None:
             cmd += ["--max-restarts", str(a.max_restarts)]
         cmd += [script, *step_args]
+        if "OMP_NUM_THREADS" not in env:
+            # torchrun would give every worker 1 thread; give each its share of the cores instead (batch
+            # assembly and tensor copies on the CPU), like the one process it replaces had all of them.
+            set_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     return {"mode": mode, "nproc_per_node": nproc, "nnodes": nnodes, "gpus": len(gpus),
             "gpus_per_replica": per_replica, "reason": single_reason, "env": set_env, "argv": cmd}
 
