@@ -98,6 +98,9 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     # vLLM spreads over the GPUs itself: one process, whatever is asked.
     d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--backend", "hf", "--backend", "vllm", env=env)
     assert d["mode"] == "single" and "vllm" in d["reason"]
+    # Inside a torchrun worker (a launcher put torchrun in front): never a torchrun of its own.
+    d = decide("--", "pipeline/train.py", env={**env, "RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "x"})
+    assert d["mode"] == "single" and d["argv"][1:] == ["pipeline/train.py"]
     # Forced on a host without GPUs (gloo workers), and multi-node rendezvous flags.
     cpu = fake_gpus()
     assert decide("--", "x.py", env=cpu)["mode"] == "single"

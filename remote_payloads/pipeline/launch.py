@@ -19,7 +19,8 @@ process group, signals and exit code are the step's or torchrun's own.
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
 - A step that cannot use ranks runs as one process whatever is asked: extract with --backend vllm (vLLM
-  spreads over the GPUs itself).
+  spreads over the GPUs itself). So does a step started inside a torchrun worker (RANK set): the outer
+  torchrun already owns the ranks.
 
 --print prints the decision as JSON instead of running (for tests and `render`).
 """
@@ -123,6 +124,10 @@ def decide(a, environ=None) -> dict:
     single_reason = None
     if flags.backend == "vllm":
         single_reason = "--backend vllm: vLLM spreads over the GPUs itself"
+    elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
+        # ranks; starting another one here would nest process groups.
+        single_reason = "already a torchrun worker (RANK is set)"
     per_replica = replica_size(a.gpus_per_replica, gpus, flags.model)
     if per_replica < 1:
         raise LaunchError(f"--gpus-per-replica must be >= 1, got {per_replica}")
