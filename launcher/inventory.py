@@ -112,6 +112,65 @@ class PipelineOverride(_Strict):
     gpus_per_replica: CountOrAuto | None = None
 
 
+# Values that go into `#SBATCH` lines and Slurm commands: Slurm's own syntax, never spaces or quotes.
+_SLURM_SYNTAX = {
+    "partition": (r"[A-Za-z0-9_.+\-\[\],]+", "a Slurm name (letters, digits, _ . + - , [ ])"),
+    "account": (r"[A-Za-z0-9_.+\-]+", "a Slurm account name"),
+    "qos": (r"[A-Za-z0-9_.+\-]+", "a Slurm QOS name"),
+    "constraint": (r"[A-Za-z0-9_.+\-\[\],&|*]+", "a Slurm feature expression without spaces"),
+    "gres": (r"[A-Za-z0-9_]+(:[A-Za-z0-9_.\-]+)?(:\d+)?(,[A-Za-z0-9_]+(:[A-Za-z0-9_.\-]+)?(:\d+)?)*",
+             "a gres list like gpu:8 or gpu:h200:8"),
+    "time_limit": (r"(\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE", "a Slurm time limit: MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED"),
+    "mem": (r"\d+[KMGT]?", "a memory size like 64G"),
+}
+_SBATCH_ARG = r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.:,+=%@/\-\[\]]+)?"
+
+
+class SlurmSettings(_Strict):
+    """How a job is submitted on a Slurm login node (`scheduler: slurm`)."""
+
+    partition: str
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    gres: str | None = None  # per node, e.g. gpu:8 or gpu:h200:8
+    time_limit: str | None = None
+    nodes: int = Field(1, gt=0)  # nodes of a multi-node (torchrun) job
+    cpus_per_task: int | None = Field(None, gt=0)
+    mem: str | None = None
+    array_parallelism: int | None = Field(None, gt=0)  # at most this many extraction shards at once (%N)
+    shards: int = Field(1, gt=0)  # extraction: array tasks (ranks), one node each
+    sbatch_args: list[str] = Field(default_factory=list)  # more flags, `--name=value` form only
+
+    @field_validator(*_SLURM_SYNTAX)
+    @classmethod
+    def _syntax(cls, value, info):
+        import re
+
+        pattern, what = _SLURM_SYNTAX[info.field_name]
+        if value is not None and not re.fullmatch(pattern, value):
+            raise ValueError(f"not {what}")
+        return value
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _flags(cls, args: list[str]) -> list[str]:
+        import re
+
+        for a in args:
+            if not re.fullmatch(_SBATCH_ARG, a):
+                raise ValueError(f"{a!r} is not an sbatch flag of the form --name=value")
+        return args
+
+    def gpus_per_node(self) -> int | None:
+        """The GPU count asked for in `gres` (gpu:8, gpu:h200:8), or None."""
+        for part in (self.gres or "").split(","):
+            fields = part.split(":")
+            if fields[0] == "gpu":
+                return int(fields[-1]) if len(fields) > 1 and fields[-1].isdigit() else 1
+        return None
+
+
 class HostFields(_Strict):
     address: Text | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
     port: Number | None = Field(None, gt=0, lt=65536)
@@ -124,6 +183,12 @@ class HostFields(_Strict):
     known_hosts: Text | None = None
     connect_timeout: Real | None = Field(None, gt=0)
     pipeline: PipelineOverride | None = None
+    # Several hosts and Slurm (how jobs are launched; see launcher/backend.py):
+    scheduler: Literal["direct", "slurm"] | None = None  # direct: a detached process group; slurm: sbatch
+    slurm: SlurmSettings | None = None
+    gpus: int | None = Field(None, ge=0)  # GPUs used per host: shard weight and torchrun's processes per node
+    rdzv_address: str | None = None  # how the other hosts of a group reach this one (default: address)
+    rdzv_port: int | None = Field(None, gt=0, lt=65536)  # torchrun's c10d rendezvous port (default 29500)
 
     @field_validator("env")
     @classmethod
@@ -159,6 +224,11 @@ class Host(BaseModel):
     known_hosts: str | None
     connect_timeout: float
     pipeline: Pipeline
+    scheduler: Literal["direct", "slurm"] = "direct"
+    slurm: SlurmSettings | None = None
+    gpus: int | None = None
+    rdzv_address: str
+    rdzv_port: int = 29500
 
 
 class Inventory:
@@ -192,6 +262,11 @@ class Inventory:
             known_hosts=known_hosts,
             connect_timeout=pick("connect_timeout", 10.0),
             pipeline=Pipeline(**pipeline),
+            scheduler=pick("scheduler", "direct"),
+            slurm=pick("slurm"),
+            gpus=pick("gpus"),
+            rdzv_address=pick("rdzv_address", pick("address", name)),
+            rdzv_port=pick("rdzv_port", 29500),
         )
 
     def select(self, host: str | None = None, group: str | None = None) -> list[Host]:
@@ -270,6 +345,7 @@ def parse(text: str, shown: str) -> Inventory:
                 raise ConfigError(f"{shown}{line}: group {group!r} names unknown host {m!r}")
         if group in data.hosts:
             raise ConfigError(f"{shown}{_line_of(node, ('groups', group))}: group {group!r} has the name of a host")
+    _check_schedulers(shown, node, data)
     return Inventory(shown, data)
 
 
@@ -307,6 +383,20 @@ def _refuse_bad_names(shown: str, node, raw: dict) -> None:
                 if isinstance(m, str) and (bad := _control_chars(m)):
                     raise ConfigError(f"{shown}{_line_of(node, (section, name))}: group {name!r} names host {m!r}, "
                                       f"which contains a control character ({bad})")
+
+
+def _check_schedulers(shown: str, node, data: InventoryFile) -> None:
+    """`scheduler: slurm` needs a `slurm:` section (here or in defaults), and a `slurm:` section needs the scheduler."""
+    d = data.defaults
+    for name, h in data.hosts.items():
+        scheduler = h.scheduler or d.scheduler or "direct"
+        has_slurm = (h.slurm or d.slurm) is not None
+        if scheduler == "slurm" and not has_slurm:
+            line = _line_of(node, ("hosts", name, "scheduler"))
+            raise ConfigError(f"{shown}{line}: host {name!r}, field slurm: required with scheduler: slurm (partition, ...)")
+        if scheduler != "slurm" and h.slurm is not None:
+            line = _line_of(node, ("hosts", name, "slurm"))
+            raise ConfigError(f"{shown}{line}: host {name!r}, field slurm: only used with scheduler: slurm")
 
 
 def _describe(shown: str, node, err: dict[str, Any]) -> str:

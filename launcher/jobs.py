@@ -9,13 +9,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import pipeline, render
+from . import launch, pipeline, render
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, KimiEagleError
 from .host import RUNS, HostSession
 from .shell import join
 
 # What `logs --follow` and `status` exit with, by job state (documented in the README).
-STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED}
+# `pending`: queued by a scheduler (Slurm), not started yet.
+STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "pending": EXIT_RUNNING,
+              "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED}
 TERMINAL = {"succeeded", "failed", "stopped", "lost"}
 
 
@@ -48,7 +50,7 @@ class Job:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.pop("extra")
+        d.update(d.pop("extra"))  # backend details, e.g. a Slurm job's id and array tasks
         return d
 
 
@@ -56,11 +58,12 @@ def new_job_id(step: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
 
 
-def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID") -> tuple[str, str]:
+def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
+               shape: launch.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = pipeline.plan(step, host.pipeline, extra)
+    steps = launch.apply(pipeline.plan(step, host.pipeline, extra), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,
@@ -89,11 +92,12 @@ def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
         raise CommandError(f"{session.name}: jobctl {args[0]} failed (exit {res.exited}): {res.stderr.strip()[-300:]}", result=res) from None
 
 
-def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None) -> Job:
+def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
+          shape: launch.Shape | None = None, job_id: str | None = None) -> Job:
     """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
     extra = list(extra or [])
-    job_id = new_job_id(step)
-    rel, text = render_job(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
+    job_id = job_id or new_job_id(step)
+    rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
     session.upload_scripts({rel: text})
     args = ["start", "--job-id", job_id, "--step", step, "--host", session.name,

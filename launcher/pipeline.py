@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .host import PAYLOADS, expand
@@ -28,6 +28,8 @@ class Step:
     argv: list[str]  # after the host's Python when `python` is set, else the whole command
     python: bool = True
     unless_exists: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # exported for this command only
+    branches: list["Step"] = field(default_factory=list)  # run at once instead of argv; the step fails if one does
 
 
 def step_args(step: str, pipeline) -> list[str]:

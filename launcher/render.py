@@ -1,9 +1,10 @@
 """One Jinja2 environment for every rendered script.
 
-Values reach shell lines only through the `sh`, `sh_path`, `sh_join` and `sh_name` filters, and shell
-comments only through `comment` (a shell-quoted value may still carry a newline, which ends a comment);
-`finalize` refuses anything else at render time, and tests/test_render_and_upload.py and
-tests/test_template_safety.py scan the templates for interpolations that skip the filters.
+Values reach shell lines only through the `sh`, `sh_path`, `sh_join` and `sh_name` filters, shell
+comments only through `comment` (a shell-quoted value may still carry a newline, which ends a comment), and
+`#SBATCH` lines (read by sbatch, not a shell) only through `sbatch`; `finalize` refuses anything else at render
+time, and tests/test_render_and_upload.py and tests/test_template_safety.py scan the templates for
+interpolations that skip the filters.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def comment(value) -> Quoted:
     return Quoted("".join(c if c.isprintable() else ascii(c)[1:-1] for c in s))
 
 
+def sbatch(value) -> Quoted:
+    """A value on an `#SBATCH` line: sbatch reads those itself (no shell), so the value must be one plain token."""
+    s = str(value)
+    if not s or not s.isprintable() or re.search(r"[\s'\"#\\$`;]", s):
+        raise ConfigError(f"{s[:40]!r} cannot go on an #SBATCH line (spaces, quotes, #, $, ; are not allowed)")
+    return Quoted(s)
+
+
 def _finalize(value):
     if isinstance(value, Quoted):
         return value
@@ -78,7 +87,7 @@ def environment():
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(sh=sh, sh_path=sh_path, sh_join=sh_join, sh_name=sh_name, comment=comment)
+    env.filters.update(sh=sh, sh_path=sh_path, sh_join=sh_join, sh_name=sh_name, comment=comment, sbatch=sbatch)
     env.globals["version"] = Quoted(__version__)
     return env
 

@@ -37,6 +37,8 @@ def _interpolations(source: str):
         elif kind == "variable_end":
             in_var = False
             in_comment = bool(re.match(r"^\s*#", line_text) or re.search(r"\s#", line_text))
+            if re.match(r"^#SBATCH ", line_text):
+                in_comment = "sbatch"  # a directive sbatch reads: its own filter
             out.append((start, filters[-1] if filters else None, in_comment))
             line_text += "{{…}}"
         prev = value if kind != "whitespace" else prev
@@ -49,7 +51,9 @@ def test_every_value_in_a_comment_goes_through_the_comment_filter():
     seen = 0
     for t in templates:
         for lineno, last_filter, in_comment in _interpolations(t.read_text()):
-            if in_comment:
+            if in_comment == "sbatch":
+                assert last_filter == "sbatch", f"{t.name}:{lineno}: a value on an #SBATCH line must end with | sbatch"
+            elif in_comment:
                 seen += 1
                 assert last_filter == "comment", f"{t.name}:{lineno}: a value in a shell comment must end with | comment"
             else:  # `comment` escapes for the eye, it does not quote for the shell

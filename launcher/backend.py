@@ -1,0 +1,111 @@
+"""How a host runs a job: a detached process group over SSH (direct) or a Slurm submission (slurm).
+
+The commands (run, logs, status, stop) and group jobs talk to a Backend and never ask which one it is.
+`emit_for(task)` gives the line sink of one task's output ('' for a job with one output, the array index
+for Slurm array tasks).
+"""
+
+from __future__ import annotations
+
+import abc
+
+from . import jobs, launch
+
+
+class Backend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def render(self, session, step: str, extra: list[str], shape: launch.Shape | None = None) -> dict[str, str]:
+        """The scripts `start` would upload, {path relative to the workdir: text}; validates the input."""
+
+    @abc.abstractmethod
+    def start(self, session, step: str, extra: list[str], *, gpu: bool | None = None, shape: launch.Shape | None = None,
+              job_id: str | None = None) -> jobs.Job: ...
+
+    @abc.abstractmethod
+    def status(self, session, job_id: str | None = None) -> list[jobs.Job]: ...
+
+    @abc.abstractmethod
+    def stop(self, session, job_id: str, grace: float = 10.0) -> dict: ...
+
+    @abc.abstractmethod
+    def follow(self, host, job_id: str, emit_for, *, follow: bool = True, tail: int | None = None, session=None,
+               on_reconnect=None): ...
+
+    def preflight(self, session, step: str) -> list[str]:
+        """Scheduler-level problems (one line each) that make a start pointless; the step's own checks are separate."""
+        return []
+
+
+class Direct(Backend):
+    """A detached job in its own session and process group (remote_payloads/jobctl.py on the host)."""
+
+    name = "direct"
+
+    def render(self, session, step, extra, shape=None):
+        rel, text = jobs.render_job(session, step, extra, shape=shape)
+        return {rel: text}
+
+    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None):
+        return jobs.start(session, step, extra, gpu=gpu, shape=shape, job_id=job_id)
+
+    def status(self, session, job_id=None):
+        return jobs.status(session, job_id)
+
+    def stop(self, session, job_id, grace=10.0):
+        return jobs.stop(session, job_id, grace)
+
+    def follow(self, host, job_id, emit_for, *, follow=True, tail=None, session=None, on_reconnect=None):
+        from . import logs
+
+        return logs.follow(host, job_id, emit_for(""), follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
+
+
+class Slurm(Backend):
+    """sbatch on the host (a login node); see launcher/slurm.py."""
+
+    name = "slurm"
+
+    def render(self, session, step, extra, shape=None):
+        if shape is not None and (shape.ranks or shape.torchrun):
+            from .errors import ConfigError
+
+            raise ConfigError(f"{session.name}: a Slurm host shapes its own jobs (slurm.shards, slurm.nodes); "
+                              "it cannot be part of a --group run")
+        from . import slurm
+
+        return slurm.job_files(session, step, extra)
+
+    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None):
+        from . import slurm
+
+        self.render(session, step, extra, shape)
+        return slurm.start(session, step, extra, job_id=job_id)
+
+    def status(self, session, job_id=None):
+        from . import slurm
+
+        return slurm.status(session, job_id)
+
+    def stop(self, session, job_id, grace=10.0):
+        from . import slurm
+
+        return slurm.stop(session, job_id, grace)
+
+    def follow(self, host, job_id, emit_for, *, follow=True, tail=None, session=None, on_reconnect=None):
+        from . import slurm
+
+        return slurm.follow(host, job_id, emit_for, follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
+
+    def preflight(self, session, step):
+        from . import slurm
+
+        return slurm.preflight(session, step)
+
+
+BACKENDS = {"direct": Direct(), "slurm": Slurm()}
+
+
+def for_host(host) -> Backend:
+    return BACKENDS[host.scheduler]

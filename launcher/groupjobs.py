@@ -1,0 +1,338 @@
+"""One job over the hosts of a group: extraction shards (one job per host) or one multi-node torchrun.
+
+A group job is recorded here, on the controller (`~/.cache/kimi-eagle/groups/<group-job-id>.json`): its
+step, arguments and hosts, and per host the shape (ranks or torchrun node) and the id of the host's job
+(a normal job on that host: `logs/status/stop HOSTJOB --host H` work on it too). `status`, `logs` and
+`stop` of the group job fan out over those. A host that is unreachable or fails is reported and the others
+go on; starting the same command again resumes only the shards that have not succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import backend, launch
+from .errors import ConfigError, KimiEagleError
+from .jobs import STATE_EXIT, Job, new_job_id, remember
+from .parallel import each_host
+
+PREFIX = "g-"
+# Group-job states, worst first: one running host keeps the group running; else a failure fails it.
+ORDER = ("running", "pending", "failed", "lost", "unreachable", "stopped", "succeeded")
+
+
+@dataclass
+class Member:
+    host: str
+    shape: dict  # launch.Shape as a dict
+    job_id: str | None = None
+    error: str | None = None  # why the last start on this host failed
+    attempts: int = 0
+
+
+@dataclass
+class GroupJob:
+    id: str
+    group: str
+    step: str
+    extra: list[str]
+    mode: str  # shards | torchrun
+    shard_by: str
+    hosts: list[str]
+    members: list[Member] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+
+    def key(self) -> tuple:
+        return (self.group, self.step, tuple(self.extra), self.mode, self.shard_by, tuple(self.hosts))
+
+    def save(self) -> None:
+        p = _dir() / f"{self.id}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, group_job_id: str) -> "GroupJob":
+        try:
+            d = json.loads((_dir() / f"{group_job_id}.json").read_text())
+        except (OSError, ValueError):
+            raise ConfigError(f"group job {group_job_id}: not started from this machine (no record in {_dir()})") from None
+        d["members"] = [Member(**m) for m in d["members"]]
+        return cls(**d)
+
+
+def _dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "kimi-eagle" / "groups"
+
+
+def is_group_job(job_id: str) -> bool:
+    return job_id.startswith(PREFIX)
+
+
+def _latest_with_key(key: tuple) -> GroupJob | None:
+    records = sorted(_dir().glob(f"{PREFIX}*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if _dir().is_dir() else []
+    for p in records:
+        try:
+            g = GroupJob.load(p.stem)
+        except KimiEagleError:
+            continue
+        if g.key() == key:
+            return g
+    return None
+
+
+def mode_for(step: str) -> str:
+    if step in launch.SHARDABLE and step != "exec":
+        return "shards"
+    if step in launch.DISTRIBUTED and step != "exec":
+        return "torchrun"
+    raise ConfigError(f"`run {step} --group`: only extract (sharded) and train (torchrun) run across a group; "
+                      "for exec choose --shards or --torchrun")
+
+
+def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group: str, group_id: str) -> GroupJob:
+    """The record of a new group job (nothing contacted yet); refuses Slurm hosts, which shape their own jobs."""
+    slurm_hosts = [h.name for h in hosts if h.scheduler != "direct"]
+    if slurm_hosts:
+        raise ConfigError(f"group {group!r}: host {slurm_hosts[0]!r} is a Slurm login node; run it with --host "
+                          "(its slurm.shards / slurm.nodes spread the job)")
+    if mode == "shards":
+        shapes = launch.shard_shapes(hosts, shard_by)
+    elif mode == "torchrun":
+        shapes = launch.torchrun_shapes(hosts, group_id)
+    else:
+        raise ConfigError(f"unknown group mode {mode!r}")
+    g = GroupJob(group_id, group, step, list(extra), mode, shard_by, [h.name for h in hosts])
+    g.members = [Member(h.name, asdict(s)) for h, s in zip(hosts, shapes)]
+    return g
+
+
+def shape_of(member: Member) -> launch.Shape:
+    d = dict(member.shape)
+    t = d.pop("torchrun", None)
+    return launch.Shape(**d, torchrun=launch.Torchrun(**t) if t else None)
+
+
+@dataclass
+class StartOutcome:
+    host: str
+    action: str  # started | done | running | failed
+    job_id: str | None = None
+    message: str = ""
+
+
+def new_group_id(step: str) -> str:
+    return f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
+
+
+def start(inventory, group: str, step: str, extra: list[str], *, mode: str | None = None, shard_by: str = "hosts",
+          gpu: bool | None = None, host_check=None, rendezvous_check: bool = True) -> tuple[GroupJob, list[StartOutcome]]:
+    """Start (or resume) a group job. `host_check(session)` runs on each host before its job starts (preflight)."""
+    hosts = inventory.select(group=group)
+    mode = mode or mode_for(step)
+    fresh = plan(hosts, step, extra, mode=mode, shard_by=shard_by, group=group, group_id=new_group_id(step))
+    from .host import HostSession
+    from .renderables import Offline
+
+    for h, m in zip(hosts, fresh.members):  # render every host's script first: bad input changes nothing anywhere
+        backend.for_host(h).render(HostSession(h, transport=Offline(h)), step, extra, shape_of(m))
+    previous = _latest_with_key(fresh.key())
+    g = previous if previous is not None and mode == "shards" else fresh
+    if previous is not None and mode == "torchrun":
+        running = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
+        if running:
+            raise ConfigError(f"group job {previous.id} is still running on {running[0].host}; stop it first: "
+                              f"kimi-eagle stop {previous.id}")
+    todo, outcomes = _what_to_start(inventory, g)
+    if mode == "torchrun":
+        outcomes = _start_torchrun(inventory, g, todo, gpu, host_check, rendezvous_check)
+    else:
+        outcomes += _start_shards(inventory, g, todo, gpu, host_check)
+    g.save()
+    for m in g.members:
+        if m.job_id:
+            remember(m.job_id, m.host)
+    return g, sorted(outcomes, key=lambda o: g.hosts.index(o.host))
+
+
+def _what_to_start(inventory, g: GroupJob) -> tuple[list[Member], list[StartOutcome]]:
+    """Members without a succeeded or live job (a resume starts only those)."""
+    known = [m for m in g.members if m.job_id]
+    states = {}
+    if known:
+        for o in _member_status(inventory, g, known):
+            states[o.host] = o.value.state if o.ok and o.value else None
+    todo, outcomes = [], []
+    for m in g.members:
+        state = states.get(m.host)
+        if state == "succeeded":
+            outcomes.append(StartOutcome(m.host, "done", m.job_id, "succeeded before; not started again"))
+        elif state in ("running", "pending"):
+            outcomes.append(StartOutcome(m.host, "running", m.job_id, "still running; not started again"))
+        else:
+            todo.append(m)
+    return todo, outcomes
+
+
+def _start_one(inventory, g: GroupJob, member: Member, gpu, host_check):
+    host = inventory.hosts[member.host]
+
+    def fn(session):
+        if host_check:
+            host_check(session)
+        be = backend.for_host(host)
+        return be.start(session, g.step, g.extra, gpu=gpu, shape=shape_of(member), job_id=new_job_id(g.step))
+
+    return fn
+
+
+def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -> list[StartOutcome]:
+    outcomes = []
+    by_host = {m.host: m for m in todo}
+    hosts = [inventory.hosts[m.host] for m in todo]
+    results = each_host(hosts, lambda s: _start_one(inventory, g, by_host[s.name], gpu, host_check)(s)) if hosts else []
+    for o in results:
+        m = by_host[o.host]
+        m.attempts += 1
+        if o.ok:
+            m.job_id, m.error = o.value.id, None
+            outcomes.append(StartOutcome(o.host, "started", o.value.id, launch.Shape.describe(shape_of(m))))
+        else:
+            m.error = str(o.error)
+            outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error)))
+    return outcomes
+
+
+def _start_torchrun(inventory, g: GroupJob, todo, gpu, host_check) -> list[StartOutcome]:
+    """All nodes or none: every host must pass its checks and reach the rendezvous before any starts."""
+    from .host import HostSession
+    from . import rendezvous
+
+    hosts = [inventory.hosts[m.host] for m in g.members]
+    sessions = []
+    try:
+        for h in hosts:
+            try:
+                sessions.append(HostSession(h))
+            except KimiEagleError as e:
+                raise KimiEagleError(f"{h.name}: unreachable, nothing started: {e}") from None
+        if host_check:
+            for s in sessions:
+                host_check(s)
+        if hosts and hosts[0].rdzv_address:
+            rendezvous.check(sessions)
+        outcomes = []
+        for m, s in zip(g.members, sessions):
+            m.attempts += 1
+            try:
+                job = backend.for_host(s.host).start(s, g.step, g.extra, gpu=gpu, shape=shape_of(m), job_id=new_job_id(g.step))
+            except KimiEagleError as e:
+                m.error = str(e)
+                outcomes.append(StartOutcome(m.host, "failed", None, str(e)))
+                continue
+            m.job_id, m.error = job.id, None
+            outcomes.append(StartOutcome(m.host, "started", job.id, launch.Shape.describe(shape_of(m))))
+        return outcomes
+    finally:
+        for s in sessions:
+            s.close()
+
+
+# -- status / stop / logs -----------------------------------------------------------------------------
+def _member_status(inventory, g: GroupJob, members: list[Member] | None = None):
+    members = [m for m in (members or g.members) if m.job_id]
+    by_host = {m.host: m for m in members}
+    hosts = [inventory.hosts[m.host] for m in members if m.host in inventory.hosts]
+    return each_host(hosts, lambda s: backend.for_host(s.host).status(s, by_host[s.name].job_id)[0]) if hosts else []
+
+
+@dataclass
+class MemberState:
+    host: str
+    shape: str
+    job: Job | None
+    state: str  # the job's state, or unreachable / not started
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"host": self.host, "shape": self.shape, "state": self.state, "error": self.error,
+                "job": self.job.as_dict() if self.job else None}
+
+
+def status(inventory, g: GroupJob) -> tuple[str, list[MemberState]]:
+    """The group's state (worst member first, see ORDER) and each member's."""
+    outcomes = {o.host: o for o in _member_status(inventory, g)}
+    rows = []
+    for m in g.members:
+        desc = launch.Shape.describe(shape_of(m))
+        o = outcomes.get(m.host)
+        if not m.job_id:
+            rows.append(MemberState(m.host, desc, None, "failed", m.error or "not started"))
+        elif o is None or not o.ok:
+            rows.append(MemberState(m.host, desc, None, "unreachable", str(o.error) if o else "host not in the inventory"))
+        else:
+            rows.append(MemberState(m.host, desc, o.value, o.value.state))
+    return overall([r.state for r in rows]), rows
+
+
+def overall(states: list[str]) -> str:
+    for s in ORDER:
+        if s in states:
+            return "failed" if s in ("lost", "unreachable") else s
+    return "failed"
+
+
+def exit_code(state: str) -> int:
+    return STATE_EXIT.get(state, STATE_EXIT["failed"])
+
+
+def stop(inventory, g: GroupJob, grace: float = 10.0):
+    """Stop every member's job (in parallel); one host's trouble does not keep the others running."""
+    members = [m for m in g.members if m.job_id and m.host in inventory.hosts]
+    by_host = {m.host: m for m in members}
+    hosts = [inventory.hosts[m.host] for m in members]
+    return each_host(hosts, lambda s: backend.for_host(s.host).stop(s, by_host[s.name].job_id, grace)) if hosts else []
+
+
+def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: int | None = None, on_reconnect=None):
+    """Every member's log at once, each line through printer_for(label) (label = host, or host:task).
+
+    Returns {host: FollowResult or the error}; a host that cannot be followed is reported, the others go on.
+    """
+    lock = threading.Lock()
+    results: dict[str, object] = {}
+
+    def locked(label):
+        p = printer_for(label)
+
+        def emit(kind, text):
+            with lock:
+                p(kind, text)
+
+        return emit
+
+    def one(m: Member):
+        host = inventory.hosts[m.host]
+        try:
+            results[m.host] = backend.for_host(host).follow(
+                host, m.job_id, lambda t: locked(f"{m.host}:{t}" if t else m.host), follow=follow, tail=tail,
+                on_reconnect=(lambda n, w: on_reconnect(m.host, n, w)) if on_reconnect else None)
+        except KimiEagleError as e:
+            results[m.host] = e
+        except Exception as e:  # noqa: BLE001 - one host's trouble never ends the others' streams
+            results[m.host] = KimiEagleError(f"{m.host}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in g.members if m.job_id and m.host in inventory.hosts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)  # short joins keep Ctrl-C deliverable to the main thread
+    return results
