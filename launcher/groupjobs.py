@@ -133,7 +133,7 @@ def new_group_id(step: str) -> str:
 
 
 def start(inventory, group: str, step: str, extra: list[str], *, mode: str | None = None, shard_by: str = "hosts",
-          gpu: bool | None = None, host_check=None, rendezvous_check: bool = True) -> tuple[GroupJob, list[StartOutcome]]:
+          gpu: bool | None = None, host_check=None) -> tuple[GroupJob, list[StartOutcome]]:
     """Start (or resume) a group job. `host_check(session)` runs on each host before its job starts (preflight)."""
     hosts = inventory.select(group=group)
     mode = mode or mode_for(step)
@@ -152,7 +152,7 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
                               f"kimi-eagle stop {previous.id}")
     todo, outcomes = _what_to_start(inventory, g)
     if mode == "torchrun":
-        outcomes = _start_torchrun(inventory, g, todo, gpu, host_check, rendezvous_check)
+        outcomes = _start_torchrun(inventory, g, gpu, host_check)
     else:
         outcomes += _start_shards(inventory, g, todo, gpu, host_check)
     g.save()
@@ -210,7 +210,7 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
     return outcomes
 
 
-def _start_torchrun(inventory, g: GroupJob, todo, gpu, host_check) -> list[StartOutcome]:
+def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcome]:
     """All nodes or none: every host must pass its checks and reach the rendezvous before any starts."""
     from .host import HostSession
     from . import rendezvous
@@ -226,8 +226,7 @@ def _start_torchrun(inventory, g: GroupJob, todo, gpu, host_check) -> list[Start
         if host_check:
             for s in sessions:
                 host_check(s)
-        if hosts and hosts[0].rdzv_address:
-            rendezvous.check(sessions)
+        rendezvous.check(sessions)
         outcomes = []
         for m, s in zip(g.members, sessions):
             m.attempts += 1
@@ -301,8 +300,9 @@ def stop(inventory, g: GroupJob, grace: float = 10.0):
     return each_host(hosts, lambda s: backend.for_host(s.host).stop(s, by_host[s.name].job_id, grace)) if hosts else []
 
 
-def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: int | None = None, on_reconnect=None):
-    """Every member's log at once, each line through printer_for(label) (label = host, or host:task).
+def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: int | None = None, on_reconnect=None,
+           hosts: set[str] | None = None):
+    """Every member's log at once (or only `hosts`'), each line through printer_for(label) (label = host, or host:task).
 
     Returns {host: FollowResult or the error}; a host that cannot be followed is reported, the others go on.
     """
@@ -329,7 +329,8 @@ def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: in
         except Exception as e:  # noqa: BLE001 - one host's trouble never ends the others' streams
             results[m.host] = KimiEagleError(f"{m.host}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in g.members if m.job_id and m.host in inventory.hosts]
+    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in g.members
+               if m.job_id and m.host in inventory.hosts and (hosts is None or m.host in hosts)]
     for t in threads:
         t.start()
     for t in threads:

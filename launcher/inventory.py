@@ -227,7 +227,7 @@ class Host(BaseModel):
     scheduler: Literal["direct", "slurm"] = "direct"
     slurm: SlurmSettings | None = None
     gpus: int | None = None
-    rdzv_address: str
+    rdzv_address: str | None = None  # None: the address
     rdzv_port: int = 29500
 
 
@@ -265,7 +265,7 @@ class Inventory:
             scheduler=pick("scheduler", "direct"),
             slurm=pick("slurm"),
             gpus=pick("gpus"),
-            rdzv_address=pick("rdzv_address", pick("address", name)),
+            rdzv_address=pick("rdzv_address"),
             rdzv_port=pick("rdzv_port", 29500),
         )
 

@@ -106,7 +106,12 @@ def shard_shapes(hosts, by: str = "hosts") -> list[Shape]:
 def torchrun_shapes(hosts, rdzv_id: str) -> list[Shape]:
     """One torchrun node per host; the rendezvous is on the first host (its rdzv_address and rdzv_port)."""
     head = hosts[0]
-    endpoint = f"{head.rdzv_address}:{head.rdzv_port}"
+    endpoint = f"{rdzv_address(head)}:{head.rdzv_port}"
     return [Shape(torchrun=Torchrun(nnodes=len(hosts), node_rank=i, nproc=max(h.gpus or 1, 1), endpoint=endpoint,
                                     rdzv_id=rdzv_id, is_host=(i == 0)))
             for i, h in enumerate(hosts)]
+
+
+def rdzv_address(host) -> str:
+    """Where the other hosts reach this one: `rdzv_address`, else the SSH address."""
+    return host.rdzv_address or host.address

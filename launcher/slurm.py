@@ -90,7 +90,7 @@ def preflight(session: HostSession, step: str) -> list[str]:
         return [f"{session.name}: sinfo failed: {res.stderr.strip()[-200:]}"]
     rows = [line.split("|") for line in res.stdout.splitlines() if line.count("|") == 3]
     if not rows:
-        known = _slurm(session, ["sinfo", "-h", "-o", "%P"]).stdout.split()
+        known = [p.rstrip("*") for p in _slurm(session, ["sinfo", "-h", "-o", "%P"]).stdout.split()]  # * marks the default
         return [f"{session.name}: partition {slurm.partition!r} not found (sinfo lists: {', '.join(known) or 'none'})"]
     problems = []
     if not any(r[1] == "up" for r in rows):

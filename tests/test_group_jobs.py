@@ -1,0 +1,225 @@
+"""Group jobs over several real sshd "hosts" on 127.0.0.1 (separate workdirs): sharded extraction, a failing
+and an unreachable host, resume of the missing shards only, stop of all, and 2-node torchrun training (gloo on
+CPU) through the c10d rendezvous on the first host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Env
+from sshd import Sshd, free_port
+
+PY = sys.executable
+DDP = str(REPO / "tests" / "ddp_tiny.py")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    started = [Sshd(tmp_path_factory.mktemp(f"sshd-{name}")).start() for name in "ab"]
+    yield dict(zip("ab", started))
+    for s in started:
+        s.stop()
+
+
+def group_env(tmp_path: Path, servers: dict, host_extra: dict | None = None, pipeline: str = "") -> Env:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(s.host_key_line() for s in servers.values()))
+    env = Env(tmp_path, home, tmp_path / "inventory.yaml", tmp_path / "work-a")
+    hosts = ""
+    for name, s in servers.items():
+        extra = "".join(f"\n    {k}: {json.dumps(v)}" for k, v in (host_extra or {}).get(name, {}).items())
+        hosts += f"""
+  {name}:
+    address: 127.0.0.1
+    port: {s.port}
+    user: root
+    identity_file: {s.client_key}
+    python: {PY}
+    workdir: {tmp_path / f"work-{name}"}
+    known_hosts: {known}
+    env: {{PYTHONPATH: {json.dumps(str(REPO))}, OMP_NUM_THREADS: "1", HF_HUB_OFFLINE: "1", TOKENIZERS_PARALLELISM: "false"}}{extra}"""
+    env.inventory.write_text(f"hosts:{hosts}\ngroups:\n  pair: [{', '.join(servers)}]\n{pipeline}")
+    return env
+
+
+def gid_of(text: str) -> str:
+    return re.search(r"g-\d{8}-\d{6}-[a-z]+-[0-9a-f]{4}", text).group(0)
+
+
+def wait_group(env, gid, states=("succeeded", "failed", "stopped"), timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = env.cli("--json", "status", gid)
+        data = r.json()
+        if data["state"] in states:
+            return data
+        time.sleep(0.5)
+    raise AssertionError(f"group job {gid} never reached {states}: {data}")
+
+
+SHARD = """
+import os, sys, time
+rank = int(sys.argv[sys.argv.index("--rank") + 1]); world = int(sys.argv[sys.argv.index("--world-size") + 1])
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+print(f"shard {{rank}} of {{world}} on {{os.path.basename(os.getcwd())}}", flush=True)
+if os.path.exists(os.path.join(out, f"fail-{{rank}}")):
+    print(f"shard {{rank}} fails", flush=True); sys.exit(5)
+time.sleep({sleep})
+open(os.path.join(out, f"done-{{rank}}-{{time.time_ns()}}"), "w").close()
+"""
+
+
+def shard_script(tmp_path, sleep=0.0) -> str:
+    p = tmp_path / "shard.py"
+    p.write_text(SHARD.format(sleep=sleep))
+    return str(p)
+
+
+def done_ranks(out: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("done-*"))
+
+
+def test_sharded_extraction_across_two_hosts_weighted_by_gpus_and_resumed(tmp_path, servers):
+    env = group_env(tmp_path, servers, {"a": {"gpus": 1}, "b": {"gpus": 2}}, pipeline="""pipeline:
+  tiny_model: kimi
+  model: "{workdir}/models/tiny"
+  dataset: "{payloads}/sample_data/chat.jsonl"
+  backend: hf
+  seq_len: 64
+  batch_size: 4
+""")
+    for h in "ab":
+        r = env.cli("run", "prepare", "--host", h, "--no-preflight")
+        assert r.code == 0, r.stderr
+    r = env.cli("run", "extract", "--group", "pair", "--shard-by", "gpus", "--no-preflight", "--no-gpu", timeout=600)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    # One view: both hosts' lines, prefixed by host; b runs its two ranks at once.
+    assert "[a] [extract] rank 0/3" in r.stdout
+    assert "[b] [extract] rank 1/3" in r.stdout and "[b] [extract] rank 2/3" in r.stdout
+    gid = gid_of(r.stderr)
+    # Every prepared sample was extracted exactly once across the hosts, by contiguous ranges.
+    n = json.loads((tmp_path / "work-a" / "out" / "prepared" / "manifest.json").read_text())["count"]
+    got = {h: sorted(int(p.stem.split("_")[1]) for p in (tmp_path / f"work-{h}" / "out" / "hidden_states").glob("hs_*.safetensors"))
+           for h in "ab"}
+    assert got["a"] == list(range(0, n // 3)) and got["b"] == list(range(n // 3, n))
+    # status of the group job: one row per host with its ranks.
+    st = env.cli("--json", "status", gid).json()
+    assert st["state"] == "succeeded" and [m["shape"] for m in st["members"]] == ["ranks 0 of 3", "ranks 1-2 of 3"]
+    # The same command again: nothing is missing, nothing starts.
+    again = env.cli("run", "extract", "--group", "pair", "--shard-by", "gpus", "--no-preflight", "--no-gpu", "--detach")
+    assert again.code == 0, again.stderr
+    assert gid in again.stdout + again.stderr and again.stderr.count("succeeded before") == 2
+
+
+def test_failing_host_is_reported_others_finish_and_rerun_resumes_only_it(tmp_path, servers):
+    env = group_env(tmp_path, servers)
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "fail-1").touch()
+    cmd = ["run", "exec", "--group", "pair", "--mode", "shards", "--", PY, shard_script(tmp_path), str(out)]
+    r = env.cli(*cmd)
+    assert r.code == 1, r.stderr
+    assert "[a] shard 0 of 2" in r.stdout and "[b] shard 1 fails" in r.stdout
+    gid = gid_of(r.stderr)
+    st = env.cli("--json", "status", gid)
+    assert st.code == 1, st.stderr
+    st = st.json()
+    assert st["state"] == "failed"
+    assert [(m["host"], m["state"], m["job"]["exit_code"]) for m in st["members"]] == [("a", "succeeded", 0), ("b", "failed", 5)]
+    assert done_ranks(out) == [0]
+    first_a = st["members"][0]["job"]["id"]
+    # Fix the cause and run the same command: only b's shard runs again, under the same group job.
+    (out / "fail-1").unlink()
+    r = env.cli(*cmd)
+    assert r.code == 0, r.stderr
+    assert "[a] shard" not in r.stdout and "[b] shard 1 of 2" in r.stdout
+    st = env.cli("--json", "status", gid).json()
+    assert st["state"] == "succeeded" and st["members"][0]["job"]["id"] == first_a
+    assert done_ranks(out) == [0, 1]
+
+
+def test_unreachable_host_is_reported_and_started_later(tmp_path, servers):
+    env = group_env(tmp_path, servers)
+    out = tmp_path / "shards"
+    cmd = ["run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--", PY, shard_script(tmp_path), str(out)]
+    servers["b"].stop()
+    try:
+        r = env.cli(*cmd)
+    finally:
+        servers["b"].start()
+    assert r.code == 1
+    assert "[b]" in r.stderr and "failed" in r.stderr and "[a] started" in r.stderr
+    gid = gid_of(r.stderr)
+    assert wait_group(env, gid)["members"][0]["state"] == "succeeded"
+    r = env.cli(*cmd)
+    assert r.code == 0, r.stderr
+    assert "[a]" in r.stderr and "succeeded before" in r.stderr and "[b] started" in r.stderr
+    data = wait_group(env, gid)
+    assert data["state"] == "succeeded", data
+    assert done_ranks(out) == [0, 1]
+
+
+def test_logs_follow_and_stop_cover_every_host(tmp_path, servers):
+    env = group_env(tmp_path, servers)
+    out = tmp_path / "shards"
+    r = env.cli("--json", "run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+                PY, shard_script(tmp_path, sleep=300), str(out))
+    assert r.code == 0, r.stderr
+    gid = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while True:
+        logs = env.cli("logs", gid)
+        if "[a] shard 0 of 2" in logs.stdout and "[b] shard 1 of 2" in logs.stdout:
+            break
+        assert time.monotonic() < deadline, logs.stdout
+        time.sleep(0.5)
+    assert logs.code == 3  # still running
+    stop = env.cli("stop", gid, "--grace", "1")
+    assert stop.code == 0, stop.stderr
+    assert "[a]" in stop.stdout and "[b]" in stop.stdout
+    data = env.cli("--json", "status", gid).json()
+    assert data["state"] == "stopped" and {m["state"] for m in data["members"]} == {"stopped"}
+    assert done_ranks(out) == []
+
+
+def test_two_node_training_through_c10d_rendezvous_on_the_first_host(tmp_path, servers):
+    port = free_port()
+    env = group_env(tmp_path, servers, {h: {"rdzv_port": port} for h in "ab"})
+    out = tmp_path / "ddp"
+    r = env.cli("run", "exec", "--group", "pair", "--mode", "torchrun", "--", DDP, "--out", str(out), timeout=300)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    ranks = [json.loads((out / f"ddp-rank{i}.json").read_text()) for i in range(2)]
+    assert {x["world"] for x in ranks} == {2}
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # DDP kept the two nodes' weights identical
+    assert "[a] ddp rank" in r.stdout and "[b] ddp rank" in r.stdout
+    assert f"rendezvous 127.0.0.1:{port}" in r.stderr
+
+
+def test_rendezvous_problems_refuse_the_start_naming_the_host(tmp_path, servers):
+    port = free_port()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", port))
+    busy.listen()
+    try:
+        env = group_env(tmp_path, servers, {h: {"rdzv_port": port} for h in "ab"})
+        r = env.cli("run", "exec", "--group", "pair", "--mode", "torchrun", "--", DDP)
+    finally:
+        busy.close()
+    assert r.code == 1
+    assert f"a: cannot serve the rendezvous at 127.0.0.1:{port}: port {port} is in use" in r.stderr
+    # An address that is not the first host's (a wrong rdzv_address in the inventory): refused, nothing started.
+    env = group_env(tmp_path / "2", servers, {"a": {"rdzv_address": "10.255.255.1", "rdzv_port": free_port()}})
+    r = env.cli("run", "exec", "--group", "pair", "--mode", "torchrun", "--", DDP)
+    assert r.code == 1 and "10.255.255.1 is not an address of this host" in r.stderr
+    assert not list((tmp_path / "2" / "work-b").glob("runs/*/job.sh"))

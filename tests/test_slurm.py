@@ -1,0 +1,133 @@
+"""Jobs through a REAL Slurm (Debian's slurm-wlm: slurmctld + two slurmd emulating nodes n1, n2), submitted
+through our product over the real sshd: the sshd host is the login node.
+
+A 2-node torchrun job (gloo on CPU, c10d on the first node), a job array whose tasks get their ranks, a failing
+array task, a cancel with a grace signal, preflight against sinfo, and a real prepare + sharded extraction.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, make_env
+from slurm_cluster import SlurmCluster, available
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not available(), reason="needs slurm-wlm and root (.ci/run installs it)")]
+
+PY = sys.executable
+DDP = str(REPO / "tests" / "ddp_tiny.py")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=2, gpus=2).start()
+    yield c
+    c.stop()
+
+
+def slurm_env(tmp_path, sshd, cluster, slurm: dict, name="login", pipeline=""):
+    env = make_env(tmp_path, sshd, host_env={"SLURM_CONF": str(cluster.conf), "OMP_NUM_THREADS": "1",
+                                             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    text = env.inventory.read_text().replace("\n  gpu:\n", f"\n  {name}:\n", 1)
+    text = text.replace(f"    known_hosts:", f"    scheduler: slurm\n    slurm: {json.dumps(slurm)}\n    known_hosts:", 1)
+    env.inventory.write_text(text + pipeline)
+    return env
+
+
+def wait_state(env, job_id, states, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = env.cli("--json", "status", job_id).json()["jobs"][0]
+        if job["state"] in states:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"{job_id} never reached {states}: {job}")
+
+
+def test_two_node_torchrun_job(tmp_path, sshd, cluster):
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "nodes": 2, "gres": "gpu:1", "time_limit": "10:00"})
+    out = tmp_path / "ddp"
+    r = env.cli("run", "exec", "--host", "login", "--", DDP, "--out", str(out), timeout=300)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    ranks = [json.loads((out / f"ddp-rank{i}.json").read_text()) for i in range(2)]
+    assert {x["world"] for x in ranks} == {2} and ranks[0]["checksum"] == ranks[1]["checksum"]
+    assert "[login] ==> kimi-eagle: slurm job" in r.stdout and "(2 nodes)" in r.stdout
+    job = env.cli("--json", "status", "--host", "login").json()["jobs"][-1]
+    assert job["state"] == "succeeded" and job["exit_code"] == 0
+    # The Slurm job id is recorded in the job directory on the login node, and Slurm agrees on the nodes.
+    slurm_id = (tmp_path / "hostwork" / "runs" / job["id"] / "slurm_job_id").read_text().strip()
+    assert slurm_id == job["slurm_job_id"]
+    shown = cluster.run(["scontrol", "show", "job", slurm_id]).stdout
+    assert "NumNodes=2" in shown and "JobState=COMPLETED" in shown
+
+
+def test_job_array_gives_each_task_its_rank_and_reports_a_failing_task(tmp_path, sshd, cluster):
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 3})
+    script = tmp_path / "task.py"
+    script.write_text("import sys\nr = sys.argv.index('--rank')\nprint('task args', sys.argv[r:])\n"
+                      "sys.exit(7 if sys.argv[r + 1] == '1' else 0)\n")
+    r = env.cli("run", "exec", "--host", "login", "--", PY, str(script), timeout=300)
+    assert r.code == 1, (r.stdout, r.stderr)  # the job failed: one task did
+    for i in range(3):
+        assert f"[login:{i}] task args ['--rank', '{i}', '--world-size', '3']" in r.stdout
+    job = env.cli("--json", "status", "--host", "login").json()["jobs"][-1]
+    assert job["state"] == "failed" and job["exit_code"] == 7
+    assert {t: (v["state"], v["exit_code"]) for t, v in job["tasks"].items()} == {
+        "0": ("succeeded", 0), "1": ("failed", 7), "2": ("succeeded", 0)}
+
+
+def test_stop_cancels_with_a_grace_signal_first(tmp_path, sshd, cluster):
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
+    script = tmp_path / "long.py"
+    script.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM, saving', flush=True), sys.exit(143)))\n"
+                      "print('working', flush=True)\ntime.sleep(300)\n")
+    r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--", PY, str(script))
+    assert r.code == 0, r.stderr
+    job_id = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while "working" not in env.cli("logs", job_id).stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    stop = env.cli("stop", job_id, "--grace", "5")
+    assert stop.code == 0, stop.stderr
+    job = wait_state(env, job_id, {"stopped"})
+    assert job["exit_code"] == 143  # our script saw TERM (grace), not a bare SIGKILL
+    logs = env.cli("logs", job_id)
+    assert logs.code == 4 and "got SIGTERM, saving" in logs.stdout
+    assert cluster.run(["squeue", "-h", "-j", job["slurm_job_id"]]).stdout.strip() == ""
+
+
+@pytest.mark.parametrize("slurm, needle", [
+    ({"partition": "nosuch"}, "partition 'nosuch' not found (sinfo lists: debug)"),
+    ({"partition": "debug", "gres": "gpu:8"}, "offers no gres gpu:8"),
+    ({"partition": "debug", "nodes": 5}, "has 2 nodes, the job needs 5"),
+])
+def test_preflight_checks_sinfo_and_submits_nothing(tmp_path, sshd, cluster, slurm, needle):
+    env = slurm_env(tmp_path, sshd, cluster, slurm)
+    r = env.cli("run", "exec", "--host", "login", "--", "true")
+    assert r.code == 1 and needle in r.stderr, r.stderr
+    assert not list((tmp_path / "hostwork").glob("runs/*/slurm_job_id"))
+
+
+def test_prepare_then_extraction_as_a_job_array(tmp_path, sshd, cluster):
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 2}, pipeline="""pipeline:
+  tiny_model: kimi
+  model: "{workdir}/models/tiny"
+  dataset: "{payloads}/sample_data/chat.jsonl"
+  backend: hf
+  seq_len: 64
+  batch_size: 4
+""")
+    r = env.cli("run", "prepare", "--host", "login", "--no-preflight", timeout=600)
+    assert r.code == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    r = env.cli("run", "extract", "--host", "login", "--no-preflight", timeout=600)
+    assert r.code == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "[login:0] [extract] rank 0/2" in r.stdout and "[login:1] [extract] rank 1/2" in r.stdout
+    out = tmp_path / "hostwork" / "out"
+    n = json.loads((out / "prepared" / "manifest.json").read_text())["count"]
+    assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == n
