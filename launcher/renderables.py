@@ -20,11 +20,11 @@ class Offline:
 
 
 def _job(session, step):
-    from .jobs import render_job
+    from .backend import for_host
 
     if not step:
         raise ConfigError("render job: name the step, e.g. `kimi-eagle render job extract`")
-    return dict([render_job(session, step, [])])
+    return for_host(session.host).render(session, step, [])
 
 
 def _gpu_reset(session, step):
