@@ -24,9 +24,11 @@ class Bench:
         self.known_hosts.write_text(self.sshd.host_key_line())
         self.workdir = self.tmp / "work"
         self.inventory = self.tmp / "inventory.yaml"
-        self.inventory.write_text(
-            f"""hosts:
-  gpu:
+        self.inventory.write_text("hosts:\n" + self.host_entry("gpu"))
+
+    def host_entry(self, name: str, env: str = "", extra: str = "") -> str:
+        """Inventory lines of a host on the loopback sshd (`env`: more `K: V, ` pairs; `extra`: more fields)."""
+        return f"""  {name}:
     address: 127.0.0.1
     port: {self.sshd.port}
     user: root
@@ -34,9 +36,8 @@ class Bench:
     known_hosts: {self.known_hosts}
     python: {sys.executable}
     workdir: {self.workdir}
-    env: {{PYTHONPATH: "{REPO}"}}
-"""
-        )
+    env: {{{env}PYTHONPATH: "{REPO}"}}
+{extra}"""
 
     def ssh_argv(self) -> list[str]:
         return ["ssh", "-T", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",

@@ -43,18 +43,8 @@ def main():
     cluster = SlurmCluster(b.tmp / "slurm", nodes=1, gpus=0).start()
     try:
         # The same sshd host twice: `gpu` starts jobs directly, `login` submits them to Slurm.
-        b.inventory.write_text(b.inventory.read_text() + f"""  login:
-    address: 127.0.0.1
-    port: {b.sshd.port}
-    user: root
-    identity_file: {b.sshd.client_key}
-    known_hosts: {b.known_hosts}
-    python: {sys.executable}
-    workdir: {b.workdir}
-    env: {{PYTHONPATH: "{REPO}", SLURM_CONF: "{cluster.conf}"}}
-    scheduler: slurm
-    slurm: {{partition: debug}}
-""")
+        b.inventory.write_text(b.inventory.read_text() + b.host_entry(
+            "login", env=f'SLURM_CONF: "{cluster.conf}", ', extra="    scheduler: slurm\n    slurm: {partition: debug}\n"))
         (b.tmp / "home").mkdir(exist_ok=True)
         first_line_seconds(b, "gpu")  # deploy payloads once, outside the measurement
         results = {"direct": [], "slurm": []}

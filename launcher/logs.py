@@ -74,13 +74,41 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, (ConnectionError, HostError, EOFError, OSError, paramiko.SSHException))
 
 
+class Reconnects:
+    """When a follower's connection drops: retry connection trouble with backoff, give up after a while."""
+
+    def __init__(self, host, job_id: str, give_up_after: float, on_reconnect: Callable[[int, float], None] | None):
+        self.host, self.job_id, self.give_up_after, self.on_reconnect = host, job_id, give_up_after, on_reconnect
+        self.count, self.backoff, self.down_since = 0, 0.5, None
+
+    def connected(self) -> None:
+        self.down_since, self.backoff = None, 0.5
+
+    def dropped(self, e: Exception, session: HostSession) -> HostSession:
+        """Re-raise what is not connection trouble; else wait and return a new session."""
+        if not _retryable(e) or isinstance(e, jobs.KimiEagleError) and not isinstance(e, HostError):
+            raise e
+        session.close()
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        if now - self.down_since > self.give_up_after:
+            raise HostError(f"{self.host.name}: connection lost for {self.give_up_after:.0f}s while following {self.job_id}; "
+                            f"resume with: kimi-eagle logs {self.job_id} --follow --host {self.host.name}") from None
+        self.count += 1
+        if self.on_reconnect:
+            self.on_reconnect(self.count, self.backoff)
+        time.sleep(self.backoff)
+        self.backoff = min(self.backoff * 2, 10.0)
+        return HostSession(self.host)
+
+
 def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool = True, tail: int | None = None,
            offset: int = 0, session: HostSession | None = None, give_up_after: float = 600.0,
            on_reconnect: Callable[[int, float], None] | None = None) -> FollowResult:
     """Stream a job's log through `emit(kind, text)` until the job ends (or once, without follow)."""
     session = session or HostSession(host)
     splitter = LineSplitter(emit)
-    reconnects, backoff, down_since = 0, 0.5, None
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect)
     first = True
     while True:
         try:
@@ -103,7 +131,7 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
                     splitter.feed(chunk)
             finally:
                 stream.close()
-            down_since, backoff = None, 0.5
+            reconnects.connected()
             if not follow:
                 break
             job = jobs.status(session, job_id)[0]
@@ -113,20 +141,7 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
             session.close()
             raise
         except Exception as e:  # noqa: BLE001 - only connection trouble is retried
-            if not _retryable(e) or isinstance(e, jobs.KimiEagleError) and not isinstance(e, HostError):
-                raise
-            session.close()
-            now = time.monotonic()
-            down_since = down_since or now
-            if now - down_since > give_up_after:
-                raise HostError(f"{host.name}: connection lost for {give_up_after:.0f}s while following {job_id}; "
-                                f"resume with: kimi-eagle logs {job_id} --follow --host {host.name}") from None
-            reconnects += 1
-            if on_reconnect:
-                on_reconnect(reconnects, backoff)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-            session = HostSession(host)
+            session = reconnects.dropped(e, session)
     splitter.flush()
     session.close()
-    return FollowResult(job, offset, reconnects)
+    return FollowResult(job, offset, reconnects.count)

@@ -322,13 +322,12 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
     Slurm writes the files on the compute nodes (shared filesystem); we poll their sizes with the job's state
     in one round trip and read what is new by byte offset, so a reconnect resumes exactly where it stopped.
     """
-    from .errors import HostError
-    from .logs import FollowResult, LineSplitter, _retryable
+    from .logs import FollowResult, LineSplitter, Reconnects
 
     session = session or HostSession(host)
     offsets: dict[str, int] = {}
     splitters: dict[str, LineSplitter] = {}
-    reconnects, backoff, down_since = 0, 0.5, None
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect)
     while True:
         try:
             job = status(session, job_id)[0]
@@ -344,7 +343,7 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
                     data = session.transport.read_bytes(info["log"], offsets[t])
                     offsets[t] += len(data)
                     splitters[t].feed(data)
-            down_since, backoff = None, 0.5
+            reconnects.connected()
             done = job.state not in ("running", "pending")
             if not follow or (done and all(offsets[t] >= i["log_size"] for t, i in job.extra["tasks"].items())):
                 break
@@ -353,20 +352,8 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
             session.close()
             raise
         except Exception as e:  # noqa: BLE001 - only connection trouble is retried
-            if not _retryable(e) or isinstance(e, KimiEagleError) and not isinstance(e, HostError):
-                raise
-            session.close()
-            now = time.monotonic()
-            down_since = down_since or now
-            if now - down_since > give_up_after:
-                raise HostError(f"{host.name}: connection lost for {give_up_after:.0f}s while following {job_id}") from None
-            reconnects += 1
-            if on_reconnect:
-                on_reconnect(reconnects, backoff)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-            session = HostSession(host)
+            session = reconnects.dropped(e, session)
     for s in splitters.values():
         s.flush()
     session.close()
-    return FollowResult(job, sum(offsets.values()), reconnects)
+    return FollowResult(job, sum(offsets.values()), reconnects.count)

@@ -25,6 +25,17 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
+# The pipeline on a tiny random Kimi-style model and the bundled sample chats (CPU, seconds per step).
+TINY_PIPELINE = """pipeline:
+  tiny_model: kimi
+  model: "{workdir}/models/tiny"
+  dataset: "{payloads}/sample_data/chat.jsonl"
+  backend: hf
+  seq_len: 64
+  batch_size: 4
+"""
+
+
 @dataclass
 class CLIResult:
     code: int

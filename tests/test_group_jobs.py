@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Env
+from conftest import REPO, TINY_PIPELINE, Env
 from sshd import Sshd, free_port
 
 PY = sys.executable
@@ -92,14 +92,7 @@ def done_ranks(out: Path) -> list[int]:
 
 
 def test_sharded_extraction_across_two_hosts_weighted_by_gpus_and_resumed(tmp_path, servers):
-    env = group_env(tmp_path, servers, {"a": {"gpus": 1}, "b": {"gpus": 2}}, pipeline="""pipeline:
-  tiny_model: kimi
-  model: "{workdir}/models/tiny"
-  dataset: "{payloads}/sample_data/chat.jsonl"
-  backend: hf
-  seq_len: 64
-  batch_size: 4
-""")
+    env = group_env(tmp_path, servers, {"a": {"gpus": 1}, "b": {"gpus": 2}}, pipeline=TINY_PIPELINE)
     r = env.cli("run", "prepare", "--host", "a", "--no-preflight")
     assert r.code == 0, r.stderr
     # b gets the same tiny model and prepared samples by a local copy (both "hosts" live on this machine): the

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, make_env
+from conftest import REPO, TINY_PIPELINE, make_env
 from slurm_cluster import SlurmCluster, available
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not available(), reason="needs slurm-wlm and root (.ci/run installs it)")]
@@ -115,14 +115,7 @@ def test_preflight_checks_sinfo_and_submits_nothing(tmp_path, sshd, cluster, slu
 
 
 def test_prepare_then_extraction_as_a_job_array(tmp_path, sshd, cluster):
-    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 2}, pipeline="""pipeline:
-  tiny_model: kimi
-  model: "{workdir}/models/tiny"
-  dataset: "{payloads}/sample_data/chat.jsonl"
-  backend: hf
-  seq_len: 64
-  batch_size: 4
-""")
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 2}, pipeline=TINY_PIPELINE)
     r = env.cli("run", "prepare", "--host", "login", "--no-preflight", timeout=600)
     assert r.code == 0, (r.stdout[-2000:], r.stderr[-2000:])
     r = env.cli("run", "extract", "--host", "login", "--no-preflight", timeout=600)
