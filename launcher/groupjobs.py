@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import backend, launch
+from . import backend, shapes
 from .errors import ConfigError, KimiEagleError
 from .jobs import STATE_EXIT, Job, new_job_id, remember
 from .parallel import each_host
@@ -30,7 +30,7 @@ ORDER = ("running", "pending", "failed", "lost", "unreachable", "stopped", "succ
 @dataclass
 class Member:
     host: str
-    shape: dict  # launch.Shape as a dict
+    shape: dict  # shapes.Shape as a dict
     job_id: str | None = None
     error: str | None = None  # why the last start on this host failed
     attempts: int = 0
@@ -89,9 +89,9 @@ def _latest_with_key(key: tuple) -> GroupJob | None:
 
 
 def mode_for(step: str) -> str:
-    if step in launch.SHARDABLE and step != "exec":
+    if step in shapes.SHARDABLE and step != "exec":
         return "shards"
-    if step in launch.DISTRIBUTED and step != "exec":
+    if step in shapes.DISTRIBUTED and step != "exec":
         return "torchrun"
     raise ConfigError(f"`run {step} --group`: only extract (sharded) and train (torchrun) run across a group; "
                       "for exec choose --shards or --torchrun")
@@ -104,20 +104,20 @@ def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group:
         raise ConfigError(f"group {group!r}: host {slurm_hosts[0]!r} is a Slurm login node; run it with --host "
                           "(its slurm.shards / slurm.nodes spread the job)")
     if mode == "shards":
-        shapes = launch.shard_shapes(hosts, shard_by)
+        parts = shapes.shard_shapes(hosts, shard_by)
     elif mode == "torchrun":
-        shapes = launch.torchrun_shapes(hosts, group_id)
+        parts = shapes.torchrun_shapes(hosts, group_id)
     else:
         raise ConfigError(f"unknown group mode {mode!r}")
     g = GroupJob(group_id, group, step, list(extra), mode, shard_by, [h.name for h in hosts])
-    g.members = [Member(h.name, asdict(s)) for h, s in zip(hosts, shapes)]
+    g.members = [Member(h.name, asdict(s)) for h, s in zip(hosts, parts)]
     return g
 
 
-def shape_of(member: Member) -> launch.Shape:
+def shape_of(member: Member) -> shapes.Shape:
     d = dict(member.shape)
     t = d.pop("torchrun", None)
-    return launch.Shape(**d, torchrun=launch.Torchrun(**t) if t else None)
+    return shapes.Shape(**d, torchrun=shapes.Torchrun(**t) if t else None)
 
 
 @dataclass
@@ -203,7 +203,7 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
         m.attempts += 1
         if o.ok:
             m.job_id, m.error = o.value.id, None
-            outcomes.append(StartOutcome(o.host, "started", o.value.id, launch.Shape.describe(shape_of(m))))
+            outcomes.append(StartOutcome(o.host, "started", o.value.id, shapes.Shape.describe(shape_of(m))))
         else:
             m.error = str(o.error)
             outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error)))
@@ -237,7 +237,7 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
                 outcomes.append(StartOutcome(m.host, "failed", None, str(e)))
                 continue
             m.job_id, m.error = job.id, None
-            outcomes.append(StartOutcome(m.host, "started", job.id, launch.Shape.describe(shape_of(m))))
+            outcomes.append(StartOutcome(m.host, "started", job.id, shapes.Shape.describe(shape_of(m))))
         return outcomes
     finally:
         for s in sessions:
@@ -270,7 +270,7 @@ def status(inventory, g: GroupJob) -> tuple[str, list[MemberState]]:
     outcomes = {o.host: o for o in _member_status(inventory, g)}
     rows = []
     for m in g.members:
-        desc = launch.Shape.describe(shape_of(m))
+        desc = shapes.Shape.describe(shape_of(m))
         o = outcomes.get(m.host)
         if not m.job_id:
             rows.append(MemberState(m.host, desc, None, "failed", m.error or "not started"))

@@ -162,14 +162,6 @@ class SlurmSettings(_Strict):
                 raise ValueError(f"{a!r} is not an sbatch flag of the form --name=value")
         return args
 
-    def gpus_per_node(self) -> int | None:
-        """The GPU count asked for in `gres` (gpu:8, gpu:h200:8), or None."""
-        for part in (self.gres or "").split(","):
-            fields = part.split(":")
-            if fields[0] == "gpu":
-                return int(fields[-1]) if len(fields) > 1 and fields[-1].isdigit() else 1
-        return None
-
 
 class HostFields(_Strict):
     address: Text | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name

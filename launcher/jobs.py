@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import launch, pipeline, render
+from . import pipeline, render, shapes
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, HostError, KimiEagleError
 from .host import RUNS, HostSession
 from .shell import join
@@ -59,11 +59,11 @@ def new_job_id(step: str) -> str:
 
 
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
-               shape: launch.Shape | None = None) -> tuple[str, str]:
+               shape: shapes.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = launch.apply(pipeline.plan(step, host.pipeline, extra), step, shape)
+    steps = shapes.apply(pipeline.plan(step, host.pipeline, extra), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,
@@ -95,7 +95,7 @@ def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
 
 
 def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
-          shape: launch.Shape | None = None, job_id: str | None = None) -> Job:
+          shape: shapes.Shape | None = None, job_id: str | None = None) -> Job:
     """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
     extra = list(extra or [])
     job_id = job_id or new_job_id(step)

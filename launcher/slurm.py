@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from . import launch, pipeline, render, sync
+from . import pipeline, render, shapes, sync
 from .errors import CommandError, ConfigError, HostError, KimiEagleError
 from .host import RUNS, HostSession
 from .jobs import Job, new_job_id, remember
@@ -54,19 +54,19 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     steps = pipeline.plan(step, host.pipeline, extra)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
-    torchrun = step in launch.DISTRIBUTED and slurm.nodes > 1
-    if not torchrun and step in launch.SHARDABLE and slurm.shards > 1:
-        tasks = [ArrayTask(i, launch.apply(steps, step, launch.Shape(ranks=[i], world_size=slurm.shards, devices_per_rank=0)))
+    torchrun = step in shapes.DISTRIBUTED and slurm.nodes > 1
+    if not torchrun and step in shapes.SHARDABLE and slurm.shards > 1:
+        tasks = [ArrayTask(i, shapes.apply(steps, step, shapes.Shape(ranks=[i], world_size=slurm.shards, devices_per_rank=0)))
                  for i in range(slurm.shards)]
     array_spec = f"0-{len(tasks) - 1}" + (f"%{slurm.array_parallelism}" if slurm.array_parallelism else "")
     common = dict(job_id=job_id, host=host.name, step=step, env=host.env, workdir=host.workdir, python=host.python)
     files = {}
     main = steps[-1]
     if torchrun:
-        if main.branches or not main.python and step != "exec":
-            raise ConfigError(f"{step} cannot run under torchrun")
-        files[f"{run_rel}/node.sh"] = render.render("slurm_node.sh.j2", **common, main=main,
-                                                    nproc=slurm.gpus_per_node() or 1)
+        # pipeline/launch.py on every node: it picks the workers per node from the GPUs Slurm gave the node.
+        launch_flags, command = shapes.split_launch(main.argv)
+        files[f"{run_rel}/node.sh"] = render.render("slurm_node.sh.j2", **common, launcher=shapes.LAUNCHER,
+                                                    launch_flags=launch_flags, command=command)
     files[f"{run_rel}/job.sbatch"] = render.render(
         "slurm_job.sbatch.j2", **common, slurm=slurm, slurm_name=f"ke-{step}-{job_id[-4:]}",
         nodes=slurm.nodes if torchrun else 1, run_dir=run_dir, steps=steps, tasks=tasks, array_spec=array_spec,
@@ -96,7 +96,7 @@ def preflight(session: HostSession, step: str) -> list[str]:
     if not any(r[1] == "up" for r in rows):
         problems.append(f"{session.name}: partition {slurm.partition!r} is {rows[0][1]}, not up")
     nodes = sum(int(r[2]) for r in rows if r[2].isdigit())
-    need_nodes = slurm.nodes if step in launch.DISTRIBUTED else 1
+    need_nodes = slurm.nodes if step in shapes.DISTRIBUTED else 1
     if nodes < need_nodes:
         problems.append(f"{session.name}: partition {slurm.partition!r} has {nodes} nodes, the job needs {need_nodes}")
     for want in (slurm.gres or "").split(","):
