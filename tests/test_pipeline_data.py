@@ -22,6 +22,7 @@ SAMPLE = os.path.join(REPO, "remote_payloads", "sample_data", "chat.jsonl")
 sys.path.insert(0, PAYLOADS)
 
 import extract  # noqa: E402
+import extract_vllm  # noqa: E402
 import model_layers  # noqa: E402
 import tiny_model  # noqa: E402
 import vocab  # noqa: E402
@@ -112,6 +113,8 @@ def test_parse_layer_ids():
     assert model_layers.default_layer_ids(61) == [2, 30, 58, 61]
     assert model_layers.parse_layer_ids(None, 8) == [2, 4, 5, 8]
     assert model_layers.parse_layer_ids(" 0, 3 ,8", 8) == [0, 3, 8]
+    # vLLM concatenates aux states in layer order: ids given out of order come back sorted, N last
+    assert model_layers.parse_layer_ids("8,5,2", 8) == [2, 5, 8]
     with pytest.raises(model_layers.LayerIdError, match=r"layer id 9 is out of range 0\.\.8"):
         model_layers.parse_layer_ids("2,9", 8)
     with pytest.raises(model_layers.LayerIdError, match=r"layer id -1 is out of range"):
@@ -464,7 +467,7 @@ def test_validate_reports_bad_samples(pipeline, tmp_path):
 # vllm backend: layer-id translation and refusal
 
 def test_speculators_layer_id_translation():
-    t = extract.to_speculators_layer_ids
+    t = extract_vllm.to_speculators_layer_ids
     assert t([2, 30, 58, 61], 61, "0.3.0") == [1, 29, 57, 60]
     assert t([2, 4, 5, 8], 8, "0.4.0") == [1, 3, 4, 7]
     assert t([0, 2, 8], 8, "0.5.0") == [0, 2, 8]  # >= 0.5 uses vLLM's convention = ours
@@ -490,7 +493,7 @@ def test_vllm_backend_refuses_unpatched_and_missing(models, pipeline, spec_site,
     root = pipeline["llama"]["root"]
     args = ["--model", models["llama"], "--output-dir", root, "--backend", "vllm"]
     code, out, err = run("extract", *args, env={**ENV, "PYTHONPATH": str(spec_site)})
-    assert code == 1 and "speculators 0.3.0" in err and "is not patched" in err and extract.KIMI_EAGLE_PATCH_MARKER in err
+    assert code == 1 and "speculators 0.3.0" in err and "is not patched" in err and extract_vllm.KIMI_EAGLE_PATCH_MARKER in err
     from importlib import metadata
 
     try:
@@ -504,13 +507,13 @@ def test_vllm_backend_refuses_unpatched_and_missing(models, pipeline, spec_site,
 
     # the marker anywhere in speculators' files counts as patched (checked in-process via importlib.metadata)
     monkeypatch.syspath_prepend(str(spec_site))
-    with pytest.raises(extract.Refused, match="not patched"):
-        extract.check_speculators_patch()
+    with pytest.raises(extract_vllm.Refused, match="not patched"):
+        extract_vllm.check_speculators_patch()
     target = spec_site / "speculators" / "data_generation" / "vllm_hidden_states_generator.py"
     original = target.read_text()
     try:
-        target.write_text(original + f"\n# {extract.KIMI_EAGLE_PATCH_MARKER}: test\n")
-        version, location = extract.check_speculators_patch()
+        target.write_text(original + f"\n# {extract_vllm.KIMI_EAGLE_PATCH_MARKER}: test\n")
+        version, location = extract_vllm.check_speculators_patch()
         assert version == "0.3.0" and os.path.samefile(location, spec_site)
     finally:
         target.write_text(original)

@@ -264,6 +264,59 @@ def test_foreign_layer_convention_refused(tmp_path):
     assert rc == 2 and "layer_convention" in doc["error"]
 
 
+def test_export_serving_fields(trained):
+    """What vLLM reads besides the weights: rope_theta beside rope_parameters (transformers 4 hosts read only
+    rope_theta) and the aux-layer count (vLLM >= 0.25 sizes the fc from it)."""
+    p, _ = trained
+    cfg, _ = read_export(p["out"])
+    tl = cfg["transformer_layer_config"]
+    assert tl["rope_theta"] == tl["rope_parameters"]["rope_theta"]
+    assert cfg["num_aux_hidden_states"] == tl["num_aux_hidden_states"] == len(LAYER_IDS) - 1
+
+
+def test_layer_ids_out_of_order_refused(tmp_path):
+    # An extraction from before extract sorted the ids: vLLM would feed the draft its aux layers in layer order.
+    p = make_pipeline(tmp_path)
+    dc = p["out"] / "hidden_states" / "data_config.json"
+    dc.write_text(json.dumps({**json.loads(dc.read_text()), "layer_ids": [2, 1, 3, N]}))
+    rc, doc = run_train(p)
+    assert rc == 2 and "increasing order" in doc["error"]
+    assert not (p["out"] / "draft").exists()
+
+
+def test_full_vocab_and_two_aux_layers_export(tmp_path):
+    """A draft vocabulary equal to the target's exports no d2t/t2d (vLLM has no buffer for them then), and two
+    aux layers are written as such (fc input 2*H), not padded to vLLM's old default of 3."""
+    p = make_pipeline(tmp_path)
+    np.save(p["out"] / "vocab" / "d2t.npy", np.zeros(V, dtype=np.int64))
+    np.save(p["out"] / "vocab" / "t2d.npy", np.ones(V, dtype=bool))
+    hs_dir = p["out"] / "hidden_states"
+    from safetensors.torch import load_file, save_file
+    for f in hs_dir.glob("hs_*.safetensors"):   # keep two aux layers + N
+        t = load_file(str(f))
+        t["hidden_states"] = t["hidden_states"][:, 1:].contiguous()
+        save_file(t, str(f))
+    dc = hs_dir / "data_config.json"
+    dc.write_text(json.dumps({**json.loads(dc.read_text()), "layer_ids": LAYER_IDS[1:]}))
+    rc, doc = run_train(p, "--max-steps", "2")
+    assert rc == 0, doc
+    cfg, tensors = read_export(p["out"])
+    assert "d2t" not in tensors and "t2d" not in tensors
+    assert cfg["draft_vocab_size"] == V and tuple(tensors["lm_head.weight"].shape) == (V, H)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[1:-1]
+    assert cfg["num_aux_hidden_states"] == 2 and tuple(tensors["fc.weight"].shape) == (H, 2 * H)
+
+
+def test_resume_refuses_another_target(tmp_path):
+    p = make_pipeline(tmp_path / "a")
+    rc, part = run_train(p, "--epochs", "5", "--save-every", "2", "--stop-at-step", "2")
+    assert rc == 0 and part["step"] == 2
+    other = tmp_path / "other-target"
+    shutil.copytree(p["target"], other)   # same shapes, another model: its head must not meet these features
+    rc, bad = run_train({**p, "target": other}, "--epochs", "5", "--save-every", "2", "--resume")
+    assert rc == 2 and "different settings" in bad["error"] and "model" in bad["error"]
+
+
 def test_help():
     r = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0

