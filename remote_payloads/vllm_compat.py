@@ -101,3 +101,16 @@ def eagle3_serving(version: str, model_type: str | None) -> tuple[bool, str]:
         return False, (f"vLLM {version}: {model_type} has no SupportsEagle3 (it arrives in vLLM 0.18), so an EAGLE-3 "
                        "draft cannot be served; use vLLM >= 0.18")
     return True, f"vLLM {version} serves EAGLE-3 drafts for {model_type or 'this target'}"
+
+
+# vLLM releases read: 0.18.0 sizes the Eagle-3 fc as 3 * hidden (hard-coded); 0.25.1 and 0.32.0 read
+# num_aux_hidden_states (else len(eagle_aux_hidden_state_layer_ids)).
+AUX_COUNT_READ_FROM = (0, 25)
+
+
+def eagle3_aux_count_ok(version: str, n_aux: int) -> tuple[bool, str]:
+    """Whether this vLLM can load an EAGLE-3 draft with `n_aux` aux layers (not 3: only where it reads the count)."""
+    if n_aux == 3 or parse_version(version) >= AUX_COUNT_READ_FROM:
+        return True, f"{n_aux} aux layers: vLLM {version} loads that"
+    return False, (f"the draft has {n_aux} aux layers but vLLM {version} hard-codes 3 (it reads "
+                   f"num_aux_hidden_states from 0.25 on); retrain with 3 aux layer ids or upgrade vLLM")

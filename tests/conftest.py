@@ -71,7 +71,9 @@ class Env:
         return self.inventory
 
 
-def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_env: dict | None = None, extra: str = "") -> Env:
+def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_env: dict | None = None, extra: str = "",
+             python: str | None = None) -> Env:
+    """python: the ssh host's interpreter (default: this one), e.g. a vLLM env from tests/vllm_envs.py."""
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     workdir = tmp_path / "hostwork"
@@ -87,7 +89,7 @@ def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_en
     port: {sshd.port}
     user: root
     identity_file: {sshd.client_key}
-    python: {sys.executable}
+    python: {python or sys.executable}
     workdir: {workdir}
     known_hosts: {known}
     env: {json.dumps({"PYTHONPATH": str(REPO), **host_env})}"""

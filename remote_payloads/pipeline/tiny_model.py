@@ -222,6 +222,25 @@ def _text_kwargs(hidden, layers, vocab, heads, intermediate, tok):
     )
 
 
+def _hub_layout_llava(out_dir, tok):
+    """Make the Llava folder look like a real Hub checkpoint, as vLLM loads those: the processor files (vLLM builds
+    the multimodal processor even for text-only prompts) and text_config.architectures. The weight names are the
+    ones the installed transformers writes: transformers 4 writes the Hub layout (language_model.model.*,
+    vision_tower.vision_model.*) that vLLM 0.16 expects."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, image_token="<image>",
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=tok.chat_template).save_pretrained(out_dir)
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg_json = json.load(f)
+    cfg_json["text_config"]["architectures"] = ["LlamaForCausalLM"]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg_json, f, indent=2, sort_keys=True)
+
+
 def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, intermediate=None,
           dtype="float32", seed=0, corpus=DEFAULT_CORPUS):
     """Write a loadable model directory (weights + config + tokenizer [+ remote code]); return a summary."""
@@ -243,7 +262,8 @@ def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, int
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
         text = LlamaConfig(num_key_value_heads=max(1, text_kw["num_attention_heads"] // 2), **text_kw)
-        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        # head_dim 32: vLLM's CPU attention kernels start there
+        vision = CLIPVisionConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                   image_size=28, patch_size=14, projection_dim=32)
         cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
                           vision_feature_layer=-1, vision_feature_select_strategy="default")
@@ -281,6 +301,8 @@ def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, int
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
 
+    if kind == "llava":
+        _hub_layout_llava(out_dir, tok)
     if kind == "kimi":
         for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
             with open(os.path.join(out_dir, name + ".py"), "w") as f:
