@@ -174,7 +174,7 @@ def extract_speculators(v16, hf16, tmp_path_factory, sshd, version, kind, batch_
     assert checks["gpu"]["status"] == "warn" and "CPU build" in checks["gpu"]["detail"]
     out = tmp / "hs"
     r = run_step(e, "extract", "--out", str(out), "--batch-size", str(batch_size))
-    assert '"vllm_path": "speculators"' in r.stdout or "speculators" in r.stdout
+    assert "speculators 0.3.0 (patched)" in r.stdout or version != "0.3.0", r.stdout[-3000:]
     cfg = json.loads((out / "data_config.json").read_text())
     assert cfg["backend"] == "vllm-speculators" and cfg["layer_ids"] == LAYER_IDS
     assert cfg["speculators_layer_ids"] == [i - 1 for i in LAYER_IDS]   # their convention: output of layer j
@@ -261,7 +261,7 @@ def test_native_extraction_resumes(v32):
     for i in (3, 11):
         (hs / f"hs_{i}.safetensors").unlink()
     r = run_step(v32["env"], "extract")
-    assert '"written": 2' in r.stdout and f'"skipped_existing": {SAMPLES - 2}' in r.stdout, r.stdout[-2000:]
+    assert f"{SAMPLES - 2} done already, 2 to do" in r.stdout, r.stdout[-3000:]
     again = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in hs.glob("hs_*.safetensors")}
     assert again == digest      # the engine recomputes the two samples bit for bit
 

@@ -222,17 +222,26 @@ def _text_kwargs(hidden, layers, vocab, heads, intermediate, tok):
     )
 
 
-def _hub_layout_llava(out_dir, tok):
+def _hub_layout_llava(out_dir):
     """Make the Llava folder look like a real Hub checkpoint, as vLLM loads those: the processor files (vLLM builds
     the multimodal processor even for text-only prompts) and text_config.architectures. The weight names are the
     ones the installed transformers writes: transformers 4 writes the Hub layout (language_model.model.*,
-    vision_tower.vision_model.*) that vLLM 0.16 expects."""
-    from transformers import CLIPImageProcessor, LlavaProcessor
-
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, image_token="<image>",
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                   chat_template=tok.chat_template).save_pretrained(out_dir)
+    vision_tower.vision_model.*) that vLLM 0.16 expects. The processor files are written as JSON, the way
+    transformers saves a CLIPImageProcessor + LlavaProcessor, so no torchvision/PIL is needed to build them."""
+    files = {
+        "preprocessor_config.json": {
+            "crop_size": {"height": 28, "width": 28}, "do_center_crop": True, "do_convert_rgb": True,
+            "do_normalize": True, "do_rescale": True, "do_resize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor", "resample": 3,
+            "rescale_factor": 1 / 255, "size": {"shortest_edge": 28}},
+        "processor_config.json": {
+            "image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": 14,
+            "processor_class": "LlavaProcessor", "vision_feature_select_strategy": "default"},
+    }
+    for name, doc in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(doc, f, indent=2, sort_keys=True)
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path) as f:
         cfg_json = json.load(f)
@@ -302,7 +311,7 @@ def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, int
     tok.save_pretrained(out_dir)
 
     if kind == "llava":
-        _hub_layout_llava(out_dir, tok)
+        _hub_layout_llava(out_dir)
     if kind == "kimi":
         for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
             with open(os.path.join(out_dir, name + ".py"), "w") as f:
