@@ -483,6 +483,7 @@ def st_smol_data(gpu):
     res["regenerate"] = run("smol_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", str(prompts),
                                           "--output-dir", str(SPIPE), "--engine", "vllm",
                                           "--max-tokens", os.environ.get("KE_SMOL_MAX_TOKENS", "384"),
+                                          "--max-prompts", os.environ.get("KE_SMOL_MAX_PROMPTS", "0"),
                                           "--chunk-size", "4096"], gpu, sites=("site-early", "site-vllm"), timeout=600)
     res["prepare"] = run("smol_data", [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset",
                                        str(SPIPE / "regenerated" / "chat.jsonl"), "--output-dir", str(SPIPE),
@@ -513,7 +514,8 @@ def st_smol_train(gpu):
 def eval_cmd(draft: Path, out: Path, batch_sizes=True, eager=False):
     cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
            "--prompts", str(ROOT / "remote_payloads" / "sample_data" / "prompts_eval.jsonl"),
-           "--num-prompts", os.environ.get("KE_EVAL_PROMPTS", "64"), "--max-tokens", "128",
+           "--num-prompts", os.environ.get("KE_EVAL_PROMPTS", "64"),
+           "--max-tokens", os.environ.get("KE_EVAL_MAX_TOKENS", "128"),
            "--num-speculative-tokens", "3", "--engine", "vllm"]
     if not TINY and not eager:
         cmd.append("--no-enforce-eager")  # CUDA graphs: batch-1 decode of a 135M model is launch-bound without
@@ -571,12 +573,12 @@ LANE0 = [("matmul", st_matmul, []),
          ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
          ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["models", "bundle-vllm"]),
          ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
-         ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"]),
-         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
+         ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"])]
 LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
          ("smol_train", st_smol_train, ["smol_data"]),
-         ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"])]
+         ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"]),
+         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
 ALL = [s[0] for s in LANE0 + LANE1] + ["scaling"]
 T0 = now()
 
@@ -658,7 +660,15 @@ def start() -> None:
     # The runner runs from a copy: each call re-sends the checkout, and the runner must not see files change.
     repo = D["repo"]
     if not (repo / "bench").exists():
-        shutil.copytree(ROOT, repo, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".gpu", ".git", "out", "__pycache__"))
+        shutil.copytree(ROOT, repo, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__"))
+        # .overlay/ (git-ignored, carried): files laid over the checkout, e.g. payloads of a branch not yet on
+        # main; recorded with their sha256 so a result says which code produced it.
+        overlay = ROOT / ".overlay"
+        if overlay.is_dir():
+            shutil.copytree(overlay, repo, dirs_exist_ok=True)
+            files = {str(p.relative_to(overlay)): sha256_file(str(p)) for p in sorted(overlay.rglob("*")) if p.is_file()}
+            write_json(D["results"] / "overlay.json", {"files": files})
     log = open(D["logs"] / "runner.log", "a")
     p = subprocess.Popen([PY, str(repo / "bench" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
                          start_new_session=True, env=dict(os.environ, KE_WORK=str(WORK), KE_SHM=str(SHM)))
