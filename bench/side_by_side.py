@@ -646,6 +646,20 @@ def run_all():
 # ------------------------------------------------------------------------------------------------------
 # the calls
 
+def apply_overlay() -> None:
+    """.overlay/ (git-ignored, carried): files laid over the runner's copy of the checkout, e.g. payloads of a
+    branch not yet on main. Applied at start and again by every later call that carries one (stages read their
+    scripts when they start), recorded with sha256 so a result says which code produced it."""
+    overlay, repo = ROOT / ".overlay", D["repo"]
+    if not overlay.is_dir() or not (repo / "bench").exists():
+        return
+    shutil.copytree(overlay, repo, dirs_exist_ok=True)
+    files = {str(p.relative_to(overlay)): sha256_file(str(p)) for p in sorted(overlay.rglob("*")) if p.is_file()}
+    log_path = D["results"] / "overlay.json"
+    history = json.loads(log_path.read_text())["applied"] if log_path.exists() else []
+    write_json(log_path, {"applied": history + [{"at": round(now(), 1), "files": files}]})
+
+
 def start() -> None:
     for d in D.values():
         d.mkdir(parents=True, exist_ok=True)
@@ -664,13 +678,7 @@ def start() -> None:
     if not (repo / "bench").exists():
         shutil.copytree(ROOT, repo, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__"))
-        # .overlay/ (git-ignored, carried): files laid over the checkout, e.g. payloads of a branch not yet on
-        # main; recorded with their sha256 so a result says which code produced it.
-        overlay = ROOT / ".overlay"
-        if overlay.is_dir():
-            shutil.copytree(overlay, repo, dirs_exist_ok=True)
-            files = {str(p.relative_to(overlay)): sha256_file(str(p)) for p in sorted(overlay.rglob("*")) if p.is_file()}
-            write_json(D["results"] / "overlay.json", {"files": files})
+        apply_overlay()
     log = open(D["logs"] / "runner.log", "a")
     p = subprocess.Popen([PY, str(repo / "bench" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
                          start_new_session=True, env=dict(os.environ, KE_WORK=str(WORK), KE_SHM=str(SHM)))
@@ -751,6 +759,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "absorb":
         absorb(a.src)
+        apply_overlay()
     elif a.cmd == "start":
         start()
     elif a.cmd == "wait":
