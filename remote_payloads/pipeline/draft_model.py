@@ -116,6 +116,9 @@ def load_target_tensors(model_dir: str, cfg: dict, keys: dict[str, str | None]) 
         names["lm-head"] = names["embed"]
     out = {}
     for what, name in names.items():
+        if what == "lm-head" and name == names["embed"]:
+            out[what] = out["embed"]  # tied: the same tensor object (the trainer relies on `is`)
+            continue
         with safe_open(os.path.join(model_dir, wmap[name]), "pt") as f:
             out[what] = f.get_tensor(name)
         log(f"target {what}: {name} {tuple(out[what].shape)} {out[what].dtype}")

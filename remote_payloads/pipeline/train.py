@@ -53,7 +53,8 @@ def mask_counts(loss_mask, ttt_steps: int) -> list[float]:
     return [float(loss_mask[:, k:].sum()) for k in range(ttt_steps)]
 
 
-def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=None):
+def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=None, target_ids=None,
+                draft_to_target=None):
     """Forward KL(target || draft) per TTT step over loss-masked positions, weighted decay**k.
 
     `denoms`: per-step position counts to divide by (default: this batch's). Data-parallel ranks pass the
@@ -61,7 +62,10 @@ def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=
 
     Step-k logits at index j predict what the target predicts at index j+k, so compare
     logits[:, :T-k] with targets[:, k:] and mask with loss_mask[:, k:] (speculators' align_for_step).
-    Returns (total loss, per-step losses, per-step top-1 agreement, tokens counted at step 0).
+    Top-1 agreement is what serving accepts: the draft's argmax mapped to a target id (draft id + d2t)
+    equals the target's argmax over its *full* vocabulary (`target_ids` [B,T]); a target choice outside
+    the draft vocabulary counts as a miss. Without target_ids it is None (not computed this step).
+    Returns (total loss, per-step losses, per-step top-1 agreement or None, tokens counted at step 0).
     """
     total = 0.0
     losses, accs = [], []
@@ -76,11 +80,24 @@ def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=
         tp = F.softmax(tg.float(), dim=-1)
         kl = (tp * (torch.log(tp.clamp_min(1e-30)) - logp)).sum(-1)
         loss_k = (kl * m).sum() / n.clamp_min(1)
-        agree = ((lg.argmax(-1) == tg.argmax(-1)) & m).sum() / n.clamp_min(1)
         total = total + (decay ** k) * loss_k
         losses.append(float(loss_k.detach()))
-        accs.append(float(agree))
-    return total, losses, accs, n0
+        if target_ids is not None:
+            hit = draft_to_target[lg.argmax(-1)] == target_ids[:, k:]
+            accs.append(float((hit & m).sum() / n.clamp_min(1)))
+    return total, losses, (accs if target_ids is not None else None), n0
+
+
+@torch.no_grad()
+def full_vocab_argmax(last, target_norm, lm_head, chunk: int = 4096):
+    """The target's greedy next token [B,T] over its full vocabulary, a few thousand positions at a time
+    (a [B*T, V] logits tensor would not fit for Kimi's 163840-token vocabulary)."""
+    flat = last.reshape(-1, last.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=last.device)
+    for i in range(0, flat.shape[0], chunk):
+        h = target_norm(flat[i:i + chunk].float()).to(lm_head.dtype)
+        out[i:i + chunk] = F.linear(h, lm_head).argmax(-1)
+    return out.view(last.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,6 +362,9 @@ def train(args) -> dict:
         raise BadInput(f"{args.model}: embedding shape {tuple(tw['embed'].shape)} != ({tcfg['vocab_size']}, {H})")
     embed = tw["embed"].to(device, feat_dtype)
     target_lm_rows = tw["lm-head"][t2d].to(device, torch.float32)          # [K, H]
+    # The full head only scores the logged top-1 agreement (full-vocab argmax); tied heads share the embedding.
+    full_lm_head = embed if tw["lm-head"] is tw["embed"] else tw["lm-head"].to(device, feat_dtype)
+    draft_to_target_dev = draft_to_target.to(device)
     target_norm = RMSNorm(H, c["rms_norm_eps"]).to(device)
     target_norm.weight.data.copy_(tw["norm"].float())
     target_norm.requires_grad_(False)
@@ -425,12 +445,15 @@ def train(args) -> dict:
             if not mine:
                 lmask = torch.zeros_like(lmask)
             denoms = dist_.all_sum(mask_counts(lmask, args.ttt_steps)) if w.distributed else None
+            will_log = step + 1 == 1 or (step + 1) % args.log_every == 0 or step + 1 == stop
+            target_ids = full_vocab_argmax(last, target_norm, full_lm_head) if will_log else None
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 with torch.no_grad():
                     # The target's next-token distribution, restricted to the draft vocabulary.
                     target_logits = F.linear(target_norm(last.float()), target_lm_rows).float()
                 logits = model(aux, ids, valid, embed_fn, args.ttt_steps)
-                loss, losses, accs, n_tok = step_losses(logits, target_logits, lmask, args.ttt_decay, denoms)
+                loss, losses, accs, n_tok = step_losses(logits, target_logits, lmask, args.ttt_decay, denoms,
+                                                        target_ids, draft_to_target_dev)
             opt.zero_grad(set_to_none=True)
             # Each rank's loss is its share of the global batch's; DDP/FSDP average the gradients over the
             # ranks, so scaling by the world size makes the update exactly the global batch's.
@@ -447,8 +470,9 @@ def train(args) -> dict:
             # Every rank takes the same decision, so none waits in a collective the others skipped.
             if dist_.any_rank(stop_request.requested):
                 interrupted = stop_request.received or "SIGTERM"
-            if done == 1 or done % args.log_every == 0 or done == stop or interrupted:
+            if will_log or interrupted:
                 dt = max(time.time() - t_log, 1e-9)
+                accs = accs or []  # an interrupted step off the logging grid has no agreement figures
                 tot = dist_.all_sum([loss.item(), *losses, *accs, tok_log])
                 loss_v, losses, accs, tok_g = tot[0], tot[1:1 + len(losses)], tot[1 + len(losses):-1], tot[-1]
                 acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(accs))
