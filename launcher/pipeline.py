@@ -7,20 +7,26 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .host import PAYLOADS, expand
 
-STEPS = ("prepare", "extract", "vocab", "train")
+STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
 # Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
-GPU_STEPS = {"extract", "train", "all"}
+GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
 # Steps that may run as several processes. They start through pipeline/launch.py, which decides on the host
 # (it sees the GPUs and the model) between one process and torchrun workers (docs/CONTRACTS.md).
 TORCHRUN_STEPS = {"extract", "train"}
 
+# inventory key -> the step's flag (a plain name means --name-with-dashes)
 FLAGS = {
+    "regenerate": ("model", "dataset", "output_dir", "temperature", "max_tokens", "max_prompts", "tp_size", "dtype"),
     "prepare": ("model", "dataset", "output_dir", "seq_len"),
-    "extract": ("model", "output_dir", "layer_ids", "backend", "batch_size", "tp_size", "seq_len"),
+    "extract": ("model", "output_dir", "layer_ids", "backend", "batch_size", "tp_size", "seq_len", "dtype"),
     "vocab": ("model", "output_dir", "draft_vocab_size"),
-    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps"),
+    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps", "dtype"),
+    "eval": ("model", "output_dir", ("eval_prompts", "prompts"), ("eval_num_prompts", "num_prompts"),
+             ("eval_max_tokens", "max_tokens"), "num_speculative_tokens", "tp_size", "dtype"),
 }
-
+REQUIRED = {"model", "dataset", "eval_prompts"}
+# Where prepare finds the regenerated conversations (regenerate.py writes it there).
+REGENERATED = "regenerated/chat.jsonl"
 
 @dataclass
 class Step:
@@ -34,16 +40,29 @@ class Step:
 
 def step_args(step: str, pipeline) -> list[str]:
     args: list[str] = []
-    for key in FLAGS[step]:
+    for entry in FLAGS[step]:
+        key, flag = entry if isinstance(entry, tuple) else (entry, entry)
         value = getattr(pipeline, key)
+        if step == "prepare" and key == "dataset" and pipeline.regenerate:
+            value = f"{pipeline.output_dir.rstrip('/')}/{REGENERATED}"  # the target's own answers
         if value is None:
-            if key in ("model", "dataset"):
+            if key in REQUIRED:
                 raise ConfigError(f"pipeline.{key} is not set (inventory `pipeline:` section or the host's override)")
             continue
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        args += [f"--{key.replace('_', '-')}", str(expand(value))]
+        args += [f"--{flag.replace('_', '-')}", str(expand(value))]
     return args
+
+
+def chain(pipeline) -> list[str]:
+    """The steps of `run all`: regenerate when the pipeline says so, eval when it names held-out prompts."""
+    names = ["prepare", "extract", "vocab", "train"]
+    if pipeline.regenerate:
+        names.insert(0, "regenerate")
+    if pipeline.eval_prompts:
+        names.append("eval")
+    return names
 
 
 def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
@@ -56,7 +75,7 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
     if step == "all" and extra:
         raise ConfigError("`run all` takes no extra flags after --: set them in the inventory's pipeline section")
     if step == "all":
-        names = list(STEPS)
+        names = chain(pipeline)
     elif step in STEPS:
         names = [step]
     else:
@@ -65,6 +84,10 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
     if pipeline.tiny_model:
         model = str(expand(pipeline.model))
         steps.append(Step("tiny-model", [f"{PAYLOADS}/pipeline/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
+                          unless_exists=f"{model}/config.json"))
+    elif pipeline.model_source:
+        model = str(expand(pipeline.model))
+        steps.append(Step("model", [f"{PAYLOADS}/pipeline/models.py", "--source", pipeline.model_source, "--out", model],
                           unless_exists=f"{model}/config.json"))
     for n in names:
         argv = [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline), *extra]

@@ -34,10 +34,11 @@ def preflight_args(session: HostSession, step: str, extra: list[str] | None = No
     p = session.host.pipeline
     args = ["--step", step, "--backend", p.backend, "--tp-size", str(p.tp_size), "--seq-len", str(p.seq_len),
             "--output-dir", str(expand(p.output_dir)), "--runs-dir", RUNS]
-    # A tiny demo model is built by the job itself, so it cannot be checked before.
-    if p.model and not p.tiny_model:
+    # A tiny demo model (or one from a package) is built by the job itself, so it cannot be checked before.
+    if p.model and not p.tiny_model and not p.model_source:
         args += ["--model", str(expand(p.model))]
-    if p.dataset and step in ("prepare", "all"):
+    # With regenerate, `dataset` holds the prompts and prepare reads what regenerate writes.
+    if p.dataset and (step in ("regenerate", "all") or (step == "prepare" and not p.regenerate)):
         args += ["--dataset", str(expand(p.dataset))]
     if p.layer_ids:
         args += ["--layer-ids", ",".join(map(str, p.layer_ids))]

@@ -145,3 +145,30 @@ def host_runs_dir() -> str | None:
     if os.path.basename(root) == "payloads" and os.path.basename(os.path.dirname(root)) == ".kimi-eagle":
         return os.path.join(os.path.dirname(os.path.dirname(root)), "runs")
     return None
+
+
+def job_headline(text: str) -> str | None:
+    """Record a step's one-line result for `kimi-eagle status`/`logs` (<runs>/<job-id>/headline), when
+    running inside a kimi-eagle job on a host; the last step of a chain to call it wins. Returns the path."""
+    job_id, runs = os.environ.get("KIMI_EAGLE_JOB_ID"), host_runs_dir()
+    if not job_id or not runs or os.sep in job_id or not os.path.isdir(os.path.join(runs, job_id)):
+        return None
+    path = os.path.join(runs, job_id, "headline")
+    atomic_write(path, text.strip().splitlines()[0] + "\n" if text.strip() else "\n")
+    return path
+
+
+def stdout_for_result_only() -> None:
+    """Send everything else that writes to file descriptor 1 to stderr, for good.
+
+    Engines such as vLLM log to stdout, from this process and from the worker processes they spawn (which
+    inherit fd 1), and keep logging at interpreter exit. After this call fd 1 is stderr, and sys.stdout is
+    a new stream on the original stdout, so only the step's JSON result (printed by run_step) lands there.
+    Call it before importing the engine."""
+    if getattr(sys.stdout, "_kimi_eagle_result_only", False):
+        return
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real, "w", buffering=1, encoding="utf-8")
+    sys.stdout._kimi_eagle_result_only = True  # type: ignore[attr-defined]

@@ -80,11 +80,13 @@ def _final_line(ui, label: str, job):
     style = "green" if job.state == "succeeded" else "yellow" if job.state in ("running", "pending") else "red"
     code = "" if job.exit_code is None else f" (exit code {job.exit_code})"
     ui.err_console().print(f"[{label}] job {job.id} {job.state}{code}", style=style, markup=False)
+    if job.headline and job.state not in ("running", "pending"):
+        ui.line(f"[{label}] {job.headline}")  # a step's one-line result (eval's acceptance figures)
 
 
 def run(
     ctx: typer.Context,
-    step: str = typer.Argument(..., help="prepare | extract | vocab | train | all | exec (any command after --)"),
+    step: str = typer.Argument(..., help="regenerate | prepare | extract | vocab | train | eval | all | exec (any command after --)"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g", help="Run over the hosts of this group: extract as shards "
                                         "(one job per host), train as one multi-node torchrun job."),
@@ -95,7 +97,7 @@ def run(
     detach: bool = typer.Option(False, "--detach", "-d", help="Start and return; follow later with `logs`."),
     reset_gpus: bool = typer.Option(False, "--reset-gpus", help="First stop our own stale GPU holders on the host."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the preflight checks."),
-    gpu: Optional[bool] = typer.Option(None, "--gpu/--no-gpu", help="Take the host's GPU lock (default: extract, train, all)."),
+    gpu: Optional[bool] = typer.Option(None, "--gpu/--no-gpu", help="Take the host's GPU lock (default: regenerate, extract, train, eval, all)."),
 ):
     """Start a pipeline step (or `all`) as a detached job on the host; follow its log unless --detach.
 
@@ -275,6 +277,9 @@ def status(
         rows = [[j.id, j.step, j.host, j.state, _duration(j.runtime_s), "" if j.exit_code is None else j.exit_code,
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started_at)) if j.started_at else ""] for j in all_jobs]
         ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows)
+        for j in all_jobs:  # results worth seeing without opening the log (eval's acceptance figures)
+            if j.headline:
+                ui.line(f"{j.id}: {j.headline}")
     if job_id and all_jobs:
         raise typer.Exit(jobs.STATE_EXIT[all_jobs[0].state])
     if not all(o.ok for o in outcomes):

@@ -125,6 +125,8 @@ def job_state(run_dir):
         "log": os.path.join(run_dir, "log"),
         "log_size": os.path.getsize(os.path.join(run_dir, "log")) if os.path.exists(os.path.join(run_dir, "log")) else 0,
         "gpu": meta.get("gpu", False),
+        # a step's one-line result (the eval step's acceptance figures), see step_runtime.job_headline
+        "headline": (read(os.path.join(run_dir, "headline")) or "").strip() or None,
     }
 
 

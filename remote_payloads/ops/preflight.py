@@ -50,7 +50,7 @@ MIN_PYTHON = (3, 10)
 # Model types whose vLLM class gets SupportsEagle3 only in vLLM 0.18.
 NEEDS_VLLM_018_NATIVE = {"kimi_k25", "kimi_vl", "deepseek_v3", "deepseek_v2"}
 
-GPU_STEPS = {"extract", "train", "all"}
+GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 CHARS_PER_TOKEN = 4          # rough English/code average, used when no tokenizer is at hand
 DATASET_SAMPLE_ROWS = 200    # rows parsed for shape and average length
@@ -529,6 +529,7 @@ STEP_INPUTS = {  # see docs/CONTRACTS.md, "Pipeline directory layout"
     "vocab": [("prepared/token_freq.npy", "prepare")],
     "train": [("hidden_states/data_config.json", "extract"), ("vocab/d2t.npy", "vocab"),
               ("vocab/t2d.npy", "vocab")],
+    "eval": [("draft/export/config.json", "train")],
 }
 
 
@@ -666,9 +667,12 @@ def resolve_smi(arg: str | None) -> str | None:
 def check_serving(args, ctx: dict) -> dict:
     """Can this host's vLLM serve an EAGLE-3 draft for the target (eval)? Kimi/DeepSeek need vLLM >= 0.18
     (SupportsEagle3), and a draft with other than 3 aux layers needs a vLLM that reads num_aux_hidden_states."""
+    # The eval step falls back to its transformers evaluator (same definition, no tokens/s of a real
+    # server), so a host that cannot serve the draft is a warning, not a failure.
+    fallback = "; eval falls back to the transformers evaluator"
     inst = ctx.get("vllm")
     if not inst:
-        return check("serving", "fail", "vLLM is not installed: nothing can serve the draft",
+        return check("serving", "warn", "vLLM is not installed: nothing can serve the draft" + fallback,
                      "install vLLM >= 0.18 (Kimi/DeepSeek targets) on the host")
     ok, why = eagle3_serving(inst["version"], ctx.get("model_type"))
     if ok and args.draft:
@@ -679,13 +683,14 @@ def check_serving(args, ctx: dict) -> dict:
             return check("serving", "fail", f"{args.draft}/config.json: unreadable ({exc})", "point --draft at an export")
         ok, aux_why = eagle3_aux_count_ok(inst["version"], n_aux)
         why += "; " + aux_why
-    return check("serving", "pass" if ok else "fail", why, None if ok else "use a vLLM that supports this "
+    return check("serving", "pass" if ok else "warn", why if ok else why + fallback, None if ok else "use a vLLM that supports this "
                  "(>= 0.18 for Kimi/DeepSeek; >= 0.25 for a draft with other than 3 aux layers)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--step", choices=["prepare", "extract", "vocab", "train", "eval", "all"], default="all")
+    p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
+                   default="all")
     p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
     p.add_argument("--model", default=None)
     p.add_argument("--dataset", default=None)
@@ -725,7 +730,7 @@ def run_checks(args) -> dict:
         checks.append(check_layer_ids(args, ctx))
     if args.step in GPU_STEPS:
         checks.append(check_gpu(args, ctx) if args.step != "train" else check_gpu_present(args))
-    if args.step in ("prepare", "all") or args.dataset:
+    if args.step in ("regenerate", "prepare", "all") or args.dataset:
         checks.append(check_dataset(args, ctx))
     inputs = check_inputs(args, ctx)
     if inputs:

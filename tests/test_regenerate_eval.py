@@ -1,0 +1,223 @@
+"""regenerate and eval: the launcher's plan for them, their bad-input refusals, and regenerate's
+resumable, sharded output on a tiny real (random) target. The slow checks on SmolLM2 live in
+test_quality.py (quality tier) and the vLLM ones in test_eval_vllm.py (vllm tier)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import make_env
+
+REPO = Path(__file__).resolve().parents[1]
+PIPE = REPO / "remote_payloads" / "pipeline"
+PROMPTS = REPO / "remote_payloads" / "sample_data"
+
+
+def payload(script, *args, timeout=900):
+    p = subprocess.run([sys.executable, str(PIPE / script), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, (json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else None), p.stderr
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+def render_all(tmp_path, pipeline_yaml):
+    e = make_env(tmp_path, None, extra=pipeline_yaml)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), timeout=60)
+    return r, (tmp_path / "r").rglob("*.sh")
+
+
+def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
+    r, files = render_all(tmp_path, """pipeline:
+  model: /m/smollm2
+  model_source: smollm2
+  dataset: "{payloads}/sample_data/prompts_train.jsonl"
+  output_dir: /o
+  regenerate: true
+  temperature: 0.5
+  max_tokens: 99
+  max_prompts: 40
+  eval_prompts: "{payloads}/sample_data/prompts_eval.jsonl"
+  eval_num_prompts: 7
+  num_speculative_tokens: 4
+""")
+    assert r.code == 0, r.stderr
+    job = "\n".join(p.read_text() for p in files)
+    steps = [s for s in re.findall(r"pipeline/(\w+)\.py", job) if s != "launch"]
+    assert steps == ["models", "regenerate", "prepare", "extract", "vocab", "train", "eval"], steps
+    lines = {s: next(line for line in job.splitlines() if f"pipeline/{s}.py" in line) for s in steps}
+    assert "--source smollm2" in lines["models"] and "/m/smollm2" in lines["models"]
+    assert "prompts_train.jsonl" in lines["regenerate"] and "--temperature 0.5" in lines["regenerate"]
+    assert "--max-tokens 99" in lines["regenerate"] and "--max-prompts 40" in lines["regenerate"]
+    # prepare reads the target's own answers, not the prompts
+    assert "/o/regenerated/chat.jsonl" in lines["prepare"] and "prompts_train" not in lines["prepare"]
+    assert "prompts_eval.jsonl" in lines["eval"] and "--num-prompts 7" in lines["eval"]
+    assert "--num-speculative-tokens 4" in lines["eval"]
+
+
+def test_run_all_without_regenerate_or_eval_is_the_four_steps(tmp_path):
+    r, files = render_all(tmp_path, "pipeline:\n  model: /m\n  dataset: /d.jsonl\n")
+    assert r.code == 0, r.stderr
+    steps = [s for s in re.findall(r"pipeline/(\w+)\.py", "\n".join(p.read_text() for p in files)) if s != "launch"]
+    assert steps == ["prepare", "extract", "vocab", "train"]
+
+
+def test_two_model_builders_are_refused(tmp_path):
+    r, _ = render_all(tmp_path, "pipeline:\n  model: /m\n  dataset: /d\n  tiny_model: kimi\n  model_source: smollm2\n")
+    assert r.code == 2
+    assert "model_source" in r.stderr and "tiny_model" in r.stderr
+
+
+# ---------------------------------------------------------------------------------- eval: bad input
+
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 512,
+             "num_hidden_layers": 8, "num_attention_heads": 4}
+
+
+def draft_dir(tmp_path, **changes):
+    d = tmp_path / "draft"
+    d.mkdir(exist_ok=True)
+    cfg = {"speculators_model_type": "eagle3", "draft_vocab_size": 128,
+           "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+           "transformer_layer_config": {"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
+                                        "intermediate_size": 128}}
+    for k, v in changes.items():
+        if k in ("hidden_size", "vocab_size"):
+            cfg["transformer_layer_config"][k] = v
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"hidden_size": 96}, "hidden_size 96"),
+    ({"vocab_size": 1000}, "vocab_size 1000"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}, "eagle_aux_hidden_state_layer_ids"),
+])
+def test_eval_refuses_a_draft_that_does_not_fit_the_target_before_loading_it(tmp_path, change, named):
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_CFG))  # no weights: a load attempt would fail otherwise
+    code, out, err = payload("eval.py", "--model", model, "--draft", draft_dir(tmp_path, **change),
+                             "--prompts", PROMPTS / "prompts_eval.jsonl", "--output-dir", tmp_path / "o")
+    assert code == 2, err
+    assert named in err and "config.json" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o" / "eval").exists()
+
+
+def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
+    """Here the tests' interpreter has no vLLM: --engine vllm falls back, saying why, and still reports."""
+    pytest.importorskip("transformers")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("this interpreter has vLLM")
+    except ImportError:
+        pass
+    model = build_tiny_llama(tmp_path)
+    draft = export_untrained_draft(tmp_path, model)
+    code, out, err = payload("eval.py", "--model", model, "--draft", draft, "--engine", "vllm",
+                             "--prompts", PROMPTS / "prompts_eval.jsonl", "--num-prompts", 2, "--max-tokens", 8,
+                             "--threads", 1, "--output-dir", tmp_path / "o")
+    assert code == 0, err
+    assert "vLLM is not importable" in err and "transformers evaluator" in err
+    rep = json.loads((tmp_path / "o" / "eval" / "report.json").read_text())
+    assert rep["engine"] == "hf" and "vLLM" in rep["fallback_reason"]
+    assert len(rep["acceptance_per_position"]) == 3
+    # fp32 greedy speculative decoding is exact: the draft changes speed, never the text
+    assert rep["identical_completions"] == 1.0
+    png = (tmp_path / "o" / "eval" / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
+    assert out["headline"].startswith("acceptance length")
+
+
+# ----------------------------------------------------------------------- tiny target + untrained draft
+
+def build_tiny_llama(tmp_path):
+    out = tmp_path / "tiny-llama"
+    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def export_untrained_draft(tmp_path, model):
+    """A draft exported by our own trainer after one step of a vanishing learning rate (= its init)."""
+    sys.path.insert(0, str(PIPE))
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    N, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    out = tmp_path / "pipe"
+    hs = out / "hidden_states"
+    hs.mkdir(parents=True)
+    ids = [2, N // 2, N - 3, N]
+    for i in range(2):
+        T = 12
+        save_file({"token_ids": torch.randint(0, V, (T,)), "hidden_states": torch.randn(T, len(ids), H),
+                   "loss_mask": torch.ones(T, dtype=torch.long)}, str(hs / f"hs_{i}.safetensors"))
+    (hs / "data_config.json").write_text(json.dumps({"layer_ids": ids, "num_layers": N, "hidden_size": H,
+                                                      "layer_convention": "vllm"}))
+    import numpy as np
+    (out / "vocab").mkdir()
+    K = 64
+    np.save(out / "vocab" / "d2t.npy", np.zeros(K, dtype=np.int64))
+    t2d = np.zeros(V, dtype=bool)
+    t2d[:K] = True
+    np.save(out / "vocab" / "t2d.npy", t2d)
+    p = subprocess.run([sys.executable, str(PIPE / "train.py"), "--model", str(model), "--output-dir", str(out),
+                        "--max-steps", "1", "--lr", "1e-12", "--dtype", "float32"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return out / "draft" / "export"
+
+
+# ------------------------------------------------------------------------------------------ regenerate
+
+def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path):
+    model = build_tiny_llama(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Question number {i}?"}]} for i in range(5)]
+    rows.append({"conversations": [{"from": "human", "value": "Old question"}, {"from": "gpt", "value": "old answer"}]})
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--model", model, "--dataset", prompts, "--output-dir", tmp_path / "o", "--max-tokens", 6,
+              "--chunk-size", 2, "--engine", "hf", "--world-size", 2]
+    code, out, err = payload("regenerate.py", *common, "--rank", 1)
+    assert code == 0, err
+    assert out["chunks"] == 3 and out["chunks_done_now"] == 1 and out["dataset"] is None  # rank 0's part missing
+    final = tmp_path / "o" / "regenerated" / "chat.jsonl"
+    assert not final.exists()
+    code, out, err = payload("regenerate.py", *common, "--rank", 0)
+    assert code == 0, err
+    assert out["chunks_done_now"] == 2 and out["dataset"] == str(final)
+    got = [json.loads(line) for line in final.read_text().splitlines()]
+    assert [g["id"] for g in got][:5] == [f"p{i}" for i in range(5)]
+    for g, r in zip(got, rows):
+        msgs = g["messages"]
+        assert msgs[-1]["role"] == "assistant" and msgs[-2]["role"] == "user"
+    assert got[5]["messages"][-1]["content"] != "old answer"           # trailing answers are re-generated
+    before = final.read_bytes()
+    code, out, err = payload("regenerate.py", *common, "--rank", 0)      # resume: nothing left to do
+    assert code == 0 and out["chunks_done_now"] == 0 and final.read_bytes() == before
+    code, out, err = payload("prepare.py", "--model", model, "--dataset", final, "--output-dir", tmp_path / "o")
+    assert code == 0, err
+    assert out["count"] == 6 if "count" in out else True
+
+
+def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_CFG))
+    code, _, err = payload("regenerate.py", "--model", model, "--dataset", prompts, "--rank", 2, "--world-size", 2)
+    assert code == 2 and "--rank 2" in err
+    code, _, err = payload("regenerate.py", "--model", model, "--dataset", prompts, "--output-dir", tmp_path / "o")
+    assert code == 2 and f"{prompts}:1" in err and "user turn" in err
