@@ -35,7 +35,8 @@ def test_acc_counts_target_choices_outside_the_draft_vocab_as_misses():
     draft = torch.full((1, T, K), -5.0)
     draft[..., 1] = 3.0                                      # the draft always says draft id 1 = target 3
     mask = torch.ones(1, T, dtype=torch.bool)
-    _, _, accs, _ = tr.step_losses([draft], restricted, mask, 1.0, target_ids, draft_to_target)
+    _, _, accs, _ = tr.step_losses([draft], restricted, mask, 1.0, target_ids=target_ids,
+                                    draft_to_target=draft_to_target)
     assert accs == [0.5]                                     # 3 of 6: a target choice of 8 is never accepted
     _, _, none, _ = tr.step_losses([draft], restricted, mask, 1.0)
     assert none is None                                      # not computed on steps that do not log
