@@ -103,42 +103,21 @@ def plural(animal: str) -> str:
     return {"fox": "foxes", "octopus": "octopuses", "goat": "goats"}.get(word, word + "s")
 
 
+SLOTS = {"science": SCIENCE, "tech": TECH, "history": HISTORY, "hobby": HOBBIES, "goal": GOALS, "place": PLACES,
+         "mood": MOODS, "form": FORMS, "writing": WRITING, "word": WORDS, "audience": AUDIENCES,
+         "number": NUMBERS, "food": FOODS, "name": NAMES}
+
+
 def fill(template: str, slots: list[str], rng: random.Random) -> str:
     v = {}
     for s in slots:
-        if s == "science":
-            v["science"] = rng.choice(SCIENCE)
-        elif s == "tech":
-            v["tech"] = rng.choice(TECH)
-        elif s == "history":
-            v["history"] = rng.choice(HISTORY)
-        elif s == "hobby":
-            v["hobby"] = rng.choice(HOBBIES)
-        elif s == "goal":
-            v["goal"] = rng.choice(GOALS)
+        if s in SLOTS:
+            v[s] = rng.choice(SLOTS[s])
         elif s == "animal":
             v["animal"] = rng.choice(ANIMALS)
             v["animal_plural"] = plural(v["animal"])
-        elif s == "place":
-            v["place"] = rng.choice(PLACES)
-        elif s == "mood":
-            v["mood"] = rng.choice(MOODS)
-        elif s == "form":
-            v["form"] = rng.choice(FORMS)
-        elif s == "writing":
-            v["writing"] = rng.choice(WRITING)
         elif s == "pair":
             v["a"], v["b"] = rng.choice(PAIRS)
-        elif s == "word":
-            v["word"] = rng.choice(WORDS)
-        elif s == "audience":
-            v["audience"] = rng.choice(AUDIENCES)
-        elif s == "number":
-            v["number"] = rng.choice(NUMBERS)
-        elif s == "food":
-            v["food"] = rng.choice(FOODS)
-        elif s == "name":
-            v["name"] = rng.choice(NAMES)
         elif s in ("n1", "n2"):
             v[s] = str(rng.randint(2, 99))
     text = template.format(**v)
