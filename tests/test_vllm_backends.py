@@ -170,7 +170,8 @@ def extract_speculators(v16, hf16, tmp_path_factory, sshd, version, kind, batch_
     (doc,) = r.json()
     checks = {c["name"]: c for c in doc["checks"]}
     assert r.code == 0 and doc["ok"], json.dumps(doc["checks"], indent=1)
-    assert "speculators' generator" in checks["compat"]["detail"] and checks["patch"]["status"] == "pass"
+    assert f"speculators {version} + vllm 0.16.0: patch set" in checks["compat"]["detail"], checks["compat"]
+    assert checks["patch"]["status"] == "pass", checks["patch"]
     assert checks["gpu"]["status"] == "warn" and "CPU build" in checks["gpu"]["detail"]
     out = tmp / "hs"
     r = run_step(e, "extract", "--out", str(out), "--batch-size", str(batch_size))
