@@ -24,6 +24,7 @@ import lzma
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -588,6 +589,8 @@ SELECTED = [x for x in os.environ.get("KE_STAGES", "").split(",") if x]
 
 def lane(stages, gpu):
     for name, fn, needs in stages:
+        if state(name) == "done":  # a restarted runner keeps what an earlier one finished
+            continue
         if SELECTED and name not in SELECTED:
             set_state(name, "skipped")
             write_json(D["results"] / f"{name}.json", {"ok": False, "skipped": True, "why": "not selected (KE_STAGES)"})
@@ -686,6 +689,28 @@ def start() -> None:
     print(f"runner started (pid {p.pid})")
 
 
+def restart() -> None:
+    """Stop the runner (its whole process group), forget what failed or was skipped, refresh the runner's copy of
+    bench/ and the overlay, start again: finished stages stay finished."""
+    pid_file = WORK / "runner.pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+            time.sleep(3)
+        except (OSError, ValueError):
+            pass
+        pid_file.unlink()
+    for f in (WORK / "runner.finished", WORK / "runner.started"):
+        if f.exists():
+            f.unlink()
+    for f in D["flags"].iterdir():
+        if f.suffix in (".failed", ".skipped", ".running") and not f.name.startswith("bundle-"):
+            f.unlink()
+    shutil.copytree(ROOT / "bench", D["repo"] / "bench", dirs_exist_ok=True)
+    apply_overlay()
+    start()
+
+
 def status_table() -> str:
     rows = []
     for name in ALL:
@@ -750,6 +775,7 @@ def main() -> None:
     a1 = sub.add_parser("absorb")
     a1.add_argument("--from", dest="src", type=Path, default=ROOT / ".gpu")
     sub.add_parser("start")
+    sub.add_parser("restart")
     a3 = sub.add_parser("wait")
     a3.add_argument("--seconds", type=float, default=0)
     a3.add_argument("--until", nargs="*", default=[])
@@ -762,6 +788,8 @@ def main() -> None:
         apply_overlay()
     elif a.cmd == "start":
         start()
+    elif a.cmd == "restart":
+        restart()
     elif a.cmd == "wait":
         wait(a.seconds, a.until, a.out)
     elif a.cmd == "run":
