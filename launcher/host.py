@@ -92,17 +92,23 @@ class HostSession:
             self.deploy_payloads()
         return self.transport.run(cmd, timeout=timeout)
 
-    def render_payload(self, name: str, script: str, args: list[str]) -> tuple[str, str]:
-        text = render.render(
-            "payload.sh.j2",
-            host=self.host.name,
-            env=self.host.env,
-            workdir=self.host.workdir,
-            python=self.host.python,
-            script=f"{PAYLOADS}/{script}",
-            args=[str(a) for a in args],
-        )
-        return f"{BIN}/{name}.sh", text
+    def payload_wrapper(self, name: str, script: str) -> tuple[str, str]:
+        """The wrapper that runs `script` with the host's env and Python: (path under the workdir, text).
+
+        It takes the flags at run time ("$@") and is named by a digest of its text, so a file on the host is
+        never rewritten with other contents: concurrent callers share it safely or use different ones."""
+        import hashlib
+
+        text = render.render("payload.sh.j2", host=self.host.name, env=self.host.env, workdir=self.host.workdir,
+                             python=self.host.python, script=f"{PAYLOADS}/{script}")
+        return f"{BIN}/{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh", text
+
+    def render_payload(self, name: str, script: str, args: list[str]) -> dict[str, str]:
+        """For `kimi-eagle render`: the wrapper as uploaded, plus `<name>.sh` that runs it with these flags."""
+        rel, text = self.payload_wrapper(name, script)
+        call = render.render("payload_call.sh.j2", host=self.host.name, wrapper=posixpath.basename(rel),
+                             args=[str(a) for a in args])
+        return {rel: text, f"{BIN}/{name}.sh": call}
 
     def upload_scripts(self, files: dict[str, str]) -> sync.SyncReport:
         items = [sync.Item(remote=rel, data=text.encode(), mode=0o755) for rel, text in files.items()]
@@ -111,9 +117,9 @@ class HostSession:
     def run_payload(self, name: str, script: str, args: list[str], *, timeout: float | None = None) -> PayloadResult:
         """Deploy, upload the rendered wrapper, run it once, parse the JSON it prints."""
         self.deploy_payloads()
-        rel, text = self.render_payload(name, script, args)
+        rel, text = self.payload_wrapper(name, script)
         self.upload_scripts({rel: text})
-        res = self.transport.run(f"bash {render.quote(self.path(rel))}", timeout=timeout)
+        res = self.transport.run(f"bash {render.sh_join([self.path(rel), *args])}", timeout=timeout)
         data = _parse_json(res.stdout)
         if data is None:
             if res.exited == 2:

@@ -168,5 +168,4 @@ def render_files(session: HostSession, step=None, patch_set: str = "auto", mode:
     """For `kimi-eagle render patch`: the wrapper script plus the files it runs. Never connects."""
     if step is not None:
         raise ConfigError(f"render patch: takes no STEP (got {step!r})")
-    rel, text = session.render_payload(PAYLOAD_NAME, ENGINE, engine_args(patch_set, mode))
-    return {rel: text, **upload_files()}
+    return {**session.render_payload(PAYLOAD_NAME, ENGINE, engine_args(patch_set, mode)), **upload_files()}

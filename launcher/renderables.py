@@ -30,13 +30,13 @@ def _job(session, step):
 def _gpu_reset(session, step):
     from .gpu import reset_args
 
-    return dict([session.render_payload("gpu-reset", "ops/gpu_reset.py", reset_args(session))])
+    return session.render_payload("gpu-reset", "ops/gpu_reset.py", reset_args(session))
 
 
 def _preflight(session, step):
     from .preflight import preflight_args
 
-    return dict([session.render_payload("preflight", "ops/preflight.py", preflight_args(session, step or "all"))])
+    return session.render_payload("preflight", "ops/preflight.py", preflight_args(session, step or "all"))
 
 
 def _patch(session, step):
@@ -54,7 +54,7 @@ def files_for(what: str, step, host) -> dict[str, str]:
 
 # WHAT -> fn(session, step) -> {path relative to the workdir: text}
 MAKERS = {
-    "probe": lambda session, step: dict([session.render_payload("probe", "ops/probe.py", [])]),
+    "probe": lambda session, step: session.render_payload("probe", "ops/probe.py", []),
     "job": _job,
     "gpu-reset": _gpu_reset,
     "preflight": _preflight,

@@ -179,8 +179,10 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
     assert sets == sorted(p.name for p in PATCH_DIR.glob("*.json")) and sets
     for name in sets:
         assert (work / ".kimi-eagle/payloads/patch_sets" / name).read_bytes() == (PATCH_DIR / name).read_bytes()
-    text = script.read_text()
-    assert ".kimi-eagle/payloads/ops/patch_engine.py" in text and "--patch-set auto" in text
+    (wrapper,) = (work / ".kimi-eagle" / "bin").glob("patch-*.sh")  # as uploaded: named by content, no flags
+    assert ".kimi-eagle/payloads/ops/patch_engine.py" in wrapper.read_text() and "--patch-set" not in wrapper.read_text()
+    text = script.read_text()  # how it is run: the wrapper with this call's flags
+    assert wrapper.name in text and "--patch-set auto" in text
     assert os.access(script, os.X_OK)
     assert {str(script), str(engine)} <= set(r.stdout.split())
 

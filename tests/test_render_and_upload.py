@@ -89,9 +89,12 @@ def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
     )
     with HostSession(h) as s:
         sync.sync(s.transport, s.path(".kimi-eagle/payloads"), [sync.Item(remote="echo.py", local=echo)])
-        rel, text = s.render_payload("echo", "echo.py", HOSTILE)
-        s.upload_scripts({rel: text})
-        res = s.transport.run(f"bash {render.quote(s.path(rel))}", check=True)
+        files = s.render_payload("echo", "echo.py", HOSTILE)
+        s.upload_scripts(files)
+        # Both ways in: the wrapper with the flags at run time (what run_payload does), and the rendered call.
+        res = s.transport.run(f"bash {render.sh_join([s.path(s.payload_wrapper('echo', 'echo.py')[0]), *HOSTILE])}", check=True)
+        via_call = s.transport.run(f"bash {render.quote(s.path('.kimi-eagle/bin/echo.sh'))}", check=True)
+    assert via_call.stdout == res.stdout
     got = json.loads(res.stdout)
     assert got["argv"] == HOSTILE
     assert got["env"] == HOSTILE
@@ -166,5 +169,6 @@ def test_render_writes_files_without_network(tmp_path, sshd):
     e.inventory.write_text(e.inventory.read_text().replace("127.0.0.1", "blackwell-01.example"))
     r = e.cli("render", "probe", "--host", "gpu", "--out", str(tmp_path / "rendered"))
     assert r.code == 0, r.stderr
-    script = (tmp_path / "rendered" / ".kimi-eagle" / "bin" / "probe.sh").read_text()
+    (wrapper,) = (tmp_path / "rendered" / ".kimi-eagle" / "bin").glob("probe-*.sh")
+    script = wrapper.read_text()
     assert "set -euo pipefail" in script and "probe.py" in script and sys.executable in script

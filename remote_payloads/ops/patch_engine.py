@@ -355,6 +355,7 @@ def run(args) -> tuple[dict, int]:
     state_dir = Path(args.state_dir) if args.state_dir else root / STATE_DIR_NAME
     doc["state_dir"] = str(state_dir)
     store_dir = state_dir / f"{package}-{version}"
+    _HELD.append(hold_lock(state_dir, exclusive=mode in ("apply", "revert")))  # until this process ends
 
     if not version_matches(version, pset["versions"]):
         reason = f"installed {package} {version} is outside the set's range {pset['versions']}"
@@ -482,6 +483,32 @@ def plan_target(t: Target, marker: str, mode: str) -> None:
     if mode in ("check", "diff"):
         return t.set("would-change", "")
     t.set("changed", f"patched from pristine sha256 {sha256(t.pristine)[:12]}")
+
+
+_HELD: list = []  # lock descriptors, open until the process ends
+
+
+def hold_lock(state_dir: Path, exclusive: bool):
+    """One deploy-patch at a time per install: a lock file beside the pristine copies, held until this process
+    ends. Readers (--check/--diff) share it, so they never see a half-applied set; they create nothing."""
+    import fcntl
+
+    path = state_dir / ".lock"
+    try:
+        if exclusive:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        else:
+            fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # read-only mode before any apply, or an unwritable install (the apply reports that itself)
+    kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"waiting for another deploy-patch on this install ({path})")
+        fcntl.flock(fd, kind)
+    return fd
 
 
 def main(argv=None) -> int:
