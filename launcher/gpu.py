@@ -26,10 +26,28 @@ class ResetResult:
     def holders(self) -> list[dict]:
         return self.data.get("holders", [])
 
+    @property
+    def still_held(self) -> list[dict]:
+        """Holders still alive after the reset (kept: foreign without --all, a running job's, or survivors)."""
+        return [h for h in self.holders if h.get("result") in ("still-running", "d-state", "not-visible")]
+
+    def verdict(self) -> str:
+        """One line for the end of a reset: free, or what still holds a GPU."""
+        if not self.ok:
+            return f"NOT free after {self.data.get('elapsed_s')}s"
+        held = self.still_held
+        if not held:
+            return f"verified free after {self.data.get('elapsed_s')}s"
+        return "stopped what was ours; still held by " + "; ".join(
+            f"pid {h.get('pid')} ({h.get('owner')}, {h.get('user') or '?'}, {(h.get('cmd') or '')[:40]!r}, GPU "
+            f"{','.join(map(str, h.get('gpu') or [])) or '?'})" for h in held)
+
 
 def reset_args(session: HostSession, *, stop_all=False, dry_run=False, grace=10.0, timeout=60.0,
-               require_gpu=False, extra=None) -> list[str]:
+               require_gpu=False, stale_only=False, extra=None) -> list[str]:
     args = ["--runs-dir", RUNS, "--grace", str(grace), "--timeout", str(timeout)]
+    if stale_only:
+        args.append("--stale-only")
     if stop_all:
         args.append("--all")
     if dry_run:
@@ -48,12 +66,18 @@ def plan(session: HostSession, **kw) -> ResetResult:
     return reset(session, **{**kw, "dry_run": True})
 
 
-def reset_before_run(session: HostSession, printer) -> ResetResult:
-    """`run --reset-gpus`: free only our own stale holders; fail if memory stays held."""
-    result = reset(session)
+def reset_before_run(session: HostSession, printer, wants_gpu: bool = True) -> ResetResult:
+    """`run --reset-gpus`: free only our own stale holders (of ended or lost jobs, or outside any job); never a
+    running job's. A running GPU job means the new run is refused with the lock message, and nothing is stopped."""
+    from . import jobs
+
+    if wants_gpu:
+        jobs.refuse_if_locked(session)
+    result = reset(session, stale_only=True)
     for h in result.holders:
         if h.get("owner") == "ours":
-            printer(f"gpu-reset: pid {h.get('pid')} ({h.get('cmd', '')[:60]}): {h.get('result')}")
+            printer(f"gpu-reset: pid {h.get('pid')} ({h.get('cmd', '')[:60]}): "
+                    f"{'kept, job ' + str(h.get('job_id')) + ' is running' if h.get('job_running') else h.get('result')}")
     if not result.ok:
         raise KimiEagleError(f"{session.name}: GPU memory is still held after reset: {result.data.get('note') or result.data.get('error') or ''}",
                              result=result)

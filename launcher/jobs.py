@@ -95,6 +95,11 @@ def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
         raise CommandError(f"{session.name}: jobctl {args[0]} failed (exit {res.exited}): {res.stderr.strip()[-300:]}", result=res) from None
 
 
+def takes_gpu(step: str, gpu: bool | None) -> bool:
+    """Whether a job of this step takes the host's GPU lock (--gpu/--no-gpu, else the step's default)."""
+    return (step in pipeline.GPU_STEPS) if gpu is None else gpu
+
+
 def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
           shape: shapes.Shape | None = None, job_id: str | None = None) -> Job:
     """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
@@ -105,21 +110,32 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     session.upload_scripts({rel: text})
     args = ["start", "--job-id", job_id, "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
-    if (step in pipeline.GPU_STEPS) if gpu is None else gpu:
+    if takes_gpu(step, gpu):
         args.append("--gpu")
     code, data = _jobctl(session, args)
     if not data.get("started"):
         held = data.get("held_by") or {}
         if held:
             session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at", 0)))
-            raise LockHeld(
-                f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
-                f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"
-            )
+            raise _lock_held(session, held)
         raise CommandError(f"{session.name}: job did not start: {data}")
     remember(job_id, session.name)
     return Job.from_host(session.name, data)
+
+
+def _lock_held(session: HostSession, held: dict) -> LockHeld:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at", 0)))
+    return LockHeld(
+        f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
+        f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"
+    )
+
+
+def refuse_if_locked(session: HostSession) -> None:
+    """Raise the lock message when a running GPU job holds the host's lock (before anything is stopped)."""
+    code, data = _jobctl(session, ["status"])
+    if data.get("lock"):
+        raise _lock_held(session, data["lock"])
 
 
 def status(session: HostSession, job_id: str | None = None) -> list[Job]:

@@ -74,8 +74,8 @@ def _print(outcomes, ui) -> None:
         for p in d.get("problems", []):
             ui.line(f"[{o.host}] still held: {p}", style="red")
         if d.get("elapsed_s") is not None and d.get("mode") != "dry-run" and d.get("holders"):
-            ui.line(f"[{o.host}] {'verified free' if o.value.ok else 'NOT free'} after {d['elapsed_s']}s",
-                    style="green" if o.value.ok else "red")
+            ui.line(f"[{o.host}] {o.value.verdict()}",
+                    style="green" if o.value.ok and not o.value.still_held else "yellow" if o.value.ok else "red")
 
 
 def register(app: typer.Typer) -> None:

@@ -121,7 +121,7 @@ def run(
     ui = console_ui()
     session = HostSession(h)
     try:
-        _checks(session, step, reset_gpus=reset_gpus, no_preflight=no_preflight)
+        _checks(session, step, reset_gpus=reset_gpus, no_preflight=no_preflight, gpu=gpu)
         job = be.start(session, step, extra, gpu=gpu)
     except BaseException:
         session.close()
@@ -139,7 +139,7 @@ def run(
     _follow_and_exit(h, job.id, follow=True, tail=None, session=session)
 
 
-def _checks(session, step: str, *, reset_gpus: bool, no_preflight: bool):
+def _checks(session, step: str, *, reset_gpus: bool, no_preflight: bool, gpu: bool | None = None):
     """Before a job starts on a host: our stale GPU holders (--reset-gpus), the scheduler, the step's preflight."""
     from .. import backend
     from ..slurm import SlurmPreflightError
@@ -148,9 +148,10 @@ def _checks(session, step: str, *, reset_gpus: bool, no_preflight: bool):
     name = session.name
     be = backend.for_host(session.host)
     if reset_gpus and be.name == "direct":
-        from .. import gpu
+        from .. import gpu as gpu_ops, jobs  # not `gpu`: that name is the --gpu/--no-gpu flag
 
-        gpu.reset_before_run(session, printer=lambda text: ui.line(f"[{name}] {text}"))
+        gpu_ops.reset_before_run(session, printer=lambda text: ui.line(f"[{name}] {text}"),
+                                 wants_gpu=jobs.takes_gpu(step, gpu))
     if no_preflight:
         return
     problems = be.preflight(session, step)
@@ -167,7 +168,7 @@ def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_pre
 
     ui = console_ui()
     g, outcomes = groupjobs.start(state.inventory, group, step, extra, mode=mode, shard_by=shard_by, gpu=gpu,
-                                  host_check=lambda s: _checks(s, step, reset_gpus=reset_gpus, no_preflight=no_preflight))
+                                  host_check=lambda s: _checks(s, step, reset_gpus=reset_gpus, no_preflight=no_preflight, gpu=gpu))
     err = ui.err_console()
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
     for o in outcomes:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
-from step_runtime import host_runs_dir  # noqa: E402
+from step_runtime import atomic_write, host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 
 JOB_ENV_MARKER = b"KIMI_EAGLE_JOB_ID="
@@ -264,6 +264,26 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
     return out
 
 
+def running_jobs(runs_dir: str | None) -> set[str]:
+    """Ids of the jobs under runs_dir that are running now (jobctl's own reading of a job's state)."""
+    if not runs_dir:
+        return set()
+    from ops.jobctl import job_state
+
+    out = set()
+    for meta in glob.glob(os.path.join(runs_dir, "*", "meta.json")):
+        st = job_state(os.path.dirname(meta))
+        if st["state"] == "running":
+            out.add(st["id"])
+    return out
+
+
+def mark_stopped(runs_dir: str | None, job_id: str) -> None:
+    run_dir = os.path.join(runs_dir or "", job_id)
+    if runs_dir and os.path.isfile(os.path.join(run_dir, "meta.json")) and not os.path.exists(os.path.join(run_dir, "exit_code")):
+        atomic_write(os.path.join(run_dir, "stopped"), json.dumps({"at": time.time(), "by": "kimi-eagle gpu-reset"}))
+
+
 def default_runs_dir() -> str | None:
     runs = host_runs_dir()
     return runs if runs and os.path.isdir(runs) else None
@@ -315,7 +335,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
               fuser: str | None = None, runs_dir: str | None = None, stop_all: bool = False,
               dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0,
               threshold_mib: float = DEFAULT_THRESHOLD_MIB, require_gpu: bool = False,
-              only_pids: set[int] | None = None) -> dict:
+              only_pids: set[int] | None = None, stale_only: bool = False) -> dict:
     """Do one reset and return the report (see the module docstring). Never raises for
     missing tools: the report's ``note`` says what was skipped."""
     t0 = time.monotonic()
@@ -349,6 +369,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         report["problems"].append(f"nvidia-smi failed: {snap0.error}")
     by_fuser = fuser_holders(fuser_bin, paths)
     job_pgids = load_job_pgids(runs_dir)
+    running = running_jobs(runs_dir) if stale_only else set()
     protected = _protected_pids()
 
     smi_mem: dict[int, dict[int, float]] = {}
@@ -383,6 +404,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
             h["owner"], h["job_id"] = "ours", job_pgids.get(h["pgid"]) or job_pgids.get(h["sid"])
         elif env_job:
             h["owner"], h["job_id"] = "ours", env_job
+        h["job_running"] = bool(h["job_id"]) and h["job_id"] in running
         holders.append(h)
     report["holders"] = holders
 
@@ -406,6 +428,10 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         if h["owner"] == "invisible":
             continue
         wanted = stop_all or h["owner"] == "ours"
+        if wanted and h.get("job_running"):
+            # --stale-only (`run --reset-gpus`): a running job's processes are never ours to stop here.
+            h.setdefault("errors", []).append(f"belongs to running job {h['job_id']}: kept")
+            continue
         if wanted and h["pid"] in protected:
             h["action"], h["result"] = "keep", "still-running"
             h.setdefault("errors", []).append("protected pid (this script, its ancestors or init)")
@@ -453,6 +479,9 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         return report
 
     # ---- stop: SIGTERM, wait up to grace, SIGKILL ------------------------------
+    # Mark the jobs we stop first, as `kimi-eagle stop` does: their exit (143) then reads "stopped", not "failed".
+    for job_id in sorted({h["job_id"] for h in targets if h.get("job_id")}):
+        mark_stopped(runs_dir, job_id)
     for h in targets:
         _signal(h, signal.SIGTERM)
     deadline_term = time.monotonic() + grace
@@ -559,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_THRESHOLD_MIB}; the pre-reset unattributed baseline wins if larger)")
     p.add_argument("--require-gpu", action="store_true",
                    help="exit 1 (instead of 0) on a host without NVIDIA driver or fuser")
+    p.add_argument("--stale-only", action="store_true",
+                   help="keep the processes of running kimi-eagle jobs (run --reset-gpus: only stale holders of ours)")
     p.add_argument("--only-pids", default=None, metavar="PID,PID",
                    help="safety guard: never signal a pid outside this comma list (benchmarks, tests)")
     return p
@@ -582,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_reset(device_paths=args.device_path or env_paths or None, nvidia_smi=args.nvidia_smi, fuser=args.fuser,
                        runs_dir=runs_dir, stop_all=args.stop_all, dry_run=args.dry_run,
                        grace=args.grace, timeout=args.timeout, threshold_mib=args.threshold_mib,
-                       require_gpu=args.require_gpu, only_pids=only)
+                       require_gpu=args.require_gpu, only_pids=only, stale_only=args.stale_only)
     print(json.dumps(report, indent=2))
     for prob in report["problems"]:
         log("PROBLEM: " + prob)

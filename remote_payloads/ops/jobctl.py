@@ -102,8 +102,12 @@ def job_state(run_dir):
         state = "running"
     elif pid == 0 and time.time() - meta.get("started_at", 0) < 10:
         state = "running"  # starting up
+    elif pid and group_members(meta.get("pgid") or pid, meta.get("job_id")):
+        # The job's shell is gone (killed alone) but its children live on, holding what they hold (a GPU):
+        # still running for the lock, for `stop` (which ends the group) and for the user.
+        state = "running"
     else:
-        state = "lost"  # died without recording (SIGKILL of the job shell) or pid reused
+        state = "lost"  # died without recording and nothing of its group is left, or the pid was reused
     for name in ("exit_code", "stopped"):
         p = os.path.join(run_dir, name)
         if os.path.exists(p):

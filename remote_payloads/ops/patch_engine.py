@@ -355,7 +355,7 @@ def run(args) -> tuple[dict, int]:
     state_dir = Path(args.state_dir) if args.state_dir else root / STATE_DIR_NAME
     doc["state_dir"] = str(state_dir)
     store_dir = state_dir / f"{package}-{version}"
-    _HELD.append(hold_lock(state_dir, exclusive=mode in ("apply", "revert")))  # until this process ends
+    hold_lock(state_dir, exclusive=mode in ("apply", "revert"))  # until release_lock() at the end of main
 
     if not version_matches(version, pset["versions"]):
         reason = f"installed {package} {version} is outside the set's range {pset['versions']}"
@@ -485,7 +485,7 @@ def plan_target(t: Target, marker: str, mode: str) -> None:
     t.set("changed", f"patched from pristine sha256 {sha256(t.pristine)[:12]}")
 
 
-_HELD: list = []  # lock descriptors, open until the process ends
+_HELD: list = []  # (lock path, descriptor), held until release_lock()
 
 
 def hold_lock(state_dir: Path, exclusive: bool):
@@ -494,21 +494,43 @@ def hold_lock(state_dir: Path, exclusive: bool):
     import fcntl
 
     path = state_dir / ".lock"
-    try:
-        if exclusive:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        else:
-            fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None  # read-only mode before any apply, or an unwritable install (the apply reports that itself)
-    kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    try:
-        fcntl.flock(fd, kind | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log(f"waiting for another deploy-patch on this install ({path})")
-        fcntl.flock(fd, kind)
-    return fd
+    while True:
+        try:
+            if exclusive:
+                state_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            else:
+                fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None  # read-only mode before any apply, or an unwritable install (the apply reports that itself)
+        kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another deploy-patch on this install ({path})")
+            fcntl.flock(fd, kind)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                _HELD.append((path, fd))
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder before us removed the file (a full revert): lock the new one
+
+
+def release_lock() -> None:
+    """After a revert that left no pristine copy, the lock file is the last thing here: remove it and the folder,
+    so a reverted install is byte-for-byte what it was. Done while still holding the lock (see hold_lock)."""
+    for path, fd in _HELD:
+        others = [p for p in path.parent.iterdir() if p != path] if path.parent.is_dir() else []
+        if not others:
+            try:
+                path.unlink()
+                path.parent.rmdir()
+            except OSError:
+                pass
+        os.close(fd)
+    _HELD.clear()
 
 
 def main(argv=None) -> int:
@@ -529,7 +551,10 @@ def main(argv=None) -> int:
             raise BadInput("--patch-set: required (a name or 'auto'), or use --list")
         if args.revert and (args.check or args.diff):
             raise BadInput("--revert: cannot be combined with --check/--diff")
-        doc, code = run(args)
+        try:
+            doc, code = run(args)
+        finally:
+            release_lock()
     except BadInput as exc:
         print(f"patch_engine: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,74 @@
+"""Jobs and GPUs tell the truth (issue 11, items 5–7), on the real sshd with real processes holding a device file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from test_gpu_reset_cli import HOLDER, PY, alive, foreign_holder, gpu_env, holding, our_stale_holder, wait_held  # noqa: F401
+from test_jobs import wait_state
+
+
+def _gpu_job(env):
+    """A GPU job whose shell starts a child that holds the device; returns (job id, shell pid, child pid)."""
+    script = env.root / "holder.py"
+    script.write_text(HOLDER)
+    before = holding(env.dev)
+    r = env.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--gpu", "--", PY, str(script), str(env.dev))
+    assert r.code == 0, r.stderr
+    job = r.json()
+    deadline = time.monotonic() + 20
+    while not holding(env.dev) - before:
+        assert time.monotonic() < deadline, "the job never opened the device"
+        time.sleep(0.05)
+    (child,) = holding(env.dev) - before
+    return job["id"], job["pid"], child
+
+
+def test_reset_gpus_never_stops_a_running_job_and_refuses_with_the_lock_message(gpu_env):
+    for _ in range(2):
+        job_id, shell, child = _gpu_job(gpu_env)
+        r = gpu_env.cli("run", "exec", "--host", "gpu", "--reset-gpus", "--gpu", "--", "true")
+        assert r.code == 1, r.stdout + r.stderr
+        assert f"GPU job {job_id}" in r.stderr and f"kimi-eagle stop {job_id}" in r.stderr
+        assert alive(child) and alive(shell)
+        assert wait_state(gpu_env, job_id, {"running"})["state"] == "running"
+        # A run that does not want the GPU may still reset, but only stale holders: the running job's child stays.
+        stale_job = our_stale_holder(gpu_env)
+        stale = holding(gpu_env.dev) - {child}
+        r = gpu_env.cli("run", "exec", "--host", "gpu", "--reset-gpus", "--no-gpu", "--", "true")
+        assert r.code == 0, r.stdout + r.stderr
+        assert alive(child) and not any(alive(p) for p in stale), (stale_job, r.stdout)
+        assert gpu_env.cli("stop", job_id, "--host", "gpu", "--grace", "1").code == 0
+
+
+def test_a_job_whose_shell_alone_was_killed_still_holds_the_lock_and_stop_ends_its_group(gpu_env):
+    for _ in range(2):
+        job_id, shell, child = _gpu_job(gpu_env)
+        os.kill(shell, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(shell) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(child)
+        st = gpu_env.cli("--json", "status", job_id, "--host", "gpu").json()["jobs"][0]
+        assert st["state"] == "running", st  # not `lost`: its group still holds the GPU
+        second = gpu_env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")
+        assert second.code == 1 and f"GPU job {job_id}" in second.stderr, second.stdout + second.stderr
+        r = gpu_env.cli("stop", job_id, "--host", "gpu", "--grace", "1")
+        assert r.code == 0 and "nothing to stop" not in r.stdout, r.stdout + r.stderr
+        assert not alive(child)
+        assert gpu_env.cli("--json", "status", job_id, "--host", "gpu").json()["jobs"][0]["state"] == "stopped"
+
+
+def test_gpu_reset_records_a_stopped_job_as_stopped_and_names_what_is_still_held(gpu_env):
+    job_id, shell, child = _gpu_job(gpu_env)
+    foreign = foreign_holder(gpu_env)
+    wait_held(gpu_env, 2)
+    r = gpu_env.cli("gpu-reset", "--host", "gpu", "--grace", "1")
+    assert r.code == 0, r.stdout + r.stderr
+    assert not alive(child) and alive(foreign)
+    job = wait_state(gpu_env, job_id, {"stopped", "failed", "lost"})
+    assert job["state"] == "stopped", job
+    assert "verified free" not in r.stdout
+    assert f"still held by pid {foreign} (foreign" in r.stdout, r.stdout
