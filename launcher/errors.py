@@ -37,6 +37,10 @@ class HostError(KimiEagleError):
     """A host could not be reached, or refused us (unknown/changed key, auth)."""
 
 
+class HostUnreachable(HostError):
+    """No connection at all: nothing listens, the address does not resolve, the SSH handshake failed."""
+
+
 class HostKeyError(HostError):
     """The host offered a key we do not trust. Never auto-added."""
 

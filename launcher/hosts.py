@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import ConfigError, HostError
+from .errors import ConfigError, HostUnreachable
 from .parallel import each_host
 
 
@@ -30,7 +30,7 @@ def offered_key(host):
     try:
         key = hostkeys.fetch_key(conn.host, conn.port, host.connect_timeout)
     except OSError as e:
-        raise HostError(f"{host.name}: cannot reach {conn.host}:{conn.port}: {e}") from None
+        raise HostUnreachable(f"{host.name}: cannot reach {conn.host}:{conn.port}: {e}") from None
     return conn.host, conn.port, key
 
 

@@ -75,6 +75,14 @@ class PatchResult:
             and all(f.status in GOOD[self.mode] for f in self.files)
         )
 
+    def why_not(self) -> str:
+        """The reason the run fell short, naming the file that failed first (files skipped because of another
+        file's failure only echo that failure)."""
+        bad = [f for f in self.files if f.status not in GOOD[self.mode]]
+        bad.sort(key=lambda f: f.status != "failed")
+        named = "; ".join(f"{f.path}: {f.reason}" for f in bad if f.status == "failed")
+        return self.reason or named or next((f"{f.path}: {f.reason}" for f in bad), "")
+
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files:

@@ -108,6 +108,19 @@ def test_hand_edited_file_fails_and_is_left_untouched(tmp_path, sshd, install):
     assert tree_hashes(site) == before
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_summary_names_the_file_that_failed(tmp_path, sshd, install, which):
+    """Not the other file, skipped because of it ('not written: another file of the set failed')."""
+    site = install("0.3.0")
+    e = _env_for(tmp_path, sshd, site)
+    edited = site / TARGETS[which]
+    edited.write_text(edited.read_text() + "# a local tweak\n")
+    human = e.cli("deploy-patch", "--host", "gpu")
+    assert human.code == 1
+    summary = next(ln for ln in human.stdout.splitlines() if ln.startswith("[gpu] NOT patched"))
+    assert TARGETS[which] in summary and "hand-edited" in summary, summary
+
+
 def test_unsupported_version_is_skipped_and_exits_1(tmp_path, sshd, install):
     site = install("0.4.0")
     e = _env_for(tmp_path, sshd, site)

@@ -199,3 +199,18 @@ def test_a_changed_key_is_replaced_only_by_naming_old_and_new_fingerprints(tmp_p
     r = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
                         "-i", str(sshd.client_key), "-p", str(sshd.port), "root@127.0.0.1", "true"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_unreachable_is_said_only_when_no_connection_was_made(tmp_path, sshd):
+    from sshd import free_port
+
+    e = make_env(tmp_path, sshd, trusted=False)
+    r = e.cli("hosts", "check", "gpu")  # reached, but its key is unknown: refused, not unreachable
+    assert r.code == 1 and "[gpu] failed:" in r.stdout and "unreachable" not in r.stdout, r.stdout
+    e = make_env(tmp_path / "b", sshd)
+    e.inventory.write_text(e.inventory.read_text().replace(f"python: {__import__('sys').executable}", "python: /no/such/python3", 1))
+    r = e.cli("hosts", "check", "gpu")  # reached and logged in; the probe could not run
+    assert r.code == 1 and "[gpu] failed:" in r.stdout and "unreachable" not in r.stdout, r.stdout
+    e.inventory.write_text(e.inventory.read_text().replace(f"port: {sshd.port}", f"port: {free_port()}"))
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 1 and "[gpu] unreachable:" in r.stdout, r.stdout

@@ -183,6 +183,18 @@ def test_gpu_lock_held_and_stale(env):
     assert checks["gpu_lock"]["fix"]
 
 
+def test_gpu_lock_start_time_is_a_date(env):
+    """jobctl records started_at as epoch seconds; a person reads a date, not 1796000000.123."""
+    import time
+
+    t = 1796000000.5
+    lock = {"job_id": "job-7", "step": "train", "started_at": t, "pid": os.getpid(), "pgid": os.getpgid(0)}
+    (env["runs"] / "gpu.lock").write_text(json.dumps(lock))
+    rc, _, checks = run(env, "--min-free-disk-gib", "0.001")
+    detail = checks["gpu_lock"]["detail"]
+    assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) in detail and "1796000000" not in detail, detail
+
+
 def test_no_gpu_fails_vllm_warns_hf(env):
     env["smi"] = env["tmp"] / "no-nvidia-smi"
     _, _, checks = run(env, "--min-free-disk-gib", "0.001", backend="hf")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import EXIT_FAILED, ConfigError, KimiEagleError
+from ..errors import EXIT_FAILED, ConfigError, HostUnreachable, KimiEagleError
 from .context import console_ui, state
 
 app = typer.Typer(help="List, check and trust hosts.", invoke_without_command=True, no_args_is_help=False)
@@ -45,7 +45,9 @@ def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROU
         ui = console_ui()
         for o in outcomes:
             if not o.ok:
-                ui.line(f"[{o.host}] unreachable: {o.error}", style="red")
+                # "unreachable" only when no connection was made; a refused key or a failed probe is "failed".
+                ui.line(f"[{o.host}] {'unreachable' if isinstance(o.error, HostUnreachable) else 'failed'}: {o.error}",
+                        style="red")
                 continue
             d = o.value
             pk = d["packages"]

@@ -90,7 +90,7 @@ def _show(o, mode: str, good: bool) -> None:
     if good:
         ui.line(f"[{o.host}] {_VERDICT[mode]} ({counts})", style="green")
     else:
-        why = r.reason or next((f"{f.path}: {f.reason}" for f in r.files if f.status not in ("ok", "changed", "reverted", "would-change")), "")
+        why = r.why_not()
         ui.line(f"[{o.host}] {_FAILED[mode]}" + (f": {why}" if why else "") + (f" ({counts})" if counts else ""), style="red")
 
 

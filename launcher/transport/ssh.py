@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 
-from ..errors import HostError
+from ..errors import HostError, HostUnreachable
 from .. import hostkeys
 from .base import HashingReader, Stream, Transport
 
@@ -81,7 +81,7 @@ class SSHTransport(Transport):
             try:
                 sock = socket.create_connection((conn.host, conn.port), timeout=h.connect_timeout)
             except OSError as e:
-                raise HostError(f"{h.name}: cannot reach {conn.host}:{conn.port}: {e.strerror or e}") from None
+                raise HostUnreachable(f"{h.name}: cannot reach {conn.host}:{conn.port}: {e.strerror or e}") from None
             _tune_socket(sock)
             conn.connect_kwargs["sock"] = sock
         try:
@@ -96,7 +96,7 @@ class SSHTransport(Transport):
         except paramiko.AuthenticationException as e:
             raise HostError(f"{h.name}: authentication failed for {conn.user}@{conn.host}:{conn.port}: {e}") from None
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostError(f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}") from None
+            raise HostUnreachable(f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}") from None
         conn.transport.set_keepalive(15)
         return conn
 

@@ -511,7 +511,7 @@ def hold_lock(state_dir: Path, exclusive: bool):
             fcntl.flock(fd, kind)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                _HELD.append((path, fd))
+                _HELD.append((path, fd, exclusive))
                 return fd
         except FileNotFoundError:
             pass
@@ -521,12 +521,14 @@ def hold_lock(state_dir: Path, exclusive: bool):
 def release_lock() -> None:
     """After a revert that left no pristine copy, the lock file is the last thing here: remove it and the folder,
     so a reverted install is byte-for-byte what it was. Done while still holding the lock (see hold_lock)."""
-    for path, fd in _HELD:
-        others = [p for p in path.parent.iterdir() if p != path] if path.parent.is_dir() else []
-        if not others:
+    for path, fd, exclusive in _HELD:
+        state = path.parent
+        if exclusive and state.is_dir() and not any(p.is_file() and p != path for p in state.rglob("*")):
             try:
                 path.unlink()
-                path.parent.rmdir()
+                for d in sorted((p for p in state.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                    d.rmdir()
+                state.rmdir()
             except OSError:
                 pass
         os.close(fd)

@@ -639,7 +639,9 @@ def check_lock(args) -> dict:
     except (ValueError, AssertionError, OSError) as exc:
         return check("gpu_lock", "warn", f"{lock}: unreadable ({exc})",
                      f"inspect and remove {lock} if no job runs")
-    who = f"job {info.get('job_id')} (step {info.get('step')}, started {info.get('started_at')}, pid {info.get('pid')})"
+    started = info.get("started_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else started
+    who = f"job {info.get('job_id')} (step {info.get('step')}, started {when}, pid {info.get('pid')})"
     if args.job_id and info.get("job_id") == args.job_id:
         return check("gpu_lock", "pass", f"{lock}: held by this job ({args.job_id})")
     if _pid_alive(info.get("pid")) or _pgid_alive(info.get("pgid")):
