@@ -11,15 +11,20 @@ from ..errors import EXIT_FAILED
 from .context import console_ui, state
 
 def render(
+    ctx: typer.Context,
     what: str = typer.Argument(..., metavar="WHAT", help="probe | patch | gpu-reset | preflight | job STEP (e.g. 'job extract')."),
     step: Optional[str] = typer.Argument(None, help="The step, for WHAT=job: prepare|extract|vocab|train|all."),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
     out: Path = typer.Option(..., "--out", "-o", help="Local folder to write the rendered files into."),
 ):
-    """Write exactly what would be uploaded and run, without touching the network."""
+    """Write exactly what would be uploaded and run, without touching the network.
+
+    Flags after `--` are rendered as the real command passes them: `render job exec -- CMD ARGS`,
+    `render job extract -- --validate`.
+    """
     from .. import render as r, renderables
 
-    files = renderables.files_for(what, step, state.inventory.one(host))
+    files = renderables.files_for(what, step, state.inventory.one(host), list(ctx.args))
     written = r.write(out, files)
     if state.json:
         return console_ui().emit_json([str(p) for p in written])
@@ -55,5 +60,5 @@ def upload(
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
-    app.command()(render)
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(render)
     app.command()(upload)

@@ -64,7 +64,27 @@ def _follow_and_exit(host, job_id: str, *, follow: bool, tail: Optional[int], se
         ui.emit_json({"job": job.as_dict(), "reconnects": result.reconnects})
     elif follow or job.state not in ("running", "pending"):
         _final_line(ui, host.name, job)
+        if follow and job.state == "succeeded":
+            _show_result(host, job, session)
     raise typer.Exit(jobs.STATE_EXIT[job.state])
+
+
+def _show_result(host, job, session) -> None:
+    """The last word of a finished pipeline: where the result is, what it holds, what to run next."""
+    from .. import results
+    from ..host import HostSession
+
+    s = session or HostSession(host)  # a closed session reconnects on use
+    try:
+        export = results.describe_export(s, job.step or "")
+    finally:
+        s.close()
+    if export is None:
+        return
+    ui = console_ui()
+    ui.line(f"[{host.name}] draft exported to {export.path}", style="green")
+    ui.line(f"[{host.name}]   {export.what()}")
+    ui.line(f"[{host.name}] next, serve the target with it (vLLM): {export.next_command()}")
 
 
 def _detached_hint(job_id: str, where: str, host_opt: str = ""):
