@@ -72,3 +72,31 @@ def test_gpu_reset_records_a_stopped_job_as_stopped_and_names_what_is_still_held
     assert job["state"] == "stopped", job
     assert "verified free" not in r.stdout
     assert f"still held by pid {foreign} (foreign" in r.stdout, r.stdout
+
+
+def test_concurrent_gpu_resets_each_run_their_own_flags(gpu_env):
+    """A dry run next to a real one: the dry run stops nothing and says so; the real one does what it was asked."""
+    import json
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import REPO
+
+    def cli(*args):
+        e = {**os.environ, "HOME": str(gpu_env.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
+        p = subprocess.run([sys.executable, "-m", "launcher", "--inventory", str(gpu_env.inventory), "--json", *args],
+                           env=e, capture_output=True, text=True, timeout=300)
+        return p.returncode, p.stdout, p.stderr
+
+    for _ in range(3):
+        foreign = foreign_holder(gpu_env)
+        wait_held(gpu_env, 1)
+        asks = [["gpu-reset", "--host", "gpu", "--all", "--dry-run"], ["gpu-reset", "--host", "gpu", "--grace", "1"]]
+        with ThreadPoolExecutor(2) as pool:
+            (rc1, out1, err1), (rc2, out2, err2) = pool.map(lambda a: cli(*a), asks)
+        assert rc1 == 0 and rc2 == 0, (out1, err1, out2, err2)
+        (dry,), (real,) = json.loads(out1), json.loads(out2)
+        assert dry["mode"] == "dry-run" and real["mode"] == "ours", (dry["mode"], real["mode"])
+        assert alive(foreign)  # neither was asked to stop a foreign process
+        os.kill(foreign, signal.SIGKILL)
