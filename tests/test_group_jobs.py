@@ -220,3 +220,25 @@ def test_rendezvous_problems_refuse_the_start_naming_the_host(tmp_path, servers)
     r = env.cli("run", "exec", "--group", "pair", "--mode", "torchrun", "--", DDP)
     assert r.code == 1 and "10.255.255.1 is not an address of this host" in r.stderr
     assert not list((tmp_path / "2" / "work-b").glob("runs/*/job.sh"))
+
+
+def test_train_over_two_hosts_is_one_torchrun_job(tmp_path, servers):
+    """The real train step across the group: pipeline/launch.py on each host joins the c10d rendezvous on a."""
+    port = free_port()
+    env = group_env(tmp_path, servers, {h: {"rdzv_port": port} for h in "ab"},
+                    pipeline=TINY_PIPELINE + "  epochs: 1\n  draft_vocab_size: 128\n")
+    for step in ("prepare", "extract", "vocab"):
+        r = env.cli("run", step, "--host", "a", "--no-preflight", "--no-gpu", timeout=600)
+        assert r.code == 0, (step, r.stderr[-2000:])
+    shutil.copytree(tmp_path / "work-a" / "models", tmp_path / "work-b" / "models")
+    shutil.copytree(tmp_path / "work-a" / "out", tmp_path / "work-b" / "out")  # each node reads its own copy
+    r = env.cli("run", "train", "--group", "pair", "--no-preflight", "--no-gpu", timeout=900)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "torchrun-multinode: 1 process(es) per node x 2 node(s)" in r.stdout
+    answers = {line[1]: json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines()
+               if re.match(r'^\[[ab]\] \{"ok"', line)}
+    assert len(answers) == 1  # rank 0 answers for both nodes (c10d picks which host it is)
+    (host, answer), = answers.items()
+    assert answer["ok"] and answer["finished"] and answer["world_size"] == 2 and answer["parallel"] == "ddp"
+    assert (tmp_path / f"work-{host}" / "out" / "draft" / "export" / "config.json").exists()
+    assert "[rank 1] result:" in r.stdout  # the other node's rank ran the same steps
