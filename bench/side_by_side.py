@@ -728,7 +728,8 @@ def status_table() -> str:
                     f"spec {r['speculators'].get('tokens_per_s')} tok/s {r['speculators'].get('cuda_peak_mem_gb')} GB")
         elif name == "matmul" and r.get("bf16_matmul_tflops"):
             head = f"{r['bf16_matmul_tflops']} TFLOP/s bf16, {r.get('d2d_copy_tb_s')} TB/s"
-        rows.append(f"{name:15s} {s:8s} {r.get('seconds', ''):>7} {head}")
+        secs = r.get("seconds", "")
+        rows.append(f"{name:15s} {s:8s} {secs if not isinstance(secs, dict) else '':>7} {head}")
     for b in ("early", "vllm"):
         r = results(f"install_{b}")
         rows.append(f"bundle-{b:8s} {state('bundle-' + b) or 'waiting':8s} {r.get('install_s', ''):>7}")
