@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root
 from model_layers import LayerIdError  # noqa: E402
-from step_runtime import Refused, log, progress  # noqa: E402
+from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
 from vllm_compat import extraction_path, parse_version, vllm_install  # noqa: E402
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
@@ -45,15 +45,10 @@ def choose_path():
 
 def prepare_environment():
     """Before vLLM is imported: its workers are spawned (CUDA cannot be re-initialised in a fork), and nothing
-    but our one JSON result reaches stdout. vLLM logs to stdout by default, and its workers' C++ (gloo) prints
-    there too, from other processes: so file descriptor 1 itself becomes stderr for everything from here on,
-    and only this process's sys.stdout keeps the real stdout."""
+    but our one JSON result reaches stdout (vLLM and its workers' gloo print there)."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    sys.stdout.flush()
-    real_stdout = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
+    stdout_for_result_only()
 
 
 # ----------------------------------------------------------------------------------------------------
