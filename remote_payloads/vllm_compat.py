@@ -114,3 +114,18 @@ def eagle3_aux_count_ok(version: str, n_aux: int) -> tuple[bool, str]:
         return True, f"{n_aux} aux layers: vLLM {version} loads that"
     return False, (f"the draft has {n_aux} aux layers but vLLM {version} hard-codes 3 (it reads "
                    f"num_aux_hidden_states from 0.25 on); retrain with 3 aux layer ids or upgrade vLLM")
+
+
+def engine_env_defaults(environ=os.environ) -> dict:
+    """Environment a vLLM engine needs on this host, set before vLLM is imported (a value the user set wins).
+
+    vLLM 0.25's V2 model runner builds its sampler through flashinfer_sampler_supported(), which imports
+    flashinfer's attention backend: on a host without flashinfer (not needed for FLASH_ATTN on Hopper) the
+    engine dies at start-up with "No module named 'flashinfer'" unless VLLM_USE_FLASHINFER_SAMPLER=0 (seen on
+    the H200, issue 15). Returns what was set."""
+    import importlib.util
+
+    added = {}
+    if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in environ:
+        environ["VLLM_USE_FLASHINFER_SAMPLER"] = added["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return added

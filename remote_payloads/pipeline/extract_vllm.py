@@ -17,7 +17,7 @@ import time
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
-from vllm_compat import extraction_path, parse_version, vllm_install  # noqa: E402
+from vllm_compat import engine_env_defaults, extraction_path, parse_version, vllm_install  # noqa: E402
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -48,6 +48,7 @@ def prepare_environment():
     but our one JSON result reaches stdout (vLLM and its workers' gloo print there)."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    engine_env_defaults()
     stdout_for_result_only()
 
 
