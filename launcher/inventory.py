@@ -269,7 +269,15 @@ class Inventory:
         pipeline = self.data.pipeline.model_dump()
         for over in (d.pipeline, h.pipeline):
             if over is not None:
-                pipeline.update(over.model_dump(exclude_unset=True))
+                given = over.model_dump(exclude_unset=True)
+                # One way to build `model`: a level that picks one replaces the other one inherited.
+                for mine, other in (("tiny_model", "model_source"), ("model_source", "tiny_model")):
+                    if given.get(mine) and other not in given:
+                        pipeline[other] = None
+                pipeline.update(given)
+        if pipeline.get("tiny_model") and pipeline.get("model_source"):
+            raise ConfigError(f"{self.path}: host {name!r}: pipeline sets both tiny_model and model_source; "
+                              f"set only one")
         known_hosts = pick("known_hosts")
         if known_hosts and not os.path.isabs(os.path.expanduser(known_hosts)) and self.path != EMBEDDED:
             known_hosts = str(Path(self.path).resolve().parent / known_hosts)

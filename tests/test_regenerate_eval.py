@@ -221,3 +221,14 @@ def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_
     assert code == 2 and "--rank 2" in err
     code, _, err = payload("regenerate.py", "--model", model, "--dataset", prompts, "--output-dir", tmp_path / "o")
     assert code == 2 and f"{prompts}:1" in err and "user turn" in err
+
+
+def test_a_host_choosing_model_source_replaces_an_inherited_tiny_model(tmp_path):
+    e = make_env(tmp_path, None, extra="pipeline:\n  model: /m\n  dataset: /d\n  tiny_model: kimi\n")
+    text = e.inventory.read_text().replace("    transport: local\n",
+                                           "    transport: local\n    pipeline: {model_source: smollm2}\n", 1)
+    e.inventory.write_text(text)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), timeout=60)
+    assert r.code == 0, r.stderr
+    job = "\n".join(p.read_text() for p in (tmp_path / "r").rglob("*.sh"))
+    assert "pipeline/models.py --source smollm2" in job and "tiny_model.py" not in job
