@@ -134,6 +134,27 @@ def run_step(step: str, fn, args, refused=()) -> int:
         return emit({"ok": False, "step": step, "error": f"{type(e).__name__}: {e}"}, 1)
 
 
+def model_identity(model: str | None) -> str | None:
+    """A target's identity in records that guard resumes: a local folder by its real path (so a relative
+    path recorded from the workdir and an absolute one name the same model), a hub id as given."""
+    if model and os.path.isdir(model):
+        return os.path.realpath(model)
+    return model
+
+
+def settings_changed(old: dict, new: dict, keys) -> list[str]:
+    """The keys whose recorded value differs from now. A record written before a key was recorded says
+    nothing about it (an upgrade must not refuse its own earlier outputs); `model` compares identities."""
+    changed = []
+    for k in keys:
+        if k not in old:
+            continue
+        before = model_identity(old[k]) if k == "model" else old[k]
+        if before != new[k]:
+            changed.append(k)
+    return changed
+
+
 def payload_root() -> str:
     """The folder this file lives in: the payload root (on a host, <workdir>/.kimi-eagle/payloads)."""
     return os.path.dirname(os.path.abspath(__file__))

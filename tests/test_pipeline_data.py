@@ -444,6 +444,24 @@ def test_extract_rejects_bad_layer_ids_and_mismatched_resume(models, pipeline, t
     assert code == 2 and "layer_ids ([2, 4, 5, 8] vs now [1, 4, 5, 8])" in err
 
 
+def test_resume_knows_the_same_model_by_any_path_and_upgrades_older_records(models, pipeline, tmp_path):
+    """The demo's second run (and any resume after an upgrade) must not be refused: a model recorded as a
+    path relative to the job's folder is the same folder given absolutely, and a record written before the
+    model was recorded says nothing about it. A different folder is still refused."""
+    root = tmp_path / "run"
+    shutil.copytree(pipeline["llama"]["root"], root)
+    cfg_path = root / "hidden_states" / "data_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    args = ("--model", models["llama"], "--output-dir", root, "--seq-len", SEQ_LEN)
+    for recorded in (os.path.relpath(models["llama"]), None):
+        cfg_path.write_text(json.dumps({k: v for k, v in {**cfg, "model": recorded}.items() if v is not None}))
+        code, out, err = run("extract", *args)
+        assert code == 0 and out["ok"], err
+    cfg_path.write_text(json.dumps({**cfg, "model": str(tmp_path)}))
+    code, out, err = run("extract", *args)
+    assert code == 2 and "different model" in err
+
+
 def test_validate_reports_bad_samples(pipeline, tmp_path):
     from safetensors.torch import save_file
 

@@ -40,7 +40,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, local_text_config_dict,  # noqa: E402
                           parse_layer_ids, resolve_decoder_stack, text_config)
 from prepare import PreparedDataset  # noqa: E402
-from step_runtime import BadInput, Refused, atomic_write_json, log, progress, run_step  # noqa: E402
+from step_runtime import (BadInput, Refused, atomic_write_json, log, model_identity, progress, run_step,  # noqa: E402
+                          settings_changed)
 import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
 import extract_vllm  # noqa: E402
 
@@ -548,7 +549,7 @@ def run(args):
         "format": FORMAT,
         "layout": "hs_{i}.safetensors: token_ids int64 [T], hidden_states [T, L, H], loss_mask int64 [T]",
         # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
-        "model": os.path.realpath(args.model) if os.path.isdir(args.model) else args.model,
+        "model": model_identity(args.model),
         "model_class": info["model_class"],
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,
@@ -569,7 +570,7 @@ def run(args):
     if os.path.isfile(cfg_path) and not args.overwrite:
         with open(cfg_path) as f:
             old = json.load(f)
-        diff = [k for k in COMPAT_KEYS if old.get(k) != data_config[k]]
+        diff = settings_changed(old, data_config, COMPAT_KEYS)
         if diff:
             raise BadInput(f"{cfg_path}: existing samples were extracted with a different "
                            + ", ".join(f"{k} ({old.get(k)!r} vs now {data_config[k]!r})" for k in diff)

@@ -40,7 +40,8 @@ from torch import nn
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators, load_target_config,  # noqa: E402
                          load_target_tensors)
-from step_runtime import BadInput, atomic_write_json, atomic_write_via, log, run_step  # noqa: E402
+from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, run_step,  # noqa: E402
+                          settings_changed)
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 
 CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
@@ -396,7 +397,7 @@ def train(args) -> dict:
     meta = {"total_steps": total, "batch_size": args.batch_size, "ttt_steps": args.ttt_steps, "lr": args.lr,
             "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files),
             # the target: resuming a checkpoint against another model's features/head must refuse
-            "model": os.path.realpath(args.model) if os.path.isdir(args.model) else args.model}
+            "model": model_identity(args.model)}
 
     start = 0
     resumed_from = None
@@ -406,7 +407,7 @@ def train(args) -> dict:
             log(f"--resume: no checkpoint under {ckpt_dir}; starting from scratch")
         else:
             ck = torch.load(path, map_location="cpu", weights_only=False)
-            diff = {k: (ck["meta"].get(k), v) for k, v in meta.items() if ck["meta"].get(k) != v}
+            diff = {k: (ck["meta"].get(k), meta[k]) for k in settings_changed(ck["meta"], meta, meta)}
             if diff:
                 raise BadInput(f"{path}: checkpoint was made with different settings {diff}")
             dist_.load_full_state(model, opt, sharding, trainable_names, ck["model"], ck["optimizer"])
