@@ -40,7 +40,7 @@ def cli(*args, check=True, timeout=900, env=None):
     e = {**os.environ, "KIMI_EAGLE_INVENTORY": str(TMP / "inventory.yaml"), "NO_COLOR": "1", "COLUMNS": "160",
          "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])), **(env or {})}
     t0 = time.perf_counter()
-    p = subprocess.run([PY, "-m", "launcher", *args], capture_output=True, text=True, env=e, timeout=timeout)
+    p = subprocess.run([PY, "-m", "kimi_eagle", *args], capture_output=True, text=True, env=e, timeout=timeout)
     secs = time.perf_counter() - t0
     LOG.write(f"\n$ kimi-eagle {' '.join(args)}   # exit {p.returncode}, {secs:.2f}s\n{p.stdout}{p.stderr}")
     LOG.flush()
@@ -162,7 +162,7 @@ pipeline:
     env = {**os.environ, "KIMI_EAGLE_INVENTORY": str(TMP / "inventory.yaml"), "NO_COLOR": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     t0 = time.perf_counter()
-    follower = subprocess.Popen([PY, "-m", "launcher", "logs", job["id"], "--follow"], env=env, stdout=subprocess.PIPE,
+    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "logs", job["id"], "--follow"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     log_path = Path(job["log"])
     while time.perf_counter() - t0 < 600 and "step extract" not in (log_path.read_text(errors="replace") if log_path.exists() else ""):
@@ -173,8 +173,8 @@ pipeline:
     LOG.write(f"\n$ kimi-eagle logs {job['id']} --follow   # exit {follower.returncode}\n{fout}{ferr}")
     # Every log line exactly once: what the follower printed vs the log file split the same way
     # (progress-bar redraws excluded on both sides; the follower prints a finished bar as "k/n done").
-    from launcher.logs import LineSplitter
-    from launcher.logview import parse_progress
+    from kimi_eagle.logs import LineSplitter
+    from kimi_eagle.logview import parse_progress
 
     events = []
     splitter = LineSplitter(lambda kind, text: events.append((kind, text)))

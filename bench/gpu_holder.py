@@ -17,7 +17,7 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=8.0, help="GiB to allocate on the GPU")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--new-session", action="store_true",
-                   help="call setsid() first, so pgid == pid (how the launcher starts a job)")
+                   help="call setsid() first, so pgid == pid (how the controller starts a job)")
     p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces SIGKILL)")
     p.add_argument("--ready-file", required=True, help="written once the memory is held")
     args = p.parse_args()

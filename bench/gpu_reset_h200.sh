@@ -96,7 +96,7 @@ STARTED+=("$FOREIGN")
 wait_ready "$WORK/ours.ready" "$OURS"
 wait_ready "$WORK/foreign.ready" "$FOREIGN"
 
-# Record the job the way the launcher does: <runs>/<job>/{pgid,pid,meta.json}.
+# Record the job the way the controller does: <runs>/<job>/{pgid,pid,meta.json}.
 OURS_PGID=$(awk '{print $2}' "$WORK/ours.ready")
 echo "$OURS_PGID" > "$RUNS/bench-ours/pgid"
 echo "$OURS" > "$RUNS/bench-ours/pid"

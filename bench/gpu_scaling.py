@@ -5,7 +5,7 @@ another world size, and `stop` of a torchrun job leaving no process and no GPU m
 
 Everything goes through the same entry points a job uses: pipeline/launch.py decides one process or torchrun
 workers from the visible GPUs (CUDA_VISIBLE_DEVICES picks 1 or 2), the steps are the payloads themselves, and
-the stop phase renders the real job script (launcher.jobs.render_job, jinja2 only) and drives the host-side job
+the stop phase renders the real job script (kimi_eagle.jobs.render_job, jinja2 only) and drives the host-side job
 control (ops/jobctl.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
 
 Writes $OUT/gpu_scaling.json after every phase (a timeout still leaves the phases done) and $OUT/gpu_scaling.log.
@@ -244,14 +244,14 @@ def job_processes(job_id: str) -> list[int]:
 
 def stop_phase() -> dict:
     """A detached torchrun training job, stopped as `kimi-eagle stop` stops it, on the host side."""
-    from launcher import jobs
+    from kimi_eagle import jobs
 
     host_dir = WORK / "jobhost"
     shutil.rmtree(host_dir, ignore_errors=True)
     (host_dir / ".kimi-eagle").mkdir(parents=True)
     shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
-    # The inventory's pipeline section as launcher.pipeline reads it (attributes; pydantic is not needed).
+    # The inventory's pipeline section as kimi_eagle.pipeline reads it (attributes; pydantic is not needed).
     pipe = SimpleNamespace(model=str(WORK / "model"), dataset=None, output_dir=str(d), layer_ids=None, backend="hf",
                            seq_len=S["SEQ"], batch_size=S["TBATCH"], tp_size=1, draft_vocab_size=S["DRAFT_VOCAB"],
                            epochs=1000, lr=1e-4, ttt_steps=3, tiny_model=None,

@@ -29,7 +29,7 @@ from sshd import Sshd  # noqa: E402
 
 def cli(inv: Path, home: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO), "HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "launcher", "--inventory", str(inv), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kimi_eagle", "--inventory", str(inv), *args], capture_output=True,
                           text=True, env=env, timeout=3600)
 
 

@@ -31,7 +31,7 @@ def main():
     b = Bench()
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO), "KIMI_EAGLE_INVENTORY": str(b.inventory)}
-        cli = [sys.executable, "-m", "launcher"]
+        cli = [sys.executable, "-m", "kimi_eagle"]
         subprocess.run(cli + ["hosts", "check", "gpu"], check=True, env=env, stdout=subprocess.DEVNULL)  # first deploy
         rows = {
             "ssh host true": timed(b.ssh_argv() + ["true"], a.repeat),
@@ -40,7 +40,7 @@ def main():
             "kimi-eagle hosts check gpu": timed(cli + ["hosts", "check", "gpu"], a.repeat, env),
         }
         # The library on one open connection: what each step of a command costs after connecting.
-        from launcher.host import HostSession
+        from kimi_eagle.host import HostSession
 
         with HostSession(b.host()) as s:
             s.transport.run("true")

@@ -29,15 +29,15 @@ with open(path, "a", buffering=1) as f:
 
 
 def start_job(session, n, delay):
-    from launcher import jobs
+    from kimi_eagle import jobs
 
     return jobs.start(session, "exec", [sys.executable, "-c", WRITER, str(n), str(delay), "/dev/stdout"], gpu=False)
 
 
 def follow_kimi(b, n, delay):
-    """Latency per line and total time through launcher.logs.follow."""
-    from launcher import logs
-    from launcher.host import HostSession
+    """Latency per line and total time through kimi_eagle.logs.follow."""
+    from kimi_eagle import logs
+    from kimi_eagle.host import HostSession
 
     with HostSession(b.host()) as s:
         job = start_job(s, n, delay)

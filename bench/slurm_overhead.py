@@ -22,7 +22,7 @@ from slurm_cluster import SlurmCluster  # noqa: E402  (tests/ is on the path thr
 def first_line_seconds(b: Bench, host: str) -> float:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO), "HOME": str(b.tmp / "home")}
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "launcher", "--inventory", str(b.inventory), "run", "exec", "--host", host,
+    p = subprocess.Popen([sys.executable, "-m", "kimi_eagle", "--inventory", str(b.inventory), "run", "exec", "--host", host,
                           "--", sys.executable, "-c", "print('first line', flush=True)"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in p.stdout:

@@ -41,17 +41,17 @@ def main():
                     subprocess.run(scp_base + extra + [str(src), f"root@127.0.0.1:{dest}.bin"], check=True)
                 else:
                     e = dict(env, KIMI_EAGLE_OPENSSH="0" if "paramiko" in name else "1")
-                    subprocess.run([sys.executable, "-m", "launcher", "upload", str(src), "--host", "gpu", "--to", str(dest)],
+                    subprocess.run([sys.executable, "-m", "kimi_eagle", "upload", str(src), "--host", "gpu", "--to", str(dest)],
                                    check=True, env=e, stdout=subprocess.DEVNULL)
                 runs[name].append(a.size_mib / (time.perf_counter() - t0))
                 for leftover in b.tmp.glob("dest-*"):  # keep the disk from filling up across repeats
                     subprocess.run(["rm", "-rf", str(leftover)], check=True)
         # A second deploy of the unchanged file: nothing may travel.
         dest = b.tmp / "again"
-        subprocess.run([sys.executable, "-m", "launcher", "upload", str(src), "--host", "gpu", "--to", str(dest)], check=True, env=env,
+        subprocess.run([sys.executable, "-m", "kimi_eagle", "upload", str(src), "--host", "gpu", "--to", str(dest)], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         t0 = time.perf_counter()
-        again = subprocess.run([sys.executable, "-m", "launcher", "--json", "upload", str(src), "--host", "gpu", "--to", str(dest)],
+        again = subprocess.run([sys.executable, "-m", "kimi_eagle", "--json", "upload", str(src), "--host", "gpu", "--to", str(dest)],
                                check=True, env=env, capture_output=True, text=True)
         again_s = time.perf_counter() - t0
         mibs = {k: round(median(v), 1) for k, v in runs.items()}

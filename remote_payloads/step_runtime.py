@@ -32,7 +32,7 @@ def log(msg: str, prefix: str = "") -> None:
 
 
 def progress(iterable, total=None, desc=""):
-    """tqdm on stderr when available (the launcher renders tqdm bars), else the plain iterable."""
+    """tqdm on stderr when available (the controller renders tqdm bars), else the plain iterable."""
     try:
         from tqdm import tqdm
     except ImportError:

@@ -61,7 +61,7 @@ class Env:
         e.pop("KIMI_EAGLE_INVENTORY", None)
         e.update(env or {})
         p = subprocess.run(
-            [sys.executable, "-m", "launcher", "--inventory", str(self.inventory), *args],
+            [sys.executable, "-m", "kimi_eagle", "--inventory", str(self.inventory), *args],
             capture_output=True, text=True, env=e, timeout=timeout, input=input, cwd=self.root,
         )
         return CLIResult(p.returncode, p.stdout, p.stderr)

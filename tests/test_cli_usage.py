@@ -30,14 +30,14 @@ def test_usage_error_is_one_line_and_exit_2(tmp_path, case):
 
 
 def test_version(tmp_path):
-    from launcher import __version__
+    from kimi_eagle import __version__
 
     r = make_env(tmp_path, None).cli("--version")
     assert r.code == 0 and r.stdout.strip() == f"kimi-eagle {__version__}", (r.stdout, r.stderr)
 
 
 def _commands():
-    from launcher.cli.app import command
+    from kimi_eagle.cli.app import command
 
     todo = [command()]
     while todo:

@@ -19,7 +19,7 @@ from test_deploy_patch import _env_for
 
 def _cli(env, *args):
     e = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "launcher", "--inventory", str(env.inventory), *args],
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle", "--inventory", str(env.inventory), *args],
                        env=e, capture_output=True, text=True, timeout=300)
     return p.returncode, p.stdout, p.stderr
 
@@ -52,8 +52,8 @@ def test_concurrent_apply_and_revert_each_do_what_they_were_asked(tmp_path, sshd
 
 
 def test_payload_wrappers_carry_no_flags_and_are_named_by_content(env):
-    from launcher import inventory
-    from launcher.host import BIN, HostSession
+    from kimi_eagle import inventory
+    from kimi_eagle.host import BIN, HostSession
 
     h = inventory.load(env.inventory).hosts["gpu"]
     with HostSession(h) as s:

@@ -209,8 +209,8 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
 
 def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypatch, capsys):
     """Should the host's engine refuse the set (exit 2, no JSON), the CLI exits 2 with its one line."""
-    from launcher import cli, patch
-    from launcher.cli.context import state
+    from kimi_eagle import cli, patch
+    from kimi_eagle.cli.context import state
 
     inv = tmp_path / "inventory.yaml"
     inv.write_text(f"""hosts:

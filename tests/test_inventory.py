@@ -113,7 +113,7 @@ def test_unknown_host_name(tmp_path):
 def test_example_inventory_is_valid():
     from pathlib import Path
 
-    from launcher import inventory
+    from kimi_eagle import inventory
 
     inv = inventory.load(Path(__file__).resolve().parents[1] / "inventory.yaml")
     assert {"blackwell-01", "local"} <= set(inv.hosts)
@@ -122,7 +122,7 @@ def test_example_inventory_is_valid():
 
 
 def test_embedded_default_has_a_local_host(tmp_path, monkeypatch):
-    from launcher import inventory
+    from kimi_eagle import inventory
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KIMI_EAGLE_INVENTORY", raising=False)

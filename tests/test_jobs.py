@@ -78,7 +78,7 @@ def test_exit_codes_are_recorded_for_success_failure_and_signal(env, host):
 def test_job_survives_the_controller_being_killed(env, tmp_path):
     script = lines_script(tmp_path, 40, 0.05)
     e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    proc = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
+    proc = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
                              "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Wait until the follower printed something, then kill the controller hard.
     first = proc.stdout.readline()
@@ -97,7 +97,7 @@ def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tm
     script = lines_script(tmp_path, n, 0.006)
     job = start(env, PY, script)
     e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    follower = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
+    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
                                 env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Once the follower streams, drop every SSH connection and restart the server.
     first = follower.stdout.readline()
@@ -182,7 +182,7 @@ def test_bad_step_and_missing_command_are_usage_errors(env):
 def test_ctrl_c_detaches_and_the_job_keeps_running(env, tmp_path):
     script = lines_script(tmp_path, 400, 0.05)
     e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    proc = subprocess.Popen([PY, "-m", "launcher", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
+    proc = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
                              "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("[gpu] ")
     proc.send_signal(signal.SIGINT)

@@ -85,7 +85,7 @@ def test_concurrent_gpu_resets_each_run_their_own_flags(gpu_env):
 
     def cli(*args):
         e = {**os.environ, "HOME": str(gpu_env.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-        p = subprocess.run([sys.executable, "-m", "launcher", "--inventory", str(gpu_env.inventory), "--json", *args],
+        p = subprocess.run([sys.executable, "-m", "kimi_eagle", "--inventory", str(gpu_env.inventory), "--json", *args],
                            env=e, capture_output=True, text=True, timeout=300)
         return p.returncode, p.stdout, p.stderr
 

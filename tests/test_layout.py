@@ -1,4 +1,4 @@
-"""The code's shape stays as documented: no import circles in the CLI, payloads never import the launcher,
+"""The code's shape stays as documented: no import circles in the CLI, payloads never import the controller,
 ops payloads stay stdlib-only (checked by running them in tests/test_patch_engine.py)."""
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ def imports_of(path: Path, package: str) -> set[str]:
 
 
 def test_cli_command_modules_never_import_the_app():
-    cli = REPO / "launcher" / "cli"
+    cli = REPO / "kimi_eagle" / "cli"
     for path in cli.glob("*.py"):
         if path.name in ("__init__.py", "app.py"):
             continue
-        names = imports_of(path, "launcher.cli")
-        assert not {"launcher.cli.app", "launcher.cli"} & names, f"{path.name} imports the app back"
+        names = imports_of(path, "kimi_eagle.cli")
+        assert not {"kimi_eagle.cli.app", "kimi_eagle.cli"} & names, f"{path.name} imports the app back"
 
 
-def test_payloads_never_import_the_launcher():
+def test_payloads_never_import_the_controller():
     for path in (REPO / "remote_payloads").rglob("*.py"):
         names = imports_of(path, "remote_payloads")
-        assert not any(n == "launcher" or n.startswith("launcher.") for n in names), path
+        assert not any(n == "kimi_eagle" or n.startswith("kimi_eagle.") for n in names), path

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from launcher.logs import LineSplitter
-from launcher.logview import Printer, parse_progress
+from kimi_eagle.logs import LineSplitter
+from kimi_eagle.logview import Printer, parse_progress
 
 
 def test_parses_tqdm_and_vllm_progress():

@@ -30,9 +30,9 @@ def test_wheel_works_from_any_directory(tmp_path):
                    check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("kimi_eagle-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("launcher/_data/templates/job.sh.j2", "launcher/_data/remote_payloads/pipeline/extract.py",
-                   "launcher/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
-                   "launcher/_data/remote_payloads/sample_data/chat.jsonl", "launcher/default_inventory.yaml"):
+    for needed in ("kimi_eagle/_data/templates/job.sh.j2", "kimi_eagle/_data/remote_payloads/pipeline/extract.py",
+                   "kimi_eagle/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
+                   "kimi_eagle/_data/remote_payloads/sample_data/chat.jsonl", "kimi_eagle/default_inventory.yaml"):
         assert needed in names, needed
     venv = _venv_seeing_our_dependencies(tmp_path / "venv")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
@@ -45,6 +45,6 @@ def test_wheel_works_from_any_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     script = next((elsewhere / "r").rglob("job.sh")).read_text()
     assert "tiny_model.py" in script and "train.py" in script
-    located = subprocess.run([str(venv / "bin" / "python"), "-c", "import launcher.resources as r; print(r.payloads_dir())"],
+    located = subprocess.run([str(venv / "bin" / "python"), "-c", "import kimi_eagle.resources as r; print(r.payloads_dir())"],
                              cwd=elsewhere, env=env, capture_output=True, text=True).stdout
     assert "_data" in located and str(REPO) not in located

@@ -1,6 +1,6 @@
 """CPU tests for the data steps of the pipeline: prepare → extract → vocab, on tiny offline models.
 
-Every payload runs as a subprocess under sys.executable (the "host Python"), the way the launcher runs it.
+Every payload runs as a subprocess under sys.executable (the "host Python"), the way the controller runs it.
 Three targets: a plain Llama, a Kimi-K2.5-style remote-code wrapper around DeepseekV3 (layers at
 language_model.model.layers) and a transformers Llava (layers at model.language_model.layers).
 """

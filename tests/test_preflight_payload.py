@@ -311,7 +311,7 @@ def test_step_inputs_and_manifest_tokens(env):
 
 
 def test_no_model_flag_is_skipped(env):
-    # The launcher leaves --model out for a tiny demo model the job builds.
+    # The controller leaves --model out for a tiny demo model the job builds.
     args = [sys.executable, str(SCRIPT), "--step", "prepare", "--backend", "hf", "--dataset", str(env["dataset"]),
             "--output-dir", str(env["out"]), "--runs-dir", str(env["runs"]), "--nvidia-smi", str(env["smi"]),
             "--min-free-disk-gib", "0.001"]

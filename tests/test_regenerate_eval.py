@@ -1,4 +1,4 @@
-"""regenerate and eval: the launcher's plan for them, their bad-input refusals, and regenerate's
+"""regenerate and eval: the controller's plan for them, their bad-input refusals, and regenerate's
 resumable, sharded output on a tiny real (random) target. The slow checks on SmolLM2 live in
 test_quality.py (quality tier) and the vLLM ones in test_eval_vllm.py (vllm tier)."""
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_every_template_interpolation_goes_through_a_quoting_filter():
     import jinja2
     from jinja2 import nodes
 
-    from launcher.render import environment
+    from kimi_eagle.render import environment
 
     allowed = {"sh", "sh_path", "sh_join", "sh_name", "comment", "sbatch"}  # `comment` only in comments: test_template_safety.py
     env = environment()
@@ -57,8 +57,8 @@ def test_every_template_interpolation_goes_through_a_quoting_filter():
 def test_unquoted_value_is_refused_at_render_time(tmp_path):
     import jinja2
 
-    from launcher import render
-    from launcher.errors import ConfigError
+    from kimi_eagle import render
+    from kimi_eagle.errors import ConfigError
 
     env = render.environment().overlay(loader=jinja2.DictLoader({"bad.sh.j2": "echo {{ value }}\n"}))
     with pytest.raises(ConfigError, match="without a quoting filter"):
@@ -66,8 +66,8 @@ def test_unquoted_value_is_refused_at_render_time(tmp_path):
 
 
 def test_nul_byte_is_refused():
-    from launcher.errors import ConfigError
-    from launcher.shell import quote
+    from kimi_eagle.errors import ConfigError
+    from kimi_eagle.shell import quote
 
     with pytest.raises(ConfigError, match="NUL"):
         quote("a\x00b")
@@ -76,8 +76,8 @@ def test_nul_byte_is_refused():
 @pytest.mark.parametrize("host", ["gpu", "local"])
 def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
     """Values in argv and env pass through a rendered script run on the host unchanged."""
-    from launcher import inventory, render, sync
-    from launcher.host import HostSession
+    from kimi_eagle import inventory, render, sync
+    from kimi_eagle.host import HostSession
 
     inv = inventory.load(env.inventory)
     h = inv.hosts[host]
@@ -138,7 +138,7 @@ def test_killed_upload_leaves_nothing_at_the_final_path_and_a_rerun_completes(en
     final = target_dir / "big.bin"
     e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "--inventory", str(env.inventory), "upload", str(big), "--host", "gpu", "--to", "incoming"],
+        [sys.executable, "-m", "kimi_eagle", "--inventory", str(env.inventory), "upload", str(big), "--host", "gpu", "--to", "incoming"],
         env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60

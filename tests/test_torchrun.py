@@ -277,7 +277,7 @@ def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, referenc
 
 
 # ----------------------------------------------------------------------------------------------------
-# the launcher: a torchrun job through the CLI over the real sshd, and its stop
+# the controller: a torchrun job through the CLI over the real sshd, and its stop
 
 def job_processes(job_id: str) -> list[int]:
     """Live pids carrying the job's id in their environment: torchrun and its workers, which torchrun starts in

@@ -24,7 +24,7 @@ def _sha(p: Path) -> str:
 
 def _start_upload(env, src: Path, host: str = "gpu", to: str = "incoming"):
     e = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "launcher", "--inventory", str(env.inventory), "upload", str(src),
+    return subprocess.Popen([sys.executable, "-m", "kimi_eagle", "--inventory", str(env.inventory), "upload", str(src),
                              "--host", host, "--to", to], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -570,11 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvidia-smi binary (default: from PATH or /usr/local/nvidia/bin); absent: skip that source")
     p.add_argument("--fuser", default=None, metavar="PATH", help="fuser binary (default: from PATH)")
     p.add_argument("--runs-dir", default=None, metavar="DIR",
-                   help="the launcher's runs dir holding <job>/pgid (default: <workdir>/runs next to "
+                   help="the controller's runs dir holding <job>/pgid (default: <workdir>/runs next to "
                         "the payload dir when it exists)")
     mx = p.add_mutually_exclusive_group()
     mx.add_argument("--all", dest="stop_all", action="store_true",
-                    help="stop every holder, not only ours (the launcher asks for confirmation)")
+                    help="stop every holder, not only ours (the controller asks for confirmation)")
     mx.add_argument("--only-ours", dest="stop_all", action="store_false",
                     help="stop only kimi-eagle jobs' processes (the default)")
     p.add_argument("--dry-run", action="store_true", help="show the plan, signal nothing")

@@ -415,7 +415,7 @@ def check_gpu(args, ctx: dict) -> dict:
         if short:
             return check("gpu", "fail", detail + f"; too little free on GPU "
                          f"{', '.join(str(g['index']) for g in short)}",
-                         "free the GPUs (the launcher's GPU reset, remote_payloads/gpu_reset.py), "
+                         "free the GPUs (the controller's GPU reset, remote_payloads/gpu_reset.py), "
                          "raise --tp-size, or use a quantized checkpoint")
         return check("gpu", "pass", detail)
     free_b = sum(g["free_mib"] for g in gpus) * (1 << 20)
@@ -628,7 +628,7 @@ def _pgid_alive(pgid) -> bool:
 def check_lock(args) -> dict:
     runs = args.runs_dir
     if not runs:
-        return check("gpu_lock", "warn", "no --runs-dir: cannot see the launcher's GPU lock",
+        return check("gpu_lock", "warn", "no --runs-dir: cannot see the controller's GPU lock",
                      "pass --runs-dir <workdir>/runs")
     lock = Path(runs) / "gpu.lock"
     if not lock.exists():
@@ -647,10 +647,10 @@ def check_lock(args) -> dict:
     if _pid_alive(info.get("pid")) or _pgid_alive(info.get("pgid")):
         status = "fail" if args.step in GPU_STEPS else "warn"
         return check("gpu_lock", status, f"{lock}: held by {who}, still running",
-                     f"wait for job {info.get('job_id')} to finish, or stop it with the launcher "
+                     f"wait for job {info.get('job_id')} to finish, or stop it with the controller "
                      "(its GPU reset, remote_payloads/gpu_reset.py, frees the GPUs)")
     return check("gpu_lock", "warn", f"{lock}: stale, {who} is gone",
-                 f"the launcher replaces a stale lock; remove {lock} by hand if it does not")
+                 f"the controller replaces a stale lock; remove {lock} by hand if it does not")
 
 
 # ---------------------------------------------------------------------------
@@ -710,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free disk to keep beyond the estimate (default 10)")
     p.add_argument("--assume-free-disk-bytes", type=int, default=None,
                    help="TEST/OVERRIDE KNOB: use this free-space figure instead of statvfs")
-    # Accept the other step flags the launcher passes (e.g. --epochs, --lr) without failing.
+    # Accept the other step flags the controller passes (e.g. --epochs, --lr) without failing.
     return p
 
 
@@ -718,7 +718,7 @@ def run_checks(args) -> dict:
     t0 = time.monotonic()
     ctx: dict = {"layer_ids_arg": args.layer_ids_parsed}
     checks = [check_python()]
-    # No --model: the launcher omits it for a tiny demo model that the job itself builds.
+    # No --model: the controller omits it for a tiny demo model that the job itself builds.
     model_checks = load_model_config(args.model, ctx) if args.model else [
         check("model", "pass", "no --model given: not checked (a model the job builds itself)")]
     checks += check_versions(args, ctx)  # after the config, so compat can see model_type

@@ -382,7 +382,7 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
     order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
     tokens = 0
-    # One bar per host: the launcher renders tqdm bars from the log, and N interleaved bars would jump.
+    # One bar per host: the controller renders tqdm bars from the log, and N interleaved bars would jump.
     bar = progress(None, total=len(order), desc=f"extract[rank 0/{w.size}]" if w.distributed else "extract") \
         if w.main else None
     cuda = input_device.type == "cuda"

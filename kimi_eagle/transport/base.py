@@ -1,7 +1,7 @@
 """The operations every transport offers, with the same semantics on ssh and local.
 
 Commands are shell strings run by the host's shell in the user's home directory;
-callers build them with `launcher.shell.join` so no value reaches the shell unquoted.
+callers build them with `kimi_eagle.shell.join` so no value reaches the shell unquoted.
 """
 
 from __future__ import annotations

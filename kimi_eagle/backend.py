@@ -63,7 +63,7 @@ class Direct(Backend):
 
 
 class Slurm(Backend):
-    """sbatch on the host (a login node); see launcher/slurm.py."""
+    """sbatch on the host (a login node); see kimi_eagle/slurm.py."""
 
     name = "slurm"
 

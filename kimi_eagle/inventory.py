@@ -207,7 +207,7 @@ class HostFields(_Strict):
     known_hosts: Text | None = None
     connect_timeout: Real | None = Field(None, gt=0)
     pipeline: PipelineOverride | None = None
-    # Several hosts and Slurm (how jobs are launched; see launcher/backend.py):
+    # Several hosts and Slurm (how jobs are launched; see kimi_eagle/backend.py):
     scheduler: Literal["direct", "slurm"] | None = None  # direct: a detached process group; slurm: sbatch
     slurm: SlurmSettings | None = None
     gpus: int | None = Field(None, ge=0)  # GPUs used per host: shard weight and torchrun's processes per node

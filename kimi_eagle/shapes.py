@@ -1,6 +1,6 @@
 """The shape of one host's part of a job: plain, extraction shards, or one node of a multi-node torchrun job.
 
-A group job (launcher/groupjobs.py) gives each host a Shape; the host's job script (direct or Slurm) is the
+A group job (kimi_eagle/groupjobs.py) gives each host a Shape; the host's job script (direct or Slurm) is the
 pipeline plan with the shape applied. The processes themselves are decided on the host by
 remote_payloads/pipeline/launch.py (one process, or torchrun workers per GPU; c10d across nodes): we only say
 which ranks a host owns, how many nodes there are and where the rendezvous is (docs/CONTRACTS.md).
