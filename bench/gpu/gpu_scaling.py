@@ -1,7 +1,7 @@
 """Scaling from 1 to 2 GPUs on one host (issue 16): extraction and training tokens/s, a training resumed on
 another world size, and `stop` of a torchrun job leaving no process and no GPU memory.
 
-    PYTHON=/path/to/python3 OUT=./out bash bench/gpu_scaling.sh
+    PYTHON=/path/to/python3 OUT=./out bash bench/gpu/gpu_scaling.sh
 
 Everything goes through the same entry points a job uses: pipeline/launch.py decides one process or torchrun
 workers from the visible GPUs (CUDA_VISIBLE_DEVICES picks 1 or 2), the steps are the payloads themselves, and
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAY = ROOT / "remote_payloads"
 sys.path.insert(0, str(ROOT))
 

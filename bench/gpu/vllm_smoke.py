@@ -2,7 +2,7 @@
 graphs, vLLM's defaults) and hidden-state extraction through vLLM's own ExampleHiddenStatesConnector on our
 prepared samples (issue 15). A smoke test of the carried install that also gives vLLM's stock figure.
 
-    python bench/vllm_smoke.py --model DIR --prepared DIR --out DIR --layer-ids 2,10,17,20 [--seq-len 2048]
+    python bench/gpu/vllm_smoke.py --model DIR --prepared DIR --out DIR --layer-ids 2,10,17,20 [--seq-len 2048]
 
 Prints one JSON line: import and engine start seconds, samples, tokens, tokens/s (generate() until every
 file is written), files written.
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for sub in ("remote_payloads/pipeline", "remote_payloads"):
     sys.path.insert(0, str(ROOT / sub))
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Extraction throughput on a GPU (issue 6): builds a ~1B-parameter random llama (bf16), a synthetic chat set,
-# prepares it, then runs bench/extract_bench.py (ours vs the naive loop, fraction of bf16 peak).
-#   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/extract_gpu.sh
+# prepares it, then runs bench/gpu/extract_bench.py (ours vs the naive loop, fraction of bf16 peak).
+#   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/extract_gpu.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./out}
 W=${WORK:-/tmp/kimi-eagle-extract}
@@ -12,6 +12,6 @@ mkdir -p "$OUT" "$W"
   --heads 16 --dtype bf16 --out "$W/model" > /dev/null
 "$PY" bench/make_chat_dataset.py --rows "${ROWS:-600}" --words 600 --out "$W/chat.jsonl"
 "$PY" remote_payloads/pipeline/prepare.py --model "$W/model" --dataset "$W/chat.jsonl" --output-dir "$W" --seq-len 2048 > /dev/null
-"$PY" bench/extract_bench.py --model "$W/model" --prepared "$W/prepared" --out /dev/shm/kimi-eagle-xb \
+"$PY" bench/gpu/extract_bench.py --model "$W/model" --prepared "$W/prepared" --out /dev/shm/kimi-eagle-xb \
   --batch-size "${BATCH:-16}" --writers "${WRITERS:-4}" | tee "$OUT/extract_bench.json"
 rm -rf /dev/shm/kimi-eagle-xb

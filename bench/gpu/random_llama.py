@@ -1,6 +1,6 @@
 """A Llama of any size with random bf16 weights, written fast (weights drawn on the GPU), for throughput runs.
 
-    python bench/random_llama.py --out DIR --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
+    python bench/gpu/random_llama.py --out DIR --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
         --intermediate 14336 --vocab 32000            # 8 B-class (Llama-3-8B shapes, 32 k vocab)
 
 remote_payloads' tiny_model.py draws every weight on the CPU from one seeded generator (reproducible, but
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

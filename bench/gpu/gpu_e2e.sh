@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # End to end on a GPU machine with no network (issue 8). Before, on a machine with network:
-#   bash bench/fetch_gpu_deps.sh        # .whl/ (controller wheels, speculators) and .debs/ (OpenSSH)
+#   bash bench/gpu/fetch_gpu_deps.sh        # .whl/ (controller wheels, speculators) and .debs/ (OpenSSH)
 # Then on the GPU machine, from the repo root:
-#   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu_e2e.sh
+#   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/gpu_e2e.sh
 # Nothing is installed from a registry there: the wheels go to a private --target folder and the
 # Debian packages are unpacked with dpkg -x into a private folder.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -28,4 +28,4 @@ if ! command -v sshd >/dev/null 2>&1; then
   export PATH="$ossh/wrap:$PATH"
 fi
 export PATH="$PATH:/usr/local/nvidia/bin"
-"$PY" bench/gpu_e2e.py
+"$PY" bench/gpu/gpu_e2e.py

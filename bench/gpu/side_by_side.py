@@ -1,11 +1,11 @@
 """Side by side on a 2-GPU H200 machine (issue 15): extraction (our hf backend vs vLLM-native), serving
 (`eval` of a SmolLM2-135M draft trained there, with and without the draft) and training (ours vs speculators'
-own trainer on the same hidden states). Driven by bench/gpu_side_by_side.sh, one call at a time:
+own trainer on the same hidden states). Driven by bench/gpu/gpu_side_by_side.sh, one call at a time:
 
-    python bench/side_by_side.py absorb  [--from .gpu]     carried pieces -> checked -> installed when complete
-    python bench/side_by_side.py start                     the stage runner, in its own session, once
-    python bench/side_by_side.py wait --seconds S [--until STAGE ...] --out DIR    results so far -> DIR
-    python bench/side_by_side.py run                       (what start launches)
+    python bench/gpu/side_by_side.py absorb  [--from .gpu]     carried pieces -> checked -> installed when complete
+    python bench/gpu/side_by_side.py start                     the stage runner, in its own session, once
+    python bench/gpu/side_by_side.py wait --seconds S [--until STAGE ...] --out DIR    results so far -> DIR
+    python bench/gpu/side_by_side.py run                       (what start launches)
 
 Why this shape: the machine has no network and takes at most 64 MiB per call and 10 minutes per command,
 and its /tmp lives only while it is warm. So the dependencies arrive in pieces over consecutive calls, and the
@@ -34,7 +34,7 @@ import time
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "remote_payloads"))
 from step_runtime import sha256_file  # noqa: E402
 WORK = Path(os.environ.get("KE_WORK", "/tmp/ke"))
@@ -326,7 +326,7 @@ def st_models(gpu):
     res = {}
     for tag, m in (("m1b", M1), ("m8b", M8)):
         if not (SHM / tag / "config.json").exists():
-            res[tag] = run("models", [PY, "bench/random_llama.py", "--out", str(SHM / tag), "--hidden", str(m["hidden"]),
+            res[tag] = run("models", [PY, "bench/gpu/random_llama.py", "--out", str(SHM / tag), "--hidden", str(m["hidden"]),
                                       "--layers", str(m["layers"]), "--heads", str(m["heads"]), "--kv-heads", str(m["kv"]),
                                       "--intermediate", str(m["inter"]), "--vocab", str(m["vocab"]), "--device", DEVICE],
                            gpu, timeout=300)
@@ -392,13 +392,13 @@ def st_vllm(stage, gpu, tag, m, shard=None):
 
 
 def vllm_stock(stage, gpu, tag, m, shard=None):
-    """vLLM's own ExampleHiddenStatesConnector (bench/vllm_smoke.py) on the same samples: vLLM's stock figure."""
+    """vLLM's own ExampleHiddenStatesConnector (bench/gpu/vllm_smoke.py) on the same samples: vLLM's stock figure."""
     prepared = SHM / "p1b" / "prepared"
     n = len(lengths_of(prepared))
     hi = -(-n // shard) if shard else n
     ids = f"2,{m['layers'] // 2},{m['layers'] - 3},{m['layers']}"
     out = SHM / f"x{tag}_vllm_stock"
-    r = run(stage, [PY, "bench/vllm_smoke.py", "--model", str(SHM / f"m{tag}"), "--prepared", str(prepared),
+    r = run(stage, [PY, "bench/gpu/vllm_smoke.py", "--model", str(SHM / f"m{tag}"), "--prepared", str(prepared),
                     "--out", str(out), "--seq-len", str(SEQ), "--layer-ids", ids, "--max-samples", str(hi)],
             gpu, sites=("site-vllm",), timeout=480)
     f = flops(m, lengths_of(prepared, 0, hi)) / r["seconds"] / 1e12
@@ -460,7 +460,7 @@ def st_train_1b(gpu):
     ours = our_train("train_1b", gpu, pipe, SHM / "m1b", TSTEPS)
     ls = lengths_of(pipe / "prepared")
     seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128  # tokens per step as ours packs on average
-    spec = run("train_1b", [PY, "bench/spec_train_bench.py", "--pipeline", str(pipe), "--model", str(SHM / "m1b"),
+    spec = run("train_1b", [PY, "bench/gpu/spec_train_bench.py", "--pipeline", str(pipe), "--model", str(SHM / "m1b"),
                             "--steps", str(TSTEPS), "--total-seq-len", str(seq), "--ttt-steps", "3",
                             "--save-path", str(WORK / "spec_1b")], gpu, sites=("site-early",), timeout=900)
     ratio = (ours.get("tokens_per_s_median_interval") or 0) / spec["tokens_per_s"] if spec.get("tokens_per_s") else None
@@ -535,7 +535,7 @@ def st_spec_smol(gpu):
     steps = results("smol_train").get("step") or int(os.environ.get("KE_SMOL_STEPS", "1500"))
     ls = lengths_of(SPIPE / "prepared")
     seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128
-    return run("spec_smol", [PY, "bench/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
+    return run("spec_smol", [PY, "bench/gpu/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
                              "--steps", str(steps), "--epochs", "1000", "--total-seq-len", str(seq), "--ttt-steps", "3",
                              "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=720)
 
@@ -550,9 +550,9 @@ def st_eval_spec_smol(gpu):
 
 
 def st_scaling(gpu):
-    script = ROOT / "bench" / "gpu_scaling.sh"
+    script = ROOT / "bench" / "gpu" / "gpu_scaling.sh"
     if not script.exists():
-        raise StageFailed("bench/gpu_scaling.sh is not in this checkout (issue 16 not landed)")
+        raise StageFailed("bench/gpu/gpu_scaling.sh is not in this checkout (issue 16 not landed)")
     out = D["results"] / "scaling"
     out.mkdir(exist_ok=True)
     env = env_for(None)
@@ -683,7 +683,7 @@ def start() -> None:
                         ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__"))
         apply_overlay()
     log = open(D["logs"] / "runner.log", "a")
-    p = subprocess.Popen([PY, str(repo / "bench" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
+    p = subprocess.Popen([PY, str(repo / "bench" / "gpu" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
                          start_new_session=True, env=dict(os.environ, KE_WORK=str(WORK), KE_SHM=str(SHM)))
     pid_file.write_text(str(p.pid))
     print(f"runner started (pid {p.pid})")

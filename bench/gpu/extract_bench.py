@@ -1,7 +1,7 @@
 """Hidden-state extraction throughput on a GPU: kimi-eagle's extract vs a naive per-sample
 `output_hidden_states=True` loop, in the same run, with the fraction of the GPU's bf16 peak.
 
-    python bench/extract_bench.py --model DIR --prepared DIR --out DIR [--batch-size 16] [--naive-samples 64]
+    python bench/gpu/extract_bench.py --model DIR --prepared DIR --out DIR [--batch-size 16] [--naive-samples 64]
 
 FLOPs counted: per sample of T tokens, 2·P·T (P = parameters of the decoder layers that run) plus
 2·L·H·T² for causal attention (QKᵀ and AV over the T·(T+1)/2 visible pairs, 2 matmuls × 2 FLOP).
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
 
 

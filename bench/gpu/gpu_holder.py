@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hold N GiB of GPU memory until killed (a stand-in for a crashed vLLM worker).
 
-Used by bench/gpu_reset_h200.sh. Writes --ready-file once the memory is allocated and
+Used by bench/gpu/gpu_reset_h200.sh. Writes --ready-file once the memory is allocated and
 touched, so the caller knows nvidia-smi will show it.
 """
 

@@ -1,8 +1,8 @@
 """speculators' own EAGLE-3 trainer (0.9, `speculators.train`) on the hidden states our extract wrote, timed the
-way bench/side_by_side.py times ours: tokens/s between optimizer steps (data loading included, the first
+way bench/gpu/side_by_side.py times ours: tokens/s between optimizer steps (data loading included, the first
 --warmup steps left out) and peak CUDA memory (issue 15).
 
-    python bench/spec_train_bench.py --pipeline DIR --model TARGET --steps 60 --total-seq-len 16384 \
+    python bench/gpu/spec_train_bench.py --pipeline DIR --model TARGET --steps 60 --total-seq-len 16384 \
         --save-path DIR/spec_draft [-- more speculators train flags]
 
 DIR is one of our pipeline roots: prepared/ (token ids + loss masks), hidden_states/hs_{i}.safetensors
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for sub in ("remote_payloads/pipeline", "remote_payloads"):
     sys.path.insert(0, str(ROOT / sub))
 

