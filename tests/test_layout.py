@@ -40,3 +40,14 @@ def test_payloads_never_import_the_controller():
     for path in (REPO / "remote_payloads").rglob("*.py"):
         names = imports_of(path, "remote_payloads")
         assert not any(n == "kimi_eagle" or n.startswith("kimi_eagle.") for n in names), path
+
+
+def test_no_pipeline_module_imports_a_step():
+    """Steps share pieces through modules of their own (prepared_data, hidden_state_files, hf_target, ...):
+    importing a step for one of its pieces would load the whole step and tie the two steps together."""
+    pipeline = REPO / "remote_payloads" / "pipeline"
+    steps = {p.stem for p in pipeline.glob("*.py") if "run_step(" in p.read_text()}
+    assert {"prepare", "extract", "vocab", "train", "regenerate", "eval"} <= steps, steps
+    for path in sorted(pipeline.glob("*.py")):
+        imported = {n.split(".")[0] for n in imports_of(path, "remote_payloads.pipeline")}
+        assert not (imported & steps) - {path.stem}, f"{path.name} imports the step(s) {sorted((imported & steps) - {path.stem})}"

@@ -23,10 +23,11 @@ sys.path.insert(0, PAYLOADS)
 
 import extract  # noqa: E402
 import extract_vllm  # noqa: E402
+import hf_target  # noqa: E402
 import model_layers  # noqa: E402
 import tiny_model  # noqa: E402
 import vocab  # noqa: E402
-from prepare import PreparedDataset  # noqa: E402
+from prepared_data import PreparedDataset  # noqa: E402
 
 KINDS = ["llama", "kimi", "llava"]
 N_LAYERS = 8
@@ -373,7 +374,7 @@ def test_capture_early_stop_equals_full_forward(models, kind):
     for layer_ids in ([0, 3, 5], [1, 7, 8]):
         outs = []
         for early in (True, False):
-            cap = extract.HiddenStateCapture(layers, layer_ids, early_stop=early)
+            cap = hf_target.HiddenStateCapture(layers, layer_ids, early_stop=early)
             with torch.inference_mode():
                 outs.append(cap.run(model, input_ids=ids, attention_mask=attn, use_cache=False))
             cap.remove()

@@ -47,7 +47,7 @@ def main():
     a = ap.parse_args()
 
     import torch
-    from prepare import PreparedDataset
+    from prepared_data import PreparedDataset
     from model_layers import default_layer_ids, resolve_decoder_stack
 
     out = Path(a.out)
@@ -94,7 +94,7 @@ def main():
     naive_s = time.perf_counter() - t0
 
     # The forward alone (same hooks, same batches, nothing copied out): the ceiling the I/O leaves us below.
-    from extract import HiddenStateCapture
+    from hf_target import HiddenStateCapture
 
     order = sorted(range(len(ds)), key=lambda i: -lengths[i])
     capture = HiddenStateCapture(layers, ids)

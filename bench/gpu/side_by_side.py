@@ -277,7 +277,7 @@ def flops(m: dict, lengths) -> float:
 def lengths_of(prepared: Path, lo: int = 0, hi: int | None = None) -> list[int]:
     sys.path.insert(0, str(ROOT / "remote_payloads"))
     sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
-    from prepare import PreparedDataset
+    from prepared_data import PreparedDataset
 
     ds = PreparedDataset(str(prepared))
     hi = len(ds) if hi is None else hi

@@ -37,7 +37,7 @@ def write_spec_data(pipeline: Path, dest: Path, seq_len: int) -> int:
 
     import pyarrow as pa
     from datasets import Dataset
-    from prepare import PreparedDataset
+    from prepared_data import PreparedDataset
 
     ds = PreparedDataset(str(pipeline / "prepared"))
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}

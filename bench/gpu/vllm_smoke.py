@@ -37,7 +37,7 @@ def main() -> None:
     t0 = time.time()
     from vllm import LLM, SamplingParams
     import vllm
-    from prepare import PreparedDataset
+    from prepared_data import PreparedDataset
 
     import_s = time.time() - t0
     ds = PreparedDataset(a.prepared)

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import sys
 import threading
 import time
@@ -39,100 +38,22 @@ import time
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, local_text_config_dict,  # noqa: E402
                           parse_layer_ids, resolve_decoder_stack, text_config)
-from prepare import PreparedDataset  # noqa: E402
+from hf_target import HiddenStateCapture, load_model  # noqa: E402
+from hidden_state_files import (COMPAT_KEYS, FORMAT, LAYOUT, check_sample, clean_stale_tmp, sample_path,  # noqa: E402
+                                tmp_path, write_safetensors)
+from prepared_data import PreparedDataset  # noqa: E402
 from step_runtime import (BadInput, Refused, atomic_write_json, log, model_identity, progress, run_step,  # noqa: E402
                           settings_changed)
 import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
 import extract_vllm  # noqa: E402
 
-FORMAT = "kimi-eagle-hidden-states/1"
 # Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
 SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
-TMP_RE = re.compile(r"^\.hs_(\d+)\.safetensors\.tmp-\d+$")
-# data_config fields that must agree before we resume into an existing directory
-COMPAT_KEYS = ("model", "layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention")
-
-
-def sample_path(out_dir, i):
-    return os.path.join(out_dir, f"hs_{i}.safetensors")
 
 
 def shard_range(n, rank, world_size):
     """Contiguous [lo, hi) of rank; the ranges of ranks 0..world_size-1 tile 0..n exactly once."""
     return rank * n // world_size, (rank + 1) * n // world_size
-
-
-# ----------------------------------------------------------------------------------------------------
-# checking outputs
-
-def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=False):
-    """Return None if the file is a valid sample for these token ids, else a short reason.
-
-    Cheap mode (resume): header + token ids + shape. Full mode (--validate): also loss mask and finiteness.
-    """
-    import numpy as np
-    import torch
-    from safetensors import safe_open
-
-    if not os.path.exists(path):
-        return "missing"
-    try:
-        with safe_open(path, framework="pt") as f:
-            keys = set(f.keys())
-            if keys != {"token_ids", "hidden_states", "loss_mask"}:
-                return f"unexpected tensors {sorted(keys)}"
-            t = len(token_ids)
-            shape = list(f.get_slice("hidden_states").get_shape())
-            if shape != [t, num_layer_ids, hidden_size]:
-                return f"hidden_states shape {shape}, expected {[t, num_layer_ids, hidden_size]}"
-            got = f.get_tensor("token_ids").numpy()
-            if got.shape != (t,) or not np.array_equal(got, token_ids):
-                return "token_ids do not match the prepared sample"
-            if not full:
-                return None
-            mask = f.get_tensor("loss_mask").numpy()
-            if mask.shape != (t,) or not np.array_equal(mask.astype(np.int64), loss_mask.astype(np.int64)):
-                return "loss_mask does not match the prepared sample"
-            hs = f.get_tensor("hidden_states")
-            if not bool(torch.isfinite(hs.float()).all()):
-                return "hidden_states contain NaN/Inf"
-    except Exception as e:  # truncated / corrupt file
-        return f"unreadable ({type(e).__name__}: {e})"
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------
-# writing outputs
-
-_ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32", "torch.int64": "I64",
-              "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL"}
-
-
-def write_safetensors(path, tensors):
-    """Write a .safetensors file straight from the tensors' memory.
-
-    safetensors' own save_file first copies every tensor into a Python bytes object; here the kernel copies
-    once, from (pinned) host memory into the file, and the GIL is released during the write, so several
-    writer threads really run in parallel. The layout is the format's: 8-byte header length, JSON header
-    padded to 8 bytes, then the tensors' bytes back to back.
-    """
-    import json as _json
-
-    header, views, offset = {}, [], 0
-    for name, t in tensors.items():
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        # A byte view of the same memory (numpy has no bfloat16; raw bytes need none).
-        views.append(t.view(-1).view(dtype=__import__("torch").uint8).numpy() if nbytes else b"")
-        offset += nbytes
-    raw = _json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for v in views:
-            f.write(memoryview(v))
 
 
 class Writer:
@@ -178,7 +99,7 @@ class Writer:
                     done()
                 continue  # keep draining so put() never blocks forever
             final = sample_path(self.out_dir, index)
-            tmp = os.path.join(self.out_dir, f".hs_{index}.safetensors.tmp-{os.getpid()}")
+            tmp = tmp_path(final)
             try:
                 write_safetensors(tmp, {"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask})
                 os.replace(tmp, final)
@@ -225,76 +146,8 @@ class PinnedPool:
         return done
 
 
-def clean_stale_tmp(out_dir, lo, hi):
-    """Remove temp files a killed run of *this* range left behind (other ranks may be writing theirs)."""
-    for name in os.listdir(out_dir):
-        m = TMP_RE.match(name)
-        if m and lo <= int(m.group(1)) < hi:
-            os.unlink(os.path.join(out_dir, name))
-
-
 # ----------------------------------------------------------------------------------------------------
 # hf backend
-
-class _StopForward(Exception):
-    """Raised from a hook once every requested layer is captured: skips the rest of the model (and lm_head)."""
-
-
-class HiddenStateCapture:
-    """Forward hooks implementing the layer-id convention on a decoder stack of N layers.
-
-    id i < N: forward pre-hook on layers[i] (its input = residual stream before it).
-    id N:     forward hook on layers[N-1], first element of its output (before the final norm).
-    """
-
-    def __init__(self, layers, layer_ids, early_stop=True):
-        self.layer_ids = list(layer_ids)
-        self.n = len(layers)
-        self.captured = {}
-        self.handles = []
-        last = max(self.layer_ids)  # ids are captured in increasing order during the forward
-        self.stop_after = last if early_stop else None
-        for lid in self.layer_ids:
-            if lid < self.n:
-                self.handles.append(layers[lid].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
-            else:
-                self.handles.append(layers[self.n - 1].register_forward_hook(self._post_hook(lid)))
-
-    def _store(self, lid, tensor):
-        # clone: the next layer must not be able to modify our copy in place
-        self.captured[lid] = tensor.detach().clone()
-        if self.stop_after == lid:
-            raise _StopForward()
-
-    def _pre_hook(self, lid):
-        def hook(module, args, kwargs):
-            self._store(lid, args[0] if args else kwargs["hidden_states"])
-        return hook
-
-    def _post_hook(self, lid):
-        def hook(module, args, output):
-            self._store(lid, output[0] if isinstance(output, (tuple, list)) else output)
-        return hook
-
-    def run(self, model, **inputs):
-        """Forward pass; returns [B, T, L, H] stacked in layer-id order."""
-        import torch
-
-        self.captured = {}
-        try:
-            model(**inputs)
-        except _StopForward:
-            pass
-        missing = [lid for lid in self.layer_ids if lid not in self.captured]
-        if missing:
-            raise RuntimeError(f"hooks did not capture layer ids {missing}; the model did not run those layers")
-        dev = self.captured[self.layer_ids[0]].device
-        return torch.stack([self.captured[lid].to(dev) for lid in self.layer_ids], dim=2)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
 
 def resolve_device_dtype(device, dtype, backend="hf"):
     import torch
@@ -309,20 +162,6 @@ def resolve_device_dtype(device, dtype, backend="hf"):
     return device, dtype
 
 
-def _auto_class(model_path):
-    """Pick the Auto class from the config instead of trial and error (a failed Auto lookup is slow)."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    cfg = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-    auto_map = getattr(cfg, "auto_map", None) or {}
-    if "AutoModelForCausalLM" in auto_map or cfg.model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    if cfg.model_type in getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}):
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModel
-
-
 def replica_gpus(w, visible):
     """The GPUs of this rank's model copy: alone, all visible ones; under torchrun, rank r of n on a host
     with G GPUs gets the r-th block of G // n (launch.py chose n so that one block holds the model)."""
@@ -332,32 +171,6 @@ def replica_gpus(w, visible):
     if per < 1:
         raise BadInput(f"{w.local_size} extraction processes on this host but only {visible} GPU(s) visible")
     return list(range(w.local_rank * per, (w.local_rank + 1) * per))
-
-
-def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
-    """Load the target with trust_remote_code; multimodal wrappers go through AutoModelForImageTextToText.
-
-    gpus: the CUDA devices of this copy (None: all visible). One GPU takes the whole model; several share
-    it layer by layer (accelerate's device_map, limited to these GPUs by max_memory)."""
-    cls = _auto_class(model_path)
-    kwargs = {"trust_remote_code": True, "dtype": torch_dtype}
-    if device == "cuda" and gpus is not None:
-        import torch
-
-        # This worker's own GPU is the current device, so nothing it allocates without naming a device
-        # (pinned host buffers, streams) opens a context on another worker's GPU.
-        torch.cuda.set_device(gpus[0])
-        if len(gpus) == 1:
-            return cls.from_pretrained(model_path, **kwargs).to(f"cuda:{gpus[0]}").eval()
-        max_memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}
-        return cls.from_pretrained(model_path, device_map="auto", max_memory=max_memory, **kwargs).eval()
-    if device == "cuda":
-        try:  # spreads a huge target over all visible GPUs (layer-wise; tp_size is a vllm-backend notion)
-            return cls.from_pretrained(model_path, device_map="auto", **kwargs).eval()
-        except ImportError as e:  # device_map needs accelerate; a single GPU works without it
-            log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
-            return cls.from_pretrained(model_path, **kwargs).to("cuda").eval()
-    return cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
 
 
 def extract_hf(args, ds, todo, layer_ids, info, out_dir):
@@ -547,7 +360,7 @@ def run(args):
     args.device = device
     data_config = {
         "format": FORMAT,
-        "layout": "hs_{i}.safetensors: token_ids int64 [T], hidden_states [T, L, H], loss_mask int64 [T]",
+        "layout": LAYOUT,
         # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
         "model": model_identity(args.model),
         "model_class": info["model_class"],

@@ -15,6 +15,7 @@ import sys
 import time
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root
+from hidden_state_files import error_path, sample_path  # noqa: E402
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
 from vllm_compat import engine_env_defaults, extraction_path, parse_version, vllm_install  # noqa: E402
@@ -192,7 +193,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     """Every todo sample through one vLLM engine; the connector writes hs_{i}.safetensors in the worker."""
     import torch
 
-    from vllm_hs_connector import LOSS_MASK_KEY, error_path
+    from vllm_hs_connector import LOSS_MASK_KEY
 
     # The workers import the connector by module name: put this folder on their path (they are spawned).
     os.environ["PYTHONPATH"] = HERE + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
@@ -229,7 +230,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
             for i in part:
                 ids, mask = ds[i]
                 ids, mask = ids[:args.seq_len], mask[:args.seq_len]
-                path = os.path.join(out_dir, f"hs_{i}.safetensors")
+                path = sample_path(out_dir, i)
                 if os.path.exists(error_path(path)):
                     os.unlink(error_path(path))
                 prompts.append({"prompt_token_ids": [int(t) for t in ids]})
@@ -237,7 +238,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
                     "hidden_states_path": path, LOSS_MASK_KEY: [int(m) for m in mask]}}))
                 tokens += len(ids)
             llm.generate(prompts, params, use_tqdm=False)
-            written += _wait_for_samples(out_dir, part, error_path)
+            written += _wait_for_samples(out_dir, part)
             if hasattr(bar, "update"):
                 bar.update(len(part))
     finally:
@@ -247,7 +248,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     return written, tokens
 
 
-def _wait_for_samples(out_dir, indices, error_path):
+def _wait_for_samples(out_dir, indices):
     """The connector writes in worker threads after the request finished: wait until every sample of the chunk is
     on disk (it appears by rename, complete) or its error marker says why not."""
     deadline = time.time() + WRITE_WAIT_S
@@ -255,7 +256,7 @@ def _wait_for_samples(out_dir, indices, error_path):
     while pending:
         still = []
         for i in pending:
-            path = os.path.join(out_dir, f"hs_{i}.safetensors")
+            path = sample_path(out_dir, i)
             if os.path.exists(path):
                 continue
             if os.path.exists(error_path(path)):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_model import Eagle3Draft
-from extract import HiddenStateCapture
+from hf_target import HiddenStateCapture, load_model
 from model_layers import resolve_decoder_stack
 
 
@@ -95,8 +95,6 @@ class DraftProposer:
 
 class HFEngine:
     def __init__(self, model_dir, draft_dir, device, dtype):
-        from extract import load_model
-
         self.device = torch.device(device)
         self.target = load_model(model_dir, getattr(torch, dtype), device, 1)
         self.layers = resolve_decoder_stack(self.target)[1]

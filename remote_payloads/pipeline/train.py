@@ -24,7 +24,6 @@ world size. SIGTERM (kimi-eagle stop) ends the current step, saves a checkpoint 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -40,6 +39,7 @@ from torch import nn
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators, load_target_config,  # noqa: E402
                          load_target_tensors)
+from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
 from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, run_step,  # noqa: E402
                           settings_changed)
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
@@ -103,39 +103,6 @@ def full_vocab_argmax(last, target_norm, lm_head, chunk: int = 4096):
 
 # ----------------------------------------------------------------------------------------------------
 # Data
-
-def list_samples(hs_dir: str) -> list[str]:
-    files = glob.glob(os.path.join(hs_dir, "hs_*.safetensors"))
-    keyed = []
-    for p in files:
-        m = re.match(r"^hs_(\d+)\.safetensors$", os.path.basename(p))
-        if m:
-            keyed.append((int(m.group(1)), p))
-    return [p for _, p in sorted(keyed)]
-
-
-def check_sample_headers(files, num_ids: int, hidden: int) -> int:
-    """Validate shapes from the safetensors headers (no data read); return total token count."""
-    from safetensors import safe_open
-
-    tokens = 0
-    for p in files:
-        with safe_open(p, "pt") as f:
-            keys = set(f.keys())
-            for need in ("token_ids", "hidden_states", "loss_mask"):
-                if need not in keys:
-                    raise BadInput(f"{p}: missing tensor '{need}'")
-            hs = f.get_slice("hidden_states").get_shape()
-            T = f.get_slice("token_ids").get_shape()
-            lm = f.get_slice("loss_mask").get_shape()
-        if len(hs) != 3 or hs[1] != num_ids or hs[2] != hidden or len(T) != 1 or hs[0] != T[0] or lm != T:
-            raise BadInput(f"{p}: hidden_states {hs} / token_ids {T} / loss_mask {lm} do not match "
-                             f"[T, {num_ids}, {hidden}] / [T] / [T]")
-        if T[0] < 2:
-            raise BadInput(f"{p}: token_ids: need at least 2 tokens, got {T[0]}")
-        tokens += T[0] - 1
-    return tokens
-
 
 def load_batch(files, device, feat_dtype):
     """Read samples, apply the EAGLE shift, right-pad to the longest.

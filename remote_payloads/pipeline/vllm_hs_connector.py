@@ -26,6 +26,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, PendingSave, extract_from_kv_cache)
 
+from hidden_state_files import error_path, tmp_path
+
 LOSS_MASK_KEY = "kimi_eagle_loss_mask"
 
 
@@ -42,11 +44,6 @@ class _CopyDone:
 
     def synchronize(self):
         pass
-
-
-def error_path(sample_path):
-    folder, name = os.path.split(sample_path)
-    return os.path.join(folder, "." + name.replace(".safetensors", ".error"))
 
 
 class KimiEagleHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -101,7 +98,7 @@ class KimiEagleHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 def _write_sample(path, token_ids, hidden_states, loss_mask, done):
     """Writer thread: wait for the copy, write tmp, rename. Errors land next to the sample for the driver."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = tmp_path(path)
     try:
         done.synchronize()
         if loss_mask.shape[0] != token_ids.shape[0]:
