@@ -59,6 +59,40 @@ def _count_or_auto(value):
 
 
 CountOrAuto = Annotated[int | str, BeforeValidator(_count_or_auto)]
+
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "none", "auto")
+
+
+def _report_to(value):
+    # One name or several (a list, or a comma list): where train and eval send their metrics.
+    names = value if isinstance(value, list) else str(value).split(",")
+    names = [str(n).strip() for n in names if str(n).strip()]
+    bad = [n for n in names if n not in TRACKERS]
+    if bad or not names:
+        raise ValueError(f"{bad[0] if bad else value!r} is not a tracker (choose from {', '.join(TRACKERS)})")
+    if len(names) > 1 and {"none", "auto"} & set(names):
+        raise ValueError("none and auto stand alone")
+    return ",".join(names)
+
+
+def _step_settings(value):
+    # A recipe's per-step flags, checked against the steps' declared flags (kimi_eagle/step_flags.py).
+    from .step_flags import mapping_to_argv
+
+    if not isinstance(value, dict):
+        raise ValueError("expected a mapping STEP: {flag: value}")
+    for step, settings in value.items():
+        if not isinstance(settings, dict):
+            raise ValueError(f"{step}: expected a mapping of flags")
+        try:
+            mapping_to_argv(str(step), settings)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
+ReportTo = Annotated[str, BeforeValidator(_report_to)]
+StepSettings = Annotated[dict, BeforeValidator(_step_settings)]
 Real = Annotated[float, BeforeValidator(_no_bool)]
 Text = Annotated[str, BeforeValidator(_printable)]
 
@@ -106,6 +140,10 @@ class Pipeline(_Strict):
     eval_num_prompts: Number | None = Field(None, gt=0)
     eval_max_tokens: Number = Field(128, gt=0)
     num_speculative_tokens: Number = Field(3, gt=0)
+    # train and eval: where metrics go besides the log; auto = tensorboard when the host has it installed.
+    report_to: ReportTo = "auto"
+    # Any other flag of a step, by name: {train: {warmup_steps: 100}} (a recipe's `steps:`).
+    steps: StepSettings = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_model_builder(self):
@@ -142,6 +180,8 @@ class PipelineOverride(_Strict):
     eval_num_prompts: Number | None = Field(None, gt=0)
     eval_max_tokens: Number | None = Field(None, gt=0)
     num_speculative_tokens: Number | None = Field(None, gt=0)
+    report_to: ReportTo | None = None
+    steps: StepSettings | None = None
 
 
 # Values that go into `#SBATCH` lines and Slurm commands: Slurm's own syntax, never spaces or quotes.
@@ -253,12 +293,16 @@ class Host(BaseModel):
     gpus: int | None = None
     rdzv_address: str | None = None  # None: the address
     rdzv_port: int = 29500
+    recipe_source: str | None = None  # the recipe file and overrides over this host's pipeline, for the record
 
 
 class Inventory:
-    def __init__(self, path: str, data: InventoryFile):
+    def __init__(self, path: str, data: InventoryFile, recipe: PipelineOverride | None = None,
+                 recipe_source: str | None = None):
         self.path = path
         self.data = data
+        self.recipe = recipe  # a recipe's settings, over every host's pipeline (kimi_eagle/recipe.py)
+        self.recipe_source = recipe_source
         self.hosts: dict[str, Host] = {n: self._resolve(n, h) for n, h in data.hosts.items()}
 
     def _resolve(self, name: str, h: HostFields) -> Host:
@@ -267,9 +311,13 @@ class Inventory:
             getattr(h, field) if getattr(h, field) is not None else getattr(d, field) if getattr(d, field) is not None else default
         )
         pipeline = self.data.pipeline.model_dump()
-        for over in (d.pipeline, h.pipeline):
+        for over in (d.pipeline, h.pipeline, self.recipe):
             if over is not None:
-                given = over.model_dump(exclude_unset=True)
+                given = over.model_dump(exclude_unset=True, include=set(PipelineOverride.model_fields))
+                steps = {**pipeline.get("steps", {})}
+                for step, flags in (given.pop("steps", None) or {}).items():  # flag by flag, not step by step
+                    steps[step] = {**steps.get(step, {}), **flags}
+                given["steps"] = steps
                 # One way to build `model`: a level that picks one replaces the other one inherited.
                 for mine, other in (("tiny_model", "model_source"), ("model_source", "tiny_model")):
                     if given.get(mine) and other not in given:
@@ -299,7 +347,12 @@ class Inventory:
             gpus=pick("gpus"),
             rdzv_address=pick("rdzv_address"),
             rdzv_port=pick("rdzv_port", 29500),
+            recipe_source=self.recipe_source,
         )
+
+    def with_recipe(self, recipe: PipelineOverride | None, source: str | None = None) -> "Inventory":
+        """The same hosts with a recipe's settings over their pipeline (the recipe wins)."""
+        return self if recipe is None else Inventory(self.path, self.data, recipe, source)
 
     def select(self, host: str | None = None, group: str | None = None) -> list[Host]:
         """Hosts named by --host/--group (a name may be a host or a group); all hosts when neither."""
@@ -363,25 +416,25 @@ def parse(text: str, shown: str) -> Inventory:
         raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{shown}: the inventory must be a mapping with a 'hosts' section")
-    _refuse_duplicate_keys(shown, node)
+    refuse_duplicate_keys(shown, node)
     _refuse_bad_names(shown, node, raw)
     try:
         data = InventoryFile.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        raise ConfigError(_describe(shown, node, err)) from None
+        raise ConfigError(describe_error(shown, node, err)) from None
     for group, members in data.groups.items():
         for m in members:
             if m not in data.hosts:
-                line = _line_of(node, ("groups", group))
+                line = line_of(node, ("groups", group))
                 raise ConfigError(f"{shown}{line}: group {group!r} names unknown host {m!r}")
         if group in data.hosts:
-            raise ConfigError(f"{shown}{_line_of(node, ('groups', group))}: group {group!r} has the name of a host")
+            raise ConfigError(f"{shown}{line_of(node, ('groups', group))}: group {group!r} has the name of a host")
     _check_schedulers(shown, node, data)
     return Inventory(shown, data)
 
 
-def _refuse_duplicate_keys(shown: str, node, path: tuple = ()) -> None:
+def refuse_duplicate_keys(shown: str, node, path: tuple = ()) -> None:
     """YAML lets a later key silently replace an earlier one (a second host of the same name): refuse it."""
     if isinstance(node, yaml.MappingNode):
         first: dict = {}
@@ -394,10 +447,10 @@ def _refuse_duplicate_keys(shown: str, node, path: tuple = ()) -> None:
                                   f"(first at line {first[key]}); remove one")
             if key is not None:
                 first[key] = k.start_mark.line + 1
-            _refuse_duplicate_keys(shown, v, path + (key,))
+            refuse_duplicate_keys(shown, v, path + (key,))
     elif isinstance(node, yaml.SequenceNode):
         for v in node.value:
-            _refuse_duplicate_keys(shown, v, path)
+            refuse_duplicate_keys(shown, v, path)
 
 
 def _refuse_bad_names(shown: str, node, raw: dict) -> None:
@@ -409,11 +462,11 @@ def _refuse_bad_names(shown: str, node, raw: dict) -> None:
         for name, members in names.items():
             bad = _control_chars(str(name))
             if bad:
-                raise ConfigError(f"{shown}{_line_of(node, (section, name))}: {kind} name {name!r} contains a "
+                raise ConfigError(f"{shown}{line_of(node, (section, name))}: {kind} name {name!r} contains a "
                                   f"control character ({bad})")
             for m in members if section == "groups" and isinstance(members, list) else []:
                 if isinstance(m, str) and (bad := _control_chars(m)):
-                    raise ConfigError(f"{shown}{_line_of(node, (section, name))}: group {name!r} names host {m!r}, "
+                    raise ConfigError(f"{shown}{line_of(node, (section, name))}: group {name!r} names host {m!r}, "
                                       f"which contains a control character ({bad})")
 
 
@@ -424,16 +477,16 @@ def _check_schedulers(shown: str, node, data: InventoryFile) -> None:
         scheduler = h.scheduler or d.scheduler or "direct"
         has_slurm = (h.slurm or d.slurm) is not None
         if scheduler == "slurm" and not has_slurm:
-            line = _line_of(node, ("hosts", name, "scheduler"))
+            line = line_of(node, ("hosts", name, "scheduler"))
             raise ConfigError(f"{shown}{line}: host {name!r}, field slurm: required with scheduler: slurm (partition, ...)")
         if scheduler != "slurm" and h.slurm is not None:
-            line = _line_of(node, ("hosts", name, "slurm"))
+            line = line_of(node, ("hosts", name, "slurm"))
             raise ConfigError(f"{shown}{line}: host {name!r}, field slurm: only used with scheduler: slurm")
 
 
-def _describe(shown: str, node, err: dict[str, Any]) -> str:
+def describe_error(shown: str, node, err: dict[str, Any]) -> str:
     loc = tuple(err["loc"])
-    line = _line_of(node, loc)
+    line = line_of(node, loc)
     where = ""
     if len(loc) >= 2 and loc[0] == "hosts":
         where = f"host {loc[1]!r}, field {'.'.join(map(str, loc[2:])) or '(host)'}"
@@ -449,7 +502,7 @@ def _describe(shown: str, node, err: dict[str, Any]) -> str:
     return f"{shown}{line}: {where}: {msg}{shown_value}"
 
 
-def _line_of(node, loc: tuple) -> str:
+def line_of(node, loc: tuple) -> str:
     """':LINE' of the deepest YAML node on the path `loc`, or '' when unknown."""
     best = node
     for key in loc:

@@ -64,7 +64,7 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = shapes.apply(pipeline.plan(step, host.pipeline, extra), step, shape)
+    steps = shapes.apply(pipeline.plan_for_host(step, host, extra), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import step_flags
 from .errors import ConfigError
-from .host import PAYLOADS, expand
+from .host import PAYLOADS, RUNS, expand
 
 STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
 # Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
@@ -20,9 +21,9 @@ FLAGS = {
     "prepare": ("model", "dataset", "output_dir", "seq_len"),
     "extract": ("model", "output_dir", "layer_ids", "backend", "batch_size", "tp_size", "seq_len", "dtype"),
     "vocab": ("model", "output_dir", "draft_vocab_size"),
-    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps", "dtype"),
+    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps", "dtype", "report_to"),
     "eval": ("model", "output_dir", ("eval_prompts", "prompts"), ("eval_num_prompts", "num_prompts"),
-             ("eval_max_tokens", "max_tokens"), "num_speculative_tokens", "tp_size", "dtype"),
+             ("eval_max_tokens", "max_tokens"), "num_speculative_tokens", "tp_size", "dtype", "report_to"),
 }
 REQUIRED = {"model", "dataset", "eval_prompts"}
 # Where prepare finds the regenerated conversations (regenerate.py writes it there).
@@ -73,7 +74,8 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
             raise ConfigError("`run exec` needs a command after --, e.g. kimi-eagle run exec -- nvidia-smi")
         return [Step("exec", extra, python=False)]
     if step == "all" and extra:
-        raise ConfigError("`run all` takes no extra flags after --: set them in the inventory's pipeline section")
+        raise ConfigError("`run all` takes no extra flags after --: set them in a recipe (steps: {STEP: {flag: value}}) "
+                          "or as overrides, e.g. steps.train.warmup_steps=100")
     if step == "all":
         names = chain(pipeline)
     elif step in STEPS:
@@ -89,12 +91,29 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
         model = str(expand(pipeline.model))
         steps.append(Step("model", [f"{PAYLOADS}/pipeline/models.py", "--source", pipeline.model_source, "--out", model],
                           unless_exists=f"{model}/config.json"))
+    step_flags.validate(names[0], extra)  # a typo is refused here, before anything is rendered or uploaded
     for n in names:
-        argv = [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline), *extra]
+        argv = [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline),
+                *step_flags.mapping_to_argv(n, pipeline.steps.get(n) or {}), *extra]
         if n in TORCHRUN_STEPS:
             argv = [f"{PAYLOADS}/pipeline/launch.py", *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
     return steps
+
+
+def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]:
+    """The plan, led (for pipeline steps) by the record of what the run used: the resolved settings, the versions
+    on the host and ours, written by ops/provenance.py under {output_dir}/runs/<job-id>/ next to the outputs."""
+    from . import __version__
+    from .recipe import resolved_yaml
+
+    steps = plan(step, host.pipeline, extra)
+    if step == "exec":
+        return steps
+    settings = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
+    record = Step("record", [f"{PAYLOADS}/ops/provenance.py", "--output-dir", str(expand(host.pipeline.output_dir)),
+                             "--runs-dir", RUNS, "--product-version", __version__, "--settings", settings])
+    return [record, *steps]
 
 
 def launch_flags(step: str, pipeline) -> list[str]:

@@ -51,7 +51,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     slurm = host.slurm
     run_rel = f"{RUNS}/{job_id}"
     run_dir = session.path(run_rel)
-    steps = pipeline.plan(step, host.pipeline, extra)
+    steps = pipeline.plan_for_host(step, host, extra)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
     torchrun = step in shapes.DISTRIBUTED and slurm.nodes > 1

@@ -40,6 +40,21 @@ def progress(iterable, total=None, desc=""):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
 
+# The machine-readable progress line `kimi-eagle logs` turns into a bar (kimi_eagle/logview.py parses it):
+#   @kimi-eagle-progress {"step": "train", "done": 40, "total": 100, "loss": 2.31, "acc": 0.41, "tok_s": 5400}
+PROGRESS_MARK = "@kimi-eagle-progress "
+
+
+def progress_line(step: str, done: int, total: int, **metrics) -> None:
+    """One progress point of a long step on stderr: done/total plus figures such as loss, acc (the acceptance
+    signal: the draft's top-1 agreement at the first position) and tok_s. Rank 0 only under torchrun."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    point = {"step": step, "done": int(done), "total": int(total)}
+    point.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items() if v is not None})
+    print(PROGRESS_MARK + json.dumps(point), file=sys.stderr, flush=True)
+
+
 # --------------------------------------------------------------------------------------- atomic writes
 def atomic_write_via(path: str, writer, mode: int | None = None) -> None:
     """Write `path` through `writer(tmp_path)`; readers see the old file or the whole new one, never a part.

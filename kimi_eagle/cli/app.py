@@ -90,6 +90,7 @@ def _usage_line(e) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    state.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = command().main(args=argv, prog_name="kimi-eagle", standalone_mode=False)
     except KimiEagleError as e:

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FAILED
-from .context import console_ui, state
+from .context import RECIPE_HELP, console_ui, split_extra, state
 
 def render(
     ctx: typer.Context,
@@ -16,15 +16,21 @@ def render(
     step: Optional[str] = typer.Argument(None, help="The step, for WHAT=job: prepare|extract|vocab|train|all."),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
     out: Path = typer.Option(..., "--out", "-o", help="Local folder to write the rendered files into."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),
 ):
     """Write exactly what would be uploaded and run, without touching the network.
 
+    `KEY=VALUE` arguments override the recipe, as for `run`: `render job train --out r -c r.yaml epochs=3`.
     Flags after `--` are rendered as the real command passes them: `render job exec -- CMD ARGS`,
     `render job extract -- --validate`.
     """
     from .. import render as r, renderables
 
-    files = renderables.files_for(what, step, state.inventory.one(host), list(ctx.args))
+    overrides, extra = split_extra(ctx, step_takes_command=step == "exec")
+    if step and "=" in step and not step.startswith("-"):  # `render probe k=v`: an override, not a step
+        overrides, step = [step, *overrides], None
+    state.use_recipe(recipe, overrides)
+    files = renderables.files_for(what, step, state.inventory.one(host), extra)
     written = r.write(out, files)
     if state.json:
         return console_ui().emit_json([str(p) for p in written])

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_RUNNING, ConfigError
-from .context import console_ui, state
+from .context import RECIPE_HELP, console_ui, split_extra, state
 
 
 def _host_for_job(job_id: str, host: Optional[str]):
@@ -118,9 +118,11 @@ def run(
     reset_gpus: bool = typer.Option(False, "--reset-gpus", help="First stop our own stale GPU holders on the host."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the preflight checks."),
     gpu: Optional[bool] = typer.Option(None, "--gpu/--no-gpu", help="Take the host's GPU lock (default: regenerate, extract, train, eval, all)."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),
 ):
     """Start a pipeline step (or `all`) as a detached job on the host; follow its log unless --detach.
 
+    `KEY=VALUE` arguments override the recipe (or the inventory's pipeline): `kimi-eagle run all -c r.yaml epochs=3`.
     Flags after `--` go to the step's script, e.g. `kimi-eagle run extract -- --validate`;
     `kimi-eagle run exec -- CMD ARGS` runs any command with the same log, stop and exit-code guarantees.
     A Slurm host (`scheduler: slurm`) submits the job with sbatch instead; `--group G` runs over several hosts.
@@ -129,7 +131,8 @@ def run(
     from ..host import HostSession
     from ..renderables import Offline
 
-    extra = list(ctx.args)
+    overrides, extra = split_extra(ctx, step_takes_command=step == "exec")
+    state.use_recipe(recipe, overrides)
     if group:
         if host:
             raise ConfigError("give --host or --group, not both")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .context import console_ui, state
+from .context import RECIPE_HELP, console_ui, split_extra, state
 from ..errors import EXIT_FAILED
 
 ICON = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
@@ -18,20 +18,26 @@ def preflight(
     step: str = typer.Argument("all", help="prepare | extract | vocab | train | all"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),
 ):
     """Check versions, patch, model config, layer ids, GPU memory, disk, dataset and the GPU lock, in seconds.
 
-    `run` does this automatically (skip with --no-preflight). Flags after `--` go to the check script.
+    `run` does this automatically (skip with --no-preflight). `KEY=VALUE` arguments override the recipe, as for
+    `run`. Flags after `--` go to the check script.
     """
     from .. import preflight as pf
     from ..parallel import each_host
     from ..pipeline import STEPS
 
+    overrides, extra = split_extra(ctx)
+    if "=" in step:  # `preflight epochs=3`: an override, the step defaults to all
+        overrides, step = [step, *overrides], "all"
+    state.use_recipe(recipe, overrides)
     if step not in (*STEPS, "all"):
         from ..errors import ConfigError
 
         raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
-    outcomes = each_host(state.inventory.select(host, group), lambda s: pf.run(s, step, list(ctx.args)))
+    outcomes = each_host(state.inventory.select(host, group), lambda s: pf.run(s, step, extra))
     ui = console_ui()
     if state.json:
         ui.emit_json([{"host": o.host, "ok": bool(o.ok and o.value.ok), "error": str(o.error) if o.error else None,

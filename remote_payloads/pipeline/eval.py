@@ -26,6 +26,7 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 from step_runtime import BadInput, atomic_write, atomic_write_json, job_headline, log, run_step, stdout_for_result_only  # noqa: E402
+from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 
 HEADLINE_PREFIX = "eval: "
 
@@ -247,6 +248,7 @@ def run(args):
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
     dc, tc = check_draft(args.draft, args.model)
+    wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
     prompts = read_prompts(args.prompts, args.num_prompts)
     k = args.num_speculative_tokens
     engine, why = args.engine, None
@@ -271,6 +273,11 @@ def run(args):
 
     atomic_write(os.path.join(out_dir, "report.png"), render_report_png(rep))
     rep["report"] = os.path.join(out_dir, "report.json")
+    with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:
+        tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"], "eval/speedup": rep["speedup"],
+                        "eval/tokens_per_s_with_draft": rep["tokens_per_s"]["with_draft"],
+                        "eval/tokens_per_s_without_draft": rep["tokens_per_s"]["without_draft"],
+                        **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
     log(HEADLINE_PREFIX + rep["headline"])
     job_headline(HEADLINE_PREFIX + rep["headline"])
     return rep
@@ -296,6 +303,9 @@ def build_parser():
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm engine: skip graph capture (default on: faster start for short evals)")
+    ap.add_argument("--report-to", default="auto", help="figures to tensorboard, wandb, trackio, mlflow (comma list), "
+                    "none, or auto: tensorboard when installed (default)")
+    ap.add_argument("--tracking-dir", default=None, help="tensorboard's folder (default <output-dir>/tracking)")
     return ap
 
 

@@ -40,8 +40,9 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators, load_target_config,  # noqa: E402
                          load_target_tensors)
 from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
-from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, run_step,  # noqa: E402
-                          settings_changed)
+from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, progress_line,  # noqa: E402
+                          run_step, settings_changed)
+from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 
 CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-key", default=None, help="exact tensor name of the target embedding")
     p.add_argument("--norm-key", default=None, help="exact tensor name of the target final norm")
     p.add_argument("--lm-head-key", default=None, help="exact tensor name of the target lm_head")
+    p.add_argument("--report-to", default="auto", help="metrics to tensorboard, wandb, trackio, mlflow (comma list), "
+                   "none, or auto: tensorboard when installed (default)")
+    p.add_argument("--tracking-dir", default=None, help="tensorboard's folder (default <output-dir>/tracking)")
     return p
 
 
@@ -247,6 +251,7 @@ def train(args) -> dict:
     for name in ("batch_size", "ttt_steps", "log_every", "save_every"):
         if getattr(args, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')}: must be >= 1")
+    wanted(args.report_to)  # a tracker asked for by name and missing: said before any work
 
     # --- inputs ---------------------------------------------------------------------------------
     dc_path = os.path.join(hs_dir, "data_config.json")
@@ -399,7 +404,8 @@ def train(args) -> dict:
     t_loop, tok_loop, done = time.time(), 0, start
     step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
     model.train()
-    with dist_.StopRequest() as stop_request:
+    tracker = open_tracker(args.report_to, tracking_dir(out, args.tracking_dir), config=vars(args), main=w.main)
+    with tracker, dist_.StopRequest() as stop_request:
         for step in range(start, stop):
             lr = lr_at(step, total, args)
             for g in opt.param_groups:
@@ -446,6 +452,10 @@ def train(args) -> dict:
                 acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(accs))
                 if w.main:
                     log(f"step {done}/{total} loss {loss_v:.4f} {acc_s} lr {lr:.2e} tok/s {tok_g / dt:.0f}")
+                    # The tracker (tensorboard, ...) and the progress bar of `kimi-eagle logs`: keep both calls.
+                    tracker.log(done, {"train/loss": loss_v, "train/lr": lr, "train/tokens_per_s": tok_g / dt,
+                                       **{f"train/acc_{k}": a for k, a in enumerate(accs)}})
+                    progress_line("train", done, total, loss=loss_v, acc=accs[0] if accs else None, tok_s=tok_g / dt)
                 history.append({"step": done, "loss": loss_v, "step_losses": losses, "acc": accs,
                                 "tokens_per_s": round(tok_g / dt, 1)})
                 t_log, tok_log = time.time(), 0

@@ -1,0 +1,117 @@
+"""Recipes: what a run trains (model, data, layers, vocabulary, schedule) in one file you can share, apart from
+the inventory that says where it runs.
+
+`--recipe FILE.yaml` (or `-c`) plus `KEY=VALUE` overrides (dotted where nested: `steps.train.warmup_steps=100`)
+on `run`, `render` and `preflight`. A recipe holds the inventory's pipeline settings, flat, plus `steps:` (any
+other flag of a step) and `description`. Order, last wins: the inventory's `pipeline:`, the host's `pipeline:`,
+the recipe, the overrides. Every mistake is one line naming the file (or the override) and the key, exit 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import ConfigError
+from .inventory import PipelineOverride, describe_error, line_of, refuse_duplicate_keys
+
+COMMAND_LINE = "<command line>"
+
+
+class Recipe(PipelineOverride):
+    """The pipeline settings of one experiment (every key optional; unknown keys refused)."""
+
+    description: str | None = None
+
+
+def load(path: str | None, overrides: list[str] | None = None) -> Recipe | None:
+    """The recipe at `path` with `overrides` applied and validated; None when neither is given."""
+    overrides = list(overrides or [])
+    if not path and not overrides:
+        return None
+    raw, node, shown = {}, None, COMMAND_LINE
+    if path:
+        shown = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{shown}: recipe file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{shown}: cannot read the recipe: {e}") from None
+        raw, node = _parse(text, shown)
+    given: dict[tuple, str] = {}
+    for o in overrides:
+        keys, value = _override(o)
+        _set(raw, keys, value, o)
+        given[keys] = o
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(str(k) for k in err["loc"])
+        for keys, o in given.items():
+            if loc[: len(keys)] == keys or keys[: len(loc)] == loc:
+                message = describe_error("", None, err).lstrip(": ")
+                where = f" (recipe {shown})" if path else ""
+                raise ConfigError(f"override {o}: {message}{where}") from None
+        raise ConfigError(describe_error(shown, node, err)) from None
+
+
+def _parse(text: str, shown: str):
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
+    if raw is None:
+        return {}, node
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{shown}: a recipe is a mapping of settings (model: ..., epochs: ...)")
+    if "pipeline" in raw:
+        raise ConfigError(f"{shown}{line_of(node, ('pipeline',))}: a recipe holds the pipeline settings themselves: "
+                          f"move what is under `pipeline:` to the top level")
+    if "hosts" in raw:
+        raise ConfigError(f"{shown}{line_of(node, ('hosts',))}: hosts belong in the inventory, not in a recipe")
+    refuse_duplicate_keys(shown, node)
+    return raw, node
+
+
+def _override(text: str) -> tuple[tuple, object]:
+    key, sep, value = text.partition("=")
+    keys = tuple(key.strip().split("."))
+    if not sep or not all(keys):
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. epochs=3 or steps.train.warmup_steps=100")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value  # `{workdir}/models/x` is a path, not a YAML mapping
+    return keys, value if isinstance(parsed, dict) else parsed
+
+
+def _set(raw: dict, keys: tuple, value, text: str) -> None:
+    d = raw
+    for k in keys[:-1]:
+        nxt = d.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {text}: {k} is not a section")
+        d = nxt
+    d[keys[-1]] = value
+
+
+def source(path: str | None, overrides: list[str] | None) -> str | None:
+    """How a recipe was given, for the record: `FILE KEY=VALUE ...`."""
+    words = ([str(path)] if path else []) + list(overrides or [])
+    return " ".join(words) or None
+
+
+def resolved_yaml(pipeline, *, source: str | None, host: str) -> str:
+    """What a run actually used, written next to its outputs: every setting, and where it came from."""
+    head = [f"# the settings this run used on host {host}",
+            f"# recipe: {source or '(none: the inventory pipeline section)'}"]
+    body = yaml.safe_dump(pipeline.model_dump(), sort_keys=False, default_flow_style=None)
+    return "\n".join(head) + "\n" + body

@@ -1,0 +1,129 @@
+"""Recipes: a run's settings in one file apart from the inventory, KEY=VALUE overrides on the command line, every
+mistake one line naming the file (or the override) and the key, and the settings and versions a run used
+written next to its outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import REPO, make_env
+
+INVENTORY_PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n  epochs: 1\n"
+
+
+def _train_line(e, tmp_path, *args) -> str:
+    out = tmp_path / "r"
+    r = e.cli("render", "job", "train", "--host", "local", "--out", str(out), *args)
+    assert r.code == 0, (r.stdout, r.stderr)
+    return next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "pipeline/train.py" in ln)
+
+
+def test_a_recipe_and_overrides_set_the_run_and_the_last_word_wins(tmp_path):
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("epochs: 4\nlr: 0.02\nsteps:\n  train: {warmup_steps: 5, resume: true}\n")
+    assert "--epochs 1 " in _train_line(e, tmp_path)  # the inventory's pipeline section, as before
+    line = _train_line(e, tmp_path, "-c", str(recipe))
+    assert "--epochs 4 " in line and "--lr 0.02 " in line and "--warmup-steps 5 --resume" in line, line
+    line = _train_line(e, tmp_path, "--recipe", str(recipe), "epochs=7", "steps.train.warmup_steps=9", "report_to=none")
+    assert "--epochs 7 " in line and "--warmup-steps 9" in line and "--report-to none" in line, line
+    # Overrides alone, without a recipe file, over the inventory's settings.
+    assert "--epochs 3 " in _train_line(e, tmp_path, "epochs=3")
+
+
+def test_a_recipe_wins_over_the_hosts_own_pipeline_settings(tmp_path):
+    e = make_env(tmp_path, None)
+    e.write_inventory(f"""
+hosts:
+  local:
+    transport: local
+    workdir: {tmp_path / 'w'}
+    pipeline: {{model: /models/m, dataset: /d.jsonl, batch_size: 2, seq_len: 99}}
+pipeline:
+  batch_size: 1
+""")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch_size: 16\n")
+    line = _train_line(e, tmp_path, "-c", str(recipe))
+    assert "--batch-size 16" in line and "--model /models/m" in line, line
+
+
+MISTAKES = {
+    "unknown key in the file": ("epochs: 2\nepcohs: 3\n", [], r"^error: \S*r\.yaml:2: field epcohs: unknown key$"),
+    "wrong type in the file": ("epochs: many\n", [], r"^error: \S*r\.yaml:1: field epochs: .*many"),
+    "a step flag the step lacks": ("steps:\n  train: {epcohs: 3}\n", [], r"r\.yaml:1: field steps: .*train: unknown flag --epcohs"),
+    "unknown key in an override": ("epochs: 2\n", ["epcohs=3"], r"^error: override epcohs=3: field epcohs: unknown key \(recipe \S*r\.yaml\)$"),
+    "wrong type in an override": ("", ["batch_size=big"], r"^error: override batch_size=big: field batch_size: .*big"),
+    "not KEY=VALUE": ("", ["epochs"], r"^error: kimi-eagle run: unexpected argument 'epochs'"),
+    "a pipeline: section": ("pipeline:\n  epochs: 2\n", [], r"r\.yaml:1: a recipe holds the pipeline settings themselves"),
+    "hosts in a recipe": ("hosts: {}\n", [], r"r\.yaml:1: hosts belong in the inventory"),
+    "bad YAML": ("epochs: [1\n", [], r"r\.yaml:\d+: YAML syntax error"),
+    "tracker unknown": ("report_to: tensorbored\n", [], r"field report_to: 'tensorbored' is not a tracker"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_a_recipe_mistake_is_one_line_exit_2_and_nothing_reaches_the_host(tmp_path, sshd, case):
+    text, overrides, pattern = MISTAKES[case]
+    e = make_env(tmp_path, sshd, extra=INVENTORY_PIPELINE)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    r = e.cli("run", "train", "--host", "gpu", "-c", str(recipe), *overrides)
+    assert r.code == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(pattern, lines[0]), lines
+    assert not e.workdir.exists(), "something reached the host"
+
+
+def test_a_missing_recipe_file_is_named(tmp_path):
+    r = make_env(tmp_path, None).cli("preflight", "--host", "local", "-c", str(tmp_path / "nope.yaml"))
+    assert r.code == 2 and r.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: recipe file not found", r.stderr
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.5-8gpu", "smollm2-quality"])
+def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
+    """The recipes under recipes/ are valid, and render the whole chain for the example 8-GPU host."""
+    e = make_env(tmp_path, None)
+    e.write_inventory((REPO / "inventory.yaml").read_text())
+    out = tmp_path / "r"
+    r = e.cli("render", "job", "all", "--host", "blackwell-01", "--out", str(out), "-c", str(REPO / "recipes" / f"{name}.yaml"))
+    assert r.code == 0, r.stderr
+    script = next(out.rglob("job.sh")).read_text()
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    if name == "kimi-k2.5-8gpu":
+        extract = next(ln for ln in script.splitlines() if "pipeline/extract.py" in ln)
+        for flag in ("--backend vllm", "--tp-size 8", "--layer-ids 2,30,58,61", "--model /models/Kimi-K2.5"):
+            assert flag in extract, extract
+        assert "--draft-vocab-size 32000" in script
+    else:
+        assert "pipeline/regenerate.py" in script and "pipeline/eval.py" in script and "--source smollm2" in script
+
+
+def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, sshd):
+    """A real job over sshd: <output_dir>/runs/<job-id>/recipe.yaml (the resolved settings, overrides included,
+    readable as YAML), versions.json (ours and the host's), and the job's pointer to its outputs."""
+    from kimi_eagle import __version__
+
+    e = make_env(tmp_path, sshd, extra=INVENTORY_PIPELINE)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("description: a test\nepochs: 4\n")
+    # The vocab step prints its help and exits 0: the record is what runs first.
+    r = e.cli("--json", "run", "vocab", "--host", "gpu", "--detach", "--no-preflight", "-c", str(recipe),
+              "draft_vocab_size=77", "--", "--help")
+    assert r.code == 0, (r.stdout, r.stderr)
+    job = r.json()["id"]
+    assert e.cli("logs", job, "--follow").code == 0
+    record = e.workdir / "out" / "runs" / job
+    settings = yaml.safe_load((record / "recipe.yaml").read_text())
+    assert settings["epochs"] == 4 and settings["draft_vocab_size"] == 77 and settings["model"] == "/models/m"
+    assert f"# recipe: {recipe} draft_vocab_size=77" in (record / "recipe.yaml").read_text()
+    versions = json.loads((record / "versions.json").read_text())
+    import torch
+
+    assert versions["kimi-eagle"] == __version__ and versions["packages"]["torch"] == torch.__version__
+    assert (e.workdir / "runs" / job / "output_dir").read_text().strip() == str(e.workdir / "out")

@@ -1,0 +1,101 @@
+"""Step flags are known on the controller: the declared table equals each step's own argparse, and a typo or a
+value of the wrong type is one line naming the flag and the step, exit 2, before anything reaches the host."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, make_env
+
+# Runs each step's main() with argparse's parse_args replaced by a grab of the parser: the real parsers, read
+# without running a step.
+_READ_PARSERS = r"""
+import argparse, importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+class Got(BaseException):
+    pass
+def grab(self, args=None, namespace=None):
+    raise Got(self)
+argparse.ArgumentParser.parse_args = grab
+out = {}
+for step in sys.argv[2:]:
+    try:
+        importlib.import_module(step).main([])
+    except Got as g:
+        parser = g.args[0]
+    flags = {}
+    for a in parser._actions:
+        if isinstance(a, argparse._HelpAction):
+            continue
+        if isinstance(a, argparse.BooleanOptionalAction):
+            kind, opts = ["toggle", []], [o for o in a.option_strings if not o.startswith("--no-")]
+        elif isinstance(a, argparse._StoreTrueAction):
+            kind, opts = ["switch", []], a.option_strings
+        elif a.choices is not None:
+            kind, opts = ["choice", [str(c) for c in a.choices]], a.option_strings
+        else:
+            kind = [{int: "int", float: "float"}.get(a.type, "text"), []]
+            opts = a.option_strings
+        for o in opts:
+            flags[o] = kind
+    out[step] = flags
+print(json.dumps(out))
+"""
+
+
+def test_the_declared_flags_are_the_steps_own():
+    from kimi_eagle.step_flags import STEP_FLAGS
+
+    res = subprocess.run([sys.executable, "-c", _READ_PARSERS, str(REPO / "remote_payloads" / "pipeline"), *STEP_FLAGS],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    actual = json.loads(res.stdout.strip().splitlines()[-1])
+    for step, flags in STEP_FLAGS.items():
+        declared = {f: [k.kind, list(k.choices)] for f, k in flags.items()}
+        missing = sorted(set(actual[step]) - set(declared))
+        extra = sorted(set(declared) - set(actual[step]))
+        assert not missing and not extra, f"{step}: kimi_eagle/step_flags.py lacks {missing}, has unknown {extra}"
+        for f, kind in actual[step].items():
+            assert declared[f] == kind, f"{step} {f}: declared {declared[f]}, the script takes {kind}"
+
+
+TYPOS = {
+    "unknown flag after --": (["run", "train", "--host", "gpu", "--", "--epcohs", "3"], ["--epcohs", "train", "--epochs"]),
+    "wrong type": (["run", "extract", "--host", "gpu", "--", "--batch-size", "many"], ["--batch-size", "extract", "integer"]),
+    "bad choice": (["run", "train", "--host", "gpu", "--", "--parallel", "zero"], ["--parallel", "train", "fsdp"]),
+    "missing value": (["run", "vocab", "--host", "gpu", "--", "--draft-vocab-size"], ["--draft-vocab-size", "vocab"]),
+    "unknown option before --": (["run", "train", "--hots", "gpu"], ["--hots", "run"]),
+    "run all: a step flag in an override": (["run", "all", "--host", "gpu", "steps.train.epcohs=3"], ["--epcohs", "train"]),
+    "run all: flags after --": (["run", "all", "--host", "gpu", "--", "--epochs", "3"], ["run all", "steps.train"]),
+    "render job": (["render", "job", "train", "--host", "gpu", "--out", "RENDERED", "--", "--epcohs", "3"], ["--epcohs", "train"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TYPOS))
+def test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host(tmp_path, sshd, case):
+    argv, needles = TYPOS[case]
+    e = make_env(tmp_path, sshd, extra="pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n")
+    argv = [str(tmp_path / "rendered") if a == "RENDERED" else a for a in argv]
+    r = e.cli(*argv)
+    assert r.code == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert not e.workdir.exists(), "something reached the host"
+    assert not (tmp_path / "rendered").exists(), "render wrote files"
+
+
+def test_flags_and_settings_that_are_right_pass(tmp_path):
+    """The same command without the typo renders, with the step flags in the step's command line."""
+    e = make_env(tmp_path, None, extra="pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n")
+    out = tmp_path / "r"
+    r = e.cli("render", "job", "train", "--host", "local", "--out", str(out), "--", "--epochs=3", "--resume",
+              "--no-export-embed-tokens", "--lr", "-1e-3")
+    assert r.code == 0, r.stderr
+    line = next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "pipeline/train.py" in ln)
+    assert line.rstrip().endswith("--epochs=3 --resume --no-export-embed-tokens --lr -1e-3"), line
