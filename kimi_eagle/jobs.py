@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import pipeline, render, shapes
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, HostError, KimiEagleError
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
 from .shell import join
 
@@ -88,7 +88,7 @@ def _under(workdir: str, rel: str) -> str:
 def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
     res = session.call("ops/jobctl.py", ["--runs-dir", RUNS, *args])
     if res.exited == -1:  # the channel closed without an exit status: the connection dropped, not jobctl
-        raise HostError(f"{session.name}: connection lost during jobctl {args[0]}", result=res)
+        raise ConnectionFailed(f"{session.name}: connection lost during jobctl {args[0]}", result=res)
     try:
         return res.exited, json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

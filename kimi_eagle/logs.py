@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import jobs
-from .errors import HostError
+from .errors import ConnectionFailed, HostError
 from .host import HostSession
 from .shell import join
 
@@ -92,7 +92,7 @@ class Reconnects:
         now = time.monotonic()
         self.down_since = self.down_since or now
         if now - self.down_since > self.give_up_after:
-            raise HostError(f"{self.host.name}: connection lost for {self.give_up_after:.0f}s while following {self.job_id}; "
+            raise ConnectionFailed(f"{self.host.name}: connection lost for {self.give_up_after:.0f}s while following {self.job_id}; "
                             f"resume with: kimi-eagle logs {self.job_id} --follow --host {self.host.name}") from None
         self.count += 1
         if self.on_reconnect:

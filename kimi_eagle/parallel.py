@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import KimiEagleError
+from .errors import ConnectionFailed, KimiEagleError, is_transport_failure
 
 
 @dataclass
@@ -20,6 +20,13 @@ class HostOutcome:
         return self.error is None
 
 
+def failure_exit(outcomes) -> int:
+    """Exit code when not every host succeeded: 5 when each failure was the connection's, else 1."""
+    from .errors import failure_exit as by_errors
+
+    return by_errors(o.error for o in outcomes)
+
+
 def each_host(hosts, fn: Callable, max_workers: int = 16) -> list[HostOutcome]:
     """fn(session) for every host, each over its own connection, closed afterwards."""
     from .host import HostSession
@@ -30,8 +37,9 @@ def each_host(hosts, fn: Callable, max_workers: int = 16) -> list[HostOutcome]:
             return HostOutcome(host.name, fn(session))
         except KimiEagleError as e:
             return HostOutcome(host.name, error=e)
-        except Exception as e:  # a bug or an unexpected library error: still per host
-            return HostOutcome(host.name, error=KimiEagleError(f"{host.name}: {type(e).__name__}: {e}"))
+        except Exception as e:  # a dropped connection, a bug or an unexpected library error: still per host
+            kind = ConnectionFailed if is_transport_failure(e) else KimiEagleError
+            return HostOutcome(host.name, error=kind(f"{host.name}: {type(e).__name__}: {e}"))
         finally:
             session.close()
 

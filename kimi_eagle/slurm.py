@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from . import pipeline, render, shapes, sync
-from .errors import CommandError, ConfigError, HostError, KimiEagleError
+from .errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
 from .jobs import Job, new_job_id, remember
 from .shell import join, quote
@@ -184,7 +184,7 @@ def status(session: HostSession, job_id: str | None = None) -> list[Job]:
     dirs = quote(job_id) if job_id else "*/"
     res = session.transport.run(_LIST.format(runs=quote(runs), dirs=dirs, prefix=_prefix(session.host)), timeout=60)
     if res.exited == -1:  # no exit status: the connection dropped mid-listing, the output is partial
-        raise HostError(f"{session.name}: connection lost while reading job states")
+        raise ConnectionFailed(f"{session.name}: connection lost while reading job states")
     jobs_raw: list[dict] = []
     squeue: dict[tuple[str, str], str] = {}
     squeue_ok = True

@@ -12,7 +12,7 @@ import typer
 
 from . import files, gpu, hosts, jobs, patch, preflight
 from .context import console_ui, state
-from ..errors import EXIT_FAILED, EXIT_USAGE, KimiEagleError
+from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
 
 app = typer.Typer(
     name="kimi-eagle",
@@ -111,6 +111,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         if kind == "click":
             console_ui().error(e.format_message())
             sys.exit(e.exit_code)
+        if is_transport_failure(e):  # a connection that dropped mid-command: the network's fault, not the job's
+            console_ui().error(f"connection failed: {type(e).__name__}: {e}")
+            sys.exit(EXIT_TRANSPORT)
         raise
     # With standalone_mode=False click returns the code of a typer.Exit instead of raising it.
     sys.exit(rc if isinstance(rc, int) else 0)

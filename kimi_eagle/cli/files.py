@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import EXIT_FAILED
+from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 def render(
@@ -61,7 +61,7 @@ def upload(
             for path, status in o.value.rows():
                 console_ui().line(f"[{o.host}] {status:9} {o.value.root}/{path}")
     if not all(o.ok for o in outcomes):
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(failure_exit(outcomes))
 
 
 def register(app: typer.Typer) -> None:

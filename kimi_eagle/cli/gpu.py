@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from ..parallel import failure_exit
 from .context import console_ui, state
 from ..errors import EXIT_FAILED, ConfigError
 
@@ -45,7 +46,7 @@ def gpu_reset(
         outcomes = each_host(hosts, lambda s: gpu.reset(s, stop_all=all_, dry_run=dry_run, extra=extra, **kw))
     _print(outcomes, ui)
     if not all(o.ok and o.value.ok for o in outcomes):
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(failure_exit(outcomes))
 
 
 def _print(outcomes, ui) -> None:

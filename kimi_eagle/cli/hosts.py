@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_FAILED, ConfigError, HostUnreachable, KimiEagleError
+from ..parallel import failure_exit
 from .context import console_ui, state
 
 app = typer.Typer(help="List, check and trust hosts.", invoke_without_command=True, no_args_is_help=False)
@@ -61,7 +62,7 @@ def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROU
             else:
                 ui.line(f"[{o.host}] GPUs: none ({d.get('gpu_note') or 'no GPU'})", style="yellow")
     if not all(o.ok for o in outcomes):
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(failure_exit(outcomes))
 
 
 @app.command("trust")

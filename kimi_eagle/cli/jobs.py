@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_RUNNING, ConfigError
+from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 
@@ -307,7 +308,7 @@ def status(
     if job_id and all_jobs:
         raise typer.Exit(jobs.STATE_EXIT[all_jobs[0].state])
     if not all(o.ok for o in outcomes):
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(failure_exit(outcomes))
 
 
 def _duration(seconds) -> str:
@@ -354,7 +355,7 @@ def stop(
                 else:
                     ui.line(f"[{o.host}] {o.error}", style="red")
         if not all(o.ok for o in outcomes):
-            raise typer.Exit(EXIT_FAILED)
+            raise typer.Exit(failure_exit(outcomes))
         return
     h = _host_for_job(job_id, host)
     with HostSession(h) as session:

@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
+from ..parallel import failure_exit
 from .context import console_ui, state
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from ..errors import EXIT_OK, EXIT_USAGE, ConfigError
 
 
 def deploy_patch(
@@ -48,7 +49,7 @@ def deploy_patch(
         for o in usage:  # the host refused its input (e.g. a malformed patch-set file): one line each
             console_ui().error(str(o.error))
         raise typer.Exit(EXIT_USAGE)
-    raise typer.Exit(EXIT_OK if all(patch.succeeded(o) for o in outcomes) else EXIT_FAILED)
+    raise typer.Exit(EXIT_OK if all(patch.succeeded(o) for o in outcomes) else failure_exit(outcomes))
 
 
 _VERDICT = {"apply": "patched", "revert": "reverted", "check": "check passed", "diff": "check passed"}

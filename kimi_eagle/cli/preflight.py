@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
+from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
-from ..errors import EXIT_FAILED
 
 ICON = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
 STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
@@ -53,7 +53,7 @@ def preflight(
                     ui.line(f"[{o.host}]       fix: {c['fix']}")
             ui.line(f"[{o.host}] preflight {'passed' if o.value.ok else 'FAILED'}", style="green" if o.value.ok else "red")
     if not all(o.ok and o.value.ok for o in outcomes):
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(failure_exit(outcomes))
 
 
 def register(app: typer.Typer) -> None:

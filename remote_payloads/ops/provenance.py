@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import json
 import os
 import platform
 import socket
