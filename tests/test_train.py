@@ -384,10 +384,15 @@ def test_speculators_loads_export_same_logits(trained, speculators_site, tmp_pat
     sd = load_file(str(exp / "model.safetensors"))
     embed = sd.pop("embed_tokens.weight")
     ours.load_state_dict({k: v for k, v in sd.items() if k not in ("d2t", "t2d")})
-    aux, _, ids, _, valid = tr.load_batch([str(p["out"] / "hidden_states" / "hs_0.safetensors")],
-                                          "cpu", torch.float32)
-    with torch.no_grad():
-        mine = ours(aux, ids, valid, lambda t: torch.nn.functional.embedding(t, embed), 3)
+    import packing
+
+    doc = str(p["out"] / "hidden_states" / "hs_0.safetensors")
+    b = packing.build_rows([doc], [[0]], SEQ - 1, 3 * H, H, torch.float32)
+    aux, ids = b["aux"], b["ids"]
+    with torch.no_grad():   # both attention paths: the reference one and flex_attention (eager on CPU)
+        mine = ours(aux, ids, lambda t: torch.nn.functional.embedding(t, embed), 3, b["positions"], b["doc_ids"])
+        flex = ours(aux, ids, lambda t: torch.nn.functional.embedding(t, embed), 3, b["positions"], b["doc_ids"],
+                    flex=True)
     torch.save({"aux": aux, "ids": ids}, tmp_path / "in.pt")
     script = tmp_path / "spec.py"
     script.write_text(SPEC_SCRIPT)
@@ -402,3 +407,4 @@ def test_speculators_loads_export_same_logits(trained, speculators_site, tmp_pat
     assert len(theirs["logits"]) == 3
     for k in range(3):
         torch.testing.assert_close(mine[k], theirs["logits"][k], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(flex[k], theirs["logits"][k], rtol=1e-4, atol=1e-4)

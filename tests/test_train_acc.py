@@ -1,7 +1,10 @@
-"""The trainer's logged top-1 agreement (acc[k]) is what serving would accept: the draft's choice mapped
-to a target id (draft id + d2t) against the target's argmax over its full vocabulary. It used to compare
-argmaxes inside the draft vocabulary, which counts a hit whenever the target's real choice lies outside
-that vocabulary and the draft picks the best in-vocabulary runner-up."""
+"""What the trainer counts as accepted, and which positions its loss sees.
+
+acc[k] is what serving would accept: the draft's choice mapped to a target id (draft id + d2t) against the
+target's argmax over its FULL vocabulary (it once compared argmaxes inside the draft vocabulary, counting a hit
+whenever the target's real choice lay outside it). cond_acc[k] counts position k only if every earlier position
+from the same index was accepted, as vLLM counts accepted tokens per position. Positions whose target choice has
+no draft id leave the loss (EAGLE, SpecForge) but stay misses for acceptance."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,24 +25,46 @@ def load_train():
 
 
 tr = load_train()
+import ttt_loss  # noqa: E402
 
 
 def test_acc_counts_target_choices_outside_the_draft_vocab_as_misses():
-    V, K, T = 10, 4, 6
+    T = 6
     draft_to_target = torch.tensor([1, 3, 5, 7])            # draft id i -> target id
-    full = torch.full((1, T, V), -5.0)
-    full[0, :, 3] = 2.0                                      # best in-vocab token everywhere: target 3
-    full[0, :3, 8] = 4.0                                     # ...but the target's real choice at t<3 is 8
-    target_ids = full.argmax(-1)
-    restricted = full[..., draft_to_target]                  # what the loss sees (draft vocab only)
-    draft = torch.full((1, T, K), -5.0)
-    draft[..., 1] = 3.0                                      # the draft always says draft id 1 = target 3
-    mask = torch.ones(1, T, dtype=torch.bool)
-    _, _, accs, _ = tr.step_losses([draft], restricted, mask, 1.0, target_ids=target_ids,
-                                    draft_to_target=draft_to_target)
-    assert accs == [0.5]                                     # 3 of 6: a target choice of 8 is never accepted
-    _, _, none, _ = tr.step_losses([draft], restricted, mask, 1.0)
-    assert none is None                                      # not computed on steps that do not log
+    target_ids = torch.tensor([[8, 8, 8, 3, 3, 3]])         # the target's real choice is 8 (no draft id) at t<3
+    tops = [torch.full((1, T), 1)]                          # the draft always says draft id 1 = target 3
+    doc = torch.zeros(1, T, dtype=torch.long)
+    scored = ttt_loss.step_masks(torch.ones(1, T, dtype=torch.bool), doc, 1)
+    fig = ttt_loss.summarize(ttt_loss.acceptance_counts(tops, draft_to_target, target_ids, scored), [0.0], 1)
+    assert fig["acc"] == [0.5]                               # 3 of 6: a target choice of 8 is never accepted
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    in_loss = ttt_loss.loss_masks(scored, t2d[target_ids])
+    assert in_loss[0].tolist() == [[False, False, False, True, True, True]]   # ...and is not trained toward
+
+
+def test_conditional_acceptance_needs_every_earlier_position():
+    # 3 steps over 8 indices; hits[k][j]: is step k's guess from index j right?
+    hits = [[1, 1, 0, 1, 1, 1, 1, 1],
+            [1, 0, 1, 1, 0, 1, 1],
+            [0, 1, 1, 1, 1, 1]]
+    draft_to_target = torch.arange(4)
+    target = torch.zeros(1, 8, dtype=torch.long)
+    tops = [torch.tensor([h]).long() * 0 + (1 - torch.tensor([h]).long()) for h in hits]   # 0 = right, 1 = wrong
+    scored = ttt_loss.step_masks(torch.ones(1, 8, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.long), 3)
+    fig = ttt_loss.summarize(ttt_loss.acceptance_counts(tops, draft_to_target, target, scored), [0, 0, 0], 3)
+    # indices 0..5 are scored at every step; chains: j=0 (1,1,0) j=1 (1,0,.) j=2 (0,..) j=3 (1,1,1) j=4 (1,0,.)
+    # j=5 (1,1,1) -> position 0: 5/6, position 1: 3/6, position 2: 2/6
+    assert fig["cond_acc"] == [round(5 / 6, 4), 0.5, round(2 / 6, 4)]
+    assert fig["accept_len"] == round(1 + 5 / 6 + 3 / 6 + 2 / 6, 4)
+    assert fig["acc"] == [round(7 / 8, 4), round(5 / 7, 4), round(5 / 6, 4)]   # teacher-forced: higher
+
+
+def test_positions_across_a_document_boundary_are_not_scored():
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    m = ttt_loss.step_masks(torch.ones(1, 6, dtype=torch.bool), doc, 2)
+    assert m[0].tolist() == [[True, True, True, True, True, False]]
+    assert m[1].tolist() == [[True, True, False, True, False]]   # index 2 -> 3 and 4 -> padding cross over
 
 
 def test_full_vocab_argmax_matches_the_unchunked_head():

@@ -117,6 +117,15 @@ def all_sum(values):
     return t.tolist()
 
 
+def all_reduce_(tensor) -> None:
+    """Sum a device tensor over the ranks in place. The host does not wait for it (no .tolist()), so it can
+    run every step without a host sync."""
+    if active():
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on one: all ranks then take the same branch (e.g. stop after
     this step), so none is left waiting in a collective the others skipped."""
@@ -210,7 +219,10 @@ def wrap(model, mode: str, device):
 
         # The big submodules get their own shard unit (gathered just for their forward/backward); the
         # small leftovers (norms) stay with the root. A ModuleList has no forward: its items are the units.
-        units = [m for child in model.children()
+        # Modules the root's forward uses by their weights (the draft's lm_head, applied chunk by chunk inside
+        # the loss) stay with the root too: a unit is gathered only when its own forward runs.
+        keep = set(getattr(model, "fsdp_root_modules", ()))
+        units = [m for name, child in model.named_children() if name not in keep
                  for m in (child if isinstance(child, nn.ModuleList) else [child])]
         for unit in units:
             if sum(p.numel() for p in unit.parameters()) >= 1 << 16 or isinstance(unit, nn.Linear):
@@ -221,6 +233,12 @@ def wrap(model, mode: str, device):
 
 def unwrap(model):
     return getattr(model, "module", model)
+
+
+def _torch_optimizer(opt):
+    """The torch optimizer behind a wrapper holding several by name (FSDP runs have only AdamW)."""
+    named = getattr(opt, "named", None)
+    return named["adamw"] if named else opt
 
 
 def _opts(**kw):
@@ -237,6 +255,7 @@ def full_state(model, opt, mode: str, trainable_names: list[str]):
         return unwrap(model).state_dict(), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    opt = _torch_optimizer(opt)
     msd = get_model_state_dict(model, options=_opts(cpu_offload=True))
     osd = get_optimizer_state_dict(model, opt, options=_opts(cpu_offload=True))
     if not osd:
@@ -254,6 +273,7 @@ def load_full_state(model, opt, mode: str, trainable_names: list[str], msd, osd)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    opt = _torch_optimizer(opt)
     set_model_state_dict(model, msd, options=_opts())
     named = {"state": {trainable_names[i]: s for i, s in osd["state"].items()},
              "param_groups": [{**g, "params": [trainable_names[i] for i in g["params"]]} for g in osd["param_groups"]]}

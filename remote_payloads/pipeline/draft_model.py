@@ -159,7 +159,8 @@ class Attention(nn.Module):
         inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x, positions, mask, kv_cache: list):
+    def qkv(self, x, positions):
+        """Rotated queries, keys and values [B, heads, T, hd] of x [B,T,2H] at positions [B,T]."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
@@ -167,18 +168,90 @@ class Attention(nn.Module):
         freqs = positions[:, :, None].float() * self.inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None].to(q.dtype), emb.sin()[:, None].to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # TTT: keys/values of every earlier step stay visible (speculators keeps them in a DynamicCache);
-        # the mask below decides which of them each query may see.
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def out(self, o):
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def forward(self, x, positions, mask, kv_cache: list):
+        """Incremental use (spec_hf's proposer): keys/values of every earlier call stay in kv_cache and `mask`
+        (dense, small there) says which of them each query sees. Training uses ttt_attention instead."""
+        q, k, v = self.qkv(x, positions)
         kv_cache.append((k, v))
         k = torch.cat([kk for kk, _ in kv_cache], dim=2)
         v = torch.cat([vv for _, vv in kv_cache], dim=2)
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def ttt_attention(q, keys, values, attn):
+    """Attention of TTT step k = len(keys) - 1 without a [T, (k+1)T] mask.
+
+    q [B,nh,T,hd]; keys/values: one [B,nkv,T,hd] per step so far (step 0 first). A query at index j sees the
+    step-0 keys of its own document up to j (causal) and, of every later step, only the key at j itself: the
+    chain of guesses it made there (speculators' TTT mask, EAGLE-3).
+
+    attn a tensor: the doc ids [B,T] (-1 = padding), computed here on any device (the reference): the step-0
+    scores [B,nh,T,T] under a document-causal mask plus k diagonal scores per query (q_j . k_s[j]) in one
+    softmax. attn a flex BlockMask (block_masks): flex_attention over the concatenated keys, where the
+    diagonal blocks are nearly empty, so a step costs about one causal attention; fast once compiled on CUDA.
+    """
+    B, nh, T, hd = q.shape
+    nkv = keys[0].shape[1]
+    scale = hd ** -0.5
+    if not torch.is_tensor(attn):
+        return _flex(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), block_mask=attn, scale=scale,
+                     enable_gqa=nh != nkv)
+    rep = nh // nkv
+
+    def heads(t):
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+    k0, v0 = heads(keys[0]), heads(values[0])
+    idx = torch.arange(T, device=q.device)
+    allowed = (idx[:, None] >= idx[None, :])[None] & (attn[:, :, None] == attn[:, None, :])    # [B,T,T]
+    scores = torch.matmul(q, k0.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    later = [(heads(ks), heads(vs)) for ks, vs in zip(keys[1:], values[1:])]
+    if later:
+        diag = torch.stack([(q * ks).sum(-1) for ks, _ in later], dim=-1) * scale               # [B,nh,T,k]
+        scores = torch.cat([scores, diag], dim=-1)
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(p[..., :T], v0)
+    for s, (_, vs) in enumerate(later):
+        o = o + p[..., T + s, None] * vs
+    return o
+
+
+_COMPILED = {}
+
+
+def _flex(*args, **kw):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if args[0].device.type != "cuda":   # eager flex_attention: a dense reference, fine for tests on CPU
+        return flex_attention(*args, **kw)
+    fn = _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=False))
+    return fn(*args, **kw)
+
+
+def block_masks(doc_ids, ttt_steps: int) -> list:
+    """flex BlockMasks of steps 0..ttt_steps-1 (step k: T queries x (k+1)T keys), built without a dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def mask_mod(b, h, qi, kv):
+        step, j = kv // T, kv % T
+        first = (j <= qi) & (doc_ids[b, j] == doc_ids[b, qi])
+        return torch.where(step == 0, first, j == qi)
+
+    cuda = doc_ids.device.type == "cuda"
+    return [create_block_mask(mask_mod, B, None, T, (k + 1) * T, device=doc_ids.device, _compile=cuda)
+            for k in range(ttt_steps)]
 
 
 class MLP(nn.Module):
@@ -204,20 +277,39 @@ class Eagle3FirstLayer(nn.Module):
         self.mlp = MLP(c)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds, hidden, positions, mask, kv_cache):
+    def _mix_in(self, embeds, hidden):
         # The residual stream carries the hidden part only; embeddings just condition attention.
         residual = hidden
         hidden = self.hidden_norm(hidden)
         if self.norm_before_residual:
             residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)
-        h = residual + self.self_attn(x, positions, mask, kv_cache)
+        return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
+
+    def _finish(self, residual, attn_out):
+        h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def incremental(self, embeds, hidden, positions, mask, kv_cache):
+        """Incremental use (spec_hf's proposer): kv_cache is a list this call appends its keys/values to."""
+        x, residual = self._mix_in(embeds, hidden)
+        return self._finish(residual, self.self_attn(x, positions, mask, kv_cache))
+
+    def forward(self, embeds, hidden, positions, attn, keys: tuple, values: tuple):
+        """One TTT step of training: returns (hidden, keys, values) with this step's keys/values appended.
+        The state goes in and out as tensors, not a list mutated in place: FSDP2 copies a unit's inputs (a
+        list appended to inside the unit was lost there, and step k>0 then met a mask for k+1 key blocks)."""
+        x, residual = self._mix_in(embeds, hidden)
+        q, k, v = self.self_attn.qkv(x, positions)
+        keys, values = (*keys, k), (*values, v)
+        o = ttt_attention(q, keys, values, attn)
+        return self._finish(residual, self.self_attn.out(o)), keys, values
 
 
 class Eagle3Draft(nn.Module):
     """Trainable draft. The frozen target tensors (embedding table, target norm, target lm_head rows)
     live outside the parameter set, so checkpoints stay small and the optimizer never sees them."""
+
+    fsdp_root_modules = ("lm_head",)   # used by weight inside forward's loss (distributed.wrap)
 
     def __init__(self, c: dict, num_aux: int, draft_vocab: int, norm_before_residual: bool):
         super().__init__()
@@ -227,35 +319,40 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, c["rms_norm_eps"])
         self.lm_head = nn.Linear(H, draft_vocab, bias=False)
 
-    def forward(self, aux, input_ids, key_valid, embed_fn, ttt_steps: int):
-        """aux [B,T,L_aux*H] (aux features of position j), input_ids [B,T] (token j+1), key_valid [B,T].
+    def forward(self, aux, input_ids, embed_fn, ttt_steps: int, positions=None, doc_ids=None, flex: bool = False,
+                loss_fn=None):
+        """aux [B,T,L_aux*H] (aux features of position j), input_ids [B,T] (token j+1); positions [B,T] (from 1
+        within each document, as speculators numbers them after its shift) and doc_ids [B,T] (which packed
+        document a position belongs to, -1 = padding) default to one document per row.
 
-        Returns one [B,T,K] logits tensor per TTT step. Step 0 sees the target's fused features; step k
-        sees the draft's own step k-1 output at the same index plus the ground-truth token k positions
-        further on, i.e. it rehearses speculating k tokens ahead (EAGLE-3 training-time test).
+        Step 0 sees the target's fused features; step k sees the draft's own step k-1 output at the same index
+        plus the ground-truth token k positions further on, i.e. it rehearses speculating k tokens ahead
+        (EAGLE-3 training-time test). flex: attention by flex_attention (CUDA), else ttt_attention's reference
+        path. Without loss_fn: one [B,T,K] logits tensor per step. With it: whatever
+        loss_fn(normed hidden per step, lm_head weight) returns, so the loss runs inside this forward (DDP/FSDP
+        see one forward; the lm_head is never applied to every position at once).
         """
         B, T = input_ids.shape
-        dev = input_ids.device
-        # speculators numbers positions from 1 after its one-token shift (shift_batch); RoPE is relative,
-        # so this only matters for bit-exact agreement with speculators.
-        positions = (1 + torch.arange(T, device=dev)).expand(B, T)
-        idx = torch.arange(T, device=dev)
-        causal = (idx[:, None] >= idx[None, :])[None] & key_valid[:, None, :]   # [B,T,T]
-        diag = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T)
+        if positions is None:
+            positions = (1 + torch.arange(T, device=input_ids.device)).expand(B, T)
+        if doc_ids is None:
+            doc_ids = torch.zeros_like(input_ids)
+        masks = block_masks(doc_ids, ttt_steps) if flex else [doc_ids] * ttt_steps
         hidden = self.fc(aux)
-        kv_cache: list = []
-        logits_per_step = []
+        compute_dtype = hidden.dtype      # the residual stream stays in it (RMSNorm's fp32 weight would widen it)
+        keys = values = ()
+        normed = []
         ids = input_ids
         for k in range(ttt_steps):
-            # Step k's queries see step-0 keys causally and, for every earlier step s>=1 and the current
-            # one, only the key at their own index (the draft's own chain), exactly like speculators'
-            # create_combined_mask_mod + extend_mask_for_draft_tokens.
-            mask = torch.cat([causal] + [diag] * k, dim=-1)[:, None]            # [B,1,T,(k+1)T]
-            hidden = self.layers[0](embed_fn(ids), hidden, positions + k, mask, kv_cache)
-            logits_per_step.append(self.lm_head(self.norm(hidden)))
-            # Teacher forcing for the next step: ground-truth tokens shifted k+1 left, zero padded.
+            hidden, keys, values = self.layers[0](embed_fn(ids), hidden, positions + k, masks[k], keys, values)
+            hidden = hidden.to(compute_dtype)
+            normed.append(self.norm(hidden))
+            # Teacher forcing for the next step: ground-truth tokens shifted k+1 left, zero padded. In a packed
+            # row the shift reaches into the next document there; those positions are left out of the loss.
             ids = torch.cat([input_ids[:, k + 1:], input_ids.new_zeros(B, min(k + 1, T))], dim=1)[:, :T]
-        return logits_per_step
+        if loss_fn is not None:
+            return loss_fn(normed, self.lm_head.weight)
+        return [self.lm_head(h) for h in normed]
 
 
 def draft_layer_config(tcfg: dict, args) -> dict:

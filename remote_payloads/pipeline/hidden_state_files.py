@@ -51,11 +51,12 @@ def list_samples(hs_dir: str) -> list[str]:
     return [p for _, p in sorted(keyed)]
 
 
-def check_sample_headers(files, num_ids: int, hidden: int) -> int:
-    """Validate shapes from the safetensors headers (no data read); return total token count."""
+def check_sample_headers(files, num_ids: int, hidden: int) -> list[int]:
+    """Validate shapes from the safetensors headers (no data read); return each sample's token count after the
+    EAGLE shift (tokens - 1: what a trainer sees of it)."""
     from safetensors import safe_open
 
-    tokens = 0
+    lengths = []
     for p in files:
         with safe_open(p, "pt") as f:
             keys = set(f.keys())
@@ -70,8 +71,8 @@ def check_sample_headers(files, num_ids: int, hidden: int) -> int:
                              f"[T, {num_ids}, {hidden}] / [T] / [T]")
         if T[0] < 2:
             raise BadInput(f"{p}: token_ids: need at least 2 tokens, got {T[0]}")
-        tokens += T[0] - 1
-    return tokens
+        lengths.append(T[0] - 1)
+    return lengths
 
 
 def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=False):

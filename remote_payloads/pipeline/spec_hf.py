@@ -59,7 +59,7 @@ class DraftProposer:
         self.n = 0                   # positions processed by step 0
 
     def _layer(self, ids, hidden, positions, mask, kv):
-        return self.m.layers[0](F.embedding(ids, self.embed), hidden, positions, mask, kv)
+        return self.m.layers[0].incremental(F.embedding(ids, self.embed), hidden, positions, mask, kv)
 
     @torch.no_grad()
     def propose(self, feats, next_ids, k):

@@ -43,51 +43,13 @@ from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
 from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, progress_line,  # noqa: E402
                           run_step, settings_changed)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
+import packing  # noqa: E402  (packed rows, the step plan, the loader)
+import ttt_loss  # noqa: E402  (chunked KL, conditional acceptance)
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 
 CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
 # Test-only: seconds to sleep after each optimizer step, so a test can stop a run mid-training.
 STEP_DELAY_ENV = "KIMI_EAGLE_TEST_STEP_DELAY_S"
-
-
-def mask_counts(loss_mask, ttt_steps: int) -> list[float]:
-    """Loss-masked positions per TTT step (step k scores loss_mask[:, k:])."""
-    return [float(loss_mask[:, k:].sum()) for k in range(ttt_steps)]
-
-
-def step_losses(logits_per_step, target_logits, loss_mask, decay: float, denoms=None, target_ids=None,
-                draft_to_target=None):
-    """Forward KL(target || draft) per TTT step over loss-masked positions, weighted decay**k.
-
-    `denoms`: per-step position counts to divide by (default: this batch's). Data-parallel ranks pass the
-    counts of the whole global batch, so their losses add up to the global batch's loss, exactly.
-
-    Step-k logits at index j predict what the target predicts at index j+k, so compare
-    logits[:, :T-k] with targets[:, k:] and mask with loss_mask[:, k:] (speculators' align_for_step).
-    Top-1 agreement is what serving accepts: the draft's argmax mapped to a target id (draft id + d2t)
-    equals the target's argmax over its *full* vocabulary (`target_ids` [B,T]); a target choice outside
-    the draft vocabulary counts as a miss. Without target_ids it is None (not computed this step).
-    Returns (total loss, per-step losses, per-step top-1 agreement or None, tokens counted at step 0).
-    """
-    total = 0.0
-    losses, accs = [], []
-    T = target_logits.shape[1]
-    n0 = 0
-    for k, logits in enumerate(logits_per_step):
-        lg, tg, m = logits[:, : T - k], target_logits[:, k:], loss_mask[:, k:]
-        n = m.sum() if denoms is None else torch.tensor(denoms[k], device=m.device)
-        if k == 0:
-            n0 = int(m.sum())
-        logp = F.log_softmax(lg.float(), dim=-1)
-        tp = F.softmax(tg.float(), dim=-1)
-        kl = (tp * (torch.log(tp.clamp_min(1e-30)) - logp)).sum(-1)
-        loss_k = (kl * m).sum() / n.clamp_min(1)
-        total = total + (decay ** k) * loss_k
-        losses.append(float(loss_k.detach()))
-        if target_ids is not None:
-            hit = draft_to_target[lg.argmax(-1)] == target_ids[:, k:]
-            accs.append(float((hit & m).sum() / n.clamp_min(1)))
-    return total, losses, (accs if target_ids is not None else None), n0
 
 
 @torch.no_grad()
@@ -105,43 +67,54 @@ def full_vocab_argmax(last, target_norm, lm_head, chunk: int = 4096):
 # ----------------------------------------------------------------------------------------------------
 # Data
 
-def load_batch(files, device, feat_dtype):
-    """Read samples, apply the EAGLE shift, right-pad to the longest.
-
-    Position j pairs the aux features of token j with input token j+1, and the target state of
-    position j+1 (which predicts token j+2): the draft sees what the target saw up to j plus the token
-    the target just emitted, and must guess the next one (speculators' shift_batch).
-    """
-    from safetensors.torch import load_file
-
-    samples = [load_file(p) for p in files]
-    T = max(s["token_ids"].shape[0] - 1 for s in samples)
-    B = len(samples)
-    L, H = samples[0]["hidden_states"].shape[1:]
-    aux = torch.zeros(B, T, (L - 1) * H, dtype=feat_dtype)
-    last = torch.zeros(B, T, H, dtype=feat_dtype)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    lmask = torch.zeros(B, T, dtype=torch.bool)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, s in enumerate(samples):
-        n = s["token_ids"].shape[0] - 1
-        hs = s["hidden_states"]
-        aux[b, :n] = hs[:-1, :-1].reshape(n, (L - 1) * H).to(feat_dtype)
-        last[b, :n] = hs[1:, -1].to(feat_dtype)
-        ids[b, :n] = s["token_ids"][1:].long()
-        lmask[b, :n] = s["loss_mask"][1:].bool()
-        valid[b, :n] = True
-    return (aux.to(device), last.to(device), ids.to(device), (lmask & valid).to(device), valid.to(device))
+def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) document indices: a seeded random fraction of the documents is never trained on."""
+    k = int(n * fraction)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 1)).tolist()
+    return sorted(perm[k:]), sorted(perm[:k])
 
 
-def batch_files(files, step: int, batch_size: int, seed: int):
-    """Files of global step `step`: a pure function of (seed, epoch, step), so --resume needs no
-    sampler state and reproduces an uninterrupted run exactly."""
-    steps_per_epoch = math.ceil(len(files) / batch_size)
-    epoch, i = divmod(step, steps_per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(len(files), generator=g).tolist()
-    return [files[j] for j in perm[i * batch_size:(i + 1) * batch_size]]
+def rows_per_step(args, pack_len: int, device, hidden: int, aux_dim: int) -> int:
+    """Rows of pack_len tokens per optimizer step: from --tokens-per-step, else --batch-size rows, else sized
+    from the GPU's memory (about a quarter of it for the step's activations), else 1 row."""
+    if args.tokens_per_step:
+        return max(1, args.tokens_per_step // pack_len)
+    if args.batch_size:
+        return args.batch_size
+    if device.type == "cuda":
+        free = torch.cuda.get_device_properties(device).total_memory
+        # bytes per token: inputs (aux + target state) plus ~40 hidden-sized bf16 activations per TTT step.
+        per_token = 2 * (aux_dim + hidden) + args.ttt_steps * 40 * hidden * 2
+        tokens = min(65536, max(pack_len, int(0.25 * free / per_token)))
+        return max(1, tokens // pack_len)
+    return 1
+
+
+def restore_rng(ck: dict, rank: int, world_size: int, cuda_devices: int, set_cpu, set_cuda) -> str:
+    """Put back this rank's RNG state from a checkpoint where it applies; say what was done.
+
+    A checkpoint keeps every rank's state ("rng": one entry per rank). It applies only on the same world size
+    (rank r continues rank r's stream); on another world size no state is restored, which changes nothing the
+    run depends on: feature noise is drawn from generators seeded by (seed, step, rank). Checkpoints of older
+    versions kept rank 0's CPU state and *all* of its visible GPUs' states: only the entry of this rank's own
+    GPU is used, if it exists (a 2-GPU checkpoint resumed on 1 GPU used to fail with an IndexError here)."""
+    saved_world = int(ck.get("world_size", 1))
+    per_rank = ck.get("rng")
+    if per_rank is not None:
+        if len(per_rank) != world_size or saved_world != world_size:
+            return f"RNG state of {len(per_rank)} rank(s) not restored on {world_size}"
+        mine = per_rank[rank]
+        set_cpu(mine["cpu"])
+        if mine.get("cuda") is not None and cuda_devices:
+            set_cuda(mine["cuda"])
+        return "RNG state restored"
+    if ck.get("rng_cpu") is None or saved_world != world_size:
+        return f"RNG state of {saved_world} rank(s) not restored on {world_size}"
+    set_cpu(ck["rng_cpu"])
+    old = ck.get("rng_cuda")
+    if old is not None and cuda_devices and rank < len(old):
+        set_cuda(old[rank])
+    return "RNG state restored"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -160,13 +133,15 @@ def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int, sharding: str =
     must call this (the shards are gathered), and all ranks return once the file is in place."""
     path = os.path.join(ckpt_dir, f"step_{step:08d}.pt")
     msd, osd = dist_.full_state(model, opt, sharding, trainable_names or [])
+    mine = {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # this rank's GPU only
+    rng = dist_.gather(mine)
     if dist_.world().main:
         state = {
             "step": step,
             "model": msd,
             "optimizer": osd,
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rng": rng,
             "meta": meta,
             "world_size": dist_.world().size,  # informative only: any world size may resume it
         }
@@ -189,9 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="pipeline root (reads hidden_states/, vocab/)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the samples (default 1)")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="samples per optimizer step over all ranks (each of N ranks takes 1/N of them)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth (default 3)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows of --pack-len tokens per optimizer step over all ranks (each of N ranks takes 1/N "
+                        "of them); documents are packed into rows. Default: from --tokens-per-step")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="token budget of one optimizer step over all ranks (rows = budget // pack length); "
+                        "default: sized from the GPU's memory (CUDA), 1 row (CPU)")
+    p.add_argument("--pack-len", type=int, default=None,
+                   help="tokens per packed row (default: the longest document; a multiple of 128 on CUDA)")
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="processes reading batches ahead (default: 4 per GPU, 0 on CPU)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth, 1..7 (default 3)")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step k is decay**k")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -211,8 +194,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
+    p.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"], default="cosine",
+                   help="after warm-up: cosine to 10%%, linear to 0 (speculators), or constant")
     p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: torch.optim.Muon on the weight matrices (torch >= 2.9; not with fsdp), AdamW on "
+                        "the rest; AdamW is fused on CUDA")
+    p.add_argument("--feature-noise", type=float, default=0.0,
+                   help="std of Gaussian noise added to the aux features while training (speculators uses 0.05)")
+    p.add_argument("--oov-positions", choices=["mask", "keep"], default="mask",
+                   help="mask: positions whose target top token has no draft id leave the loss (EAGLE, SpecForge)")
+    p.add_argument("--holdout-fraction", type=float, default=0.02,
+                   help="documents kept out of training to measure loss, accuracy and conditional acceptance per "
+                        "position (default 2%%; none below 50 documents)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (and at the end)")
+    p.add_argument("--attention", choices=["auto", "flex", "math"], default="auto",
+                   help="flex: flex_attention with a block mask (CUDA); math: the reference path (any device)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile the decoder layer (auto: on CUDA)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.5, help="max grad norm, 0 = off (default 0.5)")
     p.add_argument("--norm-before-residual", type=int, choices=[0, 1], default=1,
@@ -234,13 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def lr_at(step: int, total: int, args) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup, then cosine to 10% or constant."""
+    """LR for optimizer step `step` (0-based): linear warmup, then cosine to 10%, linear to 0, or constant."""
     if args.warmup_steps and step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant" or total <= args.warmup_steps:
         return args.lr
-    t = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    t = min((step - args.warmup_steps) / max(1, total - args.warmup_steps), 1.0)
+    if args.lr_schedule == "linear":
+        return args.lr * (1.0 - t)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def train(args) -> dict:
@@ -248,10 +249,14 @@ def train(args) -> dict:
     out = os.path.abspath(args.output_dir)
     hs_dir, vocab_dir = os.path.join(out, "hidden_states"), os.path.join(out, "vocab")
     ckpt_dir, export_dir = os.path.join(out, "draft", "checkpoints"), os.path.join(out, "draft", "export")
-    for name in ("batch_size", "ttt_steps", "log_every", "save_every"):
-        if getattr(args, name) < 1:
+    for name in ("batch_size", "tokens_per_step", "pack_len", "ttt_steps", "log_every", "save_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')}: must be >= 1")
     wanted(args.report_to)  # a tracker asked for by name and missing: said before any work
+    if args.ttt_steps > 7:
+        raise BadInput(f"--ttt-steps {args.ttt_steps}: at most 7 (EAGLE-3's depth)")
+    if not 0 <= args.holdout_fraction < 1:
+        raise BadInput(f"--holdout-fraction {args.holdout_fraction}: must be in [0, 1)")
 
     # --- inputs ---------------------------------------------------------------------------------
     dc_path = os.path.join(hs_dir, "data_config.json")
@@ -280,7 +285,8 @@ def train(args) -> dict:
     files = list_samples(hs_dir)
     if not files:
         raise BadInput(f"{hs_dir}: no hs_*.safetensors samples")
-    n_tokens = check_sample_headers(files, len(layer_ids), H)
+    lengths = check_sample_headers(files, len(layer_ids), H)
+    n_tokens = sum(lengths)
 
     for name in ("d2t.npy", "t2d.npy"):
         if not os.path.isfile(os.path.join(vocab_dir, name)):
@@ -307,9 +313,6 @@ def train(args) -> dict:
 
     # --- device / dtype / ranks ------------------------------------------------------------------
     w = dist_.world()
-    if args.batch_size < w.size:
-        raise BadInput(f"--batch-size {args.batch_size} is the global batch (samples per optimizer step over "
-                       f"all ranks): it must be at least the world size {w.size}")
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -320,6 +323,18 @@ def train(args) -> dict:
         if w.local_rank >= torch.cuda.device_count():
             raise BadInput(f"local rank {w.local_rank} has no GPU: {torch.cuda.device_count()} visible")
         device = torch.device("cuda", w.local_rank)
+    flex = args.attention == "flex" or (args.attention == "auto" and device.type == "cuda")
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+
+    train_docs, held_docs = split_holdout(len(files), args.holdout_fraction, args.seed)
+    pack_len = args.pack_len or max(lengths[i] for i in train_docs)
+    if args.pack_len is None and flex:
+        pack_len = -(-pack_len // 128) * 128   # whole attention blocks
+    aux_dim = (len(layer_ids) - 1) * H
+    n_rows = rows_per_step(args, pack_len, device, H, aux_dim)
+    if n_rows < w.size:
+        raise BadInput(f"{n_rows} row(s) of {pack_len} tokens per step (--batch-size / --tokens-per-step count all "
+                       f"ranks): need at least one per rank, world size {w.size}")
     # gloo for CPU tensors, nccl for CUDA ones; the timeout covers rank 0 writing a big checkpoint while
     # the others wait at the barrier.
     dist_.init(w, "nccl" if device.type == "cuda" else "gloo", timeout_s=3600)
@@ -334,10 +349,12 @@ def train(args) -> dict:
     if tuple(tw["embed"].shape) != (tcfg["vocab_size"], H):
         raise BadInput(f"{args.model}: embedding shape {tuple(tw['embed'].shape)} != ({tcfg['vocab_size']}, {H})")
     embed = tw["embed"].to(device, feat_dtype)
-    target_lm_rows = tw["lm-head"][t2d].to(device, torch.float32)          # [K, H]
-    # The full head only scores the logged top-1 agreement (full-vocab argmax); tied heads share the embedding.
+    target_lm_rows = tw["lm-head"][t2d].to(device, torch.float32)          # [K, H]: the draft lm_head's start
+    target_rows = target_lm_rows.to(dtype)                                # what the target logits use
+    # The full head finds the target's top token over its whole vocabulary; tied heads share the embedding.
     full_lm_head = embed if tw["lm-head"] is tw["embed"] else tw["lm-head"].to(device, feat_dtype)
     draft_to_target_dev = draft_to_target.to(device)
+    t2d_dev = t2d.to(device)
     target_norm = RMSNorm(H, c["rms_norm_eps"]).to(device)
     target_norm.weight.data.copy_(tw["norm"].float())
     target_norm.requires_grad_(False)
@@ -358,16 +375,23 @@ def train(args) -> dict:
     # fp32 weight + gradient + two AdamW moments per trainable parameter, frozen fp32 weights, target tensors.
     state_bytes = 16 * n_trainable + 4 * n_frozen + embed.numel() * embed.element_size() + 4 * target_lm_rows.numel()
     sharding = dist_.choose_sharding(args.parallel, w, state_bytes, device)
+    if args.optimizer == "muon" and sharding == "fsdp":
+        raise BadInput("--optimizer muon: not with --parallel fsdp (Muon orthogonalises whole matrices)")
     model = dist_.wrap(model, sharding, device)  # before the optimizer: FSDP replaces the parameters
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if compiled:
+        dist_.unwrap(model).layers[0].compile(dynamic=False)
+    opt = make_optimizer(model, args, device)
+    del target_lm_rows
 
-    steps_per_epoch = math.ceil(len(files) / args.batch_size)
-    total = max(1, math.ceil(args.epochs * steps_per_epoch))
+    plan = packing.Plan([[train_docs[i] for i in row]
+                         for row in packing.pack_rows([lengths[i] for i in train_docs], pack_len, args.seed)],
+                        n_rows, args.seed)
+    total = max(1, math.ceil(args.epochs * plan.steps_per_epoch))
     if args.max_steps is not None:
         total = min(total, args.max_steps)
-    meta = {"total_steps": total, "batch_size": args.batch_size, "ttt_steps": args.ttt_steps, "lr": args.lr,
-            "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files),
+    meta = {"total_steps": total, "batch_size": n_rows, "pack_len": pack_len, "ttt_steps": args.ttt_steps,
+            "lr": args.lr, "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files),
+            "holdout": len(held_docs), "optimizer": args.optimizer,
             # the target: resuming a checkpoint against another model's features/head must refuse
             "model": model_identity(args.model)}
 
@@ -383,82 +407,150 @@ def train(args) -> dict:
             if diff:
                 raise BadInput(f"{path}: checkpoint was made with different settings {diff}")
             dist_.load_full_state(model, opt, sharding, trainable_names, ck["model"], ck["optimizer"])
-            torch.set_rng_state(ck["rng_cpu"])
-            if ck.get("rng_cuda") is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(ck["rng_cuda"])
+            said = restore_rng(ck, w.rank, w.size, torch.cuda.device_count() if device.type == "cuda" else 0,
+                               torch.set_rng_state, lambda st: torch.cuda.set_rng_state(st, device))
             start = resumed_from = int(ck["step"])
             log(f"resumed from {path} at step {start}/{total} (saved by {ck.get('world_size', 1)} rank(s), "
-                f"now {w.size})")
+                f"now {w.size}; {said})")
+            del ck
 
     def embed_fn(ids):
         return F.embedding(ids, embed)
 
-    log(f"train: {len(files)} samples, {n_tokens} tokens, aux ids {aux_ids}, draft vocab {K}, "
-        f"{n_trainable} trainable params, {total} steps on {device} ({dtype})"
+    S = args.ttt_steps
+    workers = args.loader_workers if args.loader_workers is not None else (4 if device.type == "cuda" else 0)
+    pin = device.type == "cuda"
+
+    def measure(batch, noise_gen=None):
+        """Forward (and the loss) of one batch already on the device: (loss, per-step losses, counts)."""
+        with torch.no_grad():
+            target_h = target_norm(batch["last"].float()).to(dtype)
+            target_ids = full_vocab_argmax(batch["last"], target_norm, full_lm_head)
+            in_vocab = t2d_dev[target_ids] if args.oov_positions == "mask" else None
+            scored = ttt_loss.step_masks(batch["loss_mask"], batch["doc_ids"], S)
+            in_loss = ttt_loss.loss_masks(scored, in_vocab)
+            denoms = torch.stack([m.sum() for m in in_loss]).float()
+            dist_.all_reduce_(denoms)   # the global batch's counts; a device collective, no host sync
+        aux = batch["aux"]
+        if noise_gen is not None:
+            aux = aux + args.feature_noise * torch.randn(aux.shape, generator=noise_gen, device=device, dtype=aux.dtype)
+
+        def loss_fn(normed, weight):
+            return ttt_loss.ttt_loss(normed, weight, target_h, target_rows, in_loss, denoms, args.ttt_decay, dtype)
+
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss, step_l, tops = model(aux, batch["ids"], embed_fn, S, batch["positions"], batch["doc_ids"], flex,
+                                       loss_fn=loss_fn)
+        with torch.no_grad():
+            counts = ttt_loss.acceptance_counts(tops, draft_to_target_dev, target_ids, scored)
+        return loss, step_l, counts
+
+    held = None
+    if held_docs:
+        held_plan = packing.Plan(packing.pack_rows([lengths[i] for i in held_docs], pack_len, args.seed), n_rows,
+                                 args.seed)
+        held_plan.rows = [[held_docs[i] for i in row] for row in held_plan.rows]
+        held = packing.StepData(held_plan, 0, held_plan.steps_per_epoch, w.rank, w.size, files, pack_len, aux_dim, H,
+                                feat_dtype)
+
+    def evaluate() -> dict:
+        """Loss, accuracy and conditional acceptance per position on the held-out documents (all ranks)."""
+        model.eval()
+        tot_l = torch.zeros(S, dtype=torch.float64, device=device)
+        tot_c = torch.zeros(3 * S + 1, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for cpu_batch in packing.loader(held, 0, False):
+                _, step_l, counts = measure(packing.to_device(cpu_batch, device))
+                tot_l += step_l.double()
+                tot_c += counts
+        model.train()
+        sums = dist_.all_sum([*tot_l.tolist(), *tot_c.tolist()])
+        n_batches = held.n
+        res = ttt_loss.summarize(sums[S:], [x / n_batches for x in sums[:S]], S)
+        res["documents"] = len(held_docs)
+        return res
+
+    log(f"train: {len(files)} samples ({len(held_docs)} held out), {n_tokens} tokens, aux ids {aux_ids}, draft "
+        f"vocab {K}, {n_trainable} trainable params, {total} steps of {n_rows} x {pack_len} tokens on {device} "
+        f"({dtype}, {'flex' if flex else 'math'} attention{', compiled' if compiled else ''})"
         + (f", rank {w.rank}/{w.size} ({sharding})" if w.distributed else ""))
     stop = total if args.stop_at_step is None else min(total, args.stop_at_step)
-    history = []
+    history, evals = [], []
     last_path = None
     interrupted = None
     t_log, tok_log = time.time(), 0
     t_loop, tok_loop, done = time.time(), 0, start
     step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+    stats_l = torch.zeros(S, dtype=torch.float64, device=device)
+    stats_c = torch.zeros(3 * S + 1, dtype=torch.float64, device=device)
+    stats_loss = torch.zeros((), dtype=torch.float64, device=device)
+    n_since = 0
     model.train()
+    batches = iter(packing.loader(packing.StepData(plan, start, stop, w.rank, w.size, files, pack_len, aux_dim, H,
+                                                   feat_dtype), workers, pin))
+    pending = packing.to_device(next(batches), device) if start < stop else None
     tracker = open_tracker(args.report_to, tracking_dir(out, args.tracking_dir), config=vars(args), main=w.main)
     with tracker, dist_.StopRequest() as stop_request:
         for step in range(start, stop):
             lr = lr_at(step, total, args)
             for g in opt.param_groups:
                 g["lr"] = lr
-            # The global batch of a step is the same whatever the world size; rank r takes every size-th
-            # sample of it. A rank left without one (a short last batch) runs a sample with an empty loss
-            # mask, so that every rank still joins the gradient all-reduce.
-            batch = batch_files(files, step, args.batch_size, args.seed)
-            mine = dist_.stripe(batch, w.rank, w.size)
-            aux, last, ids, lmask, valid = load_batch(mine or batch[:1], device, feat_dtype)
-            if not mine:
-                lmask = torch.zeros_like(lmask)
-            denoms = dist_.all_sum(mask_counts(lmask, args.ttt_steps)) if w.distributed else None
-            will_log = step + 1 == 1 or (step + 1) % args.log_every == 0 or step + 1 == stop
-            target_ids = full_vocab_argmax(last, target_norm, full_lm_head) if will_log else None
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                with torch.no_grad():
-                    # The target's next-token distribution, restricted to the draft vocabulary.
-                    target_logits = F.linear(target_norm(last.float()), target_lm_rows).float()
-                logits = model(aux, ids, valid, embed_fn, args.ttt_steps)
-                loss, losses, accs, n_tok = step_losses(logits, target_logits, lmask, args.ttt_decay, denoms,
-                                                        target_ids, draft_to_target_dev)
+            batch = pending
+            # The next batch's copy is queued now, so it overlaps this step instead of starting after it.
+            pending = packing.to_device(next(batches), device) if step + 1 < stop else None
+            noise = None
+            if args.feature_noise > 0:   # seeded by (seed, step, rank): the same after a resume, no RNG state
+                noise = torch.Generator(device=device).manual_seed(
+                    (args.seed * 1_000_003 + step) * 1024 + w.rank)
+            loss, step_l, counts = measure(batch, noise)
             opt.zero_grad(set_to_none=True)
             # Each rank's loss is its share of the global batch's; DDP/FSDP average the gradients over the
             # ranks, so scaling by the world size makes the update exactly the global batch's.
             (loss * w.size).backward()
             if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(opt.params, args.grad_clip)
             opt.step()
-            n_valid = int(valid.sum()) if mine else 0
-            tok_log += n_valid
-            tok_loop += n_valid
+            # Figures stay on the device until a logging step: no host sync per step.
+            stats_loss += loss.detach().double()
+            stats_l += step_l.double()
+            stats_c += counts
+            n_since += 1
+            tok_log += batch["tokens"]
+            tok_loop += batch["tokens"]
             done = step + 1
             if step_delay:
                 time.sleep(step_delay)
-            # Every rank takes the same decision, so none waits in a collective the others skipped.
-            if dist_.any_rank(stop_request.requested):
+            will_log = done == 1 or done % args.log_every == 0 or done == stop
+            # Every rank takes the same decision, so none waits in a collective the others skipped; asked every
+            # 8 steps (a collective is a host sync) and on logging steps.
+            if (will_log or done % 8 == 0) and dist_.any_rank(stop_request.requested):
                 interrupted = stop_request.received or "SIGTERM"
             if will_log or interrupted:
                 dt = max(time.time() - t_log, 1e-9)
-                accs = accs or []  # an interrupted step off the logging grid has no agreement figures
-                tot = dist_.all_sum([loss.item(), *losses, *accs, tok_log])
-                loss_v, losses, accs, tok_g = tot[0], tot[1:1 + len(losses)], tot[1 + len(losses):-1], tot[-1]
-                acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(accs))
+                sums = dist_.all_sum([float(stats_loss), *stats_l.tolist(), *stats_c.tolist(), tok_log])
+                tok_g = sums[-1]
+                fig = ttt_loss.summarize(sums[1 + S:-1], [x / n_since for x in sums[1:1 + S]], S)
+                entry = {"step": done, "loss": sums[0] / n_since, **fig, "lr": lr, "tokens_per_s": round(tok_g / dt, 1)}
                 if w.main:
-                    log(f"step {done}/{total} loss {loss_v:.4f} {acc_s} lr {lr:.2e} tok/s {tok_g / dt:.0f}")
+                    acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(fig["acc"]))
+                    log(f"step {done}/{total} loss {entry['loss']:.4f} {acc_s} accept_len {fig['accept_len']:.2f} "
+                        f"lr {lr:.2e} tok/s {tok_g / dt:.0f}")
                     # The tracker (tensorboard, ...) and the progress bar of `kimi-eagle logs`: keep both calls.
-                    tracker.log(done, {"train/loss": loss_v, "train/lr": lr, "train/tokens_per_s": tok_g / dt,
-                                       **{f"train/acc_{k}": a for k, a in enumerate(accs)}})
-                    progress_line("train", done, total, loss=loss_v, acc=accs[0] if accs else None, tok_s=tok_g / dt)
-                history.append({"step": done, "loss": loss_v, "step_losses": losses, "acc": accs,
-                                "tokens_per_s": round(tok_g / dt, 1)})
-                t_log, tok_log = time.time(), 0
+                    tracker.log(done, {"train/loss": entry["loss"], "train/lr": lr, "train/tokens_per_s": tok_g / dt,
+                                       "train/accept_len": fig["accept_len"],
+                                       **{f"train/acc_{k}": a for k, a in enumerate(fig["acc"])},
+                                       **{f"train/cond_acc_{k}": a for k, a in enumerate(fig["cond_acc"])}})
+                    progress_line("train", done, total, loss=entry["loss"], acc=fig["acc"][0], tok_s=tok_g / dt)
+                history.append(entry)
+                stats_l.zero_(), stats_c.zero_(), stats_loss.zero_()
+                t_log, tok_log, n_since = time.time(), 0, 0
+            if held is not None and args.eval_every and done % args.eval_every == 0 and done != stop:
+                evals.append({"step": done, **evaluate()})
+                if w.main:
+                    log(f"held-out at step {done}: {json.dumps(evals[-1])}")
+                    tracker.log(done, {"heldout/accept_len": evals[-1]["accept_len"],
+                                       **{f"heldout/cond_acc_{k}": a for k, a in enumerate(evals[-1]["cond_acc"])}})
+                t_log = time.time()
             if done % args.save_every == 0 or done == stop or interrupted:
                 last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints,
                                             sharding, trainable_names)
@@ -473,7 +565,8 @@ def train(args) -> dict:
     result = {"ok": not interrupted, "finished": finished, "step": max(done, start), "total_steps": total,
               "resumed_from_step": resumed_from, "samples": len(files), "tokens": n_tokens,
               "aux_layer_ids": aux_ids, "draft_vocab_size": K, "device": str(device), "dtype": str(dtype),
-              "world_size": w.size, "parallel": sharding,
+              "world_size": w.size, "parallel": sharding, "rows_per_step": n_rows, "pack_len": pack_len,
+              "attention": "flex" if flex else "math", "compiled": compiled, "optimizer": args.optimizer,
               "checkpoint": last_path or latest_checkpoint(ckpt_dir), "history": history,
               "train_tokens": tok_loop, "train_seconds": round(loop_s, 3),
               "train_tokens_per_s": round(tok_loop / loop_s, 1) if loop_s > 0 and tok_loop else None,
@@ -484,6 +577,14 @@ def train(args) -> dict:
         result["cuda_peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if history:
         result["final_loss"], result["final_acc"] = history[-1]["loss"], history[-1]["acc"]
+        result["final_cond_acc"] = history[-1]["cond_acc"]
+    if held is not None and done == stop:
+        evals.append({"step": done, **evaluate()})
+        if w.main:
+            log(f"held-out at step {done}: {json.dumps(evals[-1])}")
+    if evals:
+        result["heldout"] = evals[-1]
+        result["heldout_history"] = evals
     if finished:
         plain = dist_.unwrap(model)
         if sharding == "fsdp":  # gather the shards into a plain copy for the export (every rank takes part)
@@ -494,12 +595,64 @@ def train(args) -> dict:
         if w.main:
             cfg = export_speculators(export_dir, plain, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
             atomic_write_json(os.path.join(export_dir, "training_info.json"),
-                              {"data_config": dc, "meta": meta, "final": history[-1] if history else None})
+                              {"data_config": dc, "meta": meta, "final": history[-1] if history else None,
+                               "heldout": evals[-1] if evals else None})
             result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
             log(f"exported {export_dir}")
         result["export_dir"] = export_dir
         dist_.barrier()
     return (result, 0) if result["ok"] else (result, 1)
+
+
+class Optimizers:
+    """One optimizer or two (Muon on weight matrices + AdamW on the rest) behind one interface: param_groups
+    for the schedule, a single state dict for checkpoints."""
+
+    def __init__(self, named: dict):
+        self.named = named
+        self.params = [p for o in named.values() for g in o.param_groups for p in g["params"]]
+
+    @property
+    def param_groups(self):
+        return [g for o in self.named.values() for g in o.param_groups]
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.named.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.named.values():
+            o.step()
+
+    def state_dict(self):
+        if list(self.named) == ["adamw"]:
+            return self.named["adamw"].state_dict()   # the plain layout (FSDP's full_state reads it)
+        return {name: o.state_dict() for name, o in self.named.items()}
+
+    def load_state_dict(self, sd):
+        if list(self.named) == ["adamw"]:
+            return self.named["adamw"].load_state_dict(sd)
+        for name, o in self.named.items():
+            o.load_state_dict(sd[name])
+
+
+def make_optimizer(model, args, device):
+    """AdamW (fused on CUDA), or Muon on the 2-D weights (not the lm_head) with AdamW on the rest."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    fused = {"fused": True} if device.type == "cuda" else {}
+    adam_kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, **fused)
+    if args.optimizer == "adamw":
+        return Optimizers({"adamw": torch.optim.AdamW([p for _, p in trainable], **adam_kw)})
+    if not hasattr(torch.optim, "Muon"):
+        raise BadInput(f"--optimizer muon: torch {torch.__version__} has no torch.optim.Muon (2.9 and later)")
+    matrices = [p for n, p in trainable if p.ndim == 2 and "lm_head" not in n]
+    rest = [p for n, p in trainable if not (p.ndim == 2 and "lm_head" not in n)]
+    # match_rms_adamw scales Muon's update to AdamW's size, so one --lr serves both.
+    named = {"muon": torch.optim.Muon(matrices, lr=args.lr, weight_decay=args.weight_decay,
+                                      adjust_lr_fn="match_rms_adamw")}
+    if rest:
+        named["adamw"] = torch.optim.AdamW(rest, **adam_kw)
+    return Optimizers(named)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,139 @@
+"""The TTT loss and the figures that predict serving, computed a few thousand positions at a time.
+
+Step k's draft output at index j guesses what the target says at index j+k (speculators' align_for_step). The
+loss is the forward KL(target || draft) over the draft vocabulary; the draft and target logits of a chunk of
+positions exist only while that chunk is processed (forward and again in backward), so no fp32
+[tokens, vocab] tensor is ever held for the whole step.
+
+Which positions count, per step k (masks are [B, T-k], index j):
+  scored:   loss_mask[j+k], j and j+k in the same packed document (not padding);
+  in loss:  scored, and the target's own top token at j+k lies inside the draft vocabulary (a draft cannot
+            say a token it has no id for; EAGLE and SpecForge leave those positions out too);
+  accepted: the draft's top token, mapped to a target id, equals the target's top token over its FULL
+            vocabulary (a target choice outside the draft vocabulary is a miss, as in serving).
+Conditional acceptance at step k counts a guess only if the guesses of steps 0..k-1 from the same index
+were all accepted, which is how vLLM counts accepted tokens per position; 1 + their sum is the mean
+acceptance length at k = ttt_steps speculative tokens (on data answered by the target).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Positions per chunk x draft vocabulary: ~32M fp32 logits (128 MB) at a time.
+CHUNK_ELEMENTS = 1 << 25
+
+
+def step_masks(loss_mask, doc_ids, ttt_steps: int) -> list:
+    """The scored positions of each step ([B, T-k] bool)."""
+    T = loss_mask.shape[1]
+    out = []
+    for k in range(ttt_steps):
+        same = (doc_ids[:, k:] == doc_ids[:, :T - k]) & (doc_ids[:, :T - k] >= 0)
+        out.append(loss_mask[:, k:] & same)
+    return out
+
+
+def loss_masks(scored: list, in_vocab) -> list:
+    """The positions in the loss: scored, and the target's top token has a draft id (in_vocab None: all)."""
+    if in_vocab is None:
+        return scored
+    T = in_vocab.shape[1]
+    return [m & in_vocab[:, k:T] for k, m in enumerate(scored)]
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """sum_j w_j * KL(softmax(t_j @ rows^T) || softmax(h_j @ W^T)), chunk by chunk; also the draft's argmax."""
+
+    @staticmethod
+    def forward(ctx, h, weight, target_h, rows, w, chunk: int, cdt):
+        N = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        top = torch.empty(N, dtype=torch.long, device=h.device)
+        W = weight.to(cdt)
+        for i in range(0, N, chunk):
+            lg = F.linear(h[i:i + chunk].to(cdt), W).float()
+            tl = F.linear(target_h[i:i + chunk].to(cdt), rows).float()
+            logp, logq = F.log_softmax(lg, -1), F.log_softmax(tl, -1)
+            total = total + ((logq.exp() * (logq - logp)).sum(-1) * w[i:i + chunk]).sum()
+            top[i:i + chunk] = lg.argmax(-1)
+        ctx.save_for_backward(h, weight, target_h, rows, w)
+        ctx.chunk, ctx.cdt = chunk, cdt
+        ctx.mark_non_differentiable(top)
+        return total, top
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_top):
+        h, weight, target_h, rows, w = ctx.saved_tensors
+        chunk, cdt = ctx.chunk, ctx.cdt
+        W = weight.to(cdt)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[1] else None
+        for i in range(0, h.shape[0], chunk):
+            hc = h[i:i + chunk].to(cdt)
+            p = F.softmax(F.linear(hc, W).float(), -1)
+            q = F.softmax(F.linear(target_h[i:i + chunk].to(cdt), rows).float(), -1)
+            g = ((p - q) * (w[i:i + chunk] * grad_total)[:, None]).to(cdt)   # d KL / d draft logits
+            if grad_h is not None:
+                grad_h[i:i + chunk] = (g @ W).to(h.dtype)
+            if grad_w is not None:
+                grad_w += (g.t() @ hc).float()
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(128, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def ttt_loss(normed, weight, target_h, rows, in_loss, denoms, decay: float, compute_dtype):
+    """Weighted sum over steps of the mean KL of step k (decay**k), plus per step: the loss (detached) and
+    the draft's top draft id at each position of [B, T-k].
+
+    normed: the draft's normed hidden state per step [B,T,H]; weight: its lm_head [K,H]; target_h: the target's
+    normed final hidden state [B,T,H]; rows: the target lm_head rows of the draft vocabulary [K,H];
+    in_loss: masks from loss_masks; denoms: positions in the loss per step over the whole global batch (a
+    tensor, so data-parallel ranks' losses add up to the global batch's and no host sync is needed)."""
+    chunk = chunk_rows(weight.shape[0])
+    total = 0.0
+    losses, tops = [], []
+    for k, h in enumerate(normed):
+        B, T, H = h.shape
+        hk = h[:, :T - k].reshape(-1, H)
+        tk = target_h[:, k:].reshape(-1, H)
+        wk = in_loss[k].reshape(-1).float() / denoms[k].clamp_min(1)
+        loss_k, top = _ChunkedKL.apply(hk, weight, tk, rows, wk, chunk, compute_dtype)
+        total = total + (decay ** k) * loss_k
+        losses.append(loss_k.detach())
+        tops.append(top.view(B, T - k))
+    return total, torch.stack(losses), tops
+
+
+def acceptance_counts(tops, draft_to_target, target_ids, scored) -> torch.Tensor:
+    """Counts as one float tensor (summed over ranks before dividing, at logging time only):
+    [hits_k, scored_k for each step] + [conditional hits_k for each step] + [positions scored at every step].
+    Conditional acceptance is taken over the indices scored at every step, so all positions share one
+    denominator, like vLLM's accepted-per-position over drafts."""
+    S = len(tops)
+    hits = [draft_to_target[top] == target_ids[:, k:] for k, top in enumerate(tops)]
+    T = target_ids.shape[1]
+    n = max(T - S + 1, 0)
+    every = torch.ones_like(scored[0][:, :n])
+    for m in scored:
+        every = every & m[:, :n]
+    chain = every
+    plain, cond = [], []
+    for k in range(S):
+        plain += [(hits[k] & scored[k]).sum(), scored[k].sum()]
+        chain = chain & hits[k][:, :n]
+        cond.append(chain.sum())
+    return torch.stack([*plain, *cond, every.sum()]).double()
+
+
+def summarize(counts, step_losses, S: int) -> dict:
+    """Per-step accuracy, conditional acceptance and acceptance length from acceptance_counts (summed)."""
+    counts = [float(c) for c in counts]
+    acc = [counts[2 * k] / max(counts[2 * k + 1], 1.0) for k in range(S)]
+    denom = max(counts[-1], 1.0)
+    cond = [counts[2 * S + k] / denom for k in range(S)]
+    return {"step_losses": [float(x) for x in step_losses], "acc": [round(a, 4) for a in acc],
+            "cond_acc": [round(c, 4) for c in cond], "accept_len": round(1.0 + sum(cond), 4)}
