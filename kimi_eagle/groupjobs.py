@@ -60,6 +60,9 @@ class GroupJob:
 
     @classmethod
     def load(cls, group_job_id: str) -> "GroupJob":
+        from .jobs import check_job_id
+
+        check_job_id(group_job_id)  # names a file here: never a path
         try:
             d = json.loads((_dir() / f"{group_job_id}.json").read_text())
         except (OSError, ValueError):

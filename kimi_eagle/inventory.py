@@ -46,6 +46,20 @@ def _printable(value):
     return value
 
 
+def _host_name(value):
+    # An address or rendezvous address reaches ssh, torchrun and log lines: one printable token that no
+    # program can take for an option (`-oProxyCommand=...` is a hostname to nobody).
+    _printable(value)
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("is empty")
+        if value.startswith("-"):
+            raise ValueError("starts with '-' (it would reach ssh as an option)")
+        if any(c.isspace() for c in value):
+            raise ValueError("contains white space")
+    return value
+
+
 Number = Annotated[int, BeforeValidator(_no_bool)]
 Positive = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
 
@@ -95,6 +109,7 @@ ReportTo = Annotated[str, BeforeValidator(_report_to)]
 StepSettings = Annotated[dict, BeforeValidator(_step_settings)]
 Real = Annotated[float, BeforeValidator(_no_bool)]
 Text = Annotated[str, BeforeValidator(_printable)]
+HostName = Annotated[str, BeforeValidator(_host_name)]
 
 
 class _Strict(BaseModel):
@@ -104,9 +119,9 @@ class _Strict(BaseModel):
 class Pipeline(_Strict):
     """Settings of the four pipeline steps. Strings may use {workdir} and {payloads}."""
 
-    model: str | None = None
-    dataset: str | None = None
-    output_dir: str = "{workdir}/out"
+    model: Text | None = None
+    dataset: Text | None = None
+    output_dir: Text = "{workdir}/out"
     layer_ids: list[Number] | None = None
     backend: Literal["hf", "vllm"] = "hf"
     seq_len: Number = Field(2048, gt=0)
@@ -136,7 +151,7 @@ class Pipeline(_Strict):
     max_tokens: Number = Field(256, gt=0)
     max_prompts: Number | None = Field(None, gt=0)
     # eval: held-out prompts (chat JSONL); set, `run all` ends with an eval of the new draft.
-    eval_prompts: str | None = None
+    eval_prompts: Text | None = None
     eval_num_prompts: Number | None = Field(None, gt=0)
     eval_max_tokens: Number = Field(128, gt=0)
     num_speculative_tokens: Number = Field(3, gt=0)
@@ -155,9 +170,9 @@ class Pipeline(_Strict):
 class PipelineOverride(_Strict):
     """Per-host overrides: the same fields, all optional."""
 
-    model: str | None = None
-    dataset: str | None = None
-    output_dir: str | None = None
+    model: Text | None = None
+    dataset: Text | None = None
+    output_dir: Text | None = None
     layer_ids: list[Number] | None = None
     backend: Literal["hf", "vllm"] | None = None
     seq_len: Number | None = Field(None, gt=0)
@@ -176,7 +191,7 @@ class PipelineOverride(_Strict):
     temperature: Real | None = Field(None, ge=0)
     max_tokens: Number | None = Field(None, gt=0)
     max_prompts: Number | None = Field(None, gt=0)
-    eval_prompts: str | None = None
+    eval_prompts: Text | None = None
     eval_num_prompts: Number | None = Field(None, gt=0)
     eval_max_tokens: Number | None = Field(None, gt=0)
     num_speculative_tokens: Number | None = Field(None, gt=0)
@@ -236,7 +251,7 @@ class SlurmSettings(_Strict):
 
 
 class HostFields(_Strict):
-    address: Text | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
+    address: HostName | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
     port: Number | None = Field(None, gt=0, lt=65536)
     user: Text | None = None
     identity_file: Text | None = None
@@ -251,7 +266,7 @@ class HostFields(_Strict):
     scheduler: Literal["direct", "slurm"] | None = None  # direct: a detached process group; slurm: sbatch
     slurm: SlurmSettings | None = None
     gpus: int | None = Field(None, ge=0)  # GPUs used per host: shard weight and torchrun's processes per node
-    rdzv_address: str | None = None  # how the other hosts of a group reach this one (default: address)
+    rdzv_address: HostName | None = None  # how the other hosts of a group reach this one (default: address)
     rdzv_port: int | None = Field(None, gt=0, lt=65536)  # torchrun's c10d rendezvous port (default 29500)
 
     @field_validator("env")
@@ -329,9 +344,14 @@ class Inventory:
         known_hosts = pick("known_hosts")
         if known_hosts and not os.path.isabs(os.path.expanduser(known_hosts)) and self.path != EMBEDDED:
             known_hosts = str(Path(self.path).resolve().parent / known_hosts)
+        address = pick("address", name)
+        try:
+            _host_name(address)  # the host's name stands in for a missing address: the same rules
+        except ValueError as e:
+            raise ConfigError(f"{self.path}: host {name!r}, field address: {e} (got {address!r})") from None
         return Host(
             name=name,
-            address=pick("address", name),
+            address=address,
             port=pick("port"),
             user=pick("user"),
             identity_file=pick("identity_file"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,21 @@ def new_job_id(step: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
 
 
+# A job id names a directory under the host's runs/: one path component, never an option or a parent.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_job_id(job_id: str) -> str:
+    """The job id unchanged, or a ConfigError (exit 2) before anything is contacted.
+
+    An empty id used to list every job (and `stop` took the first), a relative or absolute one reached
+    another workdir's job, and one starting with '-' reached the host's scripts as an option."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise ConfigError(f"job id {job_id!r}: not a job id (letters, digits, '.', '_', '-'; starting with a letter "
+                          "or digit; no path separators); `kimi-eagle status` lists them")
+    return job_id
+
+
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
                shape: shapes.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
@@ -104,11 +120,11 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
           shape: shapes.Shape | None = None, job_id: str | None = None) -> Job:
     """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
     extra = list(extra or [])
-    job_id = job_id or new_job_id(step)
+    job_id = check_job_id(job_id or new_job_id(step))
     rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
     session.upload_scripts({rel: text})
-    args = ["start", "--job-id", job_id, "--step", step, "--host", session.name,
+    args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):
         args.append("--gpu")
@@ -139,14 +155,17 @@ def refuse_if_locked(session: HostSession) -> None:
 
 
 def status(session: HostSession, job_id: str | None = None) -> list[Job]:
-    code, data = _jobctl(session, ["status"] + (["--job", job_id] if job_id else []))
+    if job_id is not None:
+        check_job_id(job_id)
+    code, data = _jobctl(session, ["status"] + ([f"--job={job_id}"] if job_id is not None else []))
     if code == 2:
         raise ConfigError(f"{session.name}: {data.get('error')}")
     return [Job.from_host(session.name, d) for d in data["jobs"]]
 
 
 def stop(session: HostSession, job_id: str, grace: float = 10.0) -> dict:
-    code, data = _jobctl(session, ["stop", "--job", job_id, "--grace", str(grace)])
+    check_job_id(job_id)
+    code, data = _jobctl(session, ["stop", f"--job={job_id}", "--grace", str(grace)])
     if code == 2:
         raise ConfigError(f"{session.name}: {data.get('error')}")
     if code != 0:

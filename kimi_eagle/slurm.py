@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from . import pipeline, render, shapes, sync
 from .errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
-from .jobs import Job, new_job_id, remember
+from .jobs import Job, check_job_id, new_job_id, remember
 from .shell import join, quote
 
 # squeue states in which a task still holds or waits for resources.
@@ -125,7 +125,7 @@ def _gres_offers(offered: str, want: str) -> bool:
 # -- submit -------------------------------------------------------------------------------------------
 def start(session: HostSession, step: str, extra: list[str] | None = None, *, job_id: str | None = None) -> Job:
     extra = list(extra or [])
-    job_id = job_id or new_job_id(step)
+    job_id = check_job_id(job_id or new_job_id(step))
     files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
     items = [sync.Item(remote=rel, data=text.encode(), mode=0o755 if rel.endswith(".sh") or rel.endswith(".sbatch") else 0o644)
@@ -181,7 +181,9 @@ def _expand_tasks(spec: str) -> list[str]:
 
 def status(session: HostSession, job_id: str | None = None) -> list[Job]:
     runs = session.path(RUNS)
-    dirs = quote(job_id) if job_id else "*/"
+    if job_id is not None:
+        check_job_id(job_id)  # '' listed every job (and `stop ''` cancelled the first)
+    dirs = quote(job_id) if job_id is not None else "*/"
     res = session.transport.run(_LIST.format(runs=quote(runs), dirs=dirs, prefix=_prefix(session.host)), timeout=60)
     if res.exited == -1:  # no exit status: the connection dropped mid-listing, the output is partial
         raise ConnectionFailed(f"{session.name}: connection lost while reading job states")
@@ -224,7 +226,7 @@ def status(session: HostSession, job_id: str | None = None) -> list[Job]:
             jobs_raw[-1]["log"][_task_suffix(name)] = int(size or 0)
         elif tag == "@stopped":
             jobs_raw[-1]["stopped"] = float(rest or 0)
-    if job_id and not jobs_raw:
+    if job_id is not None and not jobs_raw:
         raise ConfigError(f"{session.name}: no Slurm job {job_id} in {runs}")
     if not squeue_ok and job_id:
         raise CommandError(f"{session.name}: squeue failed; cannot tell the state of {job_id}")
@@ -285,6 +287,7 @@ def _job(session, runs: str, raw: dict, squeue: dict) -> Job:
 # -- stop ---------------------------------------------------------------------------------------------
 def stop(session: HostSession, job_id: str, grace: float = 10.0) -> dict:
     """scancel with a grace signal first: TERM to every task and step (our trap records 143), then a hard cancel."""
+    check_job_id(job_id)
     job = status(session, job_id)[0]
     if job.state not in ("running", "pending"):
         return {"job": job_id, "already": job.state}

@@ -15,6 +15,7 @@ from .context import RECIPE_HELP, console_ui, split_extra, state
 def _host_for_job(job_id: str, host: Optional[str]):
     from .. import jobs
 
+    jobs.check_job_id(job_id)
     if host:
         return state.inventory.one(host)
     remembered = jobs.host_of(job_id)
@@ -270,7 +271,7 @@ def status(
     from ..parallel import each_host
 
     ui = console_ui()
-    if job_id and groupjobs.is_group_job(job_id):
+    if job_id is not None and groupjobs.is_group_job(job_id):
         g = groupjobs.GroupJob.load(job_id)
         gstate, rows = groupjobs.status(state.inventory, g)
         if state.json:
@@ -281,7 +282,7 @@ def status(
                       "" if not r.job or r.job.exit_code is None else r.job.exit_code, r.error or ""] for r in rows]
             ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table)
         raise typer.Exit(groupjobs.exit_code(gstate))
-    if job_id:
+    if job_id is not None:
         # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
         from ..host import HostSession
         from ..parallel import HostOutcome

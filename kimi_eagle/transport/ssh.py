@@ -255,7 +255,8 @@ class SSHTransport(Transport):
             argv += ["-l", h.user]
         if h.identity_file:
             argv += ["-i", os.path.expanduser(h.identity_file), "-o", "IdentitiesOnly=yes"]
-        return argv + [h.address]
+        # `--` ends the options: whatever the address is, ssh reads it as the destination, never as an option.
+        return argv + ["--", h.address]
 
     def _openssh_receive(self, local_path, path, mode, progress):
         import subprocess
@@ -265,7 +266,7 @@ class SSHTransport(Transport):
         from ..sync import RECEIVE_CODE
 
         remote = f"exec {sh_path(self.host.python)} -c {join([RECEIVE_CODE, path, format(mode, 'o')])}"
-        proc = subprocess.Popen(self.openssh_argv() + ["--", remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(self.openssh_argv() + [remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         with open(local_path, "rb") as f:
             reader = HashingReader(f, progress)

@@ -16,6 +16,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from step_runtime import atomic_write as write_atomic  # noqa: E402
 
 EXIT_HELD = 3
+# A job id is one directory name under the runs dir (the controller checks the same before it calls).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def boot_id():
@@ -280,6 +283,10 @@ def main(argv=None):
     sp.add_argument("--job", required=True)
     sp.add_argument("--grace", type=float, default=10.0)
     a = ap.parse_args(argv)
+    job = a.job_id if a.cmd == "start" else a.job
+    if job is not None and not JOB_ID.fullmatch(job):
+        print(json.dumps({"started": False, "stopped": False, "jobs": [], "error": f"not a job id: {job!r}"}))
+        return 2
     return {"start": cmd_start, "status": cmd_status, "stop": cmd_stop}[a.cmd](a)
 
 
