@@ -107,3 +107,12 @@ def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_en
 @pytest.fixture
 def env(tmp_path, sshd):
     return make_env(tmp_path, sshd)
+
+
+def add_workdir_host(env: Env, name: str, workdir: Path) -> Env:
+    """Another host entry for the same sshd (same machine, same user) with its own workdir."""
+    text = env.inventory.read_text()
+    block = text[text.index("\n  gpu:\n"):text.index("\n  local:\n")]
+    clone = block.replace("\n  gpu:\n", f"\n  {name}:\n").replace(f"workdir: {env.workdir}", f"workdir: {workdir}")
+    env.inventory.write_text(text.replace("\n  local:\n", clone + "\n  local:\n", 1))
+    return env

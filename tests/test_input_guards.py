@@ -13,19 +13,14 @@ import time
 
 import pytest
 
-from conftest import make_env
+from conftest import add_workdir_host, make_env
 
 PY = sys.executable
 
 
 def two_workdirs(tmp_path, sshd):
     """Hosts `gpu` (workdir hostwork) and `gpu2` (workdir hostwork2) on the same machine."""
-    env = make_env(tmp_path, sshd)
-    text = env.inventory.read_text()
-    block = text[text.index("\n  gpu:\n"):text.index("\n  local:\n")]
-    env.inventory.write_text(text.replace("\n  local:\n", block.replace("\n  gpu:\n", "\n  gpu2:\n")
-                                          .replace(str(env.workdir), str(tmp_path / "hostwork2")) + "\n  local:\n", 1))
-    return env
+    return add_workdir_host(make_env(tmp_path, sshd), "gpu2", tmp_path / "hostwork2")
 
 
 def one_line_usage_error(r):

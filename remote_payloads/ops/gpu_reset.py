@@ -7,8 +7,11 @@ One call does the whole reset:
    ``nvidia-smi --query-compute-apps`` (either may see processes the other cannot);
 2. classify each holder as ``ours`` (in the process group / session of a kimi-eagle job
    recorded under ``<runs-dir>/*/pgid``, or carrying ``KIMI_EAGLE_JOB_ID`` in its
-   environment), ``foreign`` or ``invisible`` (listed by nvidia-smi, absent from our
-   PID namespace);
+   environment with a ``KIMI_EAGLE_RUN_DIR`` under this runs dir), ``other-workdir`` (a
+   kimi-eagle job of another workdir on the same machine: its environment names that run
+   dir), ``foreign`` or ``invisible`` (listed by nvidia-smi, absent from our PID namespace).
+   Whether a holder's job is running is read from that job's own run dir, wherever it is,
+   the same way jobctl reads it;
 3. stop the targets (default: ours; ``--all``: every holder) with SIGTERM, then
    SIGKILL after ``--grace`` seconds;
 4. verify, up to ``--timeout``, that the targets are gone and that nvidia-smi shows
@@ -38,8 +41,8 @@ from pathlib import Path
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import atomic_write, host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
+from ops.jobctl import JOB_ID, env_job, job_state, same_dir  # noqa: E402
 
-JOB_ENV_MARKER = b"KIMI_EAGLE_JOB_ID="
 DEFAULT_DEVICE_GLOB = "/dev/nvidia*"
 # nvidia-smi is often outside PATH in a non-login SSH session (see the H200 notes).
 NVIDIA_SMI_FALLBACKS = ("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi")
@@ -92,18 +95,6 @@ def _user(pid: int) -> str | None:
         return str(uid)
 
 
-def _env_job_id(pid: int) -> str | None:
-    """The KIMI_EAGLE_JOB_ID in the process environment, '' if unreadable, None if absent."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except PermissionError:
-        return ""
-    except OSError:
-        return None
-    for item in raw.split(b"\0"):
-        if item.startswith(JOB_ENV_MARKER):
-            return item[len(JOB_ENV_MARKER):].decode(errors="replace")
-    return None
 
 
 def _pgid_sid(pid: int) -> tuple[int | None, int | None]:
@@ -264,23 +255,33 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
     return out
 
 
-def running_jobs(runs_dir: str | None) -> set[str]:
-    """Ids of the jobs under runs_dir that are running now (jobctl's own reading of a job's state)."""
-    if not runs_dir:
-        return set()
-    from ops.jobctl import job_state
-
-    out = set()
-    for meta in glob.glob(os.path.join(runs_dir, "*", "meta.json")):
-        st = job_state(os.path.dirname(meta))
-        if st["state"] == "running":
-            out.add(st["id"])
-    return out
+def job_running(run_dir: str | None) -> bool:
+    """Is the job of this run dir (in any workdir) running now? jobctl's own reading of a job's state."""
+    if not run_dir or not os.path.isfile(os.path.join(run_dir, "meta.json")):
+        return False
+    return job_state(run_dir)["state"] == "running"
 
 
-def mark_stopped(runs_dir: str | None, job_id: str) -> None:
-    run_dir = os.path.join(runs_dir or "", job_id)
-    if runs_dir and os.path.isfile(os.path.join(run_dir, "meta.json")) and not os.path.exists(os.path.join(run_dir, "exit_code")):
+def classify(pid: int, pgid: int | None, sid: int | None, job_pgids: dict[int, str], runs_dir: str | None) -> tuple[str, str | None, str | None]:
+    """(owner, job id, the job's run dir) of a live holder: ours, other-workdir or foreign."""
+    for g in (pgid, sid):
+        if g in job_pgids:
+            return "ours", job_pgids[g], os.path.join(runs_dir, job_pgids[g])
+    job_id, run_dir = env_job(pid)
+    if not job_id:
+        return "foreign", None, None
+    if run_dir:
+        # The environment names the job's own run dir: ours only when it is under this runs dir.
+        if runs_dir and same_dir(os.path.dirname(run_dir.rstrip("/")), runs_dir):
+            return "ours", job_id, run_dir
+        return "other-workdir", job_id, run_dir
+    # A marker without a run dir (a job started by an older version, or a hand-set variable).
+    here = os.path.join(runs_dir, job_id) if runs_dir and JOB_ID.fullmatch(job_id) else None
+    return "ours", job_id, here if here and os.path.isdir(here) else None
+
+
+def mark_stopped(run_dir: str | None) -> None:
+    if run_dir and os.path.isfile(os.path.join(run_dir, "meta.json")) and not os.path.exists(os.path.join(run_dir, "exit_code")):
         atomic_write(os.path.join(run_dir, "stopped"), json.dumps({"at": time.time(), "by": "kimi-eagle gpu-reset"}))
 
 
@@ -369,7 +370,6 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         report["problems"].append(f"nvidia-smi failed: {snap0.error}")
     by_fuser = fuser_holders(fuser_bin, paths)
     job_pgids = load_job_pgids(runs_dir)
-    running = running_jobs(runs_dir) if stale_only else set()
     protected = _protected_pids()
 
     smi_mem: dict[int, dict[int, float]] = {}
@@ -399,12 +399,8 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         h["state"], h["_start"] = stat
         h["user"], h["cmd"] = _user(pid), _cmdline(pid)
         h["pgid"], h["sid"] = _pgid_sid(pid)
-        env_job = _env_job_id(pid)
-        if h["pgid"] in job_pgids or h["sid"] in job_pgids:
-            h["owner"], h["job_id"] = "ours", job_pgids.get(h["pgid"]) or job_pgids.get(h["sid"])
-        elif env_job:
-            h["owner"], h["job_id"] = "ours", env_job
-        h["job_running"] = bool(h["job_id"]) and h["job_id"] in running
+        h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
+        h["job_running"] = job_running(h["job_run_dir"])
         holders.append(h)
     report["holders"] = holders
 
@@ -428,7 +424,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
         if h["owner"] == "invisible":
             continue
         wanted = stop_all or h["owner"] == "ours"
-        if wanted and h.get("job_running"):
+        if wanted and stale_only and h.get("job_running"):
             # --stale-only (`run --reset-gpus`): a running job's processes are never ours to stop here.
             h.setdefault("errors", []).append(f"belongs to running job {h['job_id']}: kept")
             continue
@@ -480,8 +476,8 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
 
     # ---- stop: SIGTERM, wait up to grace, SIGKILL ------------------------------
     # Mark the jobs we stop first, as `kimi-eagle stop` does: their exit (143) then reads "stopped", not "failed".
-    for job_id in sorted({h["job_id"] for h in targets if h.get("job_id")}):
-        mark_stopped(runs_dir, job_id)
+    for run_dir in sorted({h["job_run_dir"] for h in targets if h.get("job_run_dir")}):
+        mark_stopped(run_dir)
     for h in targets:
         _signal(h, signal.SIGTERM)
     deadline_term = time.monotonic() + grace

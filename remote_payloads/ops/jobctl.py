@@ -66,8 +66,31 @@ def process_matches(pid, marker):
     return bool(line) and marker in line
 
 
-def group_members(pgid, job_id=None):
-    """Pids in the process group, plus any escapee that still carries the job's id in its environment."""
+def env_job(pid):
+    """(KIMI_EAGLE_JOB_ID, KIMI_EAGLE_RUN_DIR) of a process: '' when unreadable, None when absent."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except PermissionError:
+        return "", None
+    except OSError:
+        return None, None
+    found = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name in (b"KIMI_EAGLE_JOB_ID", b"KIMI_EAGLE_RUN_DIR"):
+            found[name] = value.decode(errors="replace")
+    return found.get(b"KIMI_EAGLE_JOB_ID"), found.get(b"KIMI_EAGLE_RUN_DIR")
+
+
+def same_dir(a, b):
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def group_members(pgid, job_id=None, run_dir=None):
+    """Pids in the process group, plus any escapee that still carries the job's id in its environment.
+
+    An escapee whose environment names another run dir is another workdir's job with the same id: not ours."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -82,8 +105,8 @@ def group_members(pgid, job_id=None):
         if int(fields[2]) == pgid:
             found.append(pid)
         elif job_id:
-            env = read(f"/proc/{pid}/environ")
-            if env and f"KIMI_EAGLE_JOB_ID={job_id}\0" in env + "\0":
+            env_id, env_run = env_job(pid)
+            if env_id == job_id and (env_run is None or run_dir is None or same_dir(env_run, run_dir)):
                 found.append(pid)
     return found
 
@@ -105,7 +128,7 @@ def job_state(run_dir):
         state = "running"
     elif pid == 0 and time.time() - meta.get("started_at", 0) < 10:
         state = "running"  # starting up
-    elif pid and group_members(meta.get("pgid") or pid, meta.get("job_id")):
+    elif pid and group_members(meta.get("pgid") or pid, meta.get("job_id"), run_dir):
         # The job's shell is gone (killed alone) but its children live on, holding what they hold (a GPU):
         # still running for the lock, for `stop` (which ends the group) and for the user.
         state = "running"
@@ -223,7 +246,7 @@ def cmd_stop(a):
         return 0
     pgid = before["pgid"]
     t0 = time.time()
-    targets = group_members(pgid, a.job)
+    targets = group_members(pgid, a.job, run_dir)
     sent = {"TERM": 0, "KILL": 0}
 
     def signal_all(sig):
@@ -231,7 +254,7 @@ def cmd_stop(a):
             os.killpg(pgid, sig)
         except ProcessLookupError:
             pass
-        for pid in group_members(pgid, a.job):  # escapees that left the group
+        for pid in group_members(pgid, a.job, run_dir):  # escapees that left the group
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -242,16 +265,16 @@ def cmd_stop(a):
     signal_all(signal.SIGTERM)
     sent["TERM"] = len(targets)
     deadline = time.time() + a.grace
-    while time.time() < deadline and group_members(pgid, a.job):
+    while time.time() < deadline and group_members(pgid, a.job, run_dir):
         time.sleep(0.05)
-    left = group_members(pgid, a.job)
+    left = group_members(pgid, a.job, run_dir)
     if left:
         sent["KILL"] = len(left)
         signal_all(signal.SIGKILL)
         deadline = time.time() + 10
-        while time.time() < deadline and group_members(pgid, a.job):
+        while time.time() < deadline and group_members(pgid, a.job, run_dir):
             time.sleep(0.05)
-    remaining = group_members(pgid, a.job)
+    remaining = group_members(pgid, a.job, run_dir)
     if not os.path.exists(os.path.join(run_dir, "exit_code")):
         write_atomic(os.path.join(run_dir, "exit_code"), "137\n" if sent["KILL"] else "143\n")
     lock = read(os.path.join(runs, "gpu.lock"))
