@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 
 class BadInput(ValueError):
@@ -32,12 +33,43 @@ def log(msg: str, prefix: str = "") -> None:
 
 
 def progress(iterable, total=None, desc=""):
-    """tqdm on stderr when available (the controller renders tqdm bars), else the plain iterable."""
+    """tqdm on stderr when available (the controller renders tqdm bars), else the plain iterable.
+
+    A bar driven by `update(n)` (extract, regenerate) also prints the machine-readable progress line of the step
+    named by `desc` ("extract[vllm]" -> extract); `update(n, tokens=k)` adds the tokens/s figure."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        return iterable if iterable is not None else _Counted(desc, total)
+
+    class Bar(tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.points = _Counted(desc, total)
+
+        def update(self, n=1, tokens=0):
+            self.points.update(n, tokens)
+            return super().update(n)
+
+    return Bar(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+class _Counted:
+    """Counts what a bar's updates report and prints them as progress lines."""
+
+    def __init__(self, desc: str, total):
+        self.step, self.total, self.done, self.tokens = desc.split("[")[0] or "progress", total, 0, 0
+        self.t0 = time.monotonic()
+        _progress_start.setdefault(self.step, (self.t0, 0))  # the ETA counts from the bar's start
+
+    def update(self, n=1, tokens=0):
+        self.done, self.tokens = self.done + n, self.tokens + tokens
+        if self.total:
+            rate = self.tokens / max(time.monotonic() - self.t0, 1e-9) if self.tokens else None
+            progress_line(self.step, self.done, self.total, tok_s=rate)
+
+    def close(self):
+        pass
 
 
 # The machine-readable progress line `kimi-eagle logs` turns into a bar (kimi_eagle/logview.py parses it):
@@ -45,12 +77,24 @@ def progress(iterable, total=None, desc=""):
 PROGRESS_MARK = "@kimi-eagle-progress "
 
 
-def progress_line(step: str, done: int, total: int, **metrics) -> None:
-    """One progress point of a long step on stderr: done/total plus figures such as loss, acc (the acceptance
-    signal: the draft's top-1 agreement at the first position) and tok_s. Rank 0 only under torchrun."""
+_progress_start: dict = {}  # step -> (monotonic time, done) of its first progress point in this process
+_progress_shown: dict = {}  # step -> monotonic time of the last line printed
+
+
+def progress_line(step: str, done: int, total: int, *, every_s: float = 1.0, **metrics) -> None:
+    """One progress point of a long step on stderr: done/total, the ETA (from this process's pace since its
+    first point) and figures such as loss, acc (the acceptance signal: the draft's top-1 agreement at the first
+    draft position) and tok_s. At most one line per `every_s` seconds besides the last; rank 0 only."""
     if os.environ.get("RANK", "0") != "0":
         return
+    now = time.monotonic()
+    t0, d0 = _progress_start.setdefault(step, (now, done))
+    if done < total and now - _progress_shown.get(step, -1e9) < every_s:
+        return
+    _progress_shown[step] = now
     point = {"step": step, "done": int(done), "total": int(total)}
+    if done > d0:
+        point["eta_s"] = round((now - t0) / (done - d0) * max(total - done, 0), 1)
     point.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items() if v is not None})
     print(PROGRESS_MARK + json.dumps(point), file=sys.stderr, flush=True)
 

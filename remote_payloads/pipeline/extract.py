@@ -216,7 +216,7 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
             # host[j, :n] is a contiguous view: no copy here, the writer serialises straight from it.
             writer.put(i, torch.from_numpy(s.copy()), host[j, :len(s)], torch.from_numpy(mask.astype("int64")), release)
         if hasattr(bar, "update"):
-            bar.update(len(batch))
+            bar.update(len(batch), tokens=sum(len(s) for s in seqs))
 
     try:
         for b in range(0, len(order), args.batch_size):

@@ -27,7 +27,7 @@ import glob  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from step_runtime import BadInput, atomic_write, log, run_step, stdout_for_result_only  # noqa: E402
+from step_runtime import BadInput, atomic_write, log, progress_line, run_step, stdout_for_result_only  # noqa: E402
 
 
 def chunk_path(out_dir, start):
@@ -136,6 +136,8 @@ def run(args):
         engine = pick_engine(args.engine)
         gen = VllmGenerator(args) if engine == "vllm" else HFGenerator(args)
         t0 = time.time()
+        progress_line("regenerate", 0, len(todo))
+        answered = 0
         for n, c in enumerate(todo, 1):
             rows = prompts[c * args.chunk_size:(c + 1) * args.chunk_size]
             answers = gen([m for _, m in rows], args.seed * 1_000_003 + c)
@@ -146,6 +148,8 @@ def run(args):
                 gen_tokens += len(ans.split())
             atomic_write(chunk_path(out_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
             log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} prompts) {time.time() - t0:.0f}s")
+            answered += len(rows)
+            progress_line("regenerate", n, len(todo), every_s=0, prompts_s=answered / max(time.time() - t0, 1e-9))
     final = merge(out_dir, n_chunks, args.chunk_size)
     if final:
         log(f"regenerate: wrote {final}")

@@ -490,6 +490,7 @@ def train(args) -> dict:
                                                    feat_dtype), workers, pin))
     pending = packing.to_device(next(batches), device) if start < stop else None
     tracker = open_tracker(args.report_to, tracking_dir(out, args.tracking_dir), config=vars(args), main=w.main)
+    progress_line("train", start, total)  # the bar's start: its ETA counts from here
     with tracker, dist_.StopRequest() as stop_request:
         for step in range(start, stop):
             lr = lr_at(step, total, args)
@@ -540,7 +541,8 @@ def train(args) -> dict:
                                        "train/accept_len": fig["accept_len"],
                                        **{f"train/acc_{k}": a for k, a in enumerate(fig["acc"])},
                                        **{f"train/cond_acc_{k}": a for k, a in enumerate(fig["cond_acc"])}})
-                    progress_line("train", done, total, loss=entry["loss"], acc=fig["acc"][0], tok_s=tok_g / dt)
+                    progress_line("train", done, total, every_s=0, loss=entry["loss"], acc=fig["acc"][0],
+                                  accept_len=fig["accept_len"], tok_s=tok_g / dt)
                 history.append(entry)
                 stats_l.zero_(), stats_c.zero_(), stats_loss.zero_()
                 t_log, tok_log, n_since = time.time(), 0, 0

@@ -1,0 +1,98 @@
+"""Progress you can see: a real training job's `logs --follow` in a real pseudo-terminal shows one bar for the
+step with step/total, ETA, loss, the acceptance signal and tokens/s; piped, the same log is plain lines."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import sys
+import time
+
+from conftest import REPO, make_env
+from test_train import make_pipeline
+
+PY = sys.executable
+TRAIN = str(REPO / "remote_payloads" / "pipeline" / "train.py")
+
+
+def _in_a_terminal(argv, env, timeout=240) -> str:
+    """Run a command with a pseudo-terminal as its stdout/stderr (what a user's shell gives it)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI, talking to the terminal
+        os.execvpe(argv[0], argv, env)
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    os.waitpid(pid, 0)
+    return out.decode(errors="replace")
+
+
+def test_a_real_training_shows_a_bar_in_a_terminal_and_lines_in_a_pipe(tmp_path):
+    p = make_pipeline(tmp_path)
+    e = make_env(tmp_path, None)
+    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", PY, TRAIN, "--model",
+              str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu", "--batch-size", "4", "--epochs", "4",
+              "--log-every", "1", "--report-to", "none")
+    assert r.code == 0, r.stderr
+    job = r.json()["id"]
+    env = {**os.environ, "HOME": str(e.home), "PYTHONPATH": str(REPO), "TERM": "xterm-256color", "COLUMNS": "160",
+           "LINES": "40"}
+    env.pop("NO_COLOR", None)
+    screen = _in_a_terminal([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "logs", job, "--follow"], env)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    assert "job " + job + " succeeded" in plain, plain[-3000:]
+    frames = re.split(r"[\r\n]+", plain)  # the bar redraws itself in place
+    bar = [ln for ln in frames if "[local] train" in ln and "━" in ln]
+    assert bar, plain[-3000:]
+    last = bar[-1]
+    total = int(re.search(r"(\d+)/(\d+)", last).group(2))
+    assert f"{total}/{total}" in last and "loss " in last and "acc " in last and "tok/s" in last, last
+    assert "eta " in plain  # while it ran
+    assert "@kimi-eagle-progress" not in plain  # the machine line never reaches a person raw
+
+    piped = e.cli("logs", job)  # the same log, not a terminal
+    assert piped.code == 0
+    lines = [ln for ln in piped.stdout.splitlines() if ln.startswith("[local] train ")]
+    assert lines and lines[-1].startswith(f"[local] train {total}/{total} (100%)") and "loss " in lines[-1], lines[-3:]
+    assert "━" not in piped.stdout and "@kimi-eagle-progress" not in piped.stdout
+
+
+def test_a_steps_own_line_replaces_its_tqdm_bar():
+    from rich.console import Console
+
+    from kimi_eagle.logs import LineSplitter
+    from kimi_eagle.logview import Printer
+
+    out = io.StringIO()
+    s = LineSplitter(Printer("h", Console(file=out, force_terminal=False, width=200)))
+    s.feed(b'@kimi-eagle-progress {"step": "extract", "done": 4, "total": 4, "tok_s": 1234.5}\n'
+           b"\rextract[vllm]:  50%|#####     | 2/4 [00:01<00:01]\rextract[vllm]: 100%|##########| 4/4 [00:01<00:00]\n")
+    s.flush()
+    assert out.getvalue().splitlines() == ["[h] extract 4/4 (100%)  1,234 tok/s"]
+
+
+def test_a_steps_tqdm_bar_also_prints_its_progress_lines():
+    """extract's bars (hf and vLLM paths) carry the step's progress lines without each path printing its own."""
+    import json
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from step_runtime import progress\n"
+            "bar = progress(None, total=3, desc='extract[vllm]')\n"
+            "for _ in range(3): bar.update(1, tokens=100)\n"
+            "bar.close()\n")
+    res = subprocess.run([PY, "-c", code, str(REPO / "remote_payloads")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    points = [json.loads(ln.split(" ", 1)[1]) for ln in res.stderr.splitlines() if ln.startswith("@kimi-eagle-progress ")]
+    assert points[-1]["step"] == "extract" and points[-1]["done"] == 3 and points[-1]["total"] == 3
+    assert points[-1]["tok_s"] > 0 and points[-1]["eta_s"] == 0
