@@ -242,6 +242,34 @@ def job_processes(job_id: str) -> list[int]:
     return jobctl.group_members(-1, job_id)
 
 
+class Unset(SimpleNamespace):
+    """An inventory section as kimi_eagle reads it (attributes), without pydantic (not on the GPU machine): a
+    setting not given here reads as unset (None), like one an inventory does not mention. A SimpleNamespace
+    of the settings of the day broke each time the inventory gained one (model_source, steps, ...)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def model_dump(self) -> dict:   # what the run records as its settings (pydantic's name for it)
+        return {k: (v.model_dump() if isinstance(v, Unset) else v) for k, v in vars(self).items()}
+
+
+def render_train_job(host_dir: Path, d: Path, job_id: str):
+    """(host, job script path relative to host_dir, its text): the job `kimi-eagle run train` would start."""
+    from kimi_eagle import jobs
+
+    pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), backend="hf", seq_len=S["SEQ"],
+                 batch_size=S["TBATCH"], tp_size=1, draft_vocab_size=S["DRAFT_VOCAB"], epochs=1000, lr=1e-4,
+                 ttt_steps=3, nproc_per_node=2 if CPU_REHEARSAL else None, steps={}, report_to="none")
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    host = Unset(name="gpu-scaling", workdir=str(host_dir), env=env, python=PY, pipeline=pipe)
+    rel, text = jobs.render_job(Unset(host=host), "train",
+                                ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"], job_id)
+    return host, rel, text
+
+
 def stop_phase() -> dict:
     """A detached torchrun training job, stopped as `kimi-eagle stop` stops it, on the host side."""
     from kimi_eagle import jobs
@@ -251,16 +279,8 @@ def stop_phase() -> dict:
     (host_dir / ".kimi-eagle").mkdir(parents=True)
     shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
-    # The inventory's pipeline section as kimi_eagle.pipeline reads it (attributes; pydantic is not needed).
-    pipe = SimpleNamespace(model=str(WORK / "model"), dataset=None, output_dir=str(d), layer_ids=None, backend="hf",
-                           seq_len=S["SEQ"], batch_size=S["TBATCH"], tp_size=1, draft_vocab_size=S["DRAFT_VOCAB"],
-                           epochs=1000, lr=1e-4, ttt_steps=3, tiny_model=None,
-                           nproc_per_node=2 if CPU_REHEARSAL else None, gpus_per_replica=None)
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    host = SimpleNamespace(name="gpu-scaling", workdir=str(host_dir), env=env, python=PY, pipeline=pipe)
     job_id = jobs.new_job_id("train")
-    rel, text = jobs.render_job(SimpleNamespace(host=host), "train",
-                                ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"], job_id)
+    host, rel, text = render_train_job(host_dir, d, job_id)
     (host_dir / rel).parent.mkdir(parents=True)
     (host_dir / rel).write_text(text)
     jobctl = [PY, payload("ops/jobctl.py"), "--runs-dir", host_dir / "runs"]
