@@ -356,3 +356,58 @@ def tree_items(local_root: Path, files: list[Path], prefix: str = "") -> list[It
         mode = 0o755 if os.access(f, os.X_OK) or f.suffix in (".sh", ".py") else 0o644
         items.append(Item(remote=posixpath.join(prefix, rel) if prefix else rel, local=f, mode=mode))
     return items
+
+
+# -- the other way: host -> here ----------------------------------------------------------------------------
+@dataclass
+class FetchReport:
+    host: str
+    root: str  # the local folder
+    changed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    bytes_received: int = 0
+
+    def rows(self):
+        return [(p, "changed") for p in self.changed] + [(p, "unchanged") for p in self.unchanged]
+
+
+def _local_digest(path: Path) -> str:
+    return Item(remote="", local=path).digest()
+
+
+def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> FetchReport:
+    """Copy host files here: (absolute path on the host, path under `local_root`, size). Hashed on the host in
+    one round trip; a local file of the same size and sha256 is skipped; each other file is written to a
+    temporary name unique to this call, hashed while it arrives, checked against the host's digest and renamed
+    into place, so a local path holds the old file or the whole new one."""
+    local_root = Path(local_root)
+    report = FetchReport(transport.name, str(local_root))
+    remote = _hash_remote(transport, [(path, size) for path, _, size in files])
+    token = secrets.token_hex(6)
+    for path, rel, size in files:
+        want = remote.get(path)
+        if want is None:
+            raise CommandError(f"{transport.name}: {path} changed or vanished while being read; run the command again")
+        dest = local_root / rel
+        if dest.is_file() and dest.stat().st_size == size and _local_digest(dest) == want:
+            report.unchanged.append(rel)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.{token}.part"
+        h = hashlib.sha256()
+        stream = transport.stream(f"exec cat -- {join([path])}")
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in stream.chunks:
+                    h.update(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != want:
+                raise CommandError(f"{transport.name}: sha256 mismatch copying {path} (it changed while being copied?); "
+                                   f"nothing was replaced, run the command again")
+            os.replace(tmp, dest)
+        finally:
+            stream.close()
+            tmp.unlink(missing_ok=True)
+        report.changed.append(rel)
+        report.bytes_received += size
+    return report

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from . import files, gpu, hosts, jobs, patch, preflight
+from . import files, gpu, hosts, jobs, patch, preflight, runs
 from .context import console_ui, state
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
 
@@ -49,7 +49,7 @@ def _global(
 
 
 app.add_typer(hosts.app, name="hosts")
-for _module in (files, jobs, patch, preflight, gpu):
+for _module in (files, jobs, runs, patch, preflight, gpu):
     _module.register(app)
 
 

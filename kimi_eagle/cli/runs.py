@@ -1,0 +1,109 @@
+"""pull and clean: a run's results brought here, its bulky intermediates removed there."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import EXIT_FAILED, ConfigError
+from .context import console_ui, state
+
+
+def _run_of(session, job_id, run_dir):
+    from .. import runs
+
+    return runs.locate(session, job_id, run_dir)
+
+
+def _host(job_id: Optional[str], host: Optional[str]):
+    from .jobs import _host_for_job
+
+    if job_id:
+        return _host_for_job(job_id, host)
+    return state.inventory.one(host)
+
+
+def pull(
+    job_id: Optional[str] = typer.Argument(None, metavar="JOB", help="A pipeline job (its outputs are recorded)."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host of the job or the folder."),
+    run_dir: Optional[str] = typer.Option(None, "--run", metavar="DIR", help="A run's output folder on the host "
+                                          "(relative: under the workdir), instead of a job."),
+    to: Optional[Path] = typer.Option(None, "--to", metavar="DIR", help="Local folder (default ./pulled/JOB or "
+                                      "./pulled/HOST/DIRNAME)."),
+):
+    """Copy a run's draft export, eval report, recorded settings and versions, tensorboard events and job logs
+    here: sha256-verified, files already here unchanged are skipped."""
+    from .. import runs
+    from ..host import HostSession
+
+    h = _host(job_id, host)
+    with HostSession(h) as session:
+        run = _run_of(session, job_id, run_dir)
+        dest = to or (Path("pulled") / job_id if job_id else Path("pulled") / h.name / Path(run.path).name)
+        report = runs.pull(session, run, dest)
+    ui = console_ui()
+    if state.json:
+        return ui.emit_json({"host": h.name, "run": run.path, "to": str(dest), "changed": report.changed,
+                             "unchanged": report.unchanged, "bytes_received": report.bytes_received})
+    for path, status in report.rows():
+        ui.line(f"[{h.name}] {status:9} {dest / path}")
+    ui.line(f"[{h.name}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
+            f"{len(report.unchanged)} unchanged", style="green")
+    if (dest / "tracking").is_dir():
+        ui.line(f"[{h.name}] see the curves: tensorboard --logdir {dest / 'tracking'}")
+
+
+def clean(
+    job_id: Optional[str] = typer.Argument(None, metavar="JOB", help="A pipeline job (its outputs are recorded)."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host of the job or the folder."),
+    run_dir: Optional[str] = typer.Option(None, "--run", metavar="DIR", help="A run's output folder on the host "
+                                          "(relative: under the workdir), instead of a job."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be removed and how big it is; remove nothing."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before removing."),
+):
+    """Remove a run's bulky intermediates on the host (hidden states, checkpoints), after showing their size.
+
+    The export, reports and logs stay. Refused while a job that uses the folder runs."""
+    from .. import runs
+    from ..host import HostSession
+
+    ui = console_ui()
+    h = _host(job_id, host)
+
+    def ask(result) -> bool:
+        for b in result.found:
+            ui.line(f"[{h.name}] {result.run.path}/{b.rel}: {runs.human(b.bytes)} in {b.files} files")
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            raise ConfigError(f"clean removes {runs.human(result.bytes)} on {h.name}: confirm with --yes "
+                              "(nothing was removed)")
+        return typer.confirm(f"Remove {runs.human(result.bytes)} on {h.name}?", default=False)
+
+    with HostSession(h) as session:
+        run = _run_of(session, job_id, run_dir)
+        result = runs.clean(session, run, dry_run=dry_run, confirm=ask)
+    if state.json:
+        return ui.emit_json({"host": h.name, "run": run.path, "dry_run": dry_run, "removed": result.removed,
+                             "found": [b.__dict__ for b in result.found], "bytes": result.bytes})
+    if not result.found:
+        ui.line(f"[{h.name}] {run.path}: no hidden states or checkpoints; nothing to remove")
+    elif dry_run:
+        for b in result.found:
+            ui.line(f"[{h.name}] would remove {run.path}/{b.rel}: {runs.human(b.bytes)} in {b.files} files")
+        ui.line(f"[{h.name}] --dry-run: {runs.human(result.bytes)} would be freed; nothing was removed")
+    elif result.removed:
+        ui.line(f"[{h.name}] removed {', '.join(result.removed)} from {run.path}: {runs.human(result.bytes)} freed",
+                style="green")
+    else:
+        ui.line(f"[{h.name}] nothing was removed")
+        raise typer.Exit(EXIT_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the top-level app."""
+    app.command()(pull)
+    app.command()(clean)

@@ -1,0 +1,200 @@
+"""A run's outputs on a host: find them (by job or by folder), bring back what a user keeps (`pull`), remove
+what is bulky once trained (`clean`).
+
+A pipeline job records where its outputs are (`<workdir>/runs/<job>/output_dir`, written by ops/provenance.py),
+so a job id is enough. `pull` copies the export, the eval report, the recorded settings and versions, the
+tensorboard events and the job logs, sha256-verified and skipping what is already here (sync.fetch, the
+upload's hashing the other way). `clean` removes the hidden states and the checkpoints, never while a job that
+uses the folder runs.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import sync
+from .errors import CommandError, ConfigError
+from .host import RUNS, HostSession
+from .shell import join
+
+KEPT = ("draft/export", "eval", "runs", "tracking")  # what `pull` brings back, under the output folder
+BULKY = ("hidden_states", "draft/checkpoints")  # what `clean` removes: terabytes at Kimi's size
+JOB_FILES = ("log", "meta.json", "exit_code", "headline")  # a job's own record, from <workdir>/runs/<job>/
+
+# Lists what `pull` takes: [host path, local path, size]. Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
+_LIST = r"""
+import json, os, sys
+root, runs, job = sys.argv[1], sys.argv[2], sys.argv[3]
+subs, job_files = sys.argv[4].split(","), sys.argv[5].split(",")
+out = []
+def add(path, rel):
+    if os.path.isfile(path) and not os.path.basename(path).startswith("."):
+        out.append([path, rel, os.path.getsize(path)])
+for s in subs:
+    base = os.path.join(root, s)
+    for d, dirs, files in os.walk(base):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for f in sorted(files):
+            add(os.path.join(d, f), os.path.join(s, os.path.relpath(os.path.join(d, f), base)))
+ids = [job] if job else sorted(os.listdir(runs)) if os.path.isdir(runs) else []
+for j in ids:
+    try:
+        with open(os.path.join(runs, j, "output_dir")) as f:
+            mine = os.path.realpath(f.read().strip()) == os.path.realpath(root)
+    except OSError:
+        mine = False
+    if mine or j == job:
+        for name in job_files:
+            add(os.path.join(runs, j, name), os.path.join("logs", j, name))
+print(json.dumps(out))
+"""
+
+# Sizes of the bulky folders that exist: [[rel, bytes, files]].
+_MEASURE = r"""
+import json, os, sys
+root, out = sys.argv[1], []
+for rel in sys.argv[2:]:
+    base = os.path.join(root, rel)
+    if not os.path.isdir(base):
+        continue
+    size = count = 0
+    for d, _, files in os.walk(base):
+        for f in files:
+            try:
+                size += os.lstat(os.path.join(d, f)).st_size
+                count += 1
+            except OSError:
+                pass
+    out.append([rel, size, count])
+print(json.dumps(out))
+"""
+
+# Removes the named folders: each renamed aside first (atomic: no reader sees half a folder), then deleted.
+_REMOVE = r"""
+import json, os, secrets, shutil, sys
+root, gone = sys.argv[1], []
+for rel in sys.argv[2:]:
+    base = os.path.join(root, rel)
+    aside = os.path.join(os.path.dirname(base), "." + os.path.basename(base) + ".removing-" + secrets.token_hex(6))
+    try:
+        os.rename(base, aside)
+    except FileNotFoundError:
+        continue  # another clean took it
+    shutil.rmtree(aside)
+    gone.append(rel)
+print(json.dumps(gone))
+"""
+
+
+@dataclass
+class RunDir:
+    host: str
+    path: str  # absolute, on the host
+    job_id: str | None = None
+
+
+@dataclass
+class Bulky:
+    rel: str
+    bytes: int
+    files: int
+
+
+@dataclass
+class CleanResult:
+    run: RunDir
+    found: list[Bulky] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.bytes for b in self.found)
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _python(session: HostSession) -> str:
+    from .render import sh_path
+
+    return sh_path(session.host.python)
+
+
+def _json_of(session: HostSession, code: str, args: list[str], what: str):
+    res = session.transport.run(f"{_python(session)} -c {join([code, *args])}", check=True, what=what, timeout=3600)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def locate(session: HostSession, job_id: str | None = None, run_dir: str | None = None) -> RunDir:
+    """The output folder of a job (its record) or the one given (relative paths are under the workdir)."""
+    if bool(job_id) == bool(run_dir):
+        raise ConfigError("name a job, or a run folder with --run DIR (not both)")
+    if job_id:
+        from .jobs import check_job_id
+
+        check_job_id(job_id)
+        res = session.transport.run(f"cat -- {join([session.path(f'{RUNS}/{job_id}/output_dir')])}")
+        if res.exited != 0 or not res.stdout.strip():
+            raise ConfigError(f"{session.name}: job {job_id} has no record of its output folder (not a pipeline job, "
+                              f"or not started by this kimi-eagle); name the folder with --run DIR")
+        return RunDir(session.name, res.stdout.strip(), job_id)
+    path = run_dir if run_dir.startswith(("/", "~")) else session.path(run_dir)
+    path = posixpath.normpath(session.transport.abspath(path))
+    if session.transport.run(f"test -d {join([path])}").exited != 0:
+        raise ConfigError(f"{session.name}:{path}: no such folder")
+    return RunDir(session.name, path, None)
+
+
+def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
+    """Copy the run's export, reports, recorded settings, tensorboard events and job logs into `dest`."""
+    subs = ["draft/export", "eval"]
+    subs += [f"runs/{run.job_id}", f"tracking/{run.job_id}"] if run.job_id else ["runs", "tracking"]
+    files = _json_of(session, _LIST, [run.path, session.path(RUNS), run.job_id or "", ",".join(subs), ",".join(JOB_FILES)],
+                     "listing the run's files")
+    if not files:
+        raise CommandError(f"{session.name}:{run.path}: nothing to pull (no export, report or log there yet)")
+    return sync.fetch(session.transport, [tuple(f) for f in files], dest)
+
+
+def measure(session: HostSession, run: RunDir) -> list[Bulky]:
+    return [Bulky(*row) for row in _json_of(session, _MEASURE, [run.path, *BULKY], "measuring the run's folders")]
+
+
+def users(session: HostSession, run: RunDir) -> list:
+    """Running (or queued) jobs whose outputs are this folder."""
+    from .backend import for_host
+
+    live = [j for j in for_host(session.host).status(session) if j.state in ("running", "pending")]
+    if not live:
+        return []
+    code = ("import os, sys\nroot = os.path.realpath(sys.argv[1])\nfor d in sys.argv[2:]:\n"
+            "    try:\n        p = open(os.path.join(d, 'output_dir')).read().strip()\n    except OSError:\n        continue\n"
+            "    if os.path.realpath(p) == root:\n        print(os.path.basename(d))\n")
+    res = session.transport.run(f"{_python(session)} -c {join([code, run.path, *[j.run_dir or session.path(f'{RUNS}/{j.id}') for j in live]])}",
+                                check=True, what="which jobs use the run")
+    using = set(res.stdout.split())
+    return [j for j in live if j.id in using]
+
+
+def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=None) -> CleanResult:
+    """Remove the run's hidden states and checkpoints. Refused while a job using them runs. `confirm(result)`
+    is asked (with the sizes found) before anything is removed; False leaves everything as it is."""
+    result = CleanResult(run, measure(session, run), dry_run=dry_run)
+    busy = users(session, run)
+    if busy:
+        j = busy[0]
+        raise CommandError(f"{session.name}: job {j.id} ({j.step}) is {j.state} on {run.path}; nothing was removed. "
+                           f"Wait for it, or stop it: kimi-eagle stop {j.id} --host {session.name}")
+    if dry_run or not result.found or (confirm is not None and not confirm(result)):
+        return result
+    result.removed = _json_of(session, _REMOVE, [run.path, *(b.rel for b in result.found)], "removing the run's folders")
+    return result
