@@ -116,6 +116,30 @@ def eagle3_aux_count_ok(version: str, n_aux: int) -> tuple[bool, str]:
                    f"num_aux_hidden_states from 0.25 on); retrain with 3 aux layer ids or upgrade vLLM")
 
 
+# The vLLM model file whose decoder loop captures a model type's aux hidden states.
+DECODER_SOURCES = {"kimi_k25": "deepseek_v2.py", "kimi_vl": "deepseek_v2.py", "kimi_k2": "deepseek_v2.py",
+                   "deepseek_v3": "deepseek_v2.py", "deepseek_v2": "deepseek_v2.py", "llama": "llama.py"}
+# How a decoder loop captures the last layer's output (id N): DeepSeek's explicit end_layer check (vLLM 0.25+), or
+# the shared mixin called after every layer with idx + 1 (Llama).
+FINAL_LAYER_CAPTURE = ("end_layer in self.aux_hidden_state_layers", "idx + 1, hidden_states, residual")
+
+
+def final_layer_capture(vllm_dir: str, model_type: str | None) -> bool | None:
+    """Whether the installed vLLM returns id N (the last decoder layer's output) for this model type: True, False
+    (it captures layer inputs only: ids 0..N-1, the rest silently missing), or None (not known / not readable)."""
+    name = DECODER_SOURCES.get(model_type or "")
+    if not name:
+        return None
+    try:
+        with open(os.path.join(vllm_dir, "model_executor", "models", name), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    if any(marker in text for marker in FINAL_LAYER_CAPTURE):
+        return True
+    return False if "aux_hidden_state_layers" in text else None
+
+
 def engine_env_defaults(environ=os.environ) -> dict:
     """Environment a vLLM engine needs on this host, set before vLLM is imported (a value the user set wins).
 
@@ -129,3 +153,27 @@ def engine_env_defaults(environ=os.environ) -> dict:
     if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in environ:
         environ["VLLM_USE_FLASHINFER_SAMPLER"] = added["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return added
+
+
+def text_only_engine_kwargs(model_dir: str, engine_args_cls) -> dict:
+    """LLM(...) keyword arguments for a text-only run of a multimodal target (Kimi-K2.5, Llava, ...).
+
+    kimi-eagle never sends images: `language_model_only` makes vLLM skip building the vision tower and profiling it
+    with a dummy image/video at start-up (Kimi-K2.5's MoonViT, a 3000x3000 dummy video chunk), and its multimodal
+    processor. Without it vLLM 0.32 fails at that profiling on a checkpoint whose tokenizer lacks the media tokens.
+    Only where the installed vLLM's EngineArgs has the field (`engine_args_cls`, e.g. vllm.EngineArgs)."""
+    import dataclasses
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    multimodal = any(isinstance(cfg.get(k), dict) for k in ("vision_config", "audio_config"))
+    try:
+        fields = {f.name for f in dataclasses.fields(engine_args_cls)}
+    except TypeError:
+        return {}
+    return {"language_model_only": True} if multimodal and "language_model_only" in fields else {}
+

@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
-from vllm_compat import eagle3_aux_count_ok, eagle3_serving, extraction_path, vllm_install  # noqa: E402
+from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
+from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
+                         vllm_install)
 
 # ---------------------------------------------------------------------------
 # Compatibility table: which patch set each speculators/vLLM combination needs.
@@ -299,6 +301,7 @@ def load_model_config(model: str, ctx: dict) -> list[dict]:
                          "check the model config (wrapper models keep them under text_config)"))
         return out
     ctx.update(num_layers=n, hidden_size=hidden, text_config=text,
+               quantization=text.get("quantization_config") or cfg.get("quantization_config"),
                model_type=text.get("model_type") or cfg.get("model_type"),
                dtype=text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype"))
     out.append(check("model", "pass", f"{p}: {ctx['model_type']}, {n} layers, hidden {hidden} (via {how})"))
@@ -319,16 +322,51 @@ def check_layer_ids(args, ctx: dict) -> dict:
     if ids is None:
         ids = [2, n // 2, n - 3, n]
         ctx["layer_ids"] = ids
-        return check("layer_ids", "pass", f"default {ids} for N={n}; {conv}")
-    ctx["layer_ids"] = ids
-    bad = [i for i in ids if not 0 <= i <= n]
-    if bad:
-        return check("layer_ids", "fail", f"{bad} out of range [0, {n}] (N={n}); {conv}",
-                     f"pass --layer-ids within 0..{n}, e.g. {2},{n // 2},{n - 3},{n} (the default)")
-    if len(set(ids)) != len(ids) or ids != sorted(ids):
-        return check("layer_ids", "warn", f"{ids}: duplicates or not ascending; {conv}",
-                     "list each layer id once, ascending")
-    return check("layer_ids", "pass", f"{ids} within [0, {n}]; {conv}")
+        head = f"default {ids} for N={n}"
+    else:
+        ctx["layer_ids"] = ids
+        bad = [i for i in ids if not 0 <= i <= n]
+        if bad:
+            return check("layer_ids", "fail", f"{bad} out of range [0, {n}] (N={n}); {conv}",
+                         f"pass --layer-ids within 0..{n}, e.g. {2},{n // 2},{n - 3},{n} (the default)")
+        if len(set(ids)) != len(ids) or ids != sorted(ids):
+            return check("layer_ids", "warn", f"{ids}: duplicates or not ascending; {conv}",
+                         "list each layer id once, ascending")
+        head = f"{ids} within [0, {n}]"
+    engine = installed_engine_layers(args, ctx, ids, n)
+    if engine and engine[0] == "fail":
+        return check("layer_ids", "fail", f"{head}; {conv}; {engine[1]}", engine[2])
+    return check("layer_ids", "pass", f"{head}; {conv}" + (f"; {engine[1]}" if engine else ""))
+
+
+def installed_engine_layers(args, ctx: dict, ids: list[int], n: int):
+    """What the installed vLLM does with these ids, read from its sources (not imported): ('pass'|'fail', detail,
+    fix), or None when vLLM does not extract here. The draft is served with ids[:-1] as
+    eagle_aux_hidden_state_layer_ids, which vLLM (>= 0.18) captures as the inputs of those layers, our convention;
+    id N exists only for extraction, and vLLM's decoder loop captures it only where it has a final-layer capture
+    (DeepSeek/Kimi: from vLLM 0.25; earlier ones silently return one layer fewer)."""
+    inst, path = ctx.get("vllm"), ctx.get("vllm_path")
+    if args.backend != "vllm" or not inst or args.step not in ("extract", "all"):
+        return None
+    v = inst["version"]
+    if path == "speculators":
+        if 0 in ids:
+            return ("fail", f"vLLM {v} extracts through speculators' generator, which records layer outputs: "
+                    "id 0 (the embeddings) has no equivalent", f"use ids 1..{n}")
+        return ("pass", f"vLLM {v} + speculators: ids translated to its layer outputs (id i -> output of layer i-1)")
+    if path != "native":
+        return None
+    served = ids[:-1] if ids and ids[-1] == n else ids
+    detail = f"vLLM {v} feeds the draft ids {served} as the inputs of those layers (the same convention)"
+    if n not in ids:
+        return ("pass", detail)
+    capture = final_layer_capture(inst["dir"], ctx.get("model_type"))
+    if capture is False:
+        return ("fail", detail + f"; but its {ctx.get('model_type')} decoder loop has no final-layer capture, so "
+                f"id {n} would come back missing", f"use vLLM >= 0.25 (final-layer capture), or ids below {n}")
+    if capture is None:
+        return ("pass", detail + f"; whether it captures id {n} (final layer) could not be read from its sources")
+    return ("pass", detail + f"; its decoder loop captures id {n} (the last layer's output)")
 
 
 def model_bytes(model: str, ctx: dict) -> tuple[int | None, str]:
@@ -345,19 +383,9 @@ def model_bytes(model: str, ctx: dict) -> tuple[int | None, str]:
     if files:
         return sum(os.path.getsize(f) for f in files), f"sum of {len(files)} safetensors file(s)"
     t = ctx.get("text_config") or {}
-    h, n, v = t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size") or 0
-    if not (h and n):
+    if not (t.get("hidden_size") and t.get("num_hidden_layers") and t.get("num_attention_heads")):
         return None, "unknown"
-    inter = t.get("intermediate_size") or 4 * h
-    experts = (t.get("n_routed_experts") or t.get("num_experts") or 0) + (t.get("n_shared_experts") or 0)
-    moe_inter = t.get("moe_intermediate_size") or inter
-    first_dense = t.get("first_k_dense_replace") or 0
-    moe_layers = max(0, n - first_dense) if experts else 0
-    per_dense = 4 * h * h + 3 * h * inter
-    per_moe = 4 * h * h + 3 * h * moe_inter * experts
-    params = (n - moe_layers) * per_dense + moe_layers * per_moe + v * h * (1 if t.get("tie_word_embeddings") else 2)
-    nbytes = DTYPE_BYTES.get(str(ctx.get("dtype") or "bfloat16").replace("torch.", ""), 2)
-    return params * nbytes, f"config dims (~{params / 1e9:.2f}B params x {nbytes} bytes, rough)"
+    return weight_bytes(t, ctx.get("dtype") or "bfloat16", ctx.get("quantization"))
 
 
 def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
@@ -407,10 +435,16 @@ def check_gpu(args, ctx: dict) -> dict:
         if len(gpus) < tp:
             return check("gpu", "fail", f"--tp-size {tp} but only {len(gpus)} GPU(s): {listing}",
                          f"lower --tp-size to {len(gpus)} or use a host with {tp} GPUs")
-        per_gpu = need_b / tp + CUDA_CONTEXT_GIB * gib
+        t = ctx.get("text_config") or {}
+        # vLLM needs the weights' share, a KV cache holding at least one full sequence, activations for one
+        # scheduler step (max_num_batched_tokens >= 8192 tokens; a dozen [tokens, hidden] buffers) and the context.
+        kv = kv_bytes_per_token(t, tp) * args.seq_len if t.get("num_attention_heads") else 0
+        act = max(8192, args.seq_len) * (t.get("hidden_size") or 0) * 2 * 12
+        per_gpu = need_b / tp + kv + act + CUDA_CONTEXT_GIB * gib
         # vLLM takes GPUs 0..tp-1 (CUDA_VISIBLE_DEVICES order).
         short = [g for g in gpus[:tp] if g["free_mib"] * (1 << 20) < per_gpu]
-        detail = (f"weights {need_b / gib:.1f} GiB ({how}) / tp {tp} + {CUDA_CONTEXT_GIB:.0f} GiB "
+        detail = (f"weights {need_b / gib:.1f} GiB ({how}) / tp {tp} + KV for {args.seq_len} tokens "
+                  f"{kv / gib:.2f} GiB + activations {act / gib:.1f} GiB + {CUDA_CONTEXT_GIB:.0f} GiB "
                   f"= {per_gpu / gib:.1f} GiB per GPU; {listing}")
         if short:
             return check("gpu", "fail", detail + f"; too little free on GPU "

@@ -184,13 +184,14 @@ def run_vllm(args, prompts, k):
     stdout_for_result_only()  # vLLM logs to stdout, also from its workers
     import gc
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, EngineArgs, SamplingParams
+    from vllm_compat import text_only_engine_kwargs
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     messages = [m for _, m in prompts]
     common = dict(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
                   enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
-                  tensor_parallel_size=args.tp_size)
+                  tensor_parallel_size=args.tp_size, **text_only_engine_kwargs(args.model, EngineArgs))
     runs = {}
     for name, spec in (("baseline", None), ("speculative", {"method": "eagle3", "model": os.path.abspath(args.draft),
                                                             "num_speculative_tokens": k})):

@@ -18,7 +18,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from hidden_state_files import error_path, sample_path  # noqa: E402
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
-from vllm_compat import engine_env_defaults, extraction_path, parse_version, vllm_install  # noqa: E402
+from vllm_compat import (engine_env_defaults, extraction_path, parse_version, text_only_engine_kwargs,  # noqa: E402
+                         vllm_install)
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -197,7 +198,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
 
     # The workers import the connector by module name: put this folder on their path (they are spawned).
     os.environ["PYTHONPATH"] = HERE + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, EngineArgs, SamplingParams
 
     on_gpu = torch.cuda.is_available()
     t0 = time.time()
@@ -205,6 +206,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
               max_model_len=args.seq_len + 1,   # the prompt plus the one token vLLM insists on sampling
               enforce_eager=not on_gpu,         # torch.compile on CPU costs minutes and gains little here
               enable_prefix_caching=False, disable_log_stats=True,
+              **text_only_engine_kwargs(args.model, EngineArgs),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": list(layer_ids)}}},

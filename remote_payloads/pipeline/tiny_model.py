@@ -2,10 +2,11 @@
 """Build small (or benchmark-sized) target models with random weights, entirely offline.
 
 Kinds:
-  kimi   DeepseekV3 text model inside a Kimi-K2.5-style multimodal wrapper implemented as *remote code*
-         saved next to the weights (configuration_kimi_tiny.py / modeling_kimi_tiny.py + auto_map), so it
-         loads only with trust_remote_code=True, exactly like the real checkpoint. Layers live at
-         language_model.model.layers.
+  kimi   DeepseekV3 text model (MLA + MoE) inside a Kimi-K2.5 multimodal wrapper laid out like the Hub checkpoint,
+         with remote code, so it loads only with trust_remote_code=True, in transformers and in vLLM (kimi_model.py
+         says what that takes). Layers live at language_model.model.layers. `--preset k2.5` gives Kimi-K2.5's real
+         widths (hidden 7168, vocab 163,840, its MLA dims and 64 heads; dense layer 0, MoE after) with --layers
+         layers and 8 routed experts: about 4.4 B parameters at 4 layers; draw those on a GPU (--device cuda).
   llama  plain LlamaForCausalLM (use --hidden/--layers/--vocab/--dtype bf16 for a ~1B benchmark model).
   llava  LlavaForConditionalGeneration (tiny Llama text + tiny CLIP vision tower), used as a text-only
          target. It loads with AutoModelForImageTextToText (transformers has no CausalLM mapping for llava).
@@ -20,10 +21,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import log, payload_root  # noqa: E402
+
+import kimi_model  # noqa: E402  (a sibling; no heavy imports at module level)
 
 DEFAULT_CORPUS = os.path.join(payload_root(), "sample_data", "chat.jsonl")
 
@@ -46,76 +48,6 @@ CHAT_TEMPLATE = (
     "{%- if messages -%}{{ '\\n' }}{%- endif -%}{{- '<|assistant|>\\n' -}}"
     "{%- endif -%}"
 )
-
-CONFIGURATION_CODE = '''\
-"""Tiny stand-in for Kimi-K2.5's configuration (remote code, loaded with trust_remote_code=True)."""
-from transformers import DeepseekV3Config, PretrainedConfig
-
-
-class KimiK25Config(PretrainedConfig):
-    model_type = "kimi_k25"
-    sub_configs = {"text_config": DeepseekV3Config}
-
-    def __init__(self, text_config=None, vision_hidden_size=16, media_placeholder_token_id=None, **kwargs):
-        if isinstance(text_config, dict):
-            text_config = DeepseekV3Config(**text_config)
-        elif text_config is None:
-            text_config = DeepseekV3Config()
-        self.text_config = text_config
-        self.vision_hidden_size = vision_hidden_size
-        self.media_placeholder_token_id = media_placeholder_token_id
-        super().__init__(**kwargs)
-'''
-
-MODELING_CODE = '''\
-"""Tiny stand-in for Kimi-K2.5's multimodal wrapper (remote code).
-
-Like the real model, the language model is a DeepseekV3ForCausalLM stored at `.language_model`, so its
-decoder layers are `language_model.model.layers`; there is no `model.model`. The "vision" part is a pair of
-linear layers that text-only inputs never touch.
-"""
-import torch
-from torch import nn
-from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
-
-try:
-    from .configuration_kimi_tiny import KimiK25Config
-except ImportError:  # imported as a plain module (tiny_model.py builds the weights this way)
-    from configuration_kimi_tiny import KimiK25Config
-
-
-class KimiK25PreTrainedModel(PreTrainedModel):
-    config_class = KimiK25Config
-    base_model_prefix = ""
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["DeepseekV3DecoderLayer"]
-    _supports_sdpa = True
-
-
-class KimiK25ForConditionalGeneration(KimiK25PreTrainedModel, GenerationMixin):
-    def __init__(self, config):
-        super().__init__(config)
-        text = config.text_config
-        self.vision_tower = nn.Linear(config.vision_hidden_size, config.vision_hidden_size)
-        self.mm_projector = nn.Linear(config.vision_hidden_size, text.hidden_size)
-        self.language_model = DeepseekV3ForCausalLM(text)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.language_model.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.language_model.set_input_embeddings(value)
-
-    def get_output_embeddings(self):
-        return self.language_model.get_output_embeddings()
-
-    def forward(self, input_ids=None, attention_mask=None, pixel_values=None, **kwargs):
-        if pixel_values is not None:
-            raise NotImplementedError("the tiny Kimi stand-in is text-only")
-        return self.language_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-'''
-
 
 # ----------------------------------------------------------------------------------------------------
 # tokenizer
@@ -188,27 +120,6 @@ def _seeded_init(model, seed):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.zero_()
-
-
-def _import_code(tmpdir):
-    """Import the Kimi remote-code modules from a temp dir as plain modules (no trust_remote_code cache)."""
-    import importlib.util
-
-    mods = {}
-    sys.path.insert(0, tmpdir)
-    try:
-        for name in ("configuration_kimi_tiny", "modeling_kimi_tiny"):
-            spec = importlib.util.spec_from_file_location(name, os.path.join(tmpdir, name + ".py"))
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-            mods[name] = mod
-    finally:
-        sys.path.remove(tmpdir)
-    return mods["configuration_kimi_tiny"], mods["modeling_kimi_tiny"]
 
 
 def _text_kwargs(hidden, layers, vocab, heads, intermediate, tok):
@@ -251,14 +162,24 @@ def _hub_layout_llava(out_dir):
 
 
 def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, intermediate=None,
-          dtype="float32", seed=0, corpus=DEFAULT_CORPUS):
+          dtype="float32", seed=0, corpus=DEFAULT_CORPUS, preset="tiny", device="cpu"):
     """Write a loadable model directory (weights + config + tokenizer [+ remote code]); return a summary."""
     import torch
 
     torch_dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    if kind == "kimi" and preset == "k2.5":
+        vocab = kimi_model.shape(preset)["vocab_size"]
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(vocab, corpus)
+    if kind == "kimi":
+        text = kimi_model.shape(preset, hidden, layers, vocab, heads, intermediate)
+        n_params, _ = kimi_model.build(out_dir, tok, text, torch_dtype, seed, device)
+        log(f"[tiny_model] kimi ({preset}): {n_params:,} parameters, dtype {dtype}, wrote {out_dir}")
+        return {"ok": True, "out_dir": os.path.abspath(out_dir), "kind": kind, "preset": preset,
+                "model_class": "KimiK25ForConditionalGeneration", "parameters": n_params,
+                "vocab_size": text["vocab_size"], "num_layers": text["num_hidden_layers"],
+                "hidden_size": text["hidden_size"], "dtype": dtype, "seed": seed, "device": device}
     text_kw = _text_kwargs(hidden, layers, vocab, heads, intermediate, tok)
     torch.manual_seed(seed)
 
@@ -277,29 +198,6 @@ def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, int
         cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
                           vision_feature_layer=-1, vision_feature_select_strategy="default")
         model = LlavaForConditionalGeneration(cfg)
-    elif kind == "kimi":
-        from transformers import DeepseekV3Config
-
-        # MLA attention + MoE, shrunk: layer 0 dense (first_k_dense_replace=1), later layers 4 routed experts.
-        head_dim = max(8, hidden // text_kw["num_attention_heads"])
-        text = DeepseekV3Config(
-            **{k: v for k, v in text_kw.items() if k != "intermediate_size"},
-            intermediate_size=text_kw["intermediate_size"], moe_intermediate_size=max(16, hidden // 2),
-            num_key_value_heads=text_kw["num_attention_heads"], n_routed_experts=4, n_shared_experts=1,
-            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            q_lora_rank=max(16, hidden // 2), kv_lora_rank=max(16, hidden // 4), qk_rope_head_dim=head_dim // 2,
-            qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim,
-        )
-        with tempfile.TemporaryDirectory() as td:
-            for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
-                with open(os.path.join(td, name + ".py"), "w") as f:
-                    f.write(code)
-            conf_mod, model_mod = _import_code(td)
-        cfg = conf_mod.KimiK25Config(text_config=text, architectures=["KimiK25ForConditionalGeneration"],
-                                     media_placeholder_token_id=tok.convert_tokens_to_ids("<image>"),
-                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                     pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-        model = model_mod.KimiK25ForConditionalGeneration(cfg)
     else:
         raise ValueError(f"unknown kind {kind!r} (expected kimi, llama or llava)")
 
@@ -312,21 +210,6 @@ def build(out_dir, kind="llama", hidden=64, layers=8, vocab=512, heads=None, int
 
     if kind == "llava":
         _hub_layout_llava(out_dir)
-    if kind == "kimi":
-        for name, code in (("configuration_kimi_tiny", CONFIGURATION_CODE), ("modeling_kimi_tiny", MODELING_CODE)):
-            with open(os.path.join(out_dir, name + ".py"), "w") as f:
-                f.write(code)
-        cfg_path = os.path.join(out_dir, "config.json")
-        with open(cfg_path) as f:
-            cfg_json = json.load(f)
-        cfg_json["auto_map"] = {
-            "AutoConfig": "configuration_kimi_tiny.KimiK25Config",
-            "AutoModel": "modeling_kimi_tiny.KimiK25ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_tiny.KimiK25ForConditionalGeneration",
-        }
-        with open(cfg_path, "w") as f:
-            json.dump(cfg_json, f, indent=2, sort_keys=True)
-
     return {"ok": True, "out_dir": os.path.abspath(out_dir), "kind": kind, "model_class": type(model).__name__,
             "parameters": n_params, "vocab_size": vocab, "num_layers": layers, "hidden_size": hidden,
             "dtype": dtype, "seed": seed}
@@ -336,6 +219,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", "--output-dir", dest="out", required=True, help="model directory to write")
     ap.add_argument("--kind", choices=["kimi", "llama", "llava"], default="llama")
+    ap.add_argument("--preset", choices=sorted(kimi_model.PRESETS), default="tiny",
+                    help="kimi only: k2.5 = Kimi-K2.5's widths (hidden/vocab/MLA/heads), --layers deep")
+    ap.add_argument("--device", default="cpu", help="kimi only: where the weights are drawn (cuda: seconds, not minutes)")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size (2048 with --layers 20 --vocab 32000 --dtype bf16 ≈ 1.06B params)")
     ap.add_argument("--layers", type=int, default=8, help="number of decoder layers")
     ap.add_argument("--vocab", type=int, default=512, help="vocab size (tokenizer is padded to match)")
@@ -353,7 +239,7 @@ def main(argv=None):
         return 2
     try:
         summary = build(args.out, args.kind, args.hidden, args.layers, args.vocab, args.heads, args.intermediate,
-                        args.dtype, args.seed, args.corpus)
+                        args.dtype, args.seed, args.corpus, args.preset, args.device)
     except ValueError as e:
         print(f"tiny_model: {e}", file=sys.stderr)
         return 2

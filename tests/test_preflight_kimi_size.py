@@ -1,0 +1,93 @@
+"""Preflight at Kimi-K2.5's real size, from its config alone (no weights anywhere): the hidden-state disk estimate,
+GPU memory for the model at tensor parallelism 8 (INT4 routed experts as the Hub checkpoint stores them), and the
+parameter count of an MLA + MoE model. The GPUs are an nvidia-smi stand-in listing eight H200s (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight.py"
+sys.path[:0] = [str(ROOT / "remote_payloads"), str(ROOT / "remote_payloads" / "pipeline")]
+import kimi_model  # noqa: E402
+import model_size  # noqa: E402
+
+GIB = 1 << 30
+
+
+def smi(tmp: Path, n: int, free_mib: int = 143000) -> Path:
+    p = tmp / "nvidia-smi"
+    p.write_text("#!/bin/sh\n" + "".join(f'echo "{i}, NVIDIA H200, 143771, {free_mib}"\n' for i in range(n)))
+    p.chmod(0o755)
+    return p
+
+
+@pytest.fixture
+def kimi(tmp_path):
+    """Kimi-K2.5's config.json (61 layers, hidden 7168, 384 experts, INT4 experts) and an extract-ready output dir
+    whose prepared manifest says 100 M tokens."""
+    model = tmp_path / "Kimi-K2.5"
+    kimi_model.write_real_config(model)
+    out = tmp_path / "out"
+    (out / "prepared").mkdir(parents=True)
+    (out / "prepared" / "manifest.json").write_text(json.dumps({"count": 50000, "tokens": 100_000_000}))
+    return {"model": model, "out": out, "tmp": tmp_path}
+
+
+def preflight(kimi, *extra, gpus=8, backend="hf", tp=8):
+    p = subprocess.run([sys.executable, str(SCRIPT), "--step", "extract", "--backend", backend, "--model", str(kimi["model"]),
+                        "--output-dir", str(kimi["out"]), "--runs-dir", str(kimi["tmp"]), "--tp-size", str(tp),
+                        "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stderr
+    doc = json.loads(p.stdout)
+    assert not list(kimi["model"].glob("*.safetensors"))        # nothing was loaded, nothing written
+    return p.returncode, {c["name"]: c for c in doc["checks"]}
+
+
+def test_the_real_config_counts_a_trillion_parameters_and_595_gb_as_stored():
+    cfg = kimi_model.real_config()
+    parts = model_size.parameters(cfg["text_config"])
+    assert 1.02e12 < sum(parts.values()) < 1.04e12                # Kimi-K2: 1.04 T total
+    assert parts["routed_experts"] / sum(parts.values()) > 0.98
+    stored, how = model_size.weight_bytes(cfg["text_config"], "bfloat16", cfg["quantization_config"])
+    assert 585e9 < stored < 605e9, how                             # the Hub checkpoint: ~595 GB of safetensors
+    bf16, _ = model_size.weight_bytes({**cfg["text_config"], "quantization_config": None})
+    assert 2.0e12 < bf16 < 2.1e12
+    # MLA caches one 576-wide latent per layer and token, the same on every rank: 61 x 576 x 2 B
+    assert model_size.kv_bytes_per_token(cfg["text_config"], tp=8) == 61 * 576 * 2
+
+
+def test_hidden_states_need_56_kib_per_token_against_free_disk(kimi):
+    need = 100_000_000 * 4 * 7168 * 2
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(need + 20 * GIB))
+    assert checks["disk"]["status"] == "pass" and "56.0 KiB/token" in checks["disk"]["detail"], checks["disk"]
+    assert "[2, 30, 58, 61]" in checks["layer_ids"]["detail"]
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(need // 2))
+    assert rc == 1 and checks["disk"]["status"] == "fail", checks["disk"]
+    assert "5340.58 GiB" in checks["disk"]["detail"] and "--max-samples" in checks["disk"]["fix"]
+
+
+def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):
+    rc, checks = preflight(kimi, backend="vllm", tp=8)
+    gpu = checks["gpu"]
+    assert gpu["status"] == "pass", gpu
+    assert "/ tp 8" in gpu["detail"] and "4-bit" in gpu["detail"]
+    per_gpu = float(gpu["detail"].split("= ")[1].split(" GiB per GPU")[0])
+    assert 70 < per_gpu < 85, gpu["detail"]                       # 553 GiB / 8 + KV + activations + context
+    rc, checks = preflight(kimi, backend="vllm", tp=4, gpus=4)
+    assert checks["gpu"]["status"] == "fail" and "too little free" in checks["gpu"]["detail"], checks["gpu"]
+
+
+def test_the_same_model_in_bf16_does_not_fit_tp8(kimi):
+    cfg = json.loads((kimi["model"] / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg["text_config"].pop("quantization_config")
+    (kimi["model"] / "config.json").write_text(json.dumps(cfg))
+    rc, checks = preflight(kimi, backend="vllm", tp=8)
+    gpu = checks["gpu"]
+    assert gpu["status"] == "fail" and "x 2 B" in gpu["detail"] and "quantized checkpoint" in gpu["fix"], gpu
