@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import abc
 
-from . import jobs, shapes
+from . import jobs, job_layout
 
 
 class Backend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def render(self, session, step: str, extra: list[str], shape: shapes.Shape | None = None) -> dict[str, str]:
+    def render(self, session, step: str, extra: list[str], shape: job_layout.Shape | None = None) -> dict[str, str]:
         """The scripts `start` would upload, {path relative to the workdir: text}; validates the input."""
 
     @abc.abstractmethod
-    def start(self, session, step: str, extra: list[str], *, gpu: bool | None = None, shape: shapes.Shape | None = None,
+    def start(self, session, step: str, extra: list[str], *, gpu: bool | None = None, shape: job_layout.Shape | None = None,
               job_id: str | None = None) -> jobs.Job: ...
 
     @abc.abstractmethod

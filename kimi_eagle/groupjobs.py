@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import backend, shapes
+from . import backend, job_layout
 from .errors import ConfigError, KimiEagleError
 from .jobs import STATE_EXIT, Job, new_job_id, remember
 from .parallel import each_host
@@ -30,7 +30,7 @@ ORDER = ("running", "pending", "failed", "lost", "unreachable", "stopped", "succ
 @dataclass
 class Member:
     host: str
-    shape: dict  # shapes.Shape as a dict
+    shape: dict  # job_layout.Shape as a dict
     job_id: str | None = None
     error: str | None = None  # why the last start on this host failed
     attempts: int = 0
@@ -92,9 +92,9 @@ def _latest_with_key(key: tuple) -> GroupJob | None:
 
 
 def mode_for(step: str) -> str:
-    if step in shapes.SHARDABLE and step != "exec":
+    if step in job_layout.SHARDABLE and step != "exec":
         return "shards"
-    if step in shapes.DISTRIBUTED and step != "exec":
+    if step in job_layout.DISTRIBUTED and step != "exec":
         return "torchrun"
     raise ConfigError(f"`run {step} --group`: only extract (sharded) and train (torchrun) run across a group; "
                       "for exec choose --shards or --torchrun")
@@ -107,9 +107,9 @@ def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group:
         raise ConfigError(f"group {group!r}: host {slurm_hosts[0]!r} is a Slurm login node; run it with --host "
                           "(its slurm.shards / slurm.nodes spread the job)")
     if mode == "shards":
-        parts = shapes.shard_shapes(hosts, shard_by)
+        parts = job_layout.shard_shapes(hosts, shard_by)
     elif mode == "torchrun":
-        parts = shapes.torchrun_shapes(hosts, group_id)
+        parts = job_layout.torchrun_shapes(hosts, group_id)
     else:
         raise ConfigError(f"unknown group mode {mode!r}")
     g = GroupJob(group_id, group, step, list(extra), mode, shard_by, [h.name for h in hosts])
@@ -117,10 +117,10 @@ def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group:
     return g
 
 
-def shape_of(member: Member) -> shapes.Shape:
+def shape_of(member: Member) -> job_layout.Shape:
     d = dict(member.shape)
     t = d.pop("torchrun", None)
-    return shapes.Shape(**d, torchrun=shapes.Torchrun(**t) if t else None)
+    return job_layout.Shape(**d, torchrun=job_layout.Torchrun(**t) if t else None)
 
 
 @dataclass
@@ -142,7 +142,7 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
     mode = mode or mode_for(step)
     fresh = plan(hosts, step, extra, mode=mode, shard_by=shard_by, group=group, group_id=new_group_id(step))
     from .host import HostSession
-    from .renderables import Offline
+    from .render_targets import Offline
 
     for h, m in zip(hosts, fresh.members):  # render every host's script first: bad input changes nothing anywhere
         backend.for_host(h).render(HostSession(h, transport=Offline(h)), step, extra, shape_of(m))
@@ -206,7 +206,7 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
         m.attempts += 1
         if o.ok:
             m.job_id, m.error = o.value.id, None
-            outcomes.append(StartOutcome(o.host, "started", o.value.id, shapes.Shape.describe(shape_of(m))))
+            outcomes.append(StartOutcome(o.host, "started", o.value.id, job_layout.Shape.describe(shape_of(m))))
         else:
             m.error = str(o.error)
             outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error)))
@@ -240,7 +240,7 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
                 outcomes.append(StartOutcome(m.host, "failed", None, str(e)))
                 continue
             m.job_id, m.error = job.id, None
-            outcomes.append(StartOutcome(m.host, "started", job.id, shapes.Shape.describe(shape_of(m))))
+            outcomes.append(StartOutcome(m.host, "started", job.id, job_layout.Shape.describe(shape_of(m))))
         return outcomes
     finally:
         for s in sessions:
@@ -273,7 +273,7 @@ def status(inventory, g: GroupJob) -> tuple[str, list[MemberState]]:
     outcomes = {o.host: o for o in _member_status(inventory, g)}
     rows = []
     for m in g.members:
-        desc = shapes.Shape.describe(shape_of(m))
+        desc = job_layout.Shape.describe(shape_of(m))
         o = outcomes.get(m.host)
         if not m.job_id:
             rows.append(MemberState(m.host, desc, None, "failed", m.error or "not started"))

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import pipeline, render, shapes
+from . import pipeline, render, job_layout
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
 from .shell import join
@@ -76,11 +76,11 @@ def check_job_id(job_id: str) -> str:
 
 
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
-               shape: shapes.Shape | None = None) -> tuple[str, str]:
+               shape: job_layout.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = shapes.apply(pipeline.plan_for_host(step, host, extra), step, shape)
+    steps = job_layout.apply(pipeline.plan_for_host(step, host, extra), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,
@@ -117,7 +117,7 @@ def takes_gpu(step: str, gpu: bool | None) -> bool:
 
 
 def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
-          shape: shapes.Shape | None = None, job_id: str | None = None) -> Job:
+          shape: job_layout.Shape | None = None, job_id: str | None = None) -> Job:
     """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
     extra = list(extra or [])
     job_id = check_job_id(job_id or new_job_id(step))

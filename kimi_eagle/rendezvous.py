@@ -7,7 +7,7 @@ connect refuses the start, naming the host. Both helpers are stdlib one-liners r
 
 from __future__ import annotations
 
-from . import render, shapes
+from . import render, job_layout
 from .errors import KimiEagleError
 from .shell import quote
 
@@ -58,7 +58,7 @@ def check(sessions, timeout: float = 5.0) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     head = sessions[0]
-    addr, port = shapes.rdzv_address(head.host), head.host.rdzv_port
+    addr, port = job_layout.rdzv_address(head.host), head.host.rdzv_port
     endpoint = f"{addr}:{port}"
     listener = head.transport.stream(_py(head.host, _LISTEN, [addr, port, len(sessions) - 1, timeout + 10]))
     try:

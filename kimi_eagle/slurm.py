@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from . import pipeline, render, shapes, sync
+from . import pipeline, render, job_layout, sync
 from .errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
 from .jobs import Job, check_job_id, new_job_id, remember
@@ -54,9 +54,9 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     steps = pipeline.plan_for_host(step, host, extra)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
-    torchrun = step in shapes.DISTRIBUTED and slurm.nodes > 1
-    if not torchrun and step in shapes.SHARDABLE and slurm.shards > 1:
-        tasks = [ArrayTask(i, shapes.apply(steps, step, shapes.Shape(ranks=[i], world_size=slurm.shards, devices_per_rank=0)))
+    torchrun = step in job_layout.DISTRIBUTED and slurm.nodes > 1
+    if not torchrun and step in job_layout.SHARDABLE and slurm.shards > 1:
+        tasks = [ArrayTask(i, job_layout.apply(steps, step, job_layout.Shape(ranks=[i], world_size=slurm.shards, devices_per_rank=0)))
                  for i in range(slurm.shards)]
     array_spec = f"0-{len(tasks) - 1}" + (f"%{slurm.array_parallelism}" if slurm.array_parallelism else "")
     common = dict(job_id=job_id, host=host.name, step=step, env=host.env, workdir=host.workdir, python=host.python)
@@ -64,8 +64,8 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     main = steps[-1]
     if torchrun:
         # pipeline/launch.py on every node: it picks the workers per node from the GPUs Slurm gave the node.
-        launch_flags, command = shapes.split_launch(main.argv)
-        files[f"{run_rel}/node.sh"] = render.render("slurm_node.sh.j2", **common, launcher=shapes.LAUNCHER,
+        launch_flags, command = job_layout.split_launch(main.argv)
+        files[f"{run_rel}/node.sh"] = render.render("slurm_node.sh.j2", **common, launcher=job_layout.LAUNCHER,
                                                     launch_flags=launch_flags, command=command)
     files[f"{run_rel}/job.sbatch"] = render.render(
         "slurm_job.sbatch.j2", **common, slurm=slurm, slurm_name=f"ke-{step}-{job_id[-4:]}",
@@ -96,7 +96,7 @@ def preflight(session: HostSession, step: str) -> list[str]:
     if not any(r[1] == "up" for r in rows):
         problems.append(f"{session.name}: partition {slurm.partition!r} is {rows[0][1]}, not up")
     nodes = sum(int(r[2]) for r in rows if r[2].isdigit())
-    need_nodes = slurm.nodes if step in shapes.DISTRIBUTED else 1
+    need_nodes = slurm.nodes if step in job_layout.DISTRIBUTED else 1
     if nodes < need_nodes:
         problems.append(f"{session.name}: partition {slurm.partition!r} has {nodes} nodes, the job needs {need_nodes}")
     for want in (slurm.gres or "").split(","):

@@ -209,7 +209,7 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
 
 def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypatch, capsys):
     """Should the host's engine refuse the set (exit 2, no JSON), the CLI exits 2 with its one line."""
-    from kimi_eagle import cli, patch
+    from kimi_eagle import cli, deploy_patch
     from kimi_eagle.cli.context import state
 
     inv = tmp_path / "inventory.yaml"
@@ -220,7 +220,7 @@ def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypat
     workdir: {tmp_path / "work"}
     env: {{PYTHONPATH: "{install('0.4.0')}"}}
 """)
-    monkeypatch.setattr(patch, "check_patch_set", lambda name: None)  # skip the local check
+    monkeypatch.setattr(deploy_patch, "check_patch_set", lambda name: None)  # skip the local check
     monkeypatch.setattr(state, "_inventory", None)
     with pytest.raises(SystemExit) as exc:
         cli.main(["--inventory", str(inv), "deploy-patch", "--patch-set", "no-such-set"])

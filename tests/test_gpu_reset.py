@@ -1,4 +1,4 @@
-"""remote_payloads/ops/gpu_reset.py with real fuser and real signals, no GPU.
+"""remote_payloads/ops/stop_gpu_holders.py with real fuser and real signals, no GPU.
 
 Ordinary temp files stand in for /dev/nvidia*: spawned processes hold them open, so
 fuser reports them exactly as it reports GPU holders. A bash `nvidia-smi` stand-in is
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "gpu_reset.py"
+SCRIPT = ROOT / "remote_payloads" / "ops" / "stop_gpu_holders.py"
 
 pytestmark = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) not installed")
 
@@ -297,10 +297,10 @@ def test_invisible_pid_is_reported(tmp_path, holders):
 def test_importable_main(tmp_path, capsys):
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import gpu_reset
+        import stop_gpu_holders
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    rc = gpu_reset.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
+    rc = stop_gpu_holders.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
     assert rc == 0 and "no NVIDIA driver" in json.loads(capsys.readouterr().out)["note"]
 
 

@@ -1,4 +1,4 @@
-"""remote_payloads/ops/preflight.py: each failure kind is reported with its fix; a healthy setup passes."""
+"""remote_payloads/ops/preflight_checks.py: each failure kind is reported with its fix; a healthy setup passes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight.py"
+SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight_checks.py"
 REAL_PATCH_ENGINE = ROOT / "remote_payloads" / "ops" / "patch_engine.py"
 
 FAKE_SMI = """#!/usr/bin/env bash
@@ -89,10 +89,10 @@ def run(env, *extra, backend="hf", step="all", pythonpath=None):
 def preflight_module():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import preflight
+        import preflight_checks
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    return preflight
+    return preflight_checks
 
 
 def assert_failed(checks, name, *words):

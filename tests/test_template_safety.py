@@ -87,7 +87,7 @@ def test_a_host_name_with_a_newline_runs_nothing(tmp_path, evil):
     """Even past the inventory's own check (a Host built by a library caller), rendered scripts run nothing extra."""
     from kimi_eagle import jobs
     from kimi_eagle.host import HostSession
-    from kimi_eagle.renderables import Offline
+    from kimi_eagle.render_targets import Offline
 
     marker = tmp_path / "PWNED"
     h = _host(tmp_path, evil.format(marker=marker))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Real-GPU check of remote_payloads/ops/gpu_reset.py (issue 5), for a machine with an NVIDIA GPU.
+# Real-GPU check of remote_payloads/ops/stop_gpu_holders.py (issue 5), for a machine with an NVIDIA GPU.
 #
 #   1. record nvidia-smi's baseline memory on GPU $GPU;
 #   2. start an "ours" holder (own session, pgid recorded in a fake runs dir, like a job)
 #      and a "foreign" holder (not recorded), each allocating GiB with torch;
-#   3. gpu_reset.py (default mode): ours must die, foreign must live, memory = baseline + foreign;
-#   4. gpu_reset.py --all: foreign must die, memory back to baseline;
+#   3. stop_gpu_holders.py (default mode): ours must die, foreign must live, memory = baseline + foreign;
+#   4. stop_gpu_holders.py --all: foreign must die, memory back to baseline;
 #   5. write $OUT/gpu_reset_h200.json and .txt, with the time from each command to verified free memory.
 #
-# Safety: it signals only processes it started. Every gpu_reset.py call carries
+# Safety: it signals only processes it started. Every stop_gpu_holders.py call carries
 # --only-pids <our two holders>, so other GPU users on the machine are never touched even
 # with --all, and the cleanup trap kills only its own holders.
 #
@@ -28,7 +28,7 @@ GRACE="${GRACE:-10}"
 TIMEOUT="${TIMEOUT:-60}"
 TOL_MIB="${TOL_MIB:-256}"
 SMI="${NVIDIA_SMI:-$(command -v nvidia-smi || echo /usr/local/nvidia/bin/nvidia-smi)}"
-RESET="$ROOT/remote_payloads/ops/gpu_reset.py"
+RESET="$ROOT/remote_payloads/ops/stop_gpu_holders.py"
 
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"

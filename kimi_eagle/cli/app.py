@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from . import files, gpu, hosts, jobs, patch, preflight, runs
+from . import deploy_patch_cmd, files_cmd, gpu_reset_cmd, hosts_cmd, jobs_cmd, preflight_cmd, runs_cmd
 from .context import console_ui, state
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
 
@@ -48,8 +48,8 @@ def _global(
     state.verbose = verbose
 
 
-app.add_typer(hosts.app, name="hosts")
-for _module in (files, jobs, runs, patch, preflight, gpu):
+app.add_typer(hosts_cmd.app, name="hosts")
+for _module in (files_cmd, jobs_cmd, runs_cmd, deploy_patch_cmd, preflight_cmd, gpu_reset_cmd):
     _module.register(app)
 
 

@@ -556,7 +556,7 @@ def _finish(report: dict, t0: float, snap: SmiSnapshot, target_pids: set[int], w
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gpu_reset.py",
+        prog="stop_gpu_holders.py",
         description="Stop the processes holding NVIDIA GPUs (default: only kimi-eagle jobs' ones) "
                     "and verify the memory is free. JSON report on stdout.")
     p.add_argument("--device-path", action="append", default=None, metavar="PATH",
@@ -594,14 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.grace < 0 or args.timeout < 0:
-        print("gpu_reset.py: --grace and --timeout must be >= 0", file=sys.stderr)
+        print("stop_gpu_holders.py: --grace and --timeout must be >= 0", file=sys.stderr)
         return 2
     only = None
     if args.only_pids is not None:
         try:
             only = {int(x) for x in args.only_pids.split(",") if x.strip()}
         except ValueError:
-            print(f"gpu_reset.py: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
+            print(f"stop_gpu_holders.py: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
             return 2
     runs_dir = args.runs_dir if args.runs_dir is not None else default_runs_dir()
     # The inventory can point a host at other device files through its env (tests, unusual drivers).

@@ -19,7 +19,7 @@ def _run_of(session, job_id, run_dir):
 
 
 def _host(job_id: Optional[str], host: Optional[str]):
-    from .jobs import _host_for_job
+    from .jobs_cmd import _host_for_job
 
     if job_id:
         return _host_for_job(job_id, host)

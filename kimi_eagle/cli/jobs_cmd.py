@@ -131,7 +131,7 @@ def run(
     """
     from .. import backend
     from ..host import HostSession
-    from ..renderables import Offline
+    from ..render_targets import Offline
 
     overrides, extra = split_extra(ctx, step_takes_command=step == "exec")
     state.use_recipe(recipe, overrides)
@@ -173,9 +173,9 @@ def _checks(session, step: str, *, reset_gpus: bool, no_preflight: bool, gpu: bo
     name = session.name
     be = backend.for_host(session.host)
     if reset_gpus and be.name == "direct":
-        from .. import gpu as gpu_ops, jobs  # not `gpu`: that name is the --gpu/--no-gpu flag
+        from .. import gpu_reset, jobs
 
-        gpu_ops.reset_before_run(session, printer=lambda text: ui.line(f"[{name}] {text}"),
+        gpu_reset.reset_before_run(session, printer=lambda text: ui.line(f"[{name}] {text}"),
                                  wants_gpu=jobs.takes_gpu(step, gpu))
     if no_preflight:
         return

@@ -25,31 +25,31 @@ def deploy_patch(
     Exit 0 when every file ends in the wanted state (for --check/--diff: nothing failed); 1 otherwise
     (a failed or skipped file, an unsupported version, an unreachable host); 2 for bad usage or an unknown set.
     """
-    from .. import patch
+    from .. import deploy_patch
 
     if revert and (check or diff):
         raise ConfigError("--revert cannot be combined with --check/--diff")
     mode = "revert" if revert else "diff" if diff else "check" if check else "apply"
     hosts = state.inventory.select(host, group)
-    outcomes = patch.deploy(hosts, patch_set, mode)
+    outcomes = deploy_patch.deploy(hosts, patch_set, mode)
 
     if state.json:
         console_ui().emit_json([
             {"host": o.host, "error": str(o.error) if o.error else None,
              **(o.value.to_dict() if o.value is not None else {"mode": mode, "files": []}),
-             "ok": patch.succeeded(o)}
+             "ok": deploy_patch.succeeded(o)}
             for o in outcomes
         ])
     else:
         for o in outcomes:
-            _show(o, mode, patch.succeeded(o))
+            _show(o, mode, deploy_patch.succeeded(o))
 
     usage = [o for o in outcomes if isinstance(o.error, ConfigError)]
     if usage:
         for o in usage:  # the host refused its input (e.g. a malformed patch-set file): one line each
             console_ui().error(str(o.error))
         raise typer.Exit(EXIT_USAGE)
-    raise typer.Exit(EXIT_OK if all(patch.succeeded(o) for o in outcomes) else failure_exit(outcomes))
+    raise typer.Exit(EXIT_OK if all(deploy_patch.succeeded(o) for o in outcomes) else failure_exit(outcomes))
 
 
 _VERDICT = {"apply": "patched", "revert": "reverted", "check": "check passed", "diff": "check passed"}

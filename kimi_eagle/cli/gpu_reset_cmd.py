@@ -24,7 +24,7 @@ def gpu_reset(
     device_path: List[str] = typer.Option([], "--device-path", help="Device files/globs to inspect (default /dev/nvidia*)."),
 ):
     """Find every process holding a GPU (fuser + nvidia-smi), stop ours (or --all), verify memory is back."""
-    from .. import gpu
+    from .. import gpu_reset
     from ..parallel import each_host
 
     hosts = state.inventory.select(host, group)
@@ -32,7 +32,7 @@ def gpu_reset(
     kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu)
     ui = console_ui()
     if all_ and not dry_run and not yes:
-        plans = each_host(hosts, lambda s: gpu.reset(s, stop_all=True, dry_run=True, extra=extra, **kw))
+        plans = each_host(hosts, lambda s: gpu_reset.reset(s, stop_all=True, dry_run=True, extra=extra, **kw))
         _print(plans, ui)
         if not sys.stdin.isatty():
             raise ConfigError("gpu-reset --all stops other users' processes: confirm with --yes (nothing was stopped)")
@@ -40,10 +40,10 @@ def gpu_reset(
             raise typer.Exit(EXIT_FAILED)
         # Signal only what the user saw and confirmed, never a process that appeared since.
         confirmed = {o.host: [str(h["pid"]) for h in o.value.holders] for o in plans if o.ok}
-        outcomes = each_host(hosts, lambda s: gpu.reset(
+        outcomes = each_host(hosts, lambda s: gpu_reset.reset(
             s, stop_all=True, extra=extra + ["--only-pids", ",".join(confirmed.get(s.name, [])) or "0"], **kw))
     else:
-        outcomes = each_host(hosts, lambda s: gpu.reset(s, stop_all=all_, dry_run=dry_run, extra=extra, **kw))
+        outcomes = each_host(hosts, lambda s: gpu_reset.reset(s, stop_all=all_, dry_run=dry_run, extra=extra, **kw))
     _print(outcomes, ui)
     if not all(o.ok and o.value.ok for o in outcomes):
         raise typer.Exit(failure_exit(outcomes))

@@ -176,7 +176,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
         out.append(check("compat", "fail", f"backend vllm needs vllm and speculators; {lacking} not installed",
-                         f"install {lacking} on the host (see the compatibility table in preflight.py), "
+                         f"install {lacking} on the host (see the compatibility table in preflight_checks.py), "
                          "or use --backend hf"))
         return out
     row = compat_row(spec_v, vllm_v)
@@ -449,7 +449,7 @@ def check_gpu(args, ctx: dict) -> dict:
         if short:
             return check("gpu", "fail", detail + f"; too little free on GPU "
                          f"{', '.join(str(g['index']) for g in short)}",
-                         "free the GPUs (the controller's GPU reset, remote_payloads/gpu_reset.py), "
+                         "free the GPUs (the controller's GPU reset, remote_payloads/ops/stop_gpu_holders.py), "
                          "raise --tp-size, or use a quantized checkpoint")
         return check("gpu", "pass", detail)
     free_b = sum(g["free_mib"] for g in gpus) * (1 << 20)
@@ -682,7 +682,7 @@ def check_lock(args) -> dict:
         status = "fail" if args.step in GPU_STEPS else "warn"
         return check("gpu_lock", status, f"{lock}: held by {who}, still running",
                      f"wait for job {info.get('job_id')} to finish, or stop it with the controller "
-                     "(its GPU reset, remote_payloads/gpu_reset.py, frees the GPUs)")
+                     "(its GPU reset, remote_payloads/ops/stop_gpu_holders.py, frees the GPUs)")
     return check("gpu_lock", "warn", f"{lock}: stale, {who} is gone",
                  f"the controller replaces a stale lock; remove {lock} by hand if it does not")
 
@@ -724,7 +724,7 @@ def check_serving(args, ctx: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="preflight_checks.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
                    default="all")
     p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
@@ -787,10 +787,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.layer_ids_parsed = parse_layer_ids(args.layer_ids)
     except ValueError:
-        print(f"preflight.py: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
+        print(f"preflight_checks.py: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
         return 2
     if args.tp_size < 1 or args.seq_len < 1:
-        print("preflight.py: --tp-size and --seq-len must be >= 1", file=sys.stderr)
+        print("preflight_checks.py: --tp-size and --seq-len must be >= 1", file=sys.stderr)
         return 2
     if args.runs_dir is None:
         args.runs_dir = default_runs_dir()

@@ -28,19 +28,19 @@ def _job(session, step, extra):
 
 
 def _gpu_reset(session, step, extra):
-    from .gpu import reset_args
+    from .gpu_reset import reset_args
 
-    return session.render_payload("gpu-reset", "ops/gpu_reset.py", reset_args(session, extra=extra))
+    return session.render_payload("gpu-reset", "ops/stop_gpu_holders.py", reset_args(session, extra=extra))
 
 
 def _preflight(session, step, extra):
     from .preflight import preflight_args
 
-    return session.render_payload("preflight", "ops/preflight.py", preflight_args(session, step or "all", extra))
+    return session.render_payload("preflight", "ops/preflight_checks.py", preflight_args(session, step or "all", extra))
 
 
 def _patch(session, step, extra):
-    from .patch import render_files
+    from .deploy_patch import render_files
 
     if extra:
         raise ConfigError(f"render patch: takes no flags after -- (got {' '.join(extra)}); use --patch-set with deploy-patch")
