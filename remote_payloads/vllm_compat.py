@@ -22,28 +22,16 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
-import re
 
-GENERATOR_MAX = (0, 16, 99)
-NATIVE_MIN = (0, 18)
+from versions import at_least, satisfies  # the payload root is on sys.path (every entry script puts it there)
+
+GENERATOR_BELOW = "0.17"  # speculators' generator (patched) runs on vLLM up to 0.16.x
+NATIVE_FROM = "0.18"
 # Model types whose vLLM class gets SupportsEagle3 only in vLLM 0.18.
 EAGLE3_FROM_018 = {"kimi_k25", "kimi_vl", "deepseek_v3", "deepseek_v2"}
 CONNECTOR_FILE = os.path.join("distributed", "kv_transfer", "kv_connector", "v1", "example_hidden_states_connector.py")
 # What our connector overrides; present in the asynchronous connector API (0.25.1 and 0.32.0 read).
 CONNECTOR_API = ("class PendingSave", "def _submit_async_write", "def get_finished", "def request_finished")
-
-
-def parse_version(v: str | None) -> tuple[int, ...]:
-    """'0.16.0' -> (0, 16, 0); a pre-release or local tag ends the tuple ('0.17.0rc1+cpu' -> (0, 17, 0))."""
-    out = []
-    for part in str(v or "").split("+")[0].split("."):
-        m = re.match(r"\d+", part)
-        if not m:
-            break
-        out.append(int(m.group()))
-        if m.end() != len(part):
-            break
-    return tuple(out)
 
 
 def vllm_install() -> dict | None:
@@ -79,11 +67,10 @@ def native_connector_api(vllm_dir: str) -> bool:
 
 def extraction_path(version: str, vllm_dir: str | None = None) -> tuple[str | None, str]:
     """('speculators' | 'native' | None, why) for `--backend vllm` on this vLLM version."""
-    v = parse_version(version)
-    if v <= GENERATOR_MAX:
+    if satisfies(version, f"<{GENERATOR_BELOW}"):
         return "speculators", (f"vLLM {version} has no native extraction: speculators' generator (0.3.0/0.4.0, "
                                "patched by deploy-patch)")
-    if v < NATIVE_MIN:
+    if not at_least(version, NATIVE_FROM):
         return None, (f"vLLM {version}: its native extraction connector writes synchronously without a per-request "
                       "path and DeepSeek/Kimi targets lack SupportsEagle3 before 0.18; speculators' generator stops "
                       "at vLLM 0.16; use vLLM 0.16 (speculators) or >= 0.18, or --backend hf")
@@ -96,8 +83,7 @@ def extraction_path(version: str, vllm_dir: str | None = None) -> tuple[str | No
 
 def eagle3_serving(version: str, model_type: str | None) -> tuple[bool, str]:
     """Whether this vLLM can serve an EAGLE-3 draft for a target of `model_type`."""
-    v = parse_version(version)
-    if model_type in EAGLE3_FROM_018 and v < NATIVE_MIN:
+    if model_type in EAGLE3_FROM_018 and not at_least(version, NATIVE_FROM):
         return False, (f"vLLM {version}: {model_type} has no SupportsEagle3 (it arrives in vLLM 0.18), so an EAGLE-3 "
                        "draft cannot be served; use vLLM >= 0.18")
     return True, f"vLLM {version} serves EAGLE-3 drafts for {model_type or 'this target'}"
@@ -105,12 +91,12 @@ def eagle3_serving(version: str, model_type: str | None) -> tuple[bool, str]:
 
 # vLLM releases read: 0.18.0 sizes the Eagle-3 fc as 3 * hidden (hard-coded); 0.25.1 and 0.32.0 read
 # num_aux_hidden_states (else len(eagle_aux_hidden_state_layer_ids)).
-AUX_COUNT_READ_FROM = (0, 25)
+AUX_COUNT_READ_FROM = "0.25"
 
 
 def eagle3_aux_count_ok(version: str, n_aux: int) -> tuple[bool, str]:
     """Whether this vLLM can load an EAGLE-3 draft with `n_aux` aux layers (not 3: only where it reads the count)."""
-    if n_aux == 3 or parse_version(version) >= AUX_COUNT_READ_FROM:
+    if n_aux == 3 or at_least(version, AUX_COUNT_READ_FROM):
         return True, f"{n_aux} aux layers: vLLM {version} loads that"
     return False, (f"the draft has {n_aux} aux layers but vLLM {version} hard-codes 3 (it reads "
                    f"num_aux_hidden_states from 0.25 on); retrain with 3 aux layer ids or upgrade vLLM")

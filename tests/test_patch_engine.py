@@ -186,8 +186,10 @@ def test_version_comparer():
     assert pe.version_matches("0.3.0", "==0.3.0") and pe.version_matches("0.3", "==0.3.0")
     assert pe.version_matches("0.3.5", ">=0.3.0,<0.4.0")
     assert not pe.version_matches("0.4.0", ">=0.3.0,<0.4.0")
-    assert not pe.version_matches("0.4.0rc1", ">=0.4.0") and pe.version_matches("0.4.0rc1", "<0.4.0")
-    assert pe.version_matches("0.4.0.post1", ">0.4.0") and pe.version_matches("0.4.0.dev3", "<0.4.0rc1")
+    # PEP 440: a pre-release is neither >= its release nor taken by `<` its release (as packaging answers).
+    assert not pe.version_matches("0.4.0rc1", ">=0.4.0") and not pe.version_matches("0.4.0rc1", "<0.4.0")
+    assert not pe.version_matches("0.4.0.post1", ">0.4.0") and pe.version_matches("0.4.0.post1", ">=0.4.0")
+    assert pe.version_matches("0.4.0.dev3", "<0.4.0rc1")
     assert pe.version_matches("0.10.0", ">0.9.9")
 
 

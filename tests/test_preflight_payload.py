@@ -293,7 +293,8 @@ def test_compat_table_lookup():
     assert preflight.compat_row("0.4.0", "0.16.1")["patch_set"] == "speculators-0.4.0"
     assert preflight.compat_row("0.9.0", "0.18.0")["patch_set"] is None
     assert preflight.compat_row("0.3.0", "0.15.0") is None
-    assert preflight.vmatch("0.16.0rc2+cu130", ">=0.16,<0.17")
+    assert preflight.compat_row("0.3.0", "0.16.0+cu130")["patch_set"] == "speculators-0.3.0-vllm-0.16"
+    assert preflight.compat_row("0.3.0", "0.16.0rc2+cu130") is None  # a pre-release is not the 0.16 release
 
 
 def test_step_inputs_and_manifest_tokens(env):

@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import BadInput, atomic_write  # noqa: E402
+from versions import satisfies  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 
 DEFAULT_PATCH_DIR = Path(__file__).resolve().parent.parent / "patch_sets"
@@ -66,48 +67,8 @@ def sha256(data: bytes) -> str:
 
 
 # ---------------------------------------------------------------- versions
-# A tiny PEP 440 subset (release numbers, aN/bN/rcN, .postN, .devN) so the host needs
-# no `packaging`. Enough for comparing the pinned library versions we patch.
-_VERSION_RE = re.compile(
-    r"^v?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc)(\d*))?(?:[-_.]?post(\d*))?(?:[-_.]?dev(\d*))?(?:\+.*)?$",
-    re.IGNORECASE,
-)
-
-
-def version_key(text: str) -> tuple:
-    m = _VERSION_RE.match(text.strip())
-    if not m:
-        raise ValueError(f"unparseable version {text!r}")
-    release = [int(p) for p in m.group(1).split(".")]
-    while len(release) > 1 and release[-1] == 0:  # 1.0 == 1.0.0
-        release.pop()
-    pre_kind, pre_n, post, dev = m.group(2), m.group(3), m.group(4), m.group(5)
-    # dev < pre < final < post for one release
-    if pre_kind:
-        pre = (1, {"a": 0, "b": 1, "rc": 2}[pre_kind.lower()], int(pre_n or 0))
-    elif dev is not None and post is None:
-        pre = (0,)
-    else:
-        pre = (3,)
-    return (tuple(release), pre, int(post or 0) if post is not None else -1,
-            int(dev or 0) if dev is not None else float("inf"))
-
-
-def version_matches(version: str, spec: str) -> bool:
-    """True when `version` satisfies every clause of a spec like '>=0.3.0,<0.4.0'."""
-    ops = {
-        "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
-        ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b,
-        ">": lambda a, b: a > b, "<": lambda a, b: a < b,
-    }
-    have = version_key(version)
-    for clause in filter(None, (c.strip() for c in spec.split(","))):
-        m = re.match(r"^(==|!=|>=|<=|>|<)\s*(\S+)$", clause)
-        if not m:
-            raise ValueError(f"bad version clause {clause!r}")
-        if not ops[m.group(1)](have, version_key(m.group(2))):
-            return False
-    return True
+# PEP 440 as packaging reads it, stdlib only (remote_payloads/versions.py): "0.4.0rc1" is not ">=0.4.0".
+version_matches = satisfies
 
 
 # ---------------------------------------------------------------- patch-set files

@@ -16,7 +16,6 @@ import glob
 import importlib.metadata as md
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from step_runtime import host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
+from versions import at_least, satisfies  # noqa: E402
 from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
                          vllm_install)
 
@@ -70,29 +70,8 @@ def check(name: str, status: str, detail: str, fix: str | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Version helpers (stdlib only: no `packaging` on every host)
+# Versions: PEP 440 as packaging reads it (remote_payloads/versions.py, stdlib only)
 # ---------------------------------------------------------------------------
-
-def vtuple(v: str) -> tuple[int, ...]:
-    """'0.16.0rc1+cu130' -> (0, 16, 0); enough for release ranges."""
-    m = re.match(r"(\d+(?:\.\d+)*)", v)
-    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
-
-
-def _pad(t: tuple[int, ...], n: int = 4) -> tuple[int, ...]:
-    return t + (0,) * (n - len(t))
-
-
-def vmatch(version: str, spec: str) -> bool:
-    v = _pad(vtuple(version))
-    for part in spec.split(","):
-        m = re.match(r"\s*(>=|<=|==|<|>)\s*([\d.]+)", part)
-        op, ref = m.group(1), _pad(vtuple(m.group(2)))
-        ok = {">=": v >= ref, "<=": v <= ref, "==": v == ref, "<": v < ref, ">": v > ref}[op]
-        if not ok:
-            return False
-    return True
-
 
 def dist_version(name: str) -> str | None:
     try:
@@ -103,7 +82,7 @@ def dist_version(name: str) -> str | None:
 
 def compat_row(spec_v: str, vllm_v: str) -> dict | None:
     for row in COMPAT_TABLE:
-        if vmatch(spec_v, row["speculators"]) and vmatch(vllm_v, row["vllm"]):
+        if satisfies(spec_v, row["speculators"]) and satisfies(vllm_v, row["vllm"]):
             return row
     return None
 
@@ -190,8 +169,8 @@ def check_versions(args, ctx: dict) -> list[dict]:
               f"{row['patch_set'] or 'none needed'} ({row['note']})")
     status, fix = "pass", None
     mt = ctx.get("model_type")
-    if row["patch_set"] is None and vtuple(spec_v) >= (0, 5) and mt in NEEDS_VLLM_018_NATIVE \
-            and vtuple(vllm_v) < (0, 18):
+    if row["patch_set"] is None and at_least(spec_v, "0.5") and mt in NEEDS_VLLM_018_NATIVE \
+            and not at_least(vllm_v, "0.18"):
         status, fix = "fail", "upgrade vllm to >= 0.18 or use speculators 0.4.0 with its patch set"
         detail += f"; model_type {mt} has no SupportsEagle3 before vllm 0.18"
     out.append(check("compat", status, detail, fix))

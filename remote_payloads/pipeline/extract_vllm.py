@@ -18,8 +18,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from hidden_state_files import error_path, sample_path  # noqa: E402
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
-from vllm_compat import (engine_env_defaults, extraction_path, parse_version, text_only_engine_kwargs,  # noqa: E402
-                         vllm_install)
+from versions import at_least  # noqa: E402
+from vllm_compat import engine_env_defaults, extraction_path, text_only_engine_kwargs, vllm_install  # noqa: E402
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -68,7 +68,7 @@ def to_speculators_layer_ids(layer_ids, num_layers, speculators_version):
     for lid in layer_ids:
         if not 0 <= lid <= n:
             raise LayerIdError(f"layer id {lid} is out of range 0..{n}")
-    if parse_version(speculators_version) >= (0, 5):
+    if at_least(speculators_version, "0.5"):
         return list(layer_ids)
     if 0 in layer_ids:
         raise LayerIdError(
@@ -136,7 +136,7 @@ def extract_speculators(args, ds, todo, layer_ids, info, writer, spec_version):
     import torch
 
     spec_ids = to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
-    if parse_version(spec_version) >= (0, 5):
+    if at_least(spec_version, "0.5"):
         raise Refused(f"--backend vllm: speculators {spec_version} has no in-process generator (it extracts through "
                       f"a vLLM server); use speculators 0.3/0.4 with the kimi-eagle patch, or --backend hf")
     info.update(speculators_layer_ids=spec_ids)
