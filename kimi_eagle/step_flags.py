@@ -79,6 +79,7 @@ STEP_FLAGS: dict[str, dict[str, Flag]] = {
         "--tokens-per-step": INT, "--pack-len": INT, "--loader-workers": INT, "--optimizer": choice("adamw", "muon"),
         "--feature-noise": FLOAT, "--oov-positions": choice("mask", "keep"), "--holdout-fraction": FLOAT,
         "--eval-every": INT, "--attention": choice("auto", "flex", "math"), "--compile": choice("auto", "on", "off"),
+        "--trainer": choice("ours", "speculators"),
         "--grad-clip": FLOAT, "--norm-before-residual": choice(0, 1), "--train-lm-head": SWITCH,
         "--draft-num-heads": INT, "--draft-num-kv-heads": INT, "--draft-intermediate-size": INT,
         "--export-embed-tokens": TOGGLE, "--embed-key": TEXT, "--norm-key": TEXT, "--lm-head-key": TEXT,

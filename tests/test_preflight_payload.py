@@ -320,3 +320,17 @@ def test_no_model_flag_is_skipped(env):
     doc = json.loads(res.stdout)
     model = next(c for c in doc["checks"] if c["name"] == "model")
     assert res.returncode == 0 and model["status"] == "pass" and "not checked" in model["detail"]
+
+
+def test_preflight_says_which_trainers_the_host_can_use(env, tmp_path):
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+    assert checks["trainer"]["status"] == "pass"
+    assert checks["trainer"]["detail"].startswith("ours; --trainer speculators: speculators is not installed")
+    for version, says in (("0.7.0", "speculators 0.7.0 has no trainer of its own"),
+                          ("0.9.0", "--trainer speculators: available (speculators 0.9.0)")):
+        site = tmp_path / f"site-{version}"
+        info = site / f"speculators-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: speculators\nVersion: {version}\n")
+        _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train", pythonpath=site)
+        assert says in checks["trainer"]["detail"], checks["trainer"]

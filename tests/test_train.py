@@ -356,10 +356,13 @@ SPEC_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="session")
 def speculators_site(tmp_path_factory):
-    """speculators 0.9.0 (+ loguru, which its weight loader imports) in a throwaway --target dir."""
+    """speculators 0.9.0 (+ loguru, which its weight loader imports, and hs-connectors, which its train config
+    reads) in a throwaway --target dir."""
     site = tmp_path_factory.mktemp("spec09")
-    wheel = sorted(WHEEL_CACHE.glob("speculators-0.9.0-*.whl")) if WHEEL_CACHE.is_dir() else []
-    pkgs = [str(wheel[0])] if wheel else ["speculators==0.9.0"]
+    pkgs = []
+    for name, pin in (("speculators", "speculators==0.9.0"), ("hs_connectors", "hs-connectors==0.9.0")):
+        wheel = sorted(WHEEL_CACHE.glob(f"{name}-0.9.0-*.whl")) if WHEEL_CACHE.is_dir() else []
+        pkgs.append(str(wheel[0]) if wheel else pin)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
                         "--target", str(site), *pkgs, "loguru==0.7.3"], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:

@@ -28,6 +28,7 @@ from step_runtime import log as _log  # noqa: E402
 from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
 from versions import at_least, satisfies  # noqa: E402
 from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
+                         speculators_trainer_unavailable,
                          vllm_install)
 
 # ---------------------------------------------------------------------------
@@ -567,6 +568,16 @@ def check_inputs(args, ctx: dict) -> dict | None:
     return check("inputs", "pass", f"step {args.step} inputs present under {root}")
 
 
+def check_trainer(args, ctx: dict) -> dict:
+    """Which trainers the train step can use here: ours always; speculators' own (--trainer speculators) where
+    its speculators has one and a GPU is visible."""
+    version = (ctx.get("versions") or {}).get("speculators")
+    gpus, _ = query_gpus(args.smi_path)
+    why = speculators_trainer_unavailable(version, bool(gpus))
+    theirs = f"--trainer speculators: {why}" if why else f"--trainer speculators: available (speculators {version})"
+    return check("trainer", "pass", f"ours; {theirs}")
+
+
 def check_gpu_present(args) -> dict:
     """train loads only the draft head (and the target's embeddings), not the full model."""
     gpus, err = query_gpus(args.smi_path)
@@ -745,6 +756,8 @@ def run_checks(args) -> dict:
         checks.append(check_layer_ids(args, ctx))
     if args.step in GPU_STEPS:
         checks.append(check_gpu(args, ctx) if args.step != "train" else check_gpu_present(args))
+    if args.step in ("train", "all"):
+        checks.append(check_trainer(args, ctx))
     if args.step in ("regenerate", "prepare", "all") or args.dataset:
         checks.append(check_dataset(args, ctx))
     inputs = check_inputs(args, ctx)

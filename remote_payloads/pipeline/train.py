@@ -44,6 +44,7 @@ from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, mo
                           run_step, settings_changed)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 import packing  # noqa: E402  (packed rows, the step plan, the loader)
+import spec_trainer  # noqa: E402  (--trainer speculators)
 import ttt_loss  # noqa: E402  (chunked KL, conditional acceptance)
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="documents kept out of training to measure loss, accuracy and conditional acceptance per "
                         "position (default 2%%; none below 50 documents)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (and at the end)")
+    p.add_argument("--trainer", choices=["ours", "speculators"], default="ours",
+                   help="speculators: speculators' own trainer (speculators >= 0.8, CUDA) on the same inputs, its "
+                        "last checkpoint checked and published as the export")
     p.add_argument("--attention", choices=["auto", "flex", "math"], default="auto",
                    help="flex: flex_attention with a block mask (CUDA); math: the reference path (any device)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
@@ -310,6 +314,11 @@ def train(args) -> dict:
     if t2d.shape[0] != tcfg["vocab_size"]:
         raise BadInput(f"{vocab_dir}/t2d.npy: length {t2d.shape[0]} != target vocab_size {tcfg['vocab_size']}")
     c = draft_layer_config(tcfg, args)
+
+    if args.trainer == "speculators":   # same inputs, checked above; its own process group and loop
+        result = spec_trainer.train(args, out=out, files=files, aux_ids=aux_ids, d2t=d2t.numpy(), t2d=t2d.numpy(),
+                                    hidden=H, lengths=lengths, log=log)
+        return result, 0
 
     # --- device / dtype / ranks ------------------------------------------------------------------
     w = dist_.world()
