@@ -28,8 +28,7 @@ from step_runtime import log as _log  # noqa: E402
 from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
 from versions import at_least, satisfies  # noqa: E402
 from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
-                         speculators_trainer_unavailable,
-                         vllm_install)
+                         speculators_trainer_unavailable, vllm_install)
 
 # ---------------------------------------------------------------------------
 # Compatibility table: which patch set each speculators/vLLM combination needs.
