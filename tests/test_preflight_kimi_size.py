@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight.py"
+SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight_checks.py"
 sys.path[:0] = [str(ROOT / "remote_payloads"), str(ROOT / "remote_payloads" / "pipeline")]
 import kimi_model  # noqa: E402
 import model_size  # noqa: E402
