@@ -127,3 +127,22 @@ def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, s
 
     assert versions["kimi-eagle"] == __version__ and versions["packages"]["torch"] == torch.__version__
     assert (e.workdir / "runs" / job / "output_dir").read_text().strip() == str(e.workdir / "out")
+
+
+def test_the_serve_hint_uses_the_runs_k_also_when_followed_later(tmp_path, sshd):
+    """`num_speculative_tokens` of the run (an override here) is the k of the printed `vllm serve` command, at
+    the end of `run` and in a later `logs --follow` that knows nothing of the override (the run's record)."""
+    e = make_env(tmp_path, sshd, extra=INVENTORY_PIPELINE)
+    export = e.workdir / "out" / "draft" / "export"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DraftModel"], "draft_vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+        "speculators_config": {"verifier": {"name_or_path": "/models/m"}}}))
+    (export / "model.safetensors").write_bytes(b"\0" * 64)
+    r = e.cli("run", "train", "--host", "gpu", "--no-preflight", "num_speculative_tokens=5", "--", "--help")
+    assert r.code == 0, (r.stdout, r.stderr)
+    hint = r.stdout.strip().splitlines()[-1]
+    assert "vllm serve /models/m --speculative-config" in hint and '"num_speculative_tokens": 5' in hint, hint
+    job = re.search(r"started job (\S+) ", r.stderr).group(1)
+    later = e.cli("logs", job, "--follow")
+    assert '"num_speculative_tokens": 5' in later.stdout.strip().splitlines()[-1], later.stdout

@@ -78,7 +78,7 @@ def _show_result(host, job, session) -> None:
 
     s = session or HostSession(host)  # a closed session reconnects on use
     try:
-        export = results.describe_export(s, job.step or "")
+        export = results.describe_export(s, job.step or "", job.id)
     finally:
         s.close()
     if export is None:
