@@ -59,3 +59,15 @@ def test_every_option_has_a_description_and_flags_show_no_placeholder(tmp_path):
         r = e.cli(*argv, env={"COLUMNS": "200"})
         assert r.code == 0, r.stderr
         assert "<bool>" not in r.stdout, r.stdout
+
+
+def test_shell_completion_is_shown_and_completes_commands_and_options(tmp_path):
+    e = make_env(tmp_path, None)
+    r = e.cli("--show-completion", "bash")
+    assert r.code == 0, r.stderr
+    assert "_KIMI_EAGLE_COMPLETE=complete_bash" in r.stdout and "complete -o default -F _kimi_eagle_completion kimi-eagle" in r.stdout
+    # What bash then asks for: the words so far, answered with the candidates.
+    for words, cword, want in (("kimi-eagle pu", "1", "pull"), ("kimi-eagle clean --d", "2", "--dry-run"),
+                               ("kimi-eagle run all --rec", "3", "--recipe")):
+        r = e.cli(env={"_KIMI_EAGLE_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
+        assert r.code == 0 and want in r.stdout.split(), (words, r.stdout, r.stderr)

@@ -19,7 +19,7 @@ app = typer.Typer(
     help="Train EAGLE-3 draft heads on remote GPU hosts over SSH: patch, run, follow, reset.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -9,7 +9,7 @@ Engines:
         (pipeline/spec_hf.py) - the same definition, for hosts without a vLLM that serves the target's EAGLE-3.
   auto  vllm when it can serve EAGLE-3 for this target, else hf (saying why).
 
-Reported (out/eval/report.json and report.png, atomically):
+Reported (out/eval/report.json, report.txt and, with matplotlib, report.png; atomically):
   mean acceptance length = 1 + accepted / drafts, acceptance rate per draft position, output tokens/s
   with and without the draft, and the fraction of prompts whose greedy completion is identical with and
   without the draft (reported, not asserted: batch shapes change bf16 numerics).
@@ -270,9 +270,14 @@ def run(args):
     rep = summarize(runs, k, prompts, meta)
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(os.path.join(out_dir, "report.json"), rep)
-    from report_plot import render_report_png
+    from report_plot import render_report
 
-    atomic_write(os.path.join(out_dir, "report.png"), render_report_png(rep))
+    files = render_report(rep)
+    for name, data in files.items():
+        atomic_write(os.path.join(out_dir, name), data)
+    if "report.png" not in files and os.path.exists(os.path.join(out_dir, "report.png")):
+        os.unlink(os.path.join(out_dir, "report.png"))  # an older run's chart would not match this report
+        log("eval: no matplotlib on this host (pip install matplotlib): report.txt instead of report.png")
     rep["report"] = os.path.join(out_dir, "report.json")
     with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:
         tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"], "eval/speedup": rep["speedup"],
