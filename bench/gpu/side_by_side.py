@@ -439,33 +439,58 @@ def compare_states(a: Path, b: Path, n: int):
 TOKS_RE = re.compile(r"tok/s (\d+)")
 
 
-def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=()):
-    cmd = [PY, payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), "--batch-size", str(TBATCH),
+def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=(), tokens_per_step: int | None = None):
+    """Our trainer; tokens_per_step: the same budget speculators' --total-seq-len gets (else --batch-size rows)."""
+    size = ["--tokens-per-step", str(tokens_per_step)] if tokens_per_step else ["--batch-size", str(TBATCH)]
+    cmd = [PY, payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), *size,
            "--ttt-steps", "3", "--max-steps", str(steps), "--epochs", "1000", "--log-every", "5",
            "--save-every", "100000", "--device", DEVICE, *extra]
     before = tail(D["logs"] / f"{stage}.log", 10**9).count("\n")
     res = run(stage, cmd, gpu, timeout=900)
     lines = tail(D["logs"] / f"{stage}.log", 10**9).splitlines()[before:]
     rates = [int(x) for line in lines if "step " in line for x in TOKS_RE.findall(line)]
-    steady = rates[1:]  # the first log line covers start-up
+    steady = rates[2:]  # the first two log lines cover start-up and compilation
     res["tokens_per_s_median_interval"] = statistics.median(steady) if steady else None
     res.pop("history", None)
     return res
 
 
+def tokens_per_step(pipe: Path) -> int:
+    """TBATCH average documents per step, in whole 128-token blocks: both trainers get this budget."""
+    ls = lengths_of(pipe / "prepared")
+    return int(round(TBATCH * statistics.mean(ls) / 128)) * 128
+
+
 def st_train_1b(gpu):
+    """Ours, then speculators' trainer, one after the other on the same GPU, hidden states and tokens per step."""
     pipe = SHM / "p1b"
     vocab = run("train_1b", [PY, payload("vocab.py"), "--model", str(SHM / "m1b"), "--output-dir", str(pipe),
                              "--draft-vocab-size", str(DRAFT_VOCAB)], None, timeout=120)
-    ours = our_train("train_1b", gpu, pipe, SHM / "m1b", TSTEPS)
-    ls = lengths_of(pipe / "prepared")
-    seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128  # tokens per step as ours packs on average
+    seq = tokens_per_step(pipe)
+    ours = our_train("train_1b", gpu, pipe, SHM / "m1b", TSTEPS, tokens_per_step=seq)
     spec = run("train_1b", [PY, "bench/gpu/spec_train_bench.py", "--pipeline", str(pipe), "--model", str(SHM / "m1b"),
                             "--steps", str(TSTEPS), "--total-seq-len", str(seq), "--ttt-steps", "3",
                             "--save-path", str(WORK / "spec_1b")], gpu, sites=("site-early",), timeout=900)
     ratio = (ours.get("tokens_per_s_median_interval") or 0) / spec["tokens_per_s"] if spec.get("tokens_per_s") else None
-    return {"ours": ours, "speculators": spec, "vocab": vocab, "tokens_per_step_speculators": seq,
-            "ours_over_speculators_tokens_per_s": round(ratio, 3) if ratio else None}
+    mem = (ours.get("cuda_peak_mem_gb") / spec["cuda_peak_mem_gb"]
+           if ours.get("cuda_peak_mem_gb") and spec.get("cuda_peak_mem_gb") else None)
+    return {"ours": ours, "speculators": spec, "vocab": vocab, "tokens_per_step": seq,
+            "ours_over_speculators_tokens_per_s": round(ratio, 3) if ratio else None,
+            "ours_over_speculators_peak_mem": round(mem, 3) if mem else None}
+
+
+def st_train_1b_spec_step(gpu):
+    """`train --trainer speculators`: our train step driving speculators' trainer on the same inputs, its checkpoint
+    checked like our export and published as draft/export (in a copy of the pipeline: train_1b's export stays)."""
+    src, pipe = SHM / "p1b", SHM / "p1b_spec"
+    shutil.rmtree(pipe, ignore_errors=True)
+    pipe.mkdir(parents=True)
+    for sub in ("hidden_states", "vocab", "prepared"):
+        (pipe / sub).symlink_to(src / sub)
+    return run("train_1b_spec_step", [PY, payload("train.py"), "--trainer", "speculators", "--model", str(SHM / "m1b"),
+                                      "--output-dir", str(pipe), "--tokens-per-step", str(tokens_per_step(src)),
+                                      "--ttt-steps", "3", "--max-steps", str(TSTEPS), "--epochs", "1"],
+               gpu, sites=("site-early",), timeout=900)
 
 
 # --- SmolLM2: the real target --------------------------------------------------------------------------
@@ -500,15 +525,15 @@ def st_smol_data(gpu):
 def st_smol_train(gpu):
     """Ours, as many steps as fit KE_SMOL_TRAIN_S: a 30-step calibration run gives the seconds per step."""
     lr = ["--lr", os.environ.get("KE_SMOL_LR", "5e-4")]
-    calib = our_train("smol_train", gpu, SPIPE, SMOL, 30 if not TINY else 6, extra=lr)
+    seq = tokens_per_step(SPIPE)   # the budget spec_smol gets too
+    calib = our_train("smol_train", gpu, SPIPE, SMOL, 30 if not TINY else 6, extra=lr, tokens_per_step=seq)
     tps = calib.get("tokens_per_s_median_interval") or 1
     ls = lengths_of(SPIPE / "prepared")
-    sec_per_step = TBATCH * statistics.mean(ls) / tps
-    steps = max(10, int(SMOL_TRAIN_S / sec_per_step))
+    steps = max(10, int(SMOL_TRAIN_S / (seq / tps)))
     shutil.rmtree(SPIPE / "draft", ignore_errors=True)
-    res = our_train("smol_train", gpu, SPIPE, SMOL, steps, extra=lr)
+    res = our_train("smol_train", gpu, SPIPE, SMOL, steps, extra=lr, tokens_per_step=seq)
     res["calibration"] = {"steps": 30, "tokens_per_s": tps, "planned_steps": steps,
-                          "epochs": round(steps * TBATCH / len(ls), 2)}
+                          "epochs": round(steps * seq / sum(ls), 2)}
     return res
 
 
@@ -533,8 +558,7 @@ def st_eval_smol(gpu):
 
 def st_spec_smol(gpu):
     steps = results("smol_train").get("step") or int(os.environ.get("KE_SMOL_STEPS", "1500"))
-    ls = lengths_of(SPIPE / "prepared")
-    seq = int(round(TBATCH * statistics.mean(ls) / 128)) * 128
+    seq = tokens_per_step(SPIPE)
     return run("spec_smol", [PY, "bench/gpu/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
                              "--steps", str(steps), "--epochs", "1000", "--total-seq-len", str(seq), "--ttt-steps", "3",
                              "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=720)
@@ -574,6 +598,7 @@ LANE0 = [("matmul", st_matmul, []),
          ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
          ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["models", "bundle-vllm"]),
          ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
+         ("train_1b_spec_step", st_train_1b_spec_step, ["train_1b", "bundle-early"]),
          ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"])]
 LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
