@@ -425,15 +425,19 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     return parse(text, shown)
 
 
-def parse(text: str, shown: str) -> Inventory:
+def read_yaml(text: str, shown: str):
+    """(the parsed document, its node tree for line numbers); a syntax error is one ConfigError with the line."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
+        return yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
+
+
+def parse(text: str, shown: str) -> Inventory:
+    raw, node = read_yaml(text, shown)
     if not isinstance(raw, dict):
         raise ConfigError(f"{shown}: the inventory must be a mapping with a 'hosts' section")
     refuse_duplicate_keys(shown, node)

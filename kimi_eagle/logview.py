@@ -76,7 +76,11 @@ class Printer:
         self.stepped: set[str] = set()  # steps that print progress lines: their tqdm bar would be a second bar
 
     def __call__(self, kind: str, text: str) -> None:
-        point = parse_point(text) if kind == "line" else None
+        at = text.find(POINT_MARK) if kind == "line" else -1
+        if at > 0:  # a tqdm redraw (no newline of its own) ran into the step's progress line: two things
+            self("progress", text[:at])
+            text = text[at:]
+        point = parse_point(text) if at >= 0 else None
         if point is not None:
             return self._point(point)
         # Only carriage-return redraws are bars, and the newline-ended last frame of a bar already drawn; any

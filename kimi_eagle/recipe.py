@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import ConfigError
-from .inventory import PipelineOverride, describe_error, line_of, refuse_duplicate_keys
+from .inventory import PipelineOverride, describe_error, line_of, read_yaml, refuse_duplicate_keys
 
 COMMAND_LINE = "<command line>"
 
@@ -60,14 +60,7 @@ def load(path: str | None, overrides: list[str] | None = None) -> Recipe | None:
 
 
 def _parse(text: str, shown: str):
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
+    raw, node = read_yaml(text, shown)
     if raw is None:
         return {}, node
     if not isinstance(raw, dict):

@@ -76,10 +76,15 @@ def test_a_steps_own_line_replaces_its_tqdm_bar():
 
     out = io.StringIO()
     s = LineSplitter(Printer("h", Console(file=out, force_terminal=False, width=200)))
-    s.feed(b'@kimi-eagle-progress {"step": "extract", "done": 4, "total": 4, "tok_s": 1234.5}\n'
-           b"\rextract[vllm]:  50%|#####     | 2/4 [00:01<00:01]\rextract[vllm]: 100%|##########| 4/4 [00:01<00:00]\n")
+    # As a log has them: tqdm redraws without a newline, the progress line running into the redraw before it.
+    s.feed(b"\rextract[vllm]:   0%|          | 0/4 [00:00<?]"
+           b'@kimi-eagle-progress {"step": "extract", "done": 2, "total": 4, "eta_s": 1.0, "tok_s": 1234.5}\n'
+           b"\rextract[vllm]:  50%|#####     | 2/4 [00:01<00:01]"
+           b'@kimi-eagle-progress {"step": "extract", "done": 4, "total": 4, "eta_s": 0.0, "tok_s": 1234.5}\n'
+           b"\rextract[vllm]: 100%|##########| 4/4 [00:01<00:00]\n")
     s.flush()
-    assert out.getvalue().splitlines() == ["[h] extract 4/4 (100%)  1,234 tok/s"]
+    assert out.getvalue().splitlines() == ["[h] extract 2/4 (50%)  eta 0m01s  1,234 tok/s",
+                                           "[h] extract 4/4 (100%)  1,234 tok/s"]
 
 
 def test_a_steps_tqdm_bar_also_prints_its_progress_lines():
