@@ -107,6 +107,10 @@ def last_json(text: str):
 def absorb(src: Path) -> None:
     for d in D.values():
         d.mkdir(parents=True, exist_ok=True)
+    # The controller's wheels and OpenSSH (the kimi stage's sshd) may come with any call: into the runner's copy.
+    for name in (".whl", ".debs"):
+        if (ROOT / name).is_dir() and (D["repo"] / "bench").exists():
+            shutil.copytree(ROOT / name, D["repo"] / name, dirs_exist_ok=True)
     if (src / "manifest.json").exists():
         shutil.copy(src / "manifest.json", WORK / "manifest.json")
     if not (WORK / "manifest.json").exists():
@@ -573,6 +577,28 @@ def st_eval_spec_smol(gpu):
                sites=("site-early", "site-vllm"), timeout=600)
 
 
+def st_kimi(gpu):
+    """A Kimi-K2.5-shaped target through the product over a loopback sshd (bench/gpu/kimi_stage.py): extraction
+    vLLM vs hf, vocab, train, eval with the draft served by vLLM; TP 2 vs TP 1 where there are two GPUs. Uses every
+    GPU, so it runs after both lanes. Needs .whl/ and .debs/ in the checkout (the controller and its sshd)."""
+    out = D["results"] / "kimi"
+    out.mkdir(exist_ok=True)
+    env = env_for(None)
+    env.update(OUT=str(out), KIMI_WORK=str(SHM / "kimi"),
+               KIMI_SITES=os.pathsep.join(str(D[s]) for s in ("site-early", "site-vllm")))
+    if TINY:  # a CPU rehearsal: the smallest Kimi-shaped target vLLM's MLA kernels take, a CPU vLLM (KE_KIMI_PYTHON)
+        env.update(KIMI_SITES="", PYTHON=os.environ.get("KE_KIMI_PYTHON", PY), KIMI_CONTROLLER_PYTHON=PY,
+                   KIMI_PRESET="mla", KIMI_DEVICE="cpu", KIMI_SAMPLES="12", KIMI_SEQ="128", KIMI_DRAFT_VOCAB="256",
+                   KIMI_TRAIN_STEPS="5", KIMI_EVAL_PROMPTS="2", KIMI_EVAL_TOKENS="16")
+    with open(D["logs"] / "kimi.log", "a") as lf:
+        p = subprocess.run([PY, str(ROOT / "bench" / "gpu" / "kimi_stage.py")], cwd=ROOT, env=env, stdout=lf, stderr=lf,
+                           timeout=float(os.environ.get("KE_KIMI_S", "1500")))
+    res = json.loads((out / "kimi_gpu.json").read_text()) if (out / "kimi_gpu.json").exists() else {}
+    if not res.get("steps"):
+        raise StageFailed(f"kimi_stage.py exit {p.returncode}: {tail(D['logs'] / 'kimi.log', 1500)}")
+    return {**res, "exit": p.returncode}
+
+
 def st_scaling(gpu):
     script = ROOT / "bench" / "gpu" / "gpu_scaling.sh"
     if not script.exists():
@@ -605,7 +631,9 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("smol_train", st_smol_train, ["smol_data"]),
          ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"]),
          ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
-ALL = [s[0] for s in LANE0 + LANE1] + ["scaling"]
+# After both lanes, on every GPU: (name, function, needs).
+FINAL = [("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
+ALL = [s[0] for s in LANE0 + LANE1 + FINAL] + ["scaling"]
 T0 = now()
 
 
@@ -655,6 +683,7 @@ def run_all():
         t.start()
     for t in threads:
         t.join()
+    lane(FINAL, None)
     # The scaling run needs both GPUs to itself: after both lanes, if time is left.
     # KE_DEVICE_LEFT_S: the device time left when the runner started; the scaling run must end inside it.
     left = float(os.environ.get("KE_DEVICE_LEFT_S", "1e9")) - 60
@@ -751,6 +780,9 @@ def status_table() -> str:
         elif name == "train_1b" and r.get("ours"):
             head = (f"ours {r['ours'].get('tokens_per_s_median_interval')} tok/s {r['ours'].get('cuda_peak_mem_gb')} GB; "
                     f"spec {r['speculators'].get('tokens_per_s')} tok/s {r['speculators'].get('cuda_peak_mem_gb')} GB")
+        elif name == "kimi" and r.get("steps"):
+            head = " ".join(f"{k}:{'ok' if v.get('ok') else 'skip' if v.get('skipped') else 'FAIL'}"
+                            for k, v in r["steps"].items())
         elif name == "matmul" and r.get("bf16_matmul_tflops"):
             head = f"{r['bf16_matmul_tflops']} TFLOP/s bf16, {r.get('d2d_copy_tb_s')} TB/s"
         secs = r.get("seconds", "")

@@ -184,8 +184,10 @@ def run_vllm(args, prompts, k):
     stdout_for_result_only()  # vLLM logs to stdout, also from its workers
     import gc
 
+    from vllm_compat import engine_env_defaults, text_only_engine_kwargs
+
+    engine_env_defaults()  # before the engine starts: vLLM 0.25 dies at start-up without flashinfer otherwise
     from vllm import LLM, EngineArgs, SamplingParams
-    from vllm_compat import text_only_engine_kwargs
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     messages = [m for _, m in prompts]

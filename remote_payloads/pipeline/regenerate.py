@@ -44,11 +44,14 @@ def shard_chunks(n_chunks, rank, world_size):
 class VllmGenerator:
     def __init__(self, args):
         stdout_for_result_only()  # vLLM logs to stdout, also from its workers
-        from vllm import LLM
+        from vllm_compat import engine_env_defaults, text_only_engine_kwargs
+
+        engine_env_defaults()  # before the engine starts: vLLM 0.25 dies at start-up without flashinfer otherwise
+        from vllm import LLM, EngineArgs
 
         self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len,
                        tensor_parallel_size=args.tp_size, trust_remote_code=True, seed=args.seed,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, **text_only_engine_kwargs(args.model, EngineArgs))
         self.args = args
 
     def __call__(self, convs, seed):
