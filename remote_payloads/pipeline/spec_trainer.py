@@ -40,13 +40,13 @@ def write_rows(files: list[str], dest: str) -> int:
     from safetensors import safe_open
 
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    shutil.rmtree(dest, ignore_errors=True)
     for p in files:
         with safe_open(p, "pt") as f:
             ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
         rows["input_ids"].append(ids.tolist())
         rows["loss_mask"].append(mask.tolist())
         rows["seq_len"].append(int(ids.shape[0]))
-    shutil.rmtree(dest, ignore_errors=True)
     # An explicit fingerprint: datasets would otherwise hash the whole Arrow table with dill, which fails on some
     # pyarrow/dill pairs (seen: "Can't pickle <class 'MonthDayNano'>").
     fp = hashlib.sha256(json.dumps(rows["seq_len"]).encode()).hexdigest()[:16]
@@ -145,10 +145,22 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     root = os.path.join(out, "draft", "speculators")
     data_dir, save_dir = os.path.join(root, "data"), os.path.join(root, "checkpoints")
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    # Under torchrun every rank runs this; speculators joins the process group only later, so the other ranks wait
+    # for rank 0's rows by a marker naming this run (no collective exists yet).
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+    ready = os.path.join(data_dir, "READY")
     if rank0:
-        write_rows(files, data_dir)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        shutil.rmtree(data_dir, ignore_errors=True)
+        write_rows(files, data_dir + ".tmp")
+        os.replace(data_dir + ".tmp", data_dir)
+        with open(ready, "w") as f:
+            f.write(run_id)
+    else:
+        deadline = time.time() + 3600
+        while not (os.path.isfile(ready) and open(ready).read() == run_id):
+            if time.time() > deadline:
+                raise RuntimeError(f"rank 0 wrote no speculators rows to {data_dir} within an hour")
+            time.sleep(1)
     tokens_per_step = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
     argv = trainer_argv(args, hs_dir=os.path.join(out, "hidden_states"), data_dir=data_dir,
                         vocab_dir=os.path.join(out, "vocab"), save_dir=save_dir, aux_ids=aux_ids,
