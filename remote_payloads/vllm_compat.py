@@ -165,14 +165,14 @@ def text_only_engine_kwargs(model_dir: str, engine_args_cls) -> dict:
 
 
 # speculators' own EAGLE-3 trainer (`speculators.train`) ships from 0.8 on; `train --trainer speculators` drives it.
-SPECULATORS_TRAINER_FROM = (0, 8)
+SPECULATORS_TRAINER_FROM = "0.8"
 
 
 def speculators_trainer_unavailable(version: str | None, cuda: bool) -> str | None:
     """Why speculators' trainer cannot be the train step on this host, or None when it can (train and preflight)."""
     if version is None:
         return "speculators is not installed on this host (its trainer needs speculators >= 0.8)"
-    if parse_version(version) < SPECULATORS_TRAINER_FROM:
+    if not at_least(version, SPECULATORS_TRAINER_FROM):
         return f"speculators {version} has no trainer of its own (0.8 and later have one)"
     if not cuda:
         return f"speculators {version}'s trainer needs a CUDA GPU (it moves the draft to cuda:LOCAL_RANK)"
