@@ -14,10 +14,11 @@ import os
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import backend, job_layout
+from . import backend, job_layout, jobs
 from .errors import ConfigError, KimiEagleError
 from .jobs import STATE_EXIT, Job, new_job_id, remember
 from .parallel import each_host
@@ -47,9 +48,23 @@ class GroupJob:
     hosts: list[str]
     members: list[Member] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    # What produced the members' outputs: every host's rendered job script (env, pipeline settings, steps, shape)
+    # and the payload code. A resume continues only a group job with the same one.
+    fingerprint: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
         return (self.group, self.step, tuple(self.extra), self.mode, self.shard_by, tuple(self.hosts))
+
+    def changed_since(self, other: "GroupJob") -> list[str]:
+        """What differs between this (new) job's inputs and `other`'s: [] when a resume may continue it."""
+        mine, theirs = self.fingerprint, other.fingerprint or {}
+        if not theirs:
+            return ["its record predates settings tracking"]
+        why = [f"{h}'s job script (inventory env, pipeline settings or steps)" for h in self.hosts
+               if mine.get("hosts", {}).get(h) != theirs.get("hosts", {}).get(h)]
+        if mine.get("payloads") != theirs.get("payloads"):
+            why.append("the payload code (another kimi-eagle version)")
+        return why
 
     def save(self) -> None:
         p = _dir() / f"{self.id}.json"
@@ -77,6 +92,37 @@ def _dir() -> Path:
 
 def is_group_job(job_id: str) -> bool:
     return job_id.startswith(PREFIX)
+
+
+@contextmanager
+def _locked(key: tuple):
+    """One start or resume of the same group job at a time (on this machine): the record is read, acted on and
+    written by one command, so two identical resumes never both start the same shard or lose a job id."""
+    import fcntl
+    import hashlib
+
+    _dir().mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    with open(_dir() / f".lock-{name}", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _fingerprint(rendered: dict[str, dict[str, str]]) -> dict:
+    import hashlib
+
+    from .host import _manifest
+    from .resources import payload_files, payloads_dir
+    from . import sync
+
+    def digest(files: dict[str, str]) -> str:
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+    return {"hosts": {h: digest(files) for h, files in rendered.items()},
+            "payloads": _manifest(sync.tree_items(payloads_dir(), payload_files()))}
 
 
 def _latest_with_key(key: tuple) -> GroupJob | None:
@@ -144,21 +190,34 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
     from .host import HostSession
     from .render_targets import Offline
 
+    rendered = {}
     for h, m in zip(hosts, fresh.members):  # render every host's script first: bad input changes nothing anywhere
-        backend.for_host(h).render(HostSession(h, transport=Offline(h)), step, extra, shape_of(m))
-    previous = _latest_with_key(fresh.key())
-    g = previous if previous is not None and mode == "shards" else fresh
-    if previous is not None and mode == "torchrun":
-        running = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
-        if running:
-            raise ConfigError(f"group job {previous.id} is still running on {running[0].host}; stop it first: "
-                              f"kimi-eagle stop {previous.id}")
-    todo, outcomes = _what_to_start(inventory, g)
-    if mode == "torchrun":
-        outcomes = _start_torchrun(inventory, g, gpu, host_check)
-    else:
-        outcomes += _start_shards(inventory, g, todo, gpu, host_check)
-    g.save()
+        rendered[h.name] = backend.for_host(h).render(HostSession(h, transport=Offline(h)), step, extra, shape_of(m))
+    fresh.fingerprint = _fingerprint(rendered)
+    with _locked(fresh.key()):
+        previous = _latest_with_key(fresh.key())
+        if previous is not None and mode == "torchrun":
+            running = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
+            if running:
+                raise ConfigError(f"group job {previous.id} is still running on {running[0].host}; stop it first: "
+                                  f"kimi-eagle stop {previous.id}")
+        changed = fresh.changed_since(previous) if previous is not None and mode == "shards" else []
+        if changed:
+            live = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
+            if live:
+                raise ConfigError(f"group job {previous.id} is still running on {live[0].host} with other settings "
+                                  f"({'; '.join(changed)} changed); stop it first: kimi-eagle stop {previous.id}")
+        g = previous if previous is not None and mode == "shards" and not changed else fresh
+        todo, outcomes = _what_to_start(inventory, g)
+        if mode == "torchrun":
+            outcomes = _start_torchrun(inventory, g, gpu, host_check)
+        else:
+            outcomes += _start_shards(inventory, g, todo, gpu, host_check)
+        if changed:
+            # Never "succeeded before" for outputs made with other inputs: every shard runs again, and says why.
+            for o in outcomes:
+                o.message += f" (not resuming {previous.id}: {'; '.join(changed)} changed since)"
+        g.save()
     for m in g.members:
         if m.job_id:
             remember(m.job_id, m.host)
@@ -214,7 +273,8 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
 
 
 def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcome]:
-    """All nodes or none: every host must pass its checks and reach the rendezvous before any starts."""
+    """All nodes or none: every host must pass its checks, hold no GPU lock and reach the rendezvous before any
+    starts; a node that refuses after others started has them stopped again."""
     from .host import HostSession
     from . import rendezvous
 
@@ -230,21 +290,48 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
             for s in sessions:
                 host_check(s)
         rendezvous.check(sessions)
-        outcomes = []
+        if jobs.takes_gpu(g.step, gpu):
+            for s in sessions:  # a held GPU lock anywhere: nothing starts anywhere
+                jobs.refuse_if_locked(s)
+        started: list[tuple[Member, HostSession, str]] = []
         for m, s in zip(g.members, sessions):
             m.attempts += 1
             try:
                 job = backend.for_host(s.host).start(s, g.step, g.extra, gpu=gpu, shape=shape_of(m), job_id=new_job_id(g.step))
             except KimiEagleError as e:
-                m.error = str(e)
-                outcomes.append(StartOutcome(m.host, "failed", None, str(e)))
-                continue
-            m.job_id, m.error = job.id, None
-            outcomes.append(StartOutcome(m.host, "started", job.id, job_layout.Shape.describe(shape_of(m))))
+                # One node refused: the ones already started would wait at the rendezvous for it forever.
+                return _undo_torchrun(g, started, m, e)
+            started.append((m, s, job.id))
+        outcomes = []
+        for m, _, job_id in started:
+            m.job_id, m.error = job_id, None
+            outcomes.append(StartOutcome(m.host, "started", job_id, job_layout.Shape.describe(shape_of(m))))
         return outcomes
     finally:
         for s in sessions:
             s.close()
+
+
+def _undo_torchrun(g: GroupJob, started, refused: Member, error: KimiEagleError) -> list[StartOutcome]:
+    """Stop the nodes that started before `refused` failed: a torchrun group runs on all its nodes or on none."""
+    outcomes = []
+    refused.error = str(error)
+    for m in g.members:
+        if m is refused:
+            outcomes.append(StartOutcome(m.host, "failed", None, str(error)))
+    for m, s, job_id in started:
+        try:
+            backend.for_host(s.host).stop(s, job_id, grace=5.0)
+            what = f"stopped again: {refused.host} did not start ({error})"
+        except KimiEagleError as e:
+            what = f"could not be stopped after {refused.host} did not start: {e}"
+        m.job_id, m.error = job_id, what
+        outcomes.append(StartOutcome(m.host, "failed", job_id, f"job {job_id} {what}"))
+    for m in g.members:
+        if m is not refused and all(m is not s_m for s_m, _, _ in started):
+            m.error = f"not started: {refused.host} did not start"
+            outcomes.append(StartOutcome(m.host, "failed", None, m.error))
+    return outcomes
 
 
 # -- status / stop / logs -----------------------------------------------------------------------------

@@ -211,6 +211,23 @@ _SLURM_SYNTAX = {
     "mem": (r"\d+[KMGT]?", "a memory size like 64G"),
 }
 _SBATCH_ARG = r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.:,+=%@/\-\[\]]+)?"
+# sbatch flags the product sets itself (the log files, the job's directory, the array, the nodes) or that change
+# what a submission means (--test-only submits nothing, --parsable/--wait change sbatch's answer), and the ones
+# with a field of their own. sbatch accepts any unambiguous prefix of a long option (`--out=`), so those count too.
+_MANAGED_SBATCH = {
+    "output": None, "error": None, "input": None, "chdir": None, "workdir": None, "array": None, "job-name": None,
+    "nodes": "slurm.nodes", "ntasks-per-node": None, "open-mode": None, "test-only": None, "parsable": None,
+    "wait": None, "wrap": None, "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
+    "constraint": "slurm.constraint", "time": "slurm.time_limit", "gres": "slurm.gres",
+    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem",
+}
+
+
+def _managed_sbatch_flag(arg: str) -> str | None:
+    """The product-managed flag that `--name[=value]` sets (as sbatch would read it), or None."""
+    name = arg[2:].split("=", 1)[0]
+    hits = [m for m in _MANAGED_SBATCH if m == name or m.startswith(name)]
+    return name if name in _MANAGED_SBATCH else (hits[0] if hits else None)
 
 
 class SlurmSettings(_Strict):
@@ -247,6 +264,10 @@ class SlurmSettings(_Strict):
         for a in args:
             if not re.fullmatch(_SBATCH_ARG, a):
                 raise ValueError(f"{a!r} is not an sbatch flag of the form --name=value")
+            if managed := _managed_sbatch_flag(a):
+                field = _MANAGED_SBATCH[managed]
+                raise ValueError(f"{a!r} sets --{managed}, which kimi-eagle manages"
+                                 + (f"; use the field {field}" if field else ""))
         return args
 
 

@@ -77,17 +77,26 @@ def _retryable(e: BaseException) -> bool:
 class Reconnects:
     """When a follower's connection drops: retry connection trouble with backoff, give up after a while."""
 
-    def __init__(self, host, job_id: str, give_up_after: float, on_reconnect: Callable[[int, float], None] | None):
+    def __init__(self, host, job_id: str, give_up_after: float, on_reconnect: Callable[[int, float], None] | None,
+                 was_connected: bool = False):
         self.host, self.job_id, self.give_up_after, self.on_reconnect = host, job_id, give_up_after, on_reconnect
         self.count, self.backoff, self.down_since = 0, 0.5, None
+        # Only a connection that once worked is retried: a host that refuses, sends no SSH banner or rejects us
+        # from the start is one line at once, not ten minutes of "reconnecting".
+        self.was_connected = was_connected
 
     def connected(self) -> None:
-        self.down_since, self.backoff = None, 0.5
+        self.down_since, self.backoff, self.was_connected = None, 0.5, True
 
     def dropped(self, e: Exception, session: HostSession) -> HostSession:
         """Re-raise what is not connection trouble; else wait and return a new session."""
         if not _retryable(e) or isinstance(e, jobs.KimiEagleError) and not isinstance(e, HostError):
             raise e
+        if not self.was_connected:
+            session.close()
+            if isinstance(e, jobs.KimiEagleError):
+                raise e
+            raise ConnectionFailed(f"{self.host.name}: cannot follow {self.job_id}: {e}") from None
         session.close()
         now = time.monotonic()
         self.down_since = self.down_since or now
@@ -106,13 +115,15 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
            offset: int = 0, session: HostSession | None = None, give_up_after: float = 600.0,
            on_reconnect: Callable[[int, float], None] | None = None) -> FollowResult:
     """Stream a job's log through `emit(kind, text)` until the job ends (or once, without follow)."""
+    given = session
     session = session or HostSession(host)
     splitter = LineSplitter(emit)
-    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect)
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect, was_connected=given is not None)
     first = True
     while True:
         try:
             job = jobs.status(session, job_id)[0]
+            reconnects.was_connected = True  # reached once: from now on a drop is retried
             if first and tail is not None:
                 # The last N lines of what exists now; then follow from the end of those bytes.
                 res = session.transport.run(f"head -c {int(job.log_size)} -- {join([job.log])} | tail -n {int(tail)}", check=True)

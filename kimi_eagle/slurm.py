@@ -29,6 +29,20 @@ class SlurmPreflightError(KimiEagleError):
     pass
 
 
+class QueueUnavailable(KimiEagleError):
+    """squeue failed: the states of the jobs are unknown (never read as `lost` or `failed`)."""
+
+
+# A failed squeue is asked again this many times, this far apart (a controller restart takes seconds).
+QUEUE_RETRIES = (2.0, 4.0)
+
+
+def _slurm_path(path: str) -> str:
+    """A path on an #SBATCH --output line: sbatch expands %j, %a, %u... there; a literal % is %%.
+    (--chdir takes its path as it is.)"""
+    return path.replace("%", "%%")
+
+
 @dataclass
 class ArrayTask:
     index: int
@@ -70,7 +84,8 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     files[f"{run_rel}/job.sbatch"] = render.render(
         "slurm_job.sbatch.j2", **common, slurm=slurm, slurm_name=f"ke-{step}-{job_id[-4:]}",
         nodes=slurm.nodes if torchrun else 1, run_dir=run_dir, steps=steps, tasks=tasks, array_spec=array_spec,
-        log_pattern=f"{run_dir}/log.%a" if tasks else f"{run_dir}/log", torchrun=torchrun, before=steps[:-1],
+        log_pattern=f"{_slurm_path(run_dir)}/log.%a" if tasks else f"{_slurm_path(run_dir)}/log",
+        torchrun=torchrun, before=steps[:-1],
         rdzv_port=host.rdzv_port, node_script=f"{run_dir}/node.sh",
     )
     meta = {"job_id": job_id, "step": step, "host": host.name, "args": extra, "scheduler": "slurm",
@@ -144,8 +159,17 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
 
 
 # -- status -------------------------------------------------------------------------------------------
+# squeue first, then the files: a task that leaves the queue between the two has written its exit code
+# before it left, so it is never read as gone without one.
 _LIST = r"""
-cd {runs} 2>/dev/null || {{ printf '@squeue\n'; exit 0; }}
+printf '@squeue\n'
+if {prefix}squeue -h -t all -u "$(id -un)" -o '%F|%K|%T|%r' > "${{TMPDIR:-/tmp}}/ke-squeue.$$" 2>&1; then
+  cat "${{TMPDIR:-/tmp}}/ke-squeue.$$"; printf '@squeue-ok\n'
+else
+  cat "${{TMPDIR:-/tmp}}/ke-squeue.$$"; printf '@squeue-failed\n'
+fi
+rm -f "${{TMPDIR:-/tmp}}/ke-squeue.$$"
+cd {runs} 2>/dev/null || exit 0
 for d in {dirs}; do
   d=${{d%/}}
   [ -f "$d/slurm_job_id" ] || continue
@@ -157,8 +181,6 @@ for d in {dirs}; do
   for f in "$d"/log "$d"/log.*; do [ -f "$f" ] && printf '@log %s %s\n' "${{f##*/}}" "$(stat -c %s "$f")"; done
   [ -f "$d/stopped" ] && printf '@stopped %s\n' "$(stat -c %Y "$d/stopped")"
 done
-printf '@squeue\n'
-{prefix}squeue -h -t all -u "$(id -un)" -o '%F|%K|%T|%r' 2>&1 || printf '@squeue-failed\n'
 """
 
 
@@ -180,28 +202,44 @@ def _expand_tasks(spec: str) -> list[str]:
 
 
 def status(session: HostSession, job_id: str | None = None) -> list[Job]:
-    runs = session.path(RUNS)
+    """The jobs' states; a failed squeue is asked again (QUEUE_RETRIES), then QueueUnavailable: never a state."""
     if job_id is not None:
         check_job_id(job_id)  # '' listed every job (and `stop ''` cancelled the first)
+    waits = list(QUEUE_RETRIES)
+    while True:
+        try:
+            return _status_once(session, job_id)
+        except QueueUnavailable:
+            if not waits:
+                raise
+            time.sleep(waits.pop(0))
+
+
+def _status_once(session: HostSession, job_id: str | None) -> list[Job]:
+    runs = session.path(RUNS)
     dirs = quote(job_id) if job_id is not None else "*/"
-    res = session.transport.run(_LIST.format(runs=quote(runs), dirs=dirs, prefix=_prefix(session.host)), timeout=60)
+    res = session.transport.run(_LIST.format(runs=quote(runs), dirs=dirs, prefix=_prefix(session.host)), timeout=120)
     if res.exited == -1:  # no exit status: the connection dropped mid-listing, the output is partial
-        raise ConnectionFailed(f"{session.name}: connection lost while reading job states")
+        raise HostError(f"{session.name}: connection lost while reading job states")
     jobs_raw: list[dict] = []
     squeue: dict[tuple[str, str], str] = {}
-    squeue_ok = True
+    queue_said: list[str] = []
+    queue_end = None
     in_queue = False
     for line in res.stdout.splitlines():
         if line == "@squeue":
             in_queue = True
             continue
         if in_queue:
-            if line == "@squeue-failed":
-                squeue_ok = False
+            if line in ("@squeue-ok", "@squeue-failed"):
+                in_queue, queue_end = False, line
+                continue
             parts = line.split("|")
             if len(parts) == 4:
                 for t in _expand_tasks(parts[1]):
                     squeue[(parts[0], t)] = parts[2]
+            elif line.strip():
+                queue_said.append(line.strip())
             continue
         tag, _, rest = line.partition(" ")
         if tag == "@job":
@@ -226,10 +264,11 @@ def status(session: HostSession, job_id: str | None = None) -> list[Job]:
             jobs_raw[-1]["log"][_task_suffix(name)] = int(size or 0)
         elif tag == "@stopped":
             jobs_raw[-1]["stopped"] = float(rest or 0)
+    if queue_end != "@squeue-ok":
+        said = queue_said[-1] if queue_said else (res.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise QueueUnavailable(f"{session.name}: squeue failed, job states unknown: {said[-200:]}")
     if job_id is not None and not jobs_raw:
         raise ConfigError(f"{session.name}: no Slurm job {job_id} in {runs}")
-    if not squeue_ok and job_id:
-        raise CommandError(f"{session.name}: squeue failed; cannot tell the state of {job_id}")
     return [_job(session, runs, raw, squeue) for raw in jobs_raw]
 
 
@@ -329,13 +368,24 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
     """
     from .logs import FollowResult, LineSplitter, Reconnects
 
+    given = session
     session = session or HostSession(host)
     offsets: dict[str, int] = {}
     splitters: dict[str, LineSplitter] = {}
-    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect)
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect, was_connected=given is not None)
+    queue_down_since = None
     while True:
         try:
-            job = status(session, job_id)[0]
+            try:
+                job = status(session, job_id)[0]
+            except QueueUnavailable:
+                # The job goes on while the controller is away: wait, never call it failed.
+                queue_down_since = queue_down_since or time.monotonic()
+                if time.monotonic() - queue_down_since > give_up_after:
+                    raise
+                time.sleep(poll_s)
+                continue
+            queue_down_since = None
             for t, info in sorted(job.extra["tasks"].items(), key=lambda kv: int(kv[0] or 0)):
                 if t not in splitters:
                     splitters[t] = LineSplitter(emit_for(t))

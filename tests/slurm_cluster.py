@@ -134,6 +134,17 @@ PartitionName={self.partition} Nodes={",".join(self.nodes)} Default=YES MaxTime=
             time.sleep(0.3)
         raise RuntimeError(f"slurm nodes never became idle: {out!r}\n{self.logs()}")
 
+    def stop_controller(self):
+        """slurmctld away (a restart, a crash): clients such as squeue fail until start_controller()."""
+        p = self.procs["slurmctld"]
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(30)
+
+    def start_controller(self, timeout: float = 60):
+        """slurmctld back with its saved state (no -i): the jobs it knew go on."""
+        self._spawn("slurmctld", [SLURMCTLD, "-D", "-f", str(self.conf)])
+        self._wait_port(self.ctld_port, "slurmctld", timeout)
+
     def _wait_port(self, port: int, name: str, timeout: float):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ dead peer (paramiko's own keepalive never waits for an answer), one cached SFTP 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -16,6 +17,9 @@ from .. import hostkeys
 from .base import HashingReader, Stream, Transport
 
 _GCM_FIRST = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+# paramiko logs a failed handshake (no banner, reset) with its traceback through logging's last-resort handler,
+# i.e. on the user's terminal; our one-line error says what happened.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _tune_socket(sock: socket.socket) -> None:
