@@ -24,6 +24,13 @@ class State:
             self._inventory = found.with_recipe(loaded, recipe.source(self.recipe_path, self.overrides))
         return self._inventory
 
+    @property
+    def api(self):
+        """The library the commands call (kimi_eagle.api), over the inventory (and recipe) of this command."""
+        from ..api import Controller
+
+        return Controller(self.inventory)
+
     def use_recipe(self, path: Optional[str], overrides: list) -> None:
         """`--recipe FILE` and KEY=VALUE overrides of a command; read with the inventory on first use."""
         self.recipe_path, self.overrides, self._inventory = path, list(overrides), None

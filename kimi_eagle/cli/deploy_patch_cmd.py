@@ -30,8 +30,7 @@ def deploy_patch(
     if revert and (check or diff):
         raise ConfigError("--revert cannot be combined with --check/--diff")
     mode = "revert" if revert else "diff" if diff else "check" if check else "apply"
-    hosts = state.inventory.select(host, group)
-    outcomes = deploy_patch.deploy(hosts, patch_set, mode)
+    outcomes = state.api.deploy_patch(host, group, patch_set, mode)
 
     if state.json:
         console_ui().emit_json([

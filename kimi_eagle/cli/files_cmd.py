@@ -24,14 +24,11 @@ def render(
     Flags after `--` are rendered as the real command passes them: `render job exec -- CMD ARGS`,
     `render job extract -- --validate`.
     """
-    from .. import render as r, render_targets
-
     overrides, extra = split_extra(ctx, step_takes_command=step == "exec")
     if step and "=" in step and not step.startswith("-"):  # `render probe k=v`: an override, not a step
         overrides, step = [step, *overrides], None
     state.use_recipe(recipe, overrides)
-    files = render_targets.files_for(what, step, state.inventory.one(host), extra)
-    written = r.write(out, files)
+    written = state.api.render(what, step, host, extra, out=out).written
     if state.json:
         return console_ui().emit_json([str(p) for p in written])
     for p in written:
@@ -46,9 +43,7 @@ def upload(
     to: str = typer.Option(..., "--to", help="Folder on the host; relative paths are under the host's workdir."),
 ):
     """Copy files to hosts atomically, sha256-verified; files already there unchanged are skipped."""
-    from .. import upload
-
-    outcomes = upload.upload(state.inventory.select(host, group), paths, to)
+    outcomes = state.api.upload(paths, to, host, group)
     if state.json:
         console_ui().emit_json([{"host": o.host, "ok": o.ok, "error": str(o.error) if o.error else None,
                           **({"root": o.value.root, "changed": o.value.changed, "unchanged": o.value.unchanged,

@@ -24,26 +24,20 @@ def gpu_reset(
     device_path: List[str] = typer.Option([], "--device-path", help="Device files/globs to inspect (default /dev/nvidia*)."),
 ):
     """Find every process holding a GPU (fuser + nvidia-smi), stop ours (or --all), verify memory is back."""
-    from .. import gpu_reset
-    from ..parallel import each_host
-
-    hosts = state.inventory.select(host, group)
-    extra = [a for p in device_path for a in ("--device-path", p)]
-    kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu)
+    kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu, device_paths=device_path)
     ui = console_ui()
     if all_ and not dry_run and not yes:
-        plans = each_host(hosts, lambda s: gpu_reset.reset(s, stop_all=True, dry_run=True, extra=extra, **kw))
+        plans = state.api.gpu_reset(host, group, stop_all=True, dry_run=True, **kw)
         _print(plans, ui)
         if not sys.stdin.isatty():
             raise ConfigError("gpu-reset --all stops other users' processes: confirm with --yes (nothing was stopped)")
         if not typer.confirm("Stop every process listed above?", default=False):
             raise typer.Exit(EXIT_FAILED)
         # Signal only what the user saw and confirmed, never a process that appeared since.
-        confirmed = {o.host: [str(h["pid"]) for h in o.value.holders] for o in plans if o.ok}
-        outcomes = each_host(hosts, lambda s: gpu_reset.reset(
-            s, stop_all=True, extra=extra + ["--only-pids", ",".join(confirmed.get(s.name, [])) or "0"], **kw))
+        confirmed = {o.host: [h["pid"] for h in o.value.holders] for o in plans if o.ok}
+        outcomes = state.api.gpu_reset(host, group, stop_all=True, only_pids=confirmed, **kw)
     else:
-        outcomes = each_host(hosts, lambda s: gpu_reset.reset(s, stop_all=all_, dry_run=dry_run, extra=extra, **kw))
+        outcomes = state.api.gpu_reset(host, group, stop_all=all_, dry_run=dry_run, **kw)
     _print(outcomes, ui)
     if not all(o.ok and o.value.ok for o in outcomes):
         raise typer.Exit(failure_exit(outcomes))

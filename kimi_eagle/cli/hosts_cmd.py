@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import EXIT_FAILED, ConfigError, HostUnreachable, KimiEagleError
+from ..errors import EXIT_FAILED, ConfigError, HostUnreachable
 from ..parallel import failure_exit
 from .context import console_ui, state
 
@@ -18,17 +18,13 @@ def hosts_list(ctx: typer.Context):
     """List the hosts of the inventory (or run a subcommand)."""
     if ctx.invoked_subcommand is not None:
         return
-    inv = state.inventory
-    groups = {m: [g for g, ms in inv.data.groups.items() if m in ms] for m in inv.hosts}
-    rows = [
-        dict(name=h.name, transport=h.transport, address=h.address if h.transport == "ssh" else "(this machine)",
-             port=h.port, user=h.user, workdir=h.workdir, python=h.python, groups=groups[h.name])
-        for h in inv.hosts.values()
-    ]
+    from dataclasses import asdict
+
+    rows = [asdict(r) for r in state.api.hosts()]
     if state.json:
-        return console_ui().emit_json({"inventory": inv.path, "hosts": rows})
+        return console_ui().emit_json({"inventory": state.inventory.path, "hosts": rows})
     console_ui().table(
-        f"hosts in {inv.path}", ["host", "transport", "address", "user", "workdir", "python", "groups"],
+        f"hosts in {state.inventory.path}", ["host", "transport", "address", "user", "workdir", "python", "groups"],
         [[r["name"], r["transport"], r["address"] + (f":{r['port']}" if r["port"] else ""), r["user"] or "",
           r["workdir"], r["python"], ", ".join(r["groups"])] for r in rows],
     )
@@ -37,9 +33,7 @@ def hosts_list(ctx: typer.Context):
 @app.command("check")
 def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROUP]", help="Default: every host.")):
     """Connect to each host in parallel and report Python, torch/CUDA, transformers, vllm, speculators, GPUs."""
-    from .. import hosts
-
-    outcomes = hosts.check(state.inventory.select(target))
+    outcomes = state.api.check(target)
     if state.json:
         console_ui().emit_json([{"host": o.host, "ok": o.ok, "error": str(o.error) if o.error else None, **(o.value or {})} for o in outcomes])
     else:
@@ -80,23 +74,17 @@ def hosts_trust(
 
     A changed key is refused; replace it only with --replace OLD --fingerprint NEW.
     """
-    from .. import hosts, hostkeys
-
-    h = state.inventory.one(host)
     if replace and not fingerprint:
-        raise ConfigError(f"{h.name}: --replace {replace} needs --fingerprint naming the new key")
-    hostname, port, key = hosts.offered_key(h)
-    fp = hostkeys.fingerprint(key)
+        raise ConfigError(f"{state.inventory.one(host).name}: --replace {replace} needs --fingerprint naming the new key")
+    offered = state.api.offered_key(host)
     ui = console_ui()
-    ui.line(f"{h.name} ({hostname}:{port}) offers {key.get_name()} {fp}")
-    if fingerprint and fingerprint != fp:
-        raise KimiEagleError(f"{h.name}: offered fingerprint {fp} does not match --fingerprint {fingerprint}; nothing recorded")
+    ui.line(f"{offered.host} ({offered.hostname}:{offered.port}) offers {offered.key_type} {offered.fingerprint}")
     if not (yes or fingerprint):
         if not sys.stdin.isatty():
-            raise ConfigError(f"{h.name}: not a terminal; confirm with --yes or --fingerprint {fp}")
+            raise ConfigError(f"{offered.host}: not a terminal; confirm with --yes or --fingerprint {offered.fingerprint}")
         if not typer.confirm("Trust this key?", default=False):
             raise typer.Exit(EXIT_FAILED)
-    done = hosts.trust(h, hostname, port, key, replace=replace)
+    done = state.api.trust(offered, fingerprint=fingerprint, replace=replace)
     for old in done.removed:
         ui.line(f"removed the old key {old.key_type} {old.fingerprint} from {old.path}", style="yellow")
     ui.line(f"recorded in {done.path}" if done.added else f"already recorded in {done.path}; nothing added", style="green")

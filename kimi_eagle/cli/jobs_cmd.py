@@ -12,20 +12,6 @@ from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 
-def _host_for_job(job_id: str, host: Optional[str]):
-    from .. import jobs
-
-    jobs.check_job_id(job_id)
-    if host:
-        return state.inventory.one(host)
-    remembered = jobs.host_of(job_id)
-    if remembered and remembered in state.inventory.hosts:
-        return state.inventory.hosts[remembered]
-    if len(state.inventory.hosts) == 1:
-        return next(iter(state.inventory.hosts.values()))
-    raise ConfigError(f"job {job_id}: not started from this machine; name its host with --host")
-
-
 class _Printers:
     """One log printer per label (host, or host:task for Slurm array tasks), closed together."""
 
@@ -44,49 +30,43 @@ class _Printers:
             p.close()
 
 
-def _follow_and_exit(host, job_id: str, *, follow: bool, tail: Optional[int], session=None):
-    from .. import backend, jobs
+def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Optional[int], session=None):
+    from .. import jobs
 
+    name = state.api.job_host(job_id, host).name
     ui = console_ui()
     printers = _Printers(ui)
 
     def reconnecting(n, wait):
-        ui.err_console().print(f"[{host.name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
+        ui.err_console().print(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
 
     try:
-        result = backend.for_host(host).follow(host, job_id, lambda t: printers(f"{host.name}:{t}" if t else host.name),
-                                               follow=follow, tail=tail, session=session, on_reconnect=reconnecting)
+        result = state.api.follow(job_id, printers, host=name, follow=follow, tail=tail, session=session,
+                                  on_reconnect=reconnecting)
     except KeyboardInterrupt:
         printers.close()
-        _detached_hint(job_id, f"on {host.name}", f" --host {host.name}")
+        _detached_hint(job_id, f"on {name}", f" --host {name}")
         raise typer.Exit(EXIT_RUNNING)
     printers.close()
     job = result.job
     if state.json:
         ui.emit_json({"job": job.as_dict(), "reconnects": result.reconnects})
     elif follow or job.state not in ("running", "pending"):
-        _final_line(ui, host.name, job)
+        _final_line(ui, name, job)
         if follow and job.state == "succeeded":
-            _show_result(host, job, session)
+            _show_result(name, job, session)
     raise typer.Exit(jobs.STATE_EXIT[job.state])
 
 
-def _show_result(host, job, session) -> None:
+def _show_result(host: str, job, session) -> None:
     """The last word of a finished pipeline: where the result is, what it holds, what to run next."""
-    from .. import results
-    from ..host import HostSession
-
-    s = session or HostSession(host)  # a closed session reconnects on use
-    try:
-        export = results.describe_export(s, job.step or "", job.id)
-    finally:
-        s.close()
+    export = state.api.export(host, job.step or "", session, job_id=job.id)
     if export is None:
         return
     ui = console_ui()
-    ui.line(f"[{host.name}] draft exported to {export.path}", style="green")
-    ui.line(f"[{host.name}]   {export.what()}")
-    ui.line(f"[{host.name}] next, serve the target with it (vLLM): {export.next_command()}")
+    ui.line(f"[{host}] draft exported to {export.path}", style="green")
+    ui.line(f"[{host}]   {export.what()}")
+    ui.line(f"[{host}] next, serve the target with it (vLLM): {export.next_command()}")
 
 
 def _detached_hint(job_id: str, where: str, host_opt: str = ""):
@@ -129,10 +109,6 @@ def run(
     `kimi-eagle run exec -- CMD ARGS` runs any command with the same log, stop and exit-code guarantees.
     A Slurm host (`scheduler: slurm`) submits the job with sbatch instead; `--group G` runs over several hosts.
     """
-    from .. import backend
-    from ..host import HostSession
-    from ..render_targets import Offline
-
     overrides, extra = split_extra(ctx, step_takes_command=step == "exec")
     state.use_recipe(recipe, overrides)
     if group:
@@ -140,67 +116,35 @@ def run(
             raise ConfigError("give --host or --group, not both")
         return _run_group(step, group, extra, shard_by=shard_by, mode=mode, detach=detach, reset_gpus=reset_gpus,
                           no_preflight=no_preflight, gpu=gpu)
-    h = state.inventory.one(host)
-    be = backend.for_host(h)
-    be.render(HostSession(h, transport=Offline(h)), step, extra)  # validate before connecting
     ui = console_ui()
-    session = HostSession(h)
-    try:
-        _checks(session, step, reset_gpus=reset_gpus, no_preflight=no_preflight, gpu=gpu)
-        job = be.start(session, step, extra, gpu=gpu)
-    except BaseException:
-        session.close()
-        raise
+    started = state.api.run(step, host, extra, reset_gpus=reset_gpus, preflight=not no_preflight, gpu=gpu,
+                            notify=lambda text, style=None: ui.line(text, style=style), keep_session=not detach)
+    job = started.job
     if state.json and detach:
         ui.emit_json(job.as_dict())
     else:
         where = f"Slurm job {job.extra['slurm_job_id']}, " if job.extra.get("slurm_job_id") else ""
-        ui.err_console().print(f"[{h.name}] started job {job.id} ({step}), {where}log {job.log}", markup=False)
+        ui.err_console().print(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}", markup=False)
     if detach:
-        session.close()
         if not state.json:
             ui.line(job.id)
         return
-    _follow_and_exit(h, job.id, follow=True, tail=None, session=session)
-
-
-def _checks(session, step: str, *, reset_gpus: bool, no_preflight: bool, gpu: bool | None = None):
-    """Before a job starts on a host: our stale GPU holders (--reset-gpus), the scheduler, the step's preflight."""
-    from .. import backend
-    from ..slurm import SlurmPreflightError
-
-    ui = console_ui()
-    name = session.name
-    be = backend.for_host(session.host)
-    if reset_gpus and be.name == "direct":
-        from .. import gpu_reset, jobs
-
-        gpu_reset.reset_before_run(session, printer=lambda text: ui.line(f"[{name}] {text}"),
-                                 wants_gpu=jobs.takes_gpu(step, gpu))
-    if no_preflight:
-        return
-    problems = be.preflight(session, step)
-    if problems:
-        raise SlurmPreflightError("; ".join(problems))
-    if step != "exec" and be.name == "direct":  # on Slurm the step runs on compute nodes, not on the login node
-        from .. import preflight
-
-        preflight.gate(session, step, printer=lambda text, style=None: ui.line(f"[{name}] {text}", style=style))
+    _follow_and_exit(job.id, started.host, follow=True, tail=None, session=started.session)
 
 
 def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_preflight, gpu):
-    from .. import groupjobs
-
     ui = console_ui()
-    g, outcomes = groupjobs.start(state.inventory, group, step, extra, mode=mode, shard_by=shard_by, gpu=gpu,
-                                  host_check=lambda s: _checks(s, step, reset_gpus=reset_gpus, no_preflight=no_preflight, gpu=gpu))
+    started = state.api.run_group(step, group, extra, shard_by=shard_by, mode=mode, reset_gpus=reset_gpus,
+                                  preflight=not no_preflight, gpu=gpu,
+                                  notify=lambda text, style=None: ui.line(text, style=style))
+    g, outcomes = started.group_job, started.outcomes
     err = ui.err_console()
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
     for o in outcomes:
         style = "red" if o.action == "failed" else None
         what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
         err.print(f"[{o.host}] {what}: {o.message}", style=style, markup=False)
-    failed = any(o.action == "failed" for o in outcomes)
+    failed = started.failed
     err.print(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})", markup=False)
     if detach:
         if state.json:
@@ -215,8 +159,7 @@ def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_pre
 
 
 def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_failed: bool = False, hosts=None):
-    from .. import groupjobs
-
+    g = state.api.group_job(g)
     ui = console_ui()
     printers = _Printers(ui)
 
@@ -224,17 +167,16 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_failed
         ui.err_console().print(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
 
     try:
-        results = groupjobs.follow(state.inventory, g, printers, follow=follow, tail=tail, on_reconnect=reconnecting,
-                                   hosts=hosts)
+        status, errors = state.api.follow_group(g, printers, follow=follow, tail=tail, on_reconnect=reconnecting,
+                                                hosts=hosts)
     except KeyboardInterrupt:
         printers.close()
         _detached_hint(g.id, f"on {', '.join(g.hosts)}")
         raise typer.Exit(EXIT_RUNNING)
     printers.close()
-    for host, r in results.items():
-        if isinstance(r, Exception):
-            ui.err_console().print(f"[{host}] {r}", style="red", markup=False)
-    gstate, rows = groupjobs.status(state.inventory, g)
+    for host, e in errors.items():
+        ui.err_console().print(f"[{host}] {e}", style="red", markup=False)
+    gstate, rows = status.state, status.members
     if state.json:
         ui.emit_json({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
     elif follow or gstate not in ("running", "pending"):
@@ -244,7 +186,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_failed
             else:
                 ui.err_console().print(f"[{r.host}] {r.state}: {r.error}", style="red", markup=False)
         ui.err_console().print(f"group job {g.id} {gstate}", markup=False)
-    code = groupjobs.exit_code(gstate)
+    code = status.exit_code
     raise typer.Exit(code if not (start_failed and code == 0) else EXIT_FAILED)
 
 
@@ -255,11 +197,9 @@ def logs(
     tail: Optional[int] = typer.Option(None, "--tail", "-n", min=0, help="Start with the last N lines."),
 ):
     """Print a job's log (a group job: every host's, prefixed). Exit: 0 succeeded, 1 failed, 3 running, 4 stopped or lost."""
-    from .. import groupjobs
-
-    if groupjobs.is_group_job(job_id):
-        return _follow_group_and_exit(groupjobs.GroupJob.load(job_id), follow=follow, tail=tail)
-    _follow_and_exit(_host_for_job(job_id, host), job_id, follow=follow, tail=tail)
+    if state.api.is_group_job(job_id):
+        return _follow_group_and_exit(job_id, follow=follow, tail=tail)
+    _follow_and_exit(job_id, host, follow=follow, tail=tail)
 
 
 def status(
@@ -267,13 +207,13 @@ def status(
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host or group (default: every host)."),
 ):
     """List jobs with id, step, host, state, runtime and exit code (a group job: one row per host)."""
-    from .. import backend, groupjobs, jobs
-    from ..parallel import each_host
+    from .. import jobs
+    from ..errors import failure_exit as exit_for_errors
 
     ui = console_ui()
-    if job_id is not None and groupjobs.is_group_job(job_id):
-        g = groupjobs.GroupJob.load(job_id)
-        gstate, rows = groupjobs.status(state.inventory, g)
+    if job_id is not None and state.api.is_group_job(job_id):
+        st = state.api.group_status(job_id)
+        g, gstate, rows = st.group_job, st.state, st.members
         if state.json:
             ui.emit_json({"id": g.id, "group": g.group, "step": g.step, "mode": g.mode, "state": gstate,
                           "members": [r.as_dict() for r in rows]})
@@ -281,25 +221,15 @@ def status(
             table = [[r.host, r.shape, r.job.id if r.job else "", r.state, _duration(r.job.runtime_s) if r.job else "",
                       "" if not r.job or r.job.exit_code is None else r.job.exit_code, r.error or ""] for r in rows]
             ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table)
-        raise typer.Exit(groupjobs.exit_code(gstate))
-    if job_id is not None:
-        # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
-        from ..host import HostSession
-        from ..parallel import HostOutcome
-
-        h = _host_for_job(job_id, host)
-        with HostSession(h) as session:
-            outcomes = [HostOutcome(h.name, backend.for_host(h).status(session, job_id))]
-    else:
-        outcomes = each_host(state.inventory.select(host), lambda s: backend.for_host(s.host).status(s, job_id))
-    all_jobs = [j for o in outcomes if o.ok for j in o.value]
+        raise typer.Exit(st.exit_code)
+    # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
+    listed = state.api.status(job_id, host)
+    all_jobs = listed.jobs
     if state.json:
-        ui.emit_json({"jobs": [j.as_dict() for j in all_jobs],
-                      "errors": {o.host: str(o.error) for o in outcomes if not o.ok}})
+        ui.emit_json({"jobs": [j.as_dict() for j in all_jobs], "errors": {h: str(e) for h, e in listed.errors.items()}})
     else:
-        for o in outcomes:
-            if not o.ok:
-                ui.line(f"[{o.host}] {o.error}", style="red")
+        for name, error in listed.errors.items():
+            ui.line(f"[{name}] {error}", style="red")
         rows = [[j.id, j.step, j.host, j.state, _duration(j.runtime_s), "" if j.exit_code is None else j.exit_code,
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started_at)) if j.started_at else ""] for j in all_jobs]
         ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows)
@@ -308,8 +238,8 @@ def status(
                 ui.line(f"{j.id}: {j.headline}")
     if job_id and all_jobs:
         raise typer.Exit(jobs.STATE_EXIT[all_jobs[0].state])
-    if not all(o.ok for o in outcomes):
-        raise typer.Exit(failure_exit(outcomes))
+    if listed.errors:
+        raise typer.Exit(exit_for_errors(listed.errors.values()))
 
 
 def _duration(seconds) -> str:
@@ -317,18 +247,6 @@ def _duration(seconds) -> str:
         return ""
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def _stop_summary(job_id: str, data: dict) -> str:
-    if data.get("already"):
-        return f"job {job_id} is not running ({data['already']}); nothing to stop"
-    sent = data["sent"]
-    if "slurm_job_id" in data:  # Slurm: scancel --signal=TERM first, a hard scancel only when needed
-        return (f"job {job_id} (Slurm {data['slurm_job_id']}) stopped: scancel --signal=TERM, then "
-                f"{'scancel' if sent['KILL'] else 'no hard cancel needed'} ({data['elapsed_s']}s)")
-    return (f"job {job_id} stopped: {len(data['signalled'])} processes, SIGTERM then "
-            f"{'SIGKILL to ' + str(sent['KILL']) if sent['KILL'] else 'no SIGKILL needed'}; nothing left "
-            f"({data['elapsed_s']}s)")
 
 
 def stop(
@@ -339,31 +257,25 @@ def stop(
     """Stop a job: SIGTERM to its whole process group (Slurm: scancel --signal=TERM), SIGKILL after --grace.
 
     A group job: every host's job, in parallel."""
-    from .. import backend, groupjobs
-    from ..host import HostSession
-
     ui = console_ui()
-    if groupjobs.is_group_job(job_id):
-        g = groupjobs.GroupJob.load(job_id)
-        outcomes = groupjobs.stop(state.inventory, g, grace)
-        members = {m.host: m.job_id for m in g.members}
+    if state.api.is_group_job(job_id):
+        outcomes = state.api.stop_group(job_id, grace)
         if state.json:
-            ui.emit_json({"id": g.id, "hosts": {o.host: (o.value if o.ok else {"error": str(o.error)}) for o in outcomes}})
+            ui.emit_json({"id": job_id, "hosts": {o.host: (o.value.data if o.ok else {"error": str(o.error)})
+                                                  for o in outcomes}})
         for o in outcomes:
             if not state.json:
                 if o.ok:
-                    ui.line(f"[{o.host}] {_stop_summary(members[o.host], o.value)}", style="green")
+                    ui.line(f"[{o.host}] {o.value.summary()}", style="green")
                 else:
                     ui.line(f"[{o.host}] {o.error}", style="red")
         if not all(o.ok for o in outcomes):
             raise typer.Exit(failure_exit(outcomes))
         return
-    h = _host_for_job(job_id, host)
-    with HostSession(h) as session:
-        data = backend.for_host(h).stop(session, job_id, grace)
+    stopped = state.api.stop(job_id, host, grace)
     if state.json:
-        return ui.emit_json(data)
-    ui.line(f"[{h.name}] {_stop_summary(job_id, data)}", style=None if data.get("already") else "green")
+        return ui.emit_json(stopped.data)
+    ui.line(f"[{stopped.host}] {stopped.summary()}", style=None if stopped.data.get("already") else "green")
 
 
 def register(app: typer.Typer) -> None:

@@ -25,19 +25,11 @@ def preflight(
     `run` does this automatically (skip with --no-preflight). `KEY=VALUE` arguments override the recipe, as for
     `run`. Flags after `--` go to the check script.
     """
-    from .. import preflight as pf
-    from ..parallel import each_host
-    from ..pipeline import STEPS
-
     overrides, extra = split_extra(ctx)
     if "=" in step:  # `preflight epochs=3`: an override, the step defaults to all
         overrides, step = [step, *overrides], "all"
     state.use_recipe(recipe, overrides)
-    if step not in (*STEPS, "all"):
-        from ..errors import ConfigError
-
-        raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
-    outcomes = each_host(state.inventory.select(host, group), lambda s: pf.run(s, step, extra))
+    outcomes = state.api.preflight(step, host, group, extra)
     ui = console_ui()
     if state.json:
         ui.emit_json([{"host": o.host, "ok": bool(o.ok and o.value.ok), "error": str(o.error) if o.error else None,

@@ -19,10 +19,8 @@ def _run_of(session, job_id, run_dir):
 
 
 def _host(job_id: Optional[str], host: Optional[str]):
-    from .jobs_cmd import _host_for_job
-
     if job_id:
-        return _host_for_job(job_id, host)
+        return state.api.job_host(job_id, host)
     return state.inventory.one(host)
 
 

@@ -1,0 +1,396 @@
+"""The operations the `kimi-eagle` command offers, as a Python API returning result objects.
+
+    from kimi_eagle.api import Controller
+
+    ke = Controller("inventory.yaml")             # or Controller() for ./inventory.yaml / the embedded default
+    for o in ke.check("gpu-01"):                  # HostOutcome per host: .ok, .value (what the host has), .error
+        print(o.host, o.ok, o.value and o.value["python"])
+    started = ke.run("extract", host="gpu-01")    # detached; started.job.id, started.job.log
+    print(ke.status(started.job.id).jobs[0].state)
+    ke.stop(started.job.id)
+
+The CLI (kimi_eagle/cli/) only parses arguments, calls these and prints the results. Operations over several
+hosts return one `HostOutcome` per host (one host's failure never hides another's result); operations on one
+host raise `KimiEagleError` (with the message and exit code the CLI shows) when they cannot be done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import ConfigError, KimiEagleError
+from .parallel import HostOutcome, each_host
+
+# notify(text, style): progress worth telling a person (a preflight warning, a stale GPU holder stopped);
+# style is None, "yellow" or "red". The API itself never prints.
+Notify = Callable[[str, Optional[str]], None]
+
+
+def _quiet(text: str, style: str | None = None) -> None:
+    pass
+
+
+@dataclass
+class HostRow:
+    name: str
+    transport: str
+    address: str
+    port: int | None
+    user: str | None
+    workdir: str
+    python: str
+    groups: list[str]
+
+
+@dataclass
+class OfferedKey:
+    """The key a host offers now (`hosts trust` shows it before recording)."""
+    host: str
+    hostname: str
+    port: int
+    key: object
+    fingerprint: str
+
+    @property
+    def key_type(self) -> str:
+        return self.key.get_name()
+
+
+@dataclass
+class Rendered:
+    files: dict[str, str]            # path relative to the workdir -> text
+    written: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Started:
+    """A job started on one host. `session` stays open only when asked for (to follow the log on it)."""
+    host: str
+    job: object                      # jobs.Job
+    session: object = None
+
+
+@dataclass
+class GroupStarted:
+    group_job: object                # groupjobs.GroupJob
+    outcomes: list                   # groupjobs.StartOutcome per host
+
+    @property
+    def failed(self) -> bool:
+        return any(o.action == "failed" for o in self.outcomes)
+
+
+@dataclass
+class Followed:
+    job: object                      # jobs.Job, as it stands when the log ended (or now, without follow)
+    reconnects: int = 0
+
+
+@dataclass
+class GroupStatus:
+    group_job: object
+    state: str
+    members: list                    # groupjobs.MemberState per host
+
+    @property
+    def exit_code(self) -> int:
+        from . import groupjobs
+
+        return groupjobs.exit_code(self.state)
+
+
+@dataclass
+class JobList:
+    jobs: list                       # jobs.Job
+    errors: dict[str, KimiEagleError] = field(default_factory=dict)   # host -> why its jobs could not be listed
+
+
+@dataclass
+class Stopped:
+    host: str
+    job_id: str
+    data: dict                       # what the host reported: signalled, sent, elapsed_s, or already
+
+    def summary(self) -> str:
+        d = self.data
+        if d.get("already"):
+            return f"job {self.job_id} is not running ({d['already']}); nothing to stop"
+        sent = d["sent"]
+        if "slurm_job_id" in d:  # Slurm: scancel --signal=TERM first, a hard scancel only when needed
+            return (f"job {self.job_id} (Slurm {d['slurm_job_id']}) stopped: scancel --signal=TERM, then "
+                    f"{'scancel' if sent['KILL'] else 'no hard cancel needed'} ({d['elapsed_s']}s)")
+        return (f"job {self.job_id} stopped: {len(d['signalled'])} processes, SIGTERM then "
+                f"{'SIGKILL to ' + str(sent['KILL']) if sent['KILL'] else 'no SIGKILL needed'}; nothing left "
+                f"({d['elapsed_s']}s)")
+
+
+class Controller:
+    """One inventory and the operations on its hosts. `inventory`: a path, an `inventory.Inventory`, or None
+    (./inventory.yaml, else the embedded local default), loaded and validated on first use."""
+
+    def __init__(self, inventory=None):
+        self._inventory = inventory if not isinstance(inventory, (str, Path, type(None))) else None
+        self._path = None if self._inventory is not None else inventory
+
+    @property
+    def inventory(self):
+        if self._inventory is None:
+            from . import inventory
+
+            self._inventory = inventory.load(self._path)
+        return self._inventory
+
+    # ------------------------------------------------------------------------------------------- hosts
+    def hosts(self) -> list[HostRow]:
+        inv = self.inventory
+        return [HostRow(h.name, h.transport, h.address if h.transport == "ssh" else "(this machine)", h.port, h.user,
+                        h.workdir, h.python, [g for g, ms in inv.data.groups.items() if h.name in ms])
+                for h in inv.hosts.values()]
+
+    def check(self, target: str | None = None) -> list[HostOutcome]:
+        """What each host has (Python, torch/CUDA, transformers, vllm, speculators, GPUs), probed in parallel."""
+        from . import hosts
+
+        return hosts.check(self.inventory.select(target))
+
+    def offered_key(self, host: str) -> OfferedKey:
+        from . import hostkeys, hosts
+
+        h = self.inventory.one(host)
+        hostname, port, key = hosts.offered_key(h)
+        return OfferedKey(h.name, hostname, port, key, hostkeys.fingerprint(key))
+
+    def trust(self, offered: OfferedKey, *, fingerprint: str | None = None, replace: str | None = None):
+        """Record an offered key (hostkeys.Recorded: path, added, removed). With `fingerprint`, only that key;
+        `replace` removes the recorded key it names (a changed key is refused otherwise)."""
+        from . import hosts
+
+        h = self.inventory.one(offered.host)
+        if replace and not fingerprint:
+            raise ConfigError(f"{h.name}: --replace {replace} needs --fingerprint naming the new key")
+        if fingerprint and fingerprint != offered.fingerprint:
+            raise KimiEagleError(f"{h.name}: offered fingerprint {offered.fingerprint} does not match --fingerprint "
+                                 f"{fingerprint}; nothing recorded")
+        return hosts.trust(h, offered.hostname, offered.port, offered.key, replace=replace)
+
+    # ------------------------------------------------------------------------------------------- files
+    def render(self, what: str, step: str | None = None, host: str | None = None, extra: list[str] | None = None,
+               out: str | Path | None = None) -> Rendered:
+        """The files `what` would upload and run on `host`, without touching the network; written under `out`."""
+        from . import render as r, render_targets
+
+        files = render_targets.files_for(what, step, self.inventory.one(host), list(extra or []))
+        return Rendered(files, r.write(out, files) if out is not None else [])
+
+    def upload(self, paths: list[str | Path], to: str, host: str | None = None,
+               group: str | None = None) -> list[HostOutcome]:
+        """Local files and folders to `to` on each host (HostOutcome values: sync.SyncReport)."""
+        from . import upload
+
+        return upload.upload(self.inventory.select(host, group), [Path(p) for p in paths], to)
+
+    # -------------------------------------------------------------------------------- host operations
+    def deploy_patch(self, host: str | None = None, group: str | None = None, patch_set: str = "auto",
+                     mode: str = "apply") -> list[HostOutcome]:
+        """mode: apply | check | diff | revert (HostOutcome values: deploy_patch.PatchResult)."""
+        from . import deploy_patch
+
+        if mode not in ("apply", "check", "diff", "revert"):
+            raise ConfigError(f"deploy-patch: unknown mode {mode!r} (choose from apply, check, diff, revert)")
+        return deploy_patch.deploy(self.inventory.select(host, group), patch_set, mode)
+
+    def preflight(self, step: str = "all", host: str | None = None, group: str | None = None,
+                  extra: list[str] | None = None) -> list[HostOutcome]:
+        """Every known failure of `step`, checked in seconds (HostOutcome values: preflight.PreflightResult)."""
+        from . import preflight
+        from .pipeline import STEPS
+
+        if step not in (*STEPS, "all"):
+            raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
+        return each_host(self.inventory.select(host, group), lambda s: preflight.run(s, step, list(extra or [])))
+
+    def gpu_reset(self, host: str | None = None, group: str | None = None, *, stop_all: bool = False,
+                  dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0, require_gpu: bool = False,
+                  device_paths: list[str] | None = None,
+                  only_pids: dict[str, list[int]] | None = None) -> list[HostOutcome]:
+        """Stop the GPU holders of each host (ours; every one with stop_all) and verify the memory is back
+        (HostOutcome values: gpu_reset.ResetResult). `only_pids` {host: pids}: signal no process but these
+        (what a person saw in a dry run and confirmed)."""
+        from . import gpu_reset
+
+        extra = [a for p in device_paths or [] for a in ("--device-path", p)]
+        kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu, stop_all=stop_all, dry_run=dry_run)
+
+        def one(session):
+            mine = extra
+            if only_pids is not None:
+                mine = extra + ["--only-pids", ",".join(map(str, only_pids.get(session.name, []))) or "0"]
+            return gpu_reset.reset(session, extra=mine, **kw)
+
+        return each_host(self.inventory.select(host, group), one)
+
+    # -------------------------------------------------------------------------------------------- jobs
+    def job_host(self, job_id: str, host: str | None = None):
+        """The inventory host of a job: the one named, the one it was started on from here, or the only one."""
+        from . import jobs
+
+        jobs.check_job_id(job_id)
+        inv = self.inventory
+        if host:
+            return inv.one(host)
+        remembered = jobs.host_of(job_id)
+        if remembered and remembered in inv.hosts:
+            return inv.hosts[remembered]
+        if len(inv.hosts) == 1:
+            return next(iter(inv.hosts.values()))
+        raise ConfigError(f"job {job_id}: not started from this machine; name its host with --host")
+
+    def run(self, step: str, host: str | None = None, extra: list[str] | None = None, *, reset_gpus: bool = False,
+            preflight: bool = True, gpu: bool | None = None, notify: Notify = _quiet,
+            keep_session: bool = False) -> Started:
+        """Start `step` (a pipeline step, `all`, or `exec` with the command in `extra`) as a detached job.
+        The input is validated before any connection; then our stale GPU holders (reset_gpus), the scheduler and
+        the step's preflight are checked on the host, and nothing starts if one fails."""
+        from . import backend
+        from .host import HostSession
+        from .render_targets import Offline
+
+        extra = list(extra or [])
+        h = self.inventory.one(host)
+        be = backend.for_host(h)
+        be.render(HostSession(h, transport=Offline(h)), step, extra)  # validate before connecting
+        session = HostSession(h)
+        try:
+            self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu, notify=notify)
+            job = be.start(session, step, extra, gpu=gpu)
+        except BaseException:
+            session.close()
+            raise
+        if not keep_session:
+            session.close()
+            session = None
+        return Started(h.name, job, session)
+
+    def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
+                      notify: Notify) -> None:
+        """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight."""
+        from . import backend
+        from .slurm import SlurmPreflightError
+
+        name = session.name
+        be = backend.for_host(session.host)
+        if reset_gpus and be.name == "direct":
+            from . import gpu_reset, jobs
+
+            gpu_reset.reset_before_run(session, printer=lambda text: notify(f"[{name}] {text}", None),
+                                       wants_gpu=jobs.takes_gpu(step, gpu))
+        if not preflight:
+            return
+        problems = be.preflight(session, step)
+        if problems:
+            raise SlurmPreflightError("; ".join(problems))
+        if step != "exec" and be.name == "direct":  # on Slurm the step runs on compute nodes, not on the login node
+            from . import preflight as pf
+
+            pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style))
+
+    def run_group(self, step: str, group: str, extra: list[str] | None = None, *, shard_by: str = "hosts",
+                  mode: str | None = None, reset_gpus: bool = False, preflight: bool = True, gpu: bool | None = None,
+                  notify: Notify = _quiet) -> GroupStarted:
+        """`step` over the hosts of `group`: extraction shards (one job per host) or one multi-node torchrun job.
+        Run again, it resumes: hosts whose part is done or running are left alone."""
+        from . import groupjobs
+
+        g, outcomes = groupjobs.start(
+            self.inventory, group, step, list(extra or []), mode=mode, shard_by=shard_by, gpu=gpu,
+            host_check=lambda s: self._before_start(s, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
+                                                    notify=notify))
+        return GroupStarted(g, outcomes)
+
+    def is_group_job(self, job_id: str) -> bool:
+        from . import groupjobs
+
+        return groupjobs.is_group_job(job_id)
+
+    def follow(self, job_id: str, printer_for, *, host: str | None = None, follow: bool = True,
+               tail: int | None = None, on_reconnect=None, session=None) -> Followed:
+        """A job's log, line by line, to printer_for(label)(stream, line); `follow` streams until the job ends and
+        survives connection drops. KeyboardInterrupt leaves the job running."""
+        from . import backend
+
+        h = self.job_host(job_id, host)
+        result = backend.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
+                                            follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
+        return Followed(result.job, result.reconnects)
+
+    def follow_group(self, group_job, printer_for, *, follow: bool = True, tail: int | None = None,
+                     on_reconnect=None, hosts=None) -> tuple[GroupStatus, dict]:
+        """Every member's log, prefixed by host; returns the group's status after, and {host: error} of the logs
+        that could not be read."""
+        from . import groupjobs
+
+        g = self.group_job(group_job)
+        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=tail, on_reconnect=on_reconnect,
+                                   hosts=hosts)
+        errors = {h: r for h, r in results.items() if isinstance(r, Exception)}
+        return self.group_status(g), errors
+
+    def group_job(self, group_job):
+        """The group job record (groupjobs.GroupJob) of an id; a record is returned as it is."""
+        from . import groupjobs
+
+        return groupjobs.GroupJob.load(group_job) if isinstance(group_job, str) else group_job
+
+    def group_status(self, group_job) -> GroupStatus:
+        from . import groupjobs
+
+        g = self.group_job(group_job)
+        state, rows = groupjobs.status(self.inventory, g)
+        return GroupStatus(g, state, rows)
+
+    def status(self, job_id: str | None = None, host: str | None = None) -> JobList:
+        """Jobs with their state, runtime and exit code: one job (an unknown one is bad input), or every job of
+        the host, group or inventory."""
+        from . import backend
+        from .host import HostSession
+
+        if job_id is not None:
+            h = self.job_host(job_id, host)
+            with HostSession(h) as session:
+                return JobList(backend.for_host(h).status(session, job_id))
+        outcomes = each_host(self.inventory.select(host), lambda s: backend.for_host(s.host).status(s, job_id))
+        return JobList([j for o in outcomes if o.ok for j in o.value],
+                       {o.host: o.error for o in outcomes if not o.ok})
+
+    def stop(self, job_id: str, host: str | None = None, grace: float = 10.0) -> Stopped:
+        """SIGTERM to the job's whole process group (Slurm: scancel --signal=TERM), SIGKILL after `grace`."""
+        from . import backend
+        from .host import HostSession
+
+        h = self.job_host(job_id, host)
+        with HostSession(h) as session:
+            return Stopped(h.name, job_id, backend.for_host(h).stop(session, job_id, grace))
+
+    def stop_group(self, group_job, grace: float = 10.0) -> list[HostOutcome]:
+        """Every member's job, in parallel (HostOutcome values: Stopped)."""
+        from . import groupjobs
+
+        g = self.group_job(group_job)
+        members = {m.host: m.job_id for m in g.members}
+        outcomes = groupjobs.stop(self.inventory, g, grace)
+        return [HostOutcome(o.host, Stopped(o.host, members[o.host], o.value) if o.ok else None, o.error)
+                for o in outcomes]
+
+    def export(self, host: str, step: str, session=None, job_id: str | None = None):
+        """Where a finished pipeline's draft is and what to run next (results.Export), or None. With the job's id,
+        the serving hint uses the settings that job recorded."""
+        from . import results
+        from .host import HostSession
+
+        s = session or HostSession(self.inventory.one(host))  # a closed session reconnects on use
+        try:
+            return results.describe_export(s, step, job_id)
+        finally:
+            s.close()
