@@ -10,10 +10,11 @@ import os
 import sys
 from pathlib import Path
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from .errors import ConfigError
 
@@ -167,36 +168,17 @@ class Pipeline(_Strict):
         return self
 
 
-class PipelineOverride(_Strict):
-    """Per-host overrides: the same fields, all optional."""
+def _all_optional(model: type[BaseModel], name: str, doc: str) -> type[BaseModel]:
+    """`model`'s fields, each one optional and unset by default, with the same checks when given: what a host
+    (or a recipe) may override. Derived, so a new pipeline setting is overridable without a second edit."""
+    fields = {}
+    for field_name, f in model.model_fields.items():
+        checked = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+        fields[field_name] = (Optional[checked], None)
+    return create_model(name, __base__=_Strict, __doc__=doc, __module__=__name__, **fields)
 
-    model: Text | None = None
-    dataset: Text | None = None
-    output_dir: Text | None = None
-    layer_ids: list[Number] | None = None
-    backend: Literal["hf", "vllm"] | None = None
-    seq_len: Number | None = Field(None, gt=0)
-    batch_size: Number | None = Field(None, gt=0)
-    tp_size: Number | None = Field(None, gt=0)
-    draft_vocab_size: Number | None = Field(None, gt=0)
-    epochs: Number | None = Field(None, gt=0)
-    lr: Real | None = Field(None, gt=0)
-    ttt_steps: Number | None = Field(None, gt=0)
-    dtype: Literal["auto", "float32", "bfloat16"] | None = None
-    tiny_model: Literal["kimi", "llama", "llava"] | None = None
-    nproc_per_node: Positive | None = None
-    gpus_per_replica: CountOrAuto | None = None
-    model_source: Literal["smollm2"] | None = None
-    regenerate: bool | None = None
-    temperature: Real | None = Field(None, ge=0)
-    max_tokens: Number | None = Field(None, gt=0)
-    max_prompts: Number | None = Field(None, gt=0)
-    eval_prompts: Text | None = None
-    eval_num_prompts: Number | None = Field(None, gt=0)
-    eval_max_tokens: Number | None = Field(None, gt=0)
-    num_speculative_tokens: Number | None = Field(None, gt=0)
-    report_to: ReportTo | None = None
-    steps: StepSettings | None = None
+
+PipelineOverride = _all_optional(Pipeline, "PipelineOverride", "Per-host overrides: the same fields, all optional.")
 
 
 # Values that go into `#SBATCH` lines and Slurm commands: Slurm's own syntax, never spaces or quotes.

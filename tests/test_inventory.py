@@ -13,6 +13,8 @@ GOOD_HOST = """hosts:
     workdir: /root/eagle3-train
 """
 
+SLURM_HOST = "hosts:\n  login:\n    scheduler: slurm\n"
+
 CASES = {
     "unknown key": (
         "hosts:\n  blackwell-01:\n    address: blackwell-01.example\n    prot: 22\n",
@@ -81,6 +83,19 @@ CASES = {
         GOOD_HOST + 'groups:\n  "g\\x1b[2J": [blackwell-01]\n',
         ["inventory.yaml:7", "group name", "control character"],
     ),
+    # Slurm and group settings
+    "slurm without its section": (SLURM_HOST, ["inventory.yaml:3", "host 'login'", "field slurm", "required with scheduler: slurm"]),
+    "section without scheduler": ("hosts:\n  b:\n    slurm: {partition: gpu}\n", ["inventory.yaml:3", "only used with scheduler: slurm"]),
+    "unknown scheduler": ("hosts:\n  b:\n    scheduler: pbs\n", ["inventory.yaml:3", "field scheduler", "pbs"]),
+    "missing partition": (SLURM_HOST + "    slurm: {account: x}\n", ["inventory.yaml:4", "field slurm.partition", "required"]),
+    "bad time limit": (SLURM_HOST + "    slurm: {partition: gpu, time_limit: 2h}\n",
+                       ["field slurm.time_limit", "Slurm time limit", "2h"]),
+    "bad gres": (SLURM_HOST + "    slurm: {partition: gpu, gres: 'gpu 8'}\n", ["field slurm.gres", "gres list like gpu:8"]),
+    "space in partition": (SLURM_HOST + "    slurm: {partition: 'gpu; rm -rf /'}\n", ["field slurm.partition", "a Slurm name"]),
+    "sbatch flag with a space": (SLURM_HOST + "    slurm: {partition: gpu, sbatch_args: ['--comment=a b']}\n",
+                                 ["field slurm.sbatch_args", "--name=value"]),
+    "zero nodes": (SLURM_HOST + "    slurm: {partition: gpu, nodes: 0}\n", ["field slurm.nodes"]),
+    "rendezvous port out of range": ("hosts:\n  b:\n    rdzv_port: 70000\n", ["inventory.yaml:3", "field rdzv_port"]),
 }
 
 

@@ -1,4 +1,4 @@
-"""Jobs and GPUs tell the truth (issue 11, items 5–7), on the real sshd with real processes holding a device file."""
+"""Jobs and GPUs tell the truth, on the real sshd with real processes holding a device file."""
 
 from __future__ import annotations
 

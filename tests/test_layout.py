@@ -51,3 +51,22 @@ def test_no_pipeline_module_imports_a_step():
     for path in sorted(pipeline.glob("*.py")):
         imported = {n.split(".")[0] for n in imports_of(path, "remote_payloads.pipeline")}
         assert not (imported & steps) - {path.stem}, f"{path.name} imports the step(s) {sorted((imported & steps) - {path.stem})}"
+
+
+def test_no_pointers_to_what_does_not_ship():
+    """Tracker numbers and the team's private notes mean nothing to a reader of the released code and docs."""
+    import re
+
+    pointer = re.compile(r"\b[Ii]ssues?[ -]?#?\d+\b|\(i\d{1,2}[a-z]?\)|" + "shared" + r"/reference")
+    roots = ["kimi_eagle", "remote_payloads", "templates", "docs", "bench", "tests", "recipes", ".ci"]
+    files = [REPO / "README.md", REPO / "pyproject.toml"] + [
+        p for r in roots for p in (REPO / r).rglob("*")
+        if p.is_file() and "results" not in p.relative_to(REPO).parts and p.suffix not in (".pyc", ".png", ".gguf")]
+    found = []
+    for p in files:
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in pointer.finditer(text)]
+    assert not found, "\n".join(found)

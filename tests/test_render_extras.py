@@ -1,4 +1,4 @@
-"""`render` writes what `run` would, flags after `--` included (issue 11, item 12)."""
+"""`render` writes what `run` would, flags after `--` included."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ def test_speculators_030_llama_matches_hf(spec030_llama, hf16):
 
 
 def test_speculators_030_batches_equal_batch_size_one(v16, hf16, spec030_llama, tmp_path_factory, sshd):
-    """speculators issue 279: batched prefill and repeated generate() calls (4 calls of 4 here) must give what
+    """speculators bug #279 (upstream): batched prefill and repeated generate() calls (4 calls of 4 here) must give what
     one request at a time gives."""
     one, _ = extract_speculators(v16, hf16, tmp_path_factory, sshd, "0.3.0", "llama", batch_size=1)
     errs = mean_rel_err(spec030_llama[0], one)

@@ -1,4 +1,4 @@
-"""vLLM engine environment on hosts without flashinfer (seen on the H200 in issue 15: vLLM 0.25.1's sampler
+"""vLLM engine environment on hosts without flashinfer (seen on the H200: vLLM 0.25.1's sampler
 imports flashinfer's backend at engine start-up unless VLLM_USE_FLASHINFER_SAMPLER=0)."""
 import importlib.util
 import sys

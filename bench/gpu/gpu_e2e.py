@@ -1,4 +1,4 @@
-"""End to end on a real GPU host over SSH, driven through the CLI as a user would (issue 8).
+"""End to end on a real GPU host over SSH, driven through the CLI as a user would.
 
 Run by bench/gpu/gpu_e2e.sh (which provides sshd/ssh from carried Debian packages and the wheels).
 Sizes come from the environment so the same flow can be rehearsed on a CPU box:

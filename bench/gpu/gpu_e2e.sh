@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End to end on a GPU machine with no network (issue 8). Before, on a machine with network:
+# End to end on a GPU machine with no network. Before, on a machine with network:
 #   bash bench/gpu/fetch_gpu_deps.sh        # .whl/ (controller wheels, speculators) and .debs/ (OpenSSH)
 # Then on the GPU machine, from the repo root:
 #   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/gpu_e2e.sh

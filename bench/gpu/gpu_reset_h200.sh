@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-GPU check of remote_payloads/ops/stop_gpu_holders.py (issue 5), for a machine with an NVIDIA GPU.
+# Real-GPU check of remote_payloads/ops/stop_gpu_holders.py, for a machine with an NVIDIA GPU.
 #
 #   1. record nvidia-smi's baseline memory on GPU $GPU;
 #   2. start an "ours" holder (own session, pgid recorded in a fake runs dir, like a job)

@@ -1,4 +1,4 @@
-"""Scaling from 1 to 2 GPUs on one host (issue 16): extraction and training tokens/s, a training resumed on
+"""Scaling from 1 to 2 GPUs on one host: extraction and training tokens/s, a training resumed on
 another world size, and `stop` of a torchrun job leaving no process and no GPU memory.
 
     PYTHON=/path/to/python3 OUT=./out bash bench/gpu/gpu_scaling.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU scaling 1 -> 2 GPUs on one host (issue 16): extraction and training tokens/s, a training resumed on
+# GPU scaling 1 -> 2 GPUs on one host: extraction and training tokens/s, a training resumed on
 # another world size, and `stop` of a torchrun job (no process, no GPU memory left). About 4 minutes on the
 # 2-GPU H200 machine; needs only the machine's torch/transformers/safetensors/jinja2 (no network, no sshd).
 #   PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/gpu_scaling.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Side-by-side measurements on the 2-GPU H200 machine (issue 15): extraction hf vs vLLM-native (1 B and 8 B
+# Side-by-side measurements on the 2-GPU H200 machine: extraction hf vs vLLM-native (1 B and 8 B
 # random Llamas), serving a SmolLM2-135M draft trained there (eval with/without the draft), and our trainer vs
-# speculators' own on the same hidden states; then bench/gpu/gpu_scaling.sh (issue 16) if it is in the checkout.
+# speculators' own on the same hidden states; then bench/gpu/gpu_scaling.sh if it is in the checkout.
 #
 # Here, once (network):   bash bench/gpu/fetch_gpu_deps.sh      # -> .gpu/manifest.json + .gpu/p0 .. p4 (60 MiB each)
 # There, one call per piece, on a warm machine (each call carries .gpu/manifest.json and the next piece):

@@ -1,5 +1,5 @@
 """Pack the wheels that bench/gpu/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
-that has no network and takes at most 64 MiB per call (issue 15).
+that has no network and takes at most 64 MiB per call.
 
     python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 62]
 

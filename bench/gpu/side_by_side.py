@@ -1,4 +1,4 @@
-"""Side by side on a 2-GPU H200 machine (issue 15): extraction (our hf backend vs vLLM-native), serving
+"""Side by side on a 2-GPU H200 machine: extraction (our hf backend vs vLLM-native), serving
 (`eval` of a SmolLM2-135M draft trained there, with and without the draft) and training (ours vs speculators'
 own trainer on the same hidden states). Driven by bench/gpu/gpu_side_by_side.sh, one call at a time:
 
@@ -10,7 +10,7 @@ own trainer on the same hidden states). Driven by bench/gpu/gpu_side_by_side.sh,
 Why this shape: the machine has no network and takes at most 64 MiB per call and 10 minutes per command,
 and its /tmp lives only while it is warm. So the dependencies arrive in pieces over consecutive calls, and the
 work runs in a detached runner that outlives each call: stages that need nothing carried start at once,
-the others start when their bundle is installed. Two lanes, one per GPU; the issue-16 scaling run (both GPUs)
+the others start when their bundle is installed. Two lanes, one per GPU; the 1 -> 2 GPU scaling run (both GPUs)
 goes last. Every stage writes results/<stage>.json and logs/<stage>.log under $KE_WORK (default /tmp/ke).
 Sizes and time limits come from the environment (KE_*), so the same code rehearses on a CPU box.
 """
@@ -43,7 +43,7 @@ PY = os.environ.get("PYTHON", sys.executable)
 TINY = os.environ.get("KE_TINY") == "1"          # CPU rehearsal: toy sizes, --device cpu
 DEVICE = "cpu" if TINY else "cuda"
 BUDGET_S = float(os.environ.get("KE_BUDGET_S", "1080"))   # the runner starts no stage after this
-SCALING_S = float(os.environ.get("KE_SCALING_S", "330"))  # what the issue-16 scaling run needs at the end
+SCALING_S = float(os.environ.get("KE_SCALING_S", "330"))  # what the scaling run needs at the end
 SMOL_TRAIN_S = float(os.environ.get("KE_SMOL_TRAIN_S", "150"))
 
 D = {n: WORK / n for n in ("pieces", "results", "logs", "flags", "site-early", "site-vllm", "repo")}
@@ -382,7 +382,7 @@ def st_vllm(stage, gpu, tag, m, shard=None):
     out = SHM / f"x{tag}_vllm"
     prepared = SHM / "p1b" / "prepared"
     if not (ROOT / "remote_payloads" / "pipeline" / "vllm_hs_connector.py").exists():
-        # Our connector (issue 13) is not in this checkout: vLLM's own example connector gives vLLM's figure.
+        # Our connector is not in this checkout: vLLM's own example connector gives vLLM's figure.
         res = vllm_stock(stage, gpu, tag, m, shard)
         res["path"] = "vLLM ExampleHiddenStatesConnector (ours not in this checkout)"
         return res
@@ -602,7 +602,7 @@ def st_kimi(gpu):
 def st_scaling(gpu):
     script = ROOT / "bench" / "gpu" / "gpu_scaling.sh"
     if not script.exists():
-        raise StageFailed("bench/gpu/gpu_scaling.sh is not in this checkout (issue 16 not landed)")
+        raise StageFailed("bench/gpu/gpu_scaling.sh is not in this checkout")
     out = D["results"] / "scaling"
     out.mkdir(exist_ok=True)
     env = env_for(None)

@@ -1,6 +1,6 @@
 """speculators' own EAGLE-3 trainer (0.9, `speculators.train`) on the hidden states our extract wrote, timed the
 way bench/gpu/side_by_side.py times ours: tokens/s between optimizer steps (data loading included, the first
---warmup steps left out) and peak CUDA memory (issue 15).
+--warmup steps left out) and peak CUDA memory.
 
     python bench/gpu/spec_train_bench.py --pipeline DIR --model TARGET --steps 60 --total-seq-len 16384 \
         --save-path DIR/spec_draft [-- more speculators train flags]

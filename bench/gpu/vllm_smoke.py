@@ -1,6 +1,6 @@
 """vLLM on the GPU machine, before our connector is involved: engine start-up (with torch.compile and CUDA
 graphs, vLLM's defaults) and hidden-state extraction through vLLM's own ExampleHiddenStatesConnector on our
-prepared samples (issue 15). A smoke test of the carried install that also gives vLLM's stock figure.
+prepared samples. A smoke test of the carried install that also gives vLLM's stock figure.
 
     python bench/gpu/vllm_smoke.py --model DIR --prepared DIR --out DIR --layer-ids 2,10,17,20 [--seq-len 2048]
 

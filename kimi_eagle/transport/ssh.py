@@ -1,6 +1,6 @@
 """The `ssh` transport: one fabric Connection per host per CLI command, reused for every step.
 
-Tuned as ../shared/reference/ssh-performance.md advises: TCP_NODELAY and TCP keepalive on our own
+Tuned for many small commands and long transfers: TCP_NODELAY and TCP keepalive on our own
 socket, AES-GCM preferred, strict host keys, explicit timeouts, a liveness probe that notices a
 dead peer (paramiko's own keepalive never waits for an answer), one cached SFTP session.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Pre-flight checks for a pipeline step (issue 7), host side.
+"""Pre-flight checks for a pipeline step host side.
 
 Catches in seconds, without loading any weights, what would otherwise fail only after a
 27-minute model load: wrong package versions or an unapplied patch, a bad model path or
@@ -33,7 +33,7 @@ from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, f
 # ---------------------------------------------------------------------------
 # Compatibility table: which patch set each speculators/vLLM combination needs.
 # First matching row wins. `patch_set` None means the combination works unpatched.
-# Sources: shared/reference/vllm-speculators-internals.md (0.3.0 pins vllm==0.11.0;
+# Sources: each speculators release's requirements and sources (0.3.0 pins vllm==0.11.0;
 # 0.4.0 targets vllm 0.12-0.16; from 0.5.0 speculators uses vLLM's native extraction).
 # ---------------------------------------------------------------------------
 COMPAT_TABLE = [

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Free the GPUs of a host after a crashed run (issue 5), host side, stdlib only.
+"""Free the GPUs of a host after a crashed run, host side, stdlib only.
 
 One call does the whole reset:
 
