@@ -34,6 +34,8 @@ def test_wheel_works_from_any_directory(tmp_path):
                    "kimi_eagle/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
                    "kimi_eagle/_data/remote_payloads/sample_data/chat.jsonl", "kimi_eagle/default_inventory.yaml"):
         assert needed in names, needed
+    # One import name, the product's: no generic top-level package (such as `launcher`) lands in site-packages.
+    assert {n.split("/")[0] for n in names} == {"kimi_eagle", wheel.name.split("-py")[0] + ".dist-info"}, names
     venv = _venv_seeing_our_dependencies(tmp_path / "venv")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
                    check=True, capture_output=True)
@@ -48,3 +50,6 @@ def test_wheel_works_from_any_directory(tmp_path):
     located = subprocess.run([str(venv / "bin" / "python"), "-c", "import kimi_eagle.resources as r; print(r.payloads_dir())"],
                              cwd=elsewhere, env=env, capture_output=True, text=True).stdout
     assert "_data" in located and str(REPO) not in located
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "kimi_eagle", "--version"], cwd=elsewhere, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("kimi-eagle "), (r.stdout, r.stderr)
