@@ -72,4 +72,7 @@ def test_the_gpu_stage_runs_through_on_vllm_cpu(tmp_path):
     assert steps["train_export"]["export"]["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[:-1]
     ev = steps["eval"]
     assert ev["engine"] == "vllm" and ev["drafts"] > 0 and len(ev["acceptance_per_position"]) == 3, ev
+    # no flashinfer in the env: eval's engine starts with the flashinfer sampler off, as extract's does
+    assert ev["engine_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, ev
+    assert steps["train_export"]["result"]["finished"] and steps["train_export"]["result"]["aux_layer_ids"] == LAYER_IDS[:-1]
     assert steps["extract_vllm_tp2_vs_tp1"]["skipped"]                # one "GPU" here

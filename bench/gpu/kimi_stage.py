@@ -314,7 +314,7 @@ pipeline:
             rep = out / "eval" / "report.json"
             doc = json.loads(rep.read_text()) if rep.exists() else {}
             record("eval", ok and doc.get("engine") == "vllm", seconds=secs, error=why or doc.get("fallback_reason"),
-                   **{k: doc.get(k) for k in ("engine", "vllm_version", "mean_acceptance_length",
+                   **{k: doc.get(k) for k in ("engine", "vllm_version", "engine_env", "mean_acceptance_length",
                                               "acceptance_per_position", "drafts", "accepted_tokens", "tokens_per_s",
                                               "speedup", "identical_completions", "headline")})
 

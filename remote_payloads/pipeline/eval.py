@@ -186,7 +186,7 @@ def run_vllm(args, prompts, k):
 
     from vllm_compat import engine_env_defaults, text_only_engine_kwargs
 
-    engine_env_defaults()  # before the engine starts: vLLM 0.25 dies at start-up without flashinfer otherwise
+    engine_env = engine_env_defaults()  # before the engine starts: vLLM 0.25 dies at start-up without flashinfer
     from vllm import LLM, EngineArgs, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -212,7 +212,7 @@ def run_vllm(args, prompts, k):
         gc.collect()
     import vllm
 
-    return runs, {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype}
+    return runs, {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype, "engine_env": engine_env}
 
 
 # ----------------------------------------------------------------------------------------------------
