@@ -17,7 +17,7 @@ from .resources import payload_files, payloads_dir
 
 ENGINE = "ops/patch_engine.py"
 SETS_DIR = "patch_sets"
-RUNTIME = "step_runtime.py"  # the engine imports it
+RUNTIME = ("step_runtime.py", "versions.py")  # the engine imports them
 PAYLOAD_NAME = "patch"
 MODES = ("apply", "check", "diff", "revert")
 # Per mode, the file statuses that count as "ended in the wanted state".
@@ -167,7 +167,7 @@ def upload_files() -> dict[str, str]:
     out = {}
     for f in payload_files():
         rel = f.relative_to(root).as_posix()
-        if rel in (ENGINE, RUNTIME) or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
+        if rel == ENGINE or rel in RUNTIME or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
             out[f"{PAYLOADS}/{rel}"] = f.read_text()
     return out
 
