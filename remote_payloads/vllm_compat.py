@@ -141,6 +141,77 @@ def engine_env_defaults(environ=os.environ) -> dict:
     return added
 
 
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+GIB = 1 << 30
+# vLLM's own default share of the device (of host memory on its CPU build): what we ask for at most.
+DEFAULT_UTILIZATION = 0.9
+
+
+def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
+    """KV-cache bytes per token of the model in `model_dir` (its config.json; a text_config inside counts), or None
+    when the config does not say."""
+    import json
+
+    from model_size import kv_bytes_per_token
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        t = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        return kv_bytes_per_token(t, tp)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def host_memory_available() -> tuple[int, int]:
+    """(available, total) bytes of host memory, as vLLM's CPU worker reads them (MemAvailable, MemTotal)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                info[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return info.get("MemAvailable", info.get("MemFree", 0)), info.get("MemTotal", 0)
+
+
+def engine_memory(need_bytes: int, *, gpu_free_total: tuple[int, int] | None = None, environ=os.environ) -> dict:
+    """How much memory one vLLM engine of this step takes, sized from what it needs and what is free.
+
+    vLLM's default asks for a fixed share of the device (0.9-0.92 of it; of host memory on the CPU build) and dies
+    at start-up when less than that is free (another process holds part of it). On a GPU host we ask for what is
+    free now, at most the default share; on a CPU host for a KV cache of what the step needs (VLLM_CPU_KVCACHE_SPACE,
+    whole GiB), at most half of what is available. A value the user set wins. Returns
+    {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one line for the log and preflight}; raises
+    ValueError when even the need does not fit."""
+    need_gib = max(1, -(-int(need_bytes * 1.25) // GIB))  # whole GiB, a quarter more for block rounding
+    if gpu_free_total is not None:
+        free, total = gpu_free_total
+        if "KIMI_EAGLE_GPU_MEMORY_UTILIZATION" in environ:
+            share = float(environ["KIMI_EAGLE_GPU_MEMORY_UTILIZATION"])
+        else:
+            share = min(DEFAULT_UTILIZATION, free / total - 0.02) if total else DEFAULT_UTILIZATION
+        if share <= 0 or share * total < need_bytes:
+            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free; the vLLM engine needs about "
+                             f"{need_bytes / GIB:.1f} GiB of KV cache beside the weights")
+        return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
+                "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
+                        f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start)"}
+    avail, total = host_memory_available()
+    if environ.get(CPU_KV_ENV):
+        return {"env": {}, "kwargs": {},
+                "says": f"vLLM engine memory: KV cache {environ[CPU_KV_ENV]} GiB of host memory ({CPU_KV_ENV} as set; "
+                        f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
+    cap = int(avail * 0.5 // GIB)
+    if need_gib > cap:
+        raise ValueError(f"host memory: {avail / GIB:.1f} of {total / GIB:.1f} GiB available; the vLLM engine's KV cache "
+                         f"needs {need_gib} GiB (set {CPU_KV_ENV} to override)")
+    return {"env": {CPU_KV_ENV: str(need_gib)}, "kwargs": {},
+            "says": f"vLLM engine memory: KV cache {need_gib} GiB of host memory ({CPU_KV_ENV}, sized from the step; "
+                    f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
+
+
 def text_only_engine_kwargs(model_dir: str, engine_args_cls) -> dict:
     """LLM(...) keyword arguments for a text-only run of a multimodal target (Kimi-K2.5, Llava, ...).
 

@@ -27,6 +27,7 @@ from step_runtime import host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
 from versions import at_least, satisfies  # noqa: E402
+from vllm_compat import engine_memory, model_kv_bytes_per_token  # noqa: E402
 from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
                          speculators_trainer_unavailable, vllm_install)
 
@@ -151,6 +152,8 @@ def check_versions(args, ctx: dict) -> list[dict]:
             if not ok:  # native extraction needs the target's SupportsEagle3 (aux hidden state layers)
                 status, fix, detail = "fail", "upgrade vLLM to >= 0.18", detail + "; " + serve_why
             out.append(check("compat", status, detail, fix))
+            gpus = query_gpus(resolve_smi(args.nvidia_smi))[0] if cuda not in (None, "cpu") else None
+            out.append(check_engine_memory(args, gpus))
             return out
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
@@ -175,6 +178,19 @@ def check_versions(args, ctx: dict) -> list[dict]:
         detail += f"; model_type {mt} has no SupportsEagle3 before vllm 0.18"
     out.append(check("compat", status, detail, fix))
     return out
+
+
+def check_engine_memory(args, gpus: list[dict] | None) -> dict:
+    """What the extraction's vLLM engine will take: the sizing extract uses (vllm_compat.engine_memory), from the
+    memory free now (the first GPU's, or the host's)."""
+    per_token = model_kv_bytes_per_token(args.model, args.tp_size) if args.model else None
+    need = (per_token or 0) * (args.seq_len + 1) * 64
+    free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
+    try:
+        return check("engine-memory", "pass", engine_memory(need, gpu_free_total=free_total)["says"])
+    except ValueError as e:
+        return check("engine-memory", "fail", str(e), "free memory, or set VLLM_CPU_KVCACHE_SPACE (CPU) / "
+                     "KIMI_EAGLE_GPU_MEMORY_UTILIZATION (GPU)")
 
 
 def _statuses(doc) -> list[tuple[str, str]]:

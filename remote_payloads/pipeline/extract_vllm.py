@@ -19,7 +19,8 @@ from hidden_state_files import error_path, sample_path  # noqa: E402
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
 from versions import at_least  # noqa: E402
-from vllm_compat import engine_env_defaults, extraction_path, text_only_engine_kwargs, vllm_install  # noqa: E402
+from vllm_compat import (engine_env_defaults, engine_memory, extraction_path, model_kv_bytes_per_token,  # noqa: E402
+                         text_only_engine_kwargs, vllm_install)
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -198,15 +199,19 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
 
     # The workers import the connector by module name: put this folder on their path (they are spawned).
     os.environ["PYTHONPATH"] = HERE + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    on_gpu = torch.cuda.is_available()
+    chunk = max(64, args.batch_size)
+    memory = engine_memory_for(args, torch, on_gpu, concurrent=chunk)
+    os.environ.update(memory["env"])  # before vLLM is imported: it reads its environment once
+    log(f"[extract] {memory['says']}")
     from vllm import LLM, EngineArgs, SamplingParams
 
-    on_gpu = torch.cuda.is_available()
     t0 = time.time()
     llm = LLM(model=args.model, dtype=info["dtype"], tensor_parallel_size=args.tp_size, trust_remote_code=True,
               max_model_len=args.seq_len + 1,   # the prompt plus the one token vLLM insists on sampling
               enforce_eager=not on_gpu,         # torch.compile on CPU costs minutes and gains little here
               enable_prefix_caching=False, disable_log_stats=True,
-              **text_only_engine_kwargs(args.model, EngineArgs),
+              **memory["kwargs"], **text_only_engine_kwargs(args.model, EngineArgs),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": list(layer_ids)}}},
@@ -222,7 +227,6 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     log(f"[extract] vLLM engine up in {time.time() - t0:.1f}s (native extract_hidden_states, ids {layer_ids})")
     t_loop = time.time()
     order = sorted(todo, key=lambda i: (-len(ds[i][0]), i))
-    chunk = max(64, args.batch_size)
     written = tokens = 0
     bar = progress(None, total=len(order), desc="extract[vllm-native]")
     try:
@@ -248,6 +252,17 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
             bar.close()
     info["extract_seconds"] = time.time() - t_loop
     return written, tokens
+
+
+def engine_memory_for(args, torch, on_gpu, concurrent):
+    """engine_memory() for this extraction: KV for `concurrent` prompts of seq_len + 1 tokens (at most 256, vLLM's
+    default batch), from the model's config; Refused when it cannot fit."""
+    per_token = model_kv_bytes_per_token(args.model, args.tp_size) or 0
+    need = per_token * (args.seq_len + 1) * min(concurrent, 256)
+    try:
+        return engine_memory(need, gpu_free_total=tuple(torch.cuda.mem_get_info()) if on_gpu else None)
+    except ValueError as e:
+        raise Refused(f"--backend vllm: {e}") from None
 
 
 def _wait_for_samples(out_dir, indices):
