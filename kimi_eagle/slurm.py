@@ -220,7 +220,7 @@ def _status_once(session: HostSession, job_id: str | None) -> list[Job]:
     dirs = quote(job_id) if job_id is not None else "*/"
     res = session.transport.run(_LIST.format(runs=quote(runs), dirs=dirs, prefix=_prefix(session.host)), timeout=120)
     if res.exited == -1:  # no exit status: the connection dropped mid-listing, the output is partial
-        raise HostError(f"{session.name}: connection lost while reading job states")
+        raise ConnectionFailed(f"{session.name}: connection lost while reading job states")
     jobs_raw: list[dict] = []
     squeue: dict[tuple[str, str], str] = {}
     queue_said: list[str] = []

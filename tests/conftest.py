@@ -116,3 +116,10 @@ def add_workdir_host(env: Env, name: str, workdir: Path) -> Env:
     clone = block.replace("\n  gpu:\n", f"\n  {name}:\n").replace(f"workdir: {env.workdir}", f"workdir: {workdir}")
     env.inventory.write_text(text.replace("\n  local:\n", clone + "\n  local:\n", 1))
     return env
+
+
+def one_line_usage_error(r: CLIResult) -> str:
+    """Bad input: exit 2 and exactly one line on stderr, no traceback. Returns the line."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.code, r.stdout, r.stderr)
+    return lines[0]

@@ -6,11 +6,9 @@ missing shard once and keep its record; a torchrun group with a host that refuse
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import REPO
 from test_group_jobs import DDP, PY, done_ranks, gid_of, group_env, servers, shard_script, wait_group  # noqa: F401
 
 

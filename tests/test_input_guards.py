@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import add_workdir_host, make_env
+from conftest import add_workdir_host, make_env, one_line_usage_error
 
 PY = sys.executable
 
@@ -21,13 +21,6 @@ PY = sys.executable
 def two_workdirs(tmp_path, sshd):
     """Hosts `gpu` (workdir hostwork) and `gpu2` (workdir hostwork2) on the same machine."""
     return add_workdir_host(make_env(tmp_path, sshd), "gpu2", tmp_path / "hostwork2")
-
-
-def one_line_usage_error(r):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.code == 2, (r.code, r.stdout, r.stderr)
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
 
 
 def test_job_ids_are_input_and_never_reach_another_workdirs_job(tmp_path, sshd):

@@ -6,7 +6,6 @@ succeed); job ids are input; a workdir with `%` keeps its logs; sbatch_args cann
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, make_env
+from conftest import REPO, one_line_usage_error
 from slurm_cluster import SlurmCluster, available
 from test_slurm import slurm_env, wait_state
 
@@ -28,12 +27,6 @@ def cluster(tmp_path_factory):
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=2, gpus=0).start()
     yield c
     c.stop()
-
-
-def one_line_usage_error(r):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.code, r.stdout, r.stderr)
-    return lines[0]
 
 
 def test_a_failed_squeue_is_an_error_never_a_state_and_the_job_goes_on(tmp_path, sshd, cluster):
