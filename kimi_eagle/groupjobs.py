@@ -314,11 +314,8 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
 
 def _undo_torchrun(g: GroupJob, started, refused: Member, error: KimiEagleError) -> list[StartOutcome]:
     """Stop the nodes that started before `refused` failed: a torchrun group runs on all its nodes or on none."""
-    outcomes = []
     refused.error = str(error)
-    for m in g.members:
-        if m is refused:
-            outcomes.append(StartOutcome(m.host, "failed", None, str(error)))
+    outcomes = [StartOutcome(refused.host, "failed", None, str(error))]
     for m, s, job_id in started:
         try:
             backend.for_host(s.host).stop(s, job_id, grace=5.0)
@@ -327,8 +324,9 @@ def _undo_torchrun(g: GroupJob, started, refused: Member, error: KimiEagleError)
             what = f"could not be stopped after {refused.host} did not start: {e}"
         m.job_id, m.error = job_id, what
         outcomes.append(StartOutcome(m.host, "failed", job_id, f"job {job_id} {what}"))
+    tried = {refused.host} | {m.host for m, _, _ in started}
     for m in g.members:
-        if m is not refused and all(m is not s_m for s_m, _, _ in started):
+        if m.host not in tried:
             m.error = f"not started: {refused.host} did not start"
             outcomes.append(StartOutcome(m.host, "failed", None, m.error))
     return outcomes

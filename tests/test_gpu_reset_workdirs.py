@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import add_workdir_host, make_env
+from test_gpu_reset_cli import alive
 
 PY = sys.executable
 pytestmark = pytest.mark.skipif(subprocess.run(["which", "fuser"], capture_output=True).returncode != 0,
@@ -25,14 +26,6 @@ HOLD = "import sys, time; f = open(sys.argv[1], 'rb'); print('holding', flush=Tr
 
 def holders(dev: Path) -> set[int]:
     return {int(p) for p in subprocess.run(["fuser", str(dev)], capture_output=True, text=True).stdout.split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.fixture
