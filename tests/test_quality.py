@@ -29,8 +29,9 @@ K = 3
 CONVERSATIONS = 64   # ShareGPT conversations answered by the target (first turn, 128 tokens each)
 EVAL_QUESTIONS = 8   # MT-Bench: one per category, both turns
 
-# Opt-in until seen passing: the session that wrote it could not finish one run on its shared 2-core box (load
-# average 10-15: regenerating 64 conversations in vLLM alone took over 15 minutes). Run it with
+# Opt-in until seen passing. Seen once (load average 3-6): the 64 conversations give 52 samples, 10.6 k tokens,
+# and the trained draft reached 1.06 on these 8 questions: not the margin asserted below. It needs more answered
+# data than fitted CI's time on the shared 2-core box (docs/benchmarks.md, "Draft quality"). Run it with
 #   KIMI_EAGLE_RUN_QUALITY=1 python3 -m pytest -q tests/test_quality.py
 # and drop this guard once it passes, so CI runs it.
 pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(3600),
