@@ -95,7 +95,7 @@ def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
     extra = ["--dtype", "bfloat16", "--threads", 2] if engine == "hf" else []
     return step("eval.py", "--model", model, "--draft", draft, "--prompts", prompts, "--engine", engine,
                 "--num-prompts", EVAL_QUESTIONS, "--max-tokens", 48, "-k", K, "--batch-sizes", "1", "--timing-prompts",
-                2, "--out", out, *extra, python=python)
+                2, "--out", out, "--output-dir", out, "--report-to", "none", *extra, python=python)
 
 
 @pytest.fixture(scope="module")
