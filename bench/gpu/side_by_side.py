@@ -629,11 +629,16 @@ def st_mtb_train(gpu):
     lr = ["--lr", os.environ.get("KE_MTB_LR", "1e-3")]
     calib = our_train("mtb_train", gpu, MPIPE, SMOL, 30 if not TINY else 4, extra=lr)
     tps = calib.get("tokens_per_s_median_interval") or 1
+    # Tokens a step really takes, from the trainer's own count: --batch-size counts packed rows of many
+    # documents each, so documents x mean length would under-count a step several times (an H200 run planned
+    # 3.6x the time it had that way).
+    per_step = (calib.get("train_tokens") or 0) / max(1, calib.get("step") or 1) or 1
     ls = lengths_of(MPIPE / "prepared")
-    steps = max(10, int(MTB_TRAIN_S / (TBATCH * statistics.mean(ls) / tps)))
+    steps = max(10, int(MTB_TRAIN_S * tps / per_step))
     shutil.rmtree(MPIPE / "draft", ignore_errors=True)
     res = our_train("mtb_train", gpu, MPIPE, SMOL, steps, extra=lr)
-    res["calibration"] = {"tokens_per_s": tps, "planned_steps": steps, "epochs": round(steps * TBATCH / len(ls), 2)}
+    res["calibration"] = {"tokens_per_s": tps, "tokens_per_step": round(per_step), "planned_steps": steps,
+                          "epochs": round(steps * per_step / sum(ls), 2)}
     return res
 
 
