@@ -419,13 +419,18 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
         text, shown = DEFAULT_INVENTORY.read_text(), EMBEDDED
     else:
         shown = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{shown}: inventory file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{shown}: cannot read inventory: {e}") from None
+        text = read_config_text(path, "inventory")
     return parse(text, shown)
+
+
+def read_config_text(path: str | os.PathLike, what: str) -> str:
+    """A YAML file's text (the inventory, a recipe), or one ConfigError line naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the {what}: {e}") from None
 
 
 def read_yaml(text: str, shown: str):

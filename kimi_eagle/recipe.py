@@ -9,13 +9,12 @@ the recipe, the overrides. Every mistake is one line naming the file (or the ove
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
 from .errors import ConfigError
-from .inventory import PipelineOverride, describe_error, line_of, read_yaml, refuse_duplicate_keys
+from .inventory import PipelineOverride, describe_error, line_of, read_config_text, read_yaml, refuse_duplicate_keys
 
 COMMAND_LINE = "<command line>"
 
@@ -34,13 +33,7 @@ def load(path: str | None, overrides: list[str] | None = None) -> Recipe | None:
     raw, node, shown = {}, None, COMMAND_LINE
     if path:
         shown = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{shown}: recipe file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{shown}: cannot read the recipe: {e}") from None
-        raw, node = _parse(text, shown)
+        raw, node = _parse(read_config_text(path, "recipe"), shown)
     given: dict[tuple, str] = {}
     for o in overrides:
         keys, value = _override(o)
