@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PY = os.environ.get("PYTHON", sys.executable)                 # the host's interpreter (torch, the carried vLLM)
+# The host's interpreter (torch, the carried vLLM), as an absolute path: jobs start from sshd sessions, whose PATH
+# is the system's, not this process's (a bare "python3" there is the system Python, without torch).
+PY = shutil.which(os.environ.get("PYTHON", sys.executable)) or os.environ.get("PYTHON", sys.executable)
 CTL_PY = os.environ.get("KIMI_CONTROLLER_PYTHON", PY)          # the controller's (its wheels from .whl/)
 OUT = Path(os.environ.get("OUT") or ROOT / "out").resolve()
 WORK = Path(os.environ.get("KIMI_WORK") or "/tmp/kimi-gpu-stage")
