@@ -802,9 +802,20 @@ def start() -> None:
         apply_overlay()
     log = open(D["logs"] / "runner.log", "a")
     p = subprocess.Popen([PY, str(repo / "bench" / "gpu" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
-                         start_new_session=True, env=dict(os.environ, KE_WORK=str(WORK), KE_SHM=str(SHM)))
+                         start_new_session=True, env={**os.environ, **runner_settings(), "KE_WORK": str(WORK), "KE_SHM": str(SHM)})
     pid_file.write_text(str(p.pid))
     print(f"runner started (pid {p.pid})")
+
+
+def runner_settings() -> dict:
+    """The campaign's KE_* settings (KE_STAGES, sizes, budgets): those of the first start, kept in $KE_WORK, under
+    this call's own. A restart from a call that sets none must not fall back to every stage and the default sizes
+    (a fourth-session restart did, and spent nine GPU minutes on stages nobody asked for)."""
+    saved_file = WORK / "runner_settings.json"
+    saved = json.loads(saved_file.read_text()) if saved_file.exists() else {}
+    merged = {**saved, **{k: v for k, v in os.environ.items() if k.startswith("KE_")}}
+    write_json(saved_file, merged)
+    return merged
 
 
 def restart() -> None:
