@@ -607,7 +607,7 @@ def st_kimi(gpu):
 
 # --- SmolLM2 answers ShareGPT, its draft measured on MT-Bench (the field's benchmark, k=3) -----------------
 MPIPE = SHM / "mtb"
-MTB_TRAIN_S = float(os.environ.get("KE_MTB_TRAIN_S", "240"))
+MTB_TRAIN_S = float(os.environ.get("KE_MTB_TRAIN_S", "210"))
 
 
 def st_mtb_data(gpu):
@@ -616,7 +616,7 @@ def st_mtb_data(gpu):
     res = {}
     res["regenerate"] = run("mtb_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", "sharegpt",
                                          "--output-dir", str(MPIPE), "--engine", "vllm" if not TINY else "hf",
-                                         "--max-prompts", os.environ.get("KE_MTB_CONVERSATIONS", "3000" if not TINY else "8"),
+                                         "--max-prompts", os.environ.get("KE_MTB_CONVERSATIONS", "6000" if not TINY else "8"),
                                          "--max-turns", os.environ.get("KE_MTB_TURNS", "2"),
                                          "--max-tokens", os.environ.get("KE_MTB_MAX_TOKENS", "256" if not TINY else "8"),
                                          "--max-model-len", "2048", "--chunk-size", "2048"],
