@@ -6,10 +6,12 @@ the inventory's pipeline settings to its flags and turns its verdict into a resu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .errors import KimiEagleError
 from .host import RUNS, HostSession, expand
+from .pipeline import chain
 
 
 @dataclass
@@ -42,6 +44,10 @@ def preflight_args(session: HostSession, step: str, extra: list[str] | None = No
         args += ["--dataset", str(expand(p.dataset))]
     if p.layer_ids:
         args += ["--layer-ids", ",".join(map(str, p.layer_ids))]
+    # The steps this job runs and their recipe settings: the host sizes the vLLM engine of each one that starts
+    # one (regenerate, eval) as that step will.
+    steps = chain(p) if step == "all" else [step]
+    args += ["--step-settings", json.dumps({n: p.steps.get(n) or {} for n in steps}, sort_keys=True)]
     return args + list(extra or [])
 
 

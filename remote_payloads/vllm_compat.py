@@ -142,9 +142,11 @@ def engine_env_defaults(environ=os.environ) -> dict:
 
 
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+GPU_SHARE_ENV = "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"  # the user's share of the GPU, where the sizing is not wanted
 GIB = 1 << 30
 # vLLM's own default share of the device (of host memory on its CPU build): what we ask for at most.
 DEFAULT_UTILIZATION = 0.9
+MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step holds at most
 
 
 def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
@@ -176,40 +178,92 @@ def host_memory_available() -> tuple[int, int]:
     return info.get("MemAvailable", info.get("MemFree", 0)), info.get("MemTotal", 0)
 
 
-def engine_memory(need_bytes: int, *, gpu_free_total: tuple[int, int] | None = None, environ=os.environ) -> dict:
-    """How much memory one vLLM engine of this step takes, sized from what it needs and what is free.
+def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_total: tuple[int, int] | None = None,
+                  environ=os.environ) -> dict:
+    """How much memory one vLLM engine of a step takes, sized from what it needs and what is free.
 
     vLLM's default asks for a fixed share of the device (0.9-0.92 of it; of host memory on the CPU build) and dies
     at start-up when less than that is free (another process holds part of it). On a GPU host we ask for what is
-    free now, at most the default share; on a CPU host for a KV cache of what the step needs (VLLM_CPU_KVCACHE_SPACE,
-    whole GiB), at most half of what is available. A value the user set wins. Returns
-    {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one line for the log and preflight}; raises
-    ValueError when even the need does not fit."""
-    need_gib = max(1, -(-int(need_bytes * 1.25) // GIB))  # whole GiB, a quarter more for block rounding
+    free now, at most the default share; on a CPU host for a KV cache of what the step wants (`need_bytes`, whole
+    GiB; VLLM_CPU_KVCACHE_SPACE), at most half of what is available: a smaller cache only runs fewer sequences at
+    once. A value the user set wins. Returns {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one
+    line for the log and preflight}; raises ValueError (one line) when not even `least_bytes` (default: all of
+    `need_bytes`) fits."""
+    least_bytes = need_bytes if least_bytes is None else least_bytes
     if gpu_free_total is not None:
         free, total = gpu_free_total
-        if "KIMI_EAGLE_GPU_MEMORY_UTILIZATION" in environ:
-            share = float(environ["KIMI_EAGLE_GPU_MEMORY_UTILIZATION"])
+        if environ.get(GPU_SHARE_ENV):
+            share = _users_share(environ[GPU_SHARE_ENV])
         else:
             share = min(DEFAULT_UTILIZATION, free / total - 0.02) if total else DEFAULT_UTILIZATION
-        if share <= 0 or share * total < need_bytes:
+        if share <= 0 or share * total < least_bytes:
             raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free; the vLLM engine needs about "
-                             f"{need_bytes / GIB:.1f} GiB of KV cache beside the weights")
+                             f"{least_bytes / GIB:.1f} GiB of KV cache beside the weights (set {GPU_SHARE_ENV} to "
+                             "override)")
         return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
                 "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
-                        f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start)"}
+                        f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start"
+                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''})"}
     avail, total = host_memory_available()
     if environ.get(CPU_KV_ENV):
         return {"env": {}, "kwargs": {},
                 "says": f"vLLM engine memory: KV cache {environ[CPU_KV_ENV]} GiB of host memory ({CPU_KV_ENV} as set; "
                         f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
     cap = int(avail * 0.5 // GIB)
-    if need_gib > cap:
+    want_gib, least_gib = _kv_gib(need_bytes), _kv_gib(least_bytes)
+    if least_gib > cap:
         raise ValueError(f"host memory: {avail / GIB:.1f} of {total / GIB:.1f} GiB available; the vLLM engine's KV cache "
-                         f"needs {need_gib} GiB (set {CPU_KV_ENV} to override)")
-    return {"env": {CPU_KV_ENV: str(need_gib)}, "kwargs": {},
-            "says": f"vLLM engine memory: KV cache {need_gib} GiB of host memory ({CPU_KV_ENV}, sized from the step; "
+                         f"needs {least_gib} GiB (set {CPU_KV_ENV} to override)")
+    gib = min(want_gib, cap)
+    return {"env": {CPU_KV_ENV: str(gib)}, "kwargs": {},
+            "says": f"vLLM engine memory: KV cache {gib} GiB of host memory ({CPU_KV_ENV}, sized from the step"
+                    f"{f', half of what is available' if gib < want_gib else ''}; "
                     f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
+
+
+def _kv_gib(nbytes: int) -> int:
+    """Whole GiB of CPU KV cache for `nbytes`, a quarter more for block rounding, at least 1."""
+    return max(1, -(-int(nbytes * 1.25) // GIB))
+
+
+def _users_share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{GPU_SHARE_ENV}={text!r}: expected a fraction of the GPU's memory in (0, 1], e.g. 0.5")
+    return share
+
+
+def step_engine_memory(model_dir: str | None, tp: int, seq_tokens: int, sequences: int, *,
+                       gpu_free_total: tuple[int, int] | None = None, environ=os.environ) -> dict:
+    """engine_memory() for a step whose engine holds up to `sequences` sequences of `seq_tokens` tokens of the model
+    in `model_dir` (its config.json says the KV bytes per token; none known: the 1 GiB floor). It wants room for all of
+    them at once (at most MAX_NUM_SEQS, vLLM's default batch) and needs room for one."""
+    per_token = (model_kv_bytes_per_token(model_dir, tp) if model_dir else None) or 0
+    one = per_token * seq_tokens
+    return engine_memory(one * min(max(sequences, 1), MAX_NUM_SEQS), least_bytes=one, gpu_free_total=gpu_free_total,
+                         environ=environ)
+
+
+def size_engine(step: str, model_dir: str, tp: int, seq_tokens: int, sequences: int, environ=os.environ) -> dict:
+    """For a pipeline step about to start its vLLM engine (engines read their environment as they start): size it
+    with step_engine_memory from the memory free now (the first visible GPU's, else the host's), set the environment
+    it needs and log what it takes. Returns engine_memory()'s answer; refuses in one line when it cannot fit.
+    Pipeline steps only: it asks torch about the GPU (preflight asks nvidia-smi)."""
+    import torch
+
+    from step_runtime import Refused, log
+
+    free_total = tuple(torch.cuda.mem_get_info()) if torch.cuda.is_available() else None
+    try:
+        memory = step_engine_memory(model_dir, tp, seq_tokens, sequences, gpu_free_total=free_total, environ=environ)
+    except ValueError as e:
+        raise Refused(f"vLLM engine: {e}") from None
+    environ.update(memory["env"])
+    log(f"[{step}] {memory['says']}")
+    return memory
 
 
 def text_only_engine_kwargs(model_dir: str, engine_args_cls) -> dict:

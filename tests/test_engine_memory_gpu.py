@@ -41,3 +41,10 @@ def test_too_little_free_is_one_line():
     with pytest.raises(ValueError) as e:
         engine_memory(8 * GIB, gpu_free_total=(5 * GIB, H200), environ={})
     assert "\n" not in str(e.value) and "GiB free" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["half", "0", "1.5"])
+def test_a_share_the_user_set_that_is_no_fraction_is_one_line(value):
+    with pytest.raises(ValueError) as e:
+        engine_memory(2 * GIB, gpu_free_total=(H200, H200), environ={"KIMI_EAGLE_GPU_MEMORY_UTILIZATION": value})
+    assert "\n" not in str(e.value) and f"KIMI_EAGLE_GPU_MEMORY_UTILIZATION={value!r}" in str(e.value)

@@ -376,9 +376,13 @@ def test_eval_on_mt_bench_reports_both_turns_per_category_and_batch_sizes(tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-def test_regenerate_and_eval_start_vllm_with_the_engine_environment(tmp_path):
+def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_host(tmp_path):
     """Every step that starts a vLLM engine applies vllm_compat.engine_env_defaults (without it vLLM 0.25 dies
-    at start-up on a GPU host without flashinfer); here both start a real vLLM 0.32 and decode."""
+    at start-up on a GPU host without flashinfer) and sizes the engine's memory from what it needs and what is free:
+    here another process holds part of the memory, so vLLM's own default share ("Available memory ... is less than
+    desired CPU memory utilization") cannot start, and the host's env sets no VLLM_CPU_KVCACHE_SPACE. Both steps
+    start a real vLLM 0.32 and decode."""
+    from held_memory import VLLM_CPU_DEFAULT_SHARE, memory_held
     from vllm_envs import env_python
 
     py = env_python("0.32.0")
@@ -390,8 +394,8 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment(tmp_path):
         {"id": f"c{i}", "category": "writing" if i % 2 else "math",
          "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "user", "content": "And why?"}]}
         for i in range(4)])
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
+    draft = export_untrained_draft(tmp_path, tiny_llama)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_FLASHINFER_SAMPLER")}
 
     def step(script, *args):
         p = subprocess.run([str(py), str(PIPE / script), *map(str, args)], capture_output=True, text=True,
@@ -400,14 +404,17 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment(tmp_path):
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     wanted = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # this env has no flashinfer
-    out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
-               "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256)
-    assert out["engine"] == "vllm" and out["engine_env"] == wanted
+    sized = "vLLM engine memory: KV cache 1 GiB of host memory (VLLM_CPU_KVCACHE_SPACE, sized from the step"
+    with memory_held() as (available, total):
+        assert available < VLLM_CPU_DEFAULT_SHARE * total  # vLLM's default share cannot be had
+        out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
+                   "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256)
+        rep = step("eval.py", "--model", tiny_llama, "--draft", draft, "--prompts", prompts, "--engine", "vllm",
+                   "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
+    assert out["engine"] == "vllm" and out["engine_env"] == wanted and out["engine_memory"].startswith(sized)
     assert out["turns_answered_now"] == 8
-    draft = export_untrained_draft(tmp_path, tiny_llama)
-    rep = step("eval.py", "--model", tiny_llama, "--draft", draft, "--prompts", prompts, "--engine", "vllm",
-               "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
     assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == "0.32.0"
+    assert rep["engine_memory"].startswith(sized)
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
     assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]
     assert "vLLM 0.32.0" in rep["card"] and "k=3" in rep["card"]

@@ -27,7 +27,7 @@ from step_runtime import host_runs_dir  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 from model_size import kv_bytes_per_token, weight_bytes  # noqa: E402
 from versions import at_least, satisfies  # noqa: E402
-from vllm_compat import engine_memory, model_kv_bytes_per_token  # noqa: E402
+from vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_memory  # noqa: E402
 from vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path, final_layer_capture,  # noqa: E402
                          speculators_trainer_unavailable, vllm_install)
 
@@ -115,6 +115,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
     elif torch_v:  # PyPI wheels carry no tag; their CUDA runtime is a separate dist
         cuda = next((f"{d} {dist_version(d)}" for d in ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12",
                                                       "nvidia-cuda-runtime") if dist_version(d)), None)
+    ctx["torch_cuda"] = cuda
     shown = ", ".join(f"{k} {v or '-'}" for k, v in vers.items()) + (f" (torch build {cuda})" if cuda else "")
     out = []
     missing = [n for n in HF_REQUIRES if not vers[n]]
@@ -152,8 +153,6 @@ def check_versions(args, ctx: dict) -> list[dict]:
             if not ok:  # native extraction needs the target's SupportsEagle3 (aux hidden state layers)
                 status, fix, detail = "fail", "upgrade vLLM to >= 0.18", detail + "; " + serve_why
             out.append(check("compat", status, detail, fix))
-            gpus = query_gpus(resolve_smi(args.nvidia_smi))[0] if cuda not in (None, "cpu") else None
-            out.append(check_engine_memory(args, gpus))
             return out
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
@@ -180,17 +179,60 @@ def check_versions(args, ctx: dict) -> list[dict]:
     return out
 
 
-def check_engine_memory(args, gpus: list[dict] | None) -> dict:
-    """What the extraction's vLLM engine will take: the sizing extract uses (vllm_compat.engine_memory), from the
-    memory free now (the first GPU's, or the host's)."""
-    per_token = model_kv_bytes_per_token(args.model, args.tp_size) if args.model else None
-    need = (per_token or 0) * (args.seq_len + 1) * 64
+# Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
+# holds at once (engine_load), so preflight sizes it exactly as the step will.
+ENGINE_STEPS = ("regenerate", "eval")
+# extract's engine holds max(64, --batch-size) prompts of --seq-len + 1 tokens at once (extract_vllm.extract_native).
+EXTRACT_PROMPTS = 64
+
+
+def check_engine_memory(args, ctx: dict) -> list[dict]:
+    """What each vLLM engine of this job will take: the sizing the steps use (vllm_compat.step_engine_memory), from
+    the memory free now (the first GPU's, or the host's), one check per step that starts an engine."""
+    loads = {}
+    if args.backend == "vllm" and args.step in ("extract", "all") and ctx.get("vllm_path") == "native":
+        loads["extract"] = (args.seq_len + 1, EXTRACT_PROMPTS)
+    out = []
+    for step, settings in args.step_settings_parsed.items():
+        transformers = not ctx.get("vllm") or settings.get("engine") == "hf" or \
+            (step == "eval" and not ctx.get("serving_ok", True))  # eval falls back when vLLM cannot serve the draft
+        if step not in ENGINE_STEPS or transformers:
+            continue
+        try:
+            loads[step] = step_engine_load(step, settings)
+        except ValueError as e:  # the step would refuse this setting itself (exit 2)
+            out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
+    gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
     free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
-    try:
-        return check("engine-memory", "pass", engine_memory(need, gpu_free_total=free_total)["says"])
-    except ValueError as e:
-        return check("engine-memory", "fail", str(e), "free memory, or set VLLM_CPU_KVCACHE_SPACE (CPU) / "
-                     "KIMI_EAGLE_GPU_MEMORY_UTILIZATION (GPU)")
+    for step, (tokens, sequences) in loads.items():
+        try:
+            memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total)
+            out.append(check("engine-memory", "pass", f"{step}: {memory['says']}"))
+        except ValueError as e:
+            out.append(check("engine-memory", "fail", f"{step}: {e}",
+                             f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
+    return out
+
+
+def step_engine_load(step: str, settings: dict) -> tuple[int, int]:
+    """(tokens per sequence, sequences at once) of `step`'s vLLM engine with these settings ({flag name: value}, as a
+    recipe's `steps:` holds them) and the step's own defaults for the rest."""
+    module = _pipeline_module(step)
+    defaults = module.build_parser()
+    given = {str(k).replace("-", "_"): v for k, v in settings.items()}
+    return module.engine_load(argparse.Namespace(**{f: given.get(f, defaults.get_default(f))
+                                                    for f in module.ENGINE_FLAGS}))
+
+
+def parse_step_settings(text: str | None, step: str) -> dict:
+    """--step-settings: {step: {flag: value}} for the steps this job runs (the recipe's `steps:` entries); not given,
+    the step checked with its defaults. Raises ValueError on anything else."""
+    if text is None:
+        return {step: {}}
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise ValueError("expected a JSON object {step: {flag: value}}")
+    return doc
 
 
 def _statuses(doc) -> list[tuple[str, str]]:
@@ -515,11 +557,18 @@ def _not_utf8(path: Path) -> str | None:
     return None
 
 
-def _data_sources():
-    sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "pipeline"))
-    import data_sources
+def _pipeline_module(name: str):
+    """A module of the pipeline steps (stdlib at import: they import torch and the rest when they run)."""
+    import importlib
 
-    return data_sources
+    where = str(Path(__file__).resolve().parents[1] / "pipeline")
+    if where not in sys.path:
+        sys.path.insert(1, where)
+    return importlib.import_module(name)
+
+
+def _data_sources():
+    return _pipeline_module("data_sources")
 
 
 def _named_dataset(name: str) -> dict:
@@ -785,6 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvidia-smi", default=None, help="nvidia-smi binary (default: PATH, /usr/local/nvidia/bin)")
     p.add_argument("--min-free-disk-gib", type=float, default=10.0,
                    help="free disk to keep beyond the estimate (default 10)")
+    p.add_argument("--step-settings", default=None,
+                   help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
+                        "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")
     p.add_argument("--assume-free-disk-bytes", type=int, default=None,
                    help="TEST/OVERRIDE KNOB: use this free-space figure instead of statvfs")
     # Accept the other step flags the controller passes (e.g. --epochs, --lr) without failing.
@@ -805,6 +857,8 @@ def run_checks(args) -> dict:
     checks += model_checks
     if args.step == "eval":
         checks.append(check_serving(args, ctx))
+        ctx["serving_ok"] = checks[-1]["status"] == "pass"
+    checks += check_engine_memory(args, ctx)
     if ctx.get("num_layers") is not None and args.step in ("extract", "train", "all"):
         checks.append(check_layer_ids(args, ctx))
     if args.step in GPU_STEPS:
@@ -833,6 +887,11 @@ def main(argv: list[str] | None = None) -> int:
         args.layer_ids_parsed = parse_layer_ids(args.layer_ids)
     except ValueError:
         print(f"preflight_checks.py: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
+        return 2
+    try:
+        args.step_settings_parsed = parse_step_settings(args.step_settings, args.step)
+    except ValueError as e:
+        print(f"preflight_checks.py: --step-settings: {e}", file=sys.stderr)
         return 2
     if args.tp_size < 1 or args.seq_len < 1:
         print("preflight_checks.py: --tp-size and --seq-len must be >= 1", file=sys.stderr)

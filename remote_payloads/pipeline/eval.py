@@ -36,6 +36,7 @@ import time  # noqa: E402
 from step_runtime import (BadInput, atomic_write, atomic_write_json, job_headline, log, run_step,  # noqa: E402
                           stdout_for_result_only)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
+from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
 
 HEADLINE_PREFIX = "eval: "
 
@@ -193,17 +194,27 @@ class HFRunner:
         pass
 
 
+# The flags that say how much one vLLM engine of this step holds at once (engine_load; preflight reads them too).
+ENGINE_FLAGS = ("max_model_len", "max_batch", "batch_sizes")
+
+
+def engine_load(args):
+    """(tokens per sequence, sequences at once) of this step's vLLM engines: the acceptance pass sends --max-batch
+    prompts per call and the timing the largest of --batch-sizes, each within --max-model-len."""
+    return int(args.max_model_len), max(int(args.max_batch), *parse_batch_sizes(str(args.batch_sizes)))
+
+
 class VllmRunner:
     """One vLLM engine: the target alone (k = 0) or the target with the draft (k > 0)."""
 
-    def __init__(self, args, k):
+    def __init__(self, args, k, memory):
+        """`memory`: vllm_compat.size_engine's answer (its environment is set already); both engines take it."""
         from vllm import LLM, EngineArgs, SamplingParams
-        from vllm_compat import text_only_engine_kwargs
 
         spec = {"method": "eagle3", "model": os.path.abspath(args.draft), "num_speculative_tokens": k} if k else None
         self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
                        enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
-                       tensor_parallel_size=args.tp_size, speculative_config=spec,
+                       tensor_parallel_size=args.tp_size, speculative_config=spec, **memory["kwargs"],
                        **text_only_engine_kwargs(args.model, EngineArgs))
         self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         self.k = k
@@ -393,8 +404,6 @@ def run(args):
     k = args.num_speculative_tokens
     engine, why, engine_env = args.engine, None, {}
     if engine in ("auto", "vllm"):
-        from vllm_compat import engine_env_defaults
-
         engine_env = engine_env_defaults()  # before vLLM is imported: it reads them at import and engine start
         ok, info = vllm_support(target_text_config(args.model)[0])
         if ok:
@@ -409,12 +418,13 @@ def run(args):
         f"max {args.max_tokens} tokens, engine {engine}, batch sizes {batch_sizes} on {timing_n} prompts")
     if engine == "vllm":
         stdout_for_result_only()  # vLLM logs to stdout, also from its workers
+        memory = size_engine("eval", args.model, args.tp_size, *engine_load(args))
         import vllm
 
         meta = {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype,
-                "device": device_name(), "engine_env": engine_env}
+                "device": device_name(), "engine_env": engine_env, "engine_memory": memory["says"]}
         meta["engine_name"] = f"vLLM {vllm.__version__} ({args.vllm_dtype}, {meta['device']})"
-        m = measure(lambda kk: VllmRunner(args, kk), convs, budget, k, batch_sizes, timing_n, args.max_batch)
+        m = measure(lambda kk: VllmRunner(args, kk, memory), convs, budget, k, batch_sizes, timing_n, args.max_batch)
     else:
         import torch
 

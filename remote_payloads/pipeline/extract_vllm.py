@@ -19,11 +19,10 @@ from hidden_state_files import error_path, sample_path  # noqa: E402
 from model_layers import LayerIdError  # noqa: E402
 from step_runtime import Refused, log, progress, stdout_for_result_only  # noqa: E402
 from versions import at_least  # noqa: E402
-from vllm_compat import (engine_env_defaults, engine_memory, extraction_path, model_kv_bytes_per_token,  # noqa: E402
+from vllm_compat import (CPU_KV_ENV, engine_env_defaults, extraction_path, size_engine,  # noqa: E402
                          text_only_engine_kwargs, vllm_install)
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
-CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONNECTOR = "KimiEagleHiddenStatesConnector"
 CONNECTOR_MODULE = "vllm_hs_connector"
@@ -201,9 +200,8 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     os.environ["PYTHONPATH"] = HERE + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     on_gpu = torch.cuda.is_available()
     chunk = max(64, args.batch_size)
-    memory = engine_memory_for(args, torch, on_gpu, concurrent=chunk)
-    os.environ.update(memory["env"])  # before vLLM is imported: it reads its environment once
-    log(f"[extract] {memory['says']}")
+    # Before vLLM is imported: it reads its environment once. The prompt plus the one token vLLM samples.
+    memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk)
     from vllm import LLM, EngineArgs, SamplingParams
 
     t0 = time.time()
@@ -252,17 +250,6 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
             bar.close()
     info["extract_seconds"] = time.time() - t_loop
     return written, tokens
-
-
-def engine_memory_for(args, torch, on_gpu, concurrent):
-    """engine_memory() for this extraction: KV for `concurrent` prompts of seq_len + 1 tokens (at most 256, vLLM's
-    default batch), from the model's config; Refused when it cannot fit."""
-    per_token = model_kv_bytes_per_token(args.model, args.tp_size) or 0
-    need = per_token * (args.seq_len + 1) * min(concurrent, 256)
-    try:
-        return engine_memory(need, gpu_free_total=tuple(torch.cuda.mem_get_info()) if on_gpu else None)
-    except ValueError as e:
-        raise Refused(f"--backend vllm: {e}") from None
 
 
 def _wait_for_samples(out_dir, indices):

@@ -39,6 +39,7 @@ import time  # noqa: E402
 
 from step_runtime import (BadInput, atomic_write, atomic_write_json, log, model_identity, progress_line,  # noqa: E402
                           run_step, stdout_for_result_only)
+from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
@@ -67,14 +68,25 @@ def code_version():
 
 # ---------------------------------------------------------------------------------------------- engines
 
+# The flags that say how much one vLLM engine of this step holds at once (engine_load; preflight reads them too).
+ENGINE_FLAGS = ("max_model_len", "chunk_size")
+
+
+def engine_load(args):
+    """(tokens per sequence, sequences at once) of this step's vLLM engine: a round answers one turn of every
+    conversation of a chunk in one call, each within --max-model-len."""
+    return int(args.max_model_len), int(args.chunk_size)
+
+
 class VllmGenerator:
-    def __init__(self, args):
+    def __init__(self, args, memory):
+        """`memory`: vllm_compat.size_engine's answer for this engine (its environment is set already)."""
         from vllm import LLM, EngineArgs
-        from vllm_compat import text_only_engine_kwargs
 
         self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len,
                        tensor_parallel_size=args.tp_size, trust_remote_code=True, seed=args.seed,
-                       enforce_eager=args.enforce_eager, **text_only_engine_kwargs(args.model, EngineArgs))
+                       enforce_eager=args.enforce_eager, **memory["kwargs"],
+                       **text_only_engine_kwargs(args.model, EngineArgs))
         self.args = args
 
     def __call__(self, convs, seed):
@@ -135,8 +147,6 @@ def hf_dtype(args, device):
 def pick_engine(name):
     """('vllm' | 'hf', environment set for the vLLM engine)."""
     if name in ("auto", "vllm"):
-        from vllm_compat import engine_env_defaults
-
         env = engine_env_defaults()  # before vLLM is imported: it reads them at import and engine start
         stdout_for_result_only()  # importing vLLM already logs (to stdout)
         try:
@@ -285,6 +295,12 @@ def run(args):
     key = run_key(settings)
     chunks_root = os.path.join(out_dir, "chunks")
     chunks_dir = os.path.join(chunks_root, key)
+    n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
+    mine = shard_chunks(n_chunks, args.rank, args.world_size)
+    todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
+    # Sized before anything is written: an engine that cannot fit refuses with nothing changed.
+    memory = size_engine("regenerate", args.model, args.tp_size, *engine_load(args)) \
+        if engine == "vllm" and todo else None
     fresh = not os.path.isdir(chunks_dir)
     os.makedirs(chunks_dir, exist_ok=True)
     before = earlier_runs(chunks_root, key) if fresh else None  # a resume of this key reuses its own chunks
@@ -294,16 +310,12 @@ def run(args):
             f"(this run's key {key})")
     atomic_write_json(os.path.join(chunks_dir, "settings.json"), settings)
     forget_merged_output(out_dir, key)
-
-    n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
-    mine = shard_chunks(n_chunks, args.rank, args.world_size)
-    todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
     log(f"regenerate: {len(convs)} conversations ({sum(len(c.user_turns) for c in convs)} user turns) in {n_chunks} "
         f"chunks; rank {args.rank}/{args.world_size} owns {len(mine)}, {len(mine) - len(todo)} already done")
     answered = cut = 0
     t0 = time.time()
     if todo:
-        gen = VllmGenerator(args) if engine == "vllm" else HFGenerator(args, tok)
+        gen = VllmGenerator(args, memory) if engine == "vllm" else HFGenerator(args, tok)
         t0 = time.time()
         progress_line("regenerate", 0, len(todo))
         done_convs = 0
@@ -324,7 +336,8 @@ def run(args):
     final = merge(out_dir, chunks_dir, n_chunks, args.chunk_size, manifest)
     if final:
         log(f"regenerate: wrote {final}")
-    return {"ok": True, "step": "regenerate", "engine": engine, "engine_env": engine_env, "run_key": key,
+    return {"ok": True, "step": "regenerate", "engine": engine, "engine_env": engine_env,
+            "engine_memory": memory and memory["says"], "run_key": key,
             "not_reused_because": changed if before else None, "conversations": len(convs),
             "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
             "chunks_done_now": len(todo), "turns_answered_now": answered, "turns_cut_for_context_now": cut,
@@ -332,7 +345,7 @@ def run(args):
             "source": prov, "elapsed_s": round(time.time() - t0, 2)}
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="target model folder")
     ap.add_argument("--dataset", required=True,
@@ -358,7 +371,11 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048, help="context the answers must fit (both engines)")
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True, help="vllm engine")
-    return run_step("regenerate", run, ap.parse_args(argv))
+    return ap
+
+
+def main(argv=None):
+    return run_step("regenerate", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""Every step that starts a vLLM engine (extract, regenerate, eval) sizes its memory share one way
+(vllm_compat.step_engine_memory), and preflight says what each will take.
+
+On a CPU host the engine's KV cache is what the step wants (its sequences at once, each of its context), at most
+half of the memory available, and at least one sequence: when not even that fits, the step refuses in one line
+before any engine starts, with nothing written. A value the user set wins. Memory figures are this machine's own
+(/proc/meminfo, as vLLM's CPU worker reads them); the steps and preflight run in the real vLLM 0.32 CPU build. The
+steps starting their engines on a host whose memory another process holds: test_regenerate_eval.py (vllm tier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, make_env
+from held_memory import meminfo
+
+sys.path.insert(0, str(REPO / "remote_payloads"))
+from vllm_compat import GIB, engine_memory, step_engine_memory  # noqa: E402
+
+PAYLOADS = REPO / "remote_payloads"
+PREFLIGHT = PAYLOADS / "ops" / "preflight_checks.py"
+# Far more context than this machine's memory holds the KV cache of, even for a tiny model (10^8 tokens).
+HUGE_CONTEXT = 100_000_000
+NOT_ONE_SEQUENCE = "the vLLM engine's KV cache needs"
+
+
+def llama_config(path: Path) -> Path:
+    """A model folder with only a Llama config: 8 layers, 1 KV head of 32 (1 KiB of bf16 KV per token)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512}))
+    return path
+
+
+# ------------------------------------------------------------------------------ the sizing, on this machine
+
+def test_the_users_kv_cache_wins():
+    m = engine_memory(1 << 50, environ={"VLLM_CPU_KVCACHE_SPACE": "3"})
+    assert m["env"] == {} and "KV cache 3 GiB of host memory (VLLM_CPU_KVCACHE_SPACE as set" in m["says"]
+
+
+def test_a_step_wanting_more_than_half_of_what_is_available_gets_half(tmp_path):
+    model = llama_config(tmp_path / "m")
+    available, _ = meminfo()
+    # 256 sequences of a context whose KV cache is an eighth of what is available: one fits, all of them do not.
+    tokens = available // 8 // 1024
+    m = step_engine_memory(str(model), 1, tokens, 256, environ={})
+    gib = int(m["env"]["VLLM_CPU_KVCACHE_SPACE"])
+    assert tokens * 1024 <= gib * GIB <= available / 2 + GIB and "half of what is available" in m["says"]
+
+
+def test_a_step_whose_one_sequence_does_not_fit_is_one_line(tmp_path):
+    with pytest.raises(ValueError) as e:
+        step_engine_memory(str(llama_config(tmp_path / "m")), 1, HUGE_CONTEXT, 1, environ={})
+    assert "\n" not in str(e.value) and NOT_ONE_SEQUENCE in str(e.value) and "VLLM_CPU_KVCACHE_SPACE" in str(e.value)
+
+
+# --------------------------------------------------------------------- the steps and preflight, on vLLM 0.32
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    from vllm_envs import env_python
+
+    py = env_python("0.32.0")
+    root = tmp_path_factory.mktemp("v32")
+    model = root / "tiny-llama"
+    subprocess.run([str(py), str(PAYLOADS / "pipeline" / "tiny_model.py"), "--kind", "llama", "--heads", "2",
+                    "--out", str(model)], check=True, capture_output=True, timeout=600)
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                               for i in range(2)))
+    cfg = json.loads((model / "config.json").read_text())
+    draft = root / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"]}}))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    return {"py": py, "model": model, "prompts": prompts, "draft": draft, "env": env}
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script, flags", [
+    ("regenerate.py", ["--dataset", "{prompts}"]),
+    ("eval.py", ["--prompts", "{prompts}", "--draft", "{draft}"]),
+])
+def test_a_step_refuses_in_one_line_before_its_engine_starts_when_one_sequence_does_not_fit(v32, tmp_path, script,
+                                                                                             flags):
+    out = tmp_path / "out"
+    argv = [str(v32["py"]), str(PAYLOADS / "pipeline" / script), "--model", str(v32["model"]), "--engine", "vllm",
+            "--output-dir", str(out), "--max-model-len", str(HUGE_CONTEXT),
+            *[f.format(prompts=v32["prompts"], draft=v32["draft"]) for f in flags]]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=v32["env"])
+    step = script[:-3]
+    refusal = [ln for ln in p.stderr.splitlines() if ln.startswith(f"{step}: vLLM engine: host memory:")]
+    assert p.returncode == 1 and len(refusal) == 1 and NOT_ONE_SEQUENCE in refusal[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "Initializing a V1 LLM engine" not in p.stderr  # no engine started
+    assert json.loads(p.stdout.strip().splitlines()[-1])["error"] == refusal[0][len(step) + 2:]
+    assert not out.exists()  # nothing written
+
+
+def preflight(v32, step, *extra, env=None):
+    p = subprocess.run([str(v32["py"]), str(PREFLIGHT), "--step", step, "--backend", "vllm", "--model",
+                        str(v32["model"]), *extra], capture_output=True, text=True, timeout=300,
+                       env=env or v32["env"])
+    return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "engine-memory"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_preflight_says_what_the_regenerate_and_eval_engines_take(v32):
+    sized = "vLLM engine memory: KV cache 1 GiB of host memory (VLLM_CPU_KVCACHE_SPACE, sized from the step"
+    for step in ("regenerate", "eval"):
+        (c,) = preflight(v32, step)
+        assert c["status"] == "pass" and c["detail"].startswith(f"{step}: {sized}"), c
+    (c,) = preflight(v32, "eval", env={**v32["env"], "VLLM_CPU_KVCACHE_SPACE": "3"})
+    assert c["status"] == "pass" and "KV cache 3 GiB of host memory (VLLM_CPU_KVCACHE_SPACE as set" in c["detail"]
+    (c,) = preflight(v32, "regenerate", "--step-settings", json.dumps({"regenerate": {"max_model_len": HUGE_CONTEXT}}))
+    assert c["status"] == "fail" and c["detail"].startswith("regenerate: host memory:") and "\n" not in c["detail"]
+    assert "VLLM_CPU_KVCACHE_SPACE" in c["fix"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_preflight_through_the_controller_sizes_each_engine_of_the_chain_with_its_recipe_settings(v32, tmp_path,
+                                                                                                  sshd):
+    """`preflight all` with regenerate and eval in the chain: the host sizes both engines with the recipe's settings
+    of each step (here eval's context cannot fit: that one fails, naming the step)."""
+    extra = textwrap.dedent(f"""\
+        pipeline:
+          model: {v32["model"]}
+          dataset: {v32["prompts"]}
+          output_dir: {tmp_path / "out"}
+          regenerate: true
+          eval_prompts: {v32["prompts"]}
+          steps:
+            regenerate: {{max_model_len: 512, chunk_size: 8}}
+            eval: {{max_model_len: {HUGE_CONTEXT}}}
+        """)
+    e = make_env(tmp_path, sshd, host_env={"HF_HUB_OFFLINE": "1"}, extra=extra, python=str(v32["py"]))
+    r = e.cli("--json", "preflight", "all", "--host", "gpu", timeout=300)
+    (doc,) = r.json()
+    memory = {c["detail"].split(":")[0]: c for c in doc["checks"] if c["name"] == "engine-memory"}
+    assert set(memory) == {"regenerate", "eval"}, doc["checks"]
+    assert memory["regenerate"]["status"] == "pass" and "KV cache 1 GiB" in memory["regenerate"]["detail"]
+    assert memory["eval"]["status"] == "fail" and NOT_ONE_SEQUENCE in memory["eval"]["detail"]
+    assert r.code != 0 and not doc["ok"]
