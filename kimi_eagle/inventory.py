@@ -126,7 +126,9 @@ class Pipeline(_Strict):
     layer_ids: list[Number] | None = None
     backend: Literal["hf", "vllm"] = "hf"
     seq_len: Number = Field(2048, gt=0)
-    batch_size: Number = Field(8, gt=0)
+    # extract's samples per forward and train's rows per step (the global batch). Unset: neither gets the flag, so
+    # each step's own default applies (train sizes its tokens per step from the GPU's memory).
+    batch_size: Number | None = Field(None, gt=0)
     tp_size: Number = Field(1, gt=0)
     draft_vocab_size: Number = Field(32000, gt=0)
     epochs: Number = Field(1, gt=0)

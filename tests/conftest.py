@@ -123,3 +123,17 @@ def one_line_usage_error(r: CLIResult) -> str:
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.code, r.stdout, r.stderr)
     return lines[0]
+
+
+def write_fake_export(env: Env, model: str, size: int = 64) -> Path:
+    """A stand-in draft export under the env's output dir (config.json naming `model`, a zero-filled safetensors
+    file): enough for what `run train|all` prints at the end, nothing that loads."""
+    import json
+
+    export = env.workdir / "out" / "draft" / "export"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DraftModel"], "draft_vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+        "speculators_config": {"verifier": {"name_or_path": model}}}))
+    (export / "model.safetensors").write_bytes(b"\0" * size)
+    return export

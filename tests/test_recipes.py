@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, make_env
+from conftest import REPO, make_env, write_fake_export
 
 INVENTORY_PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n  epochs: 1\n"
 
@@ -51,6 +51,21 @@ pipeline:
     recipe.write_text("batch_size: 16\n")
     line = _train_line(e, tmp_path, "-c", str(recipe))
     assert "--batch-size 16" in line and "--model /models/m" in line, line
+
+
+def test_without_a_batch_size_the_steps_own_defaults_apply(tmp_path):
+    """No `batch_size` in the inventory or the recipe: neither train nor extract is handed --batch-size, so train
+    sizes its tokens per step from the GPU's memory (and extract keeps its own default); set, both get it."""
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("epochs: 2\n")
+    out = tmp_path / "all"
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(out), "-c", str(recipe))
+    assert r.code == 0, (r.stdout, r.stderr)
+    script = next(out.rglob("job.sh")).read_text()
+    lines = [ln for ln in script.splitlines() if "pipeline/train.py" in ln or "pipeline/extract.py" in ln]
+    assert len(lines) == 2 and not any("--batch-size" in ln for ln in lines), lines
+    assert "--batch-size 5 " in _train_line(e, tmp_path, "-c", str(recipe), "batch_size=5") + " "
 
 
 MISTAKES = {
@@ -133,12 +148,7 @@ def test_the_serve_hint_uses_the_runs_k_also_when_followed_later(tmp_path, sshd)
     """`num_speculative_tokens` of the run (an override here) is the k of the printed `vllm serve` command, at
     the end of `run` and in a later `logs --follow` that knows nothing of the override (the run's record)."""
     e = make_env(tmp_path, sshd, extra=INVENTORY_PIPELINE)
-    export = e.workdir / "out" / "draft" / "export"
-    export.mkdir(parents=True)
-    (export / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DraftModel"], "draft_vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
-        "speculators_config": {"verifier": {"name_or_path": "/models/m"}}}))
-    (export / "model.safetensors").write_bytes(b"\0" * 64)
+    write_fake_export(e, "/models/m")
     r = e.cli("run", "train", "--host", "gpu", "--no-preflight", "num_speculative_tokens=5", "--", "--help")
     assert r.code == 0, (r.stdout, r.stderr)
     hint = r.stdout.strip().splitlines()[-1]

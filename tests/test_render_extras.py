@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import make_env
+from conftest import make_env, write_fake_export
 
 
 def _job_script(tmp_path, step, *extra):
@@ -35,15 +35,8 @@ def test_render_refuses_flags_a_thing_does_not_take(tmp_path):
 
 def test_a_finished_training_ends_with_where_what_and_next(tmp_path, sshd):
     """The last lines of `run train|all`: the absolute export path, what it holds, and the command to use it."""
-    import json
-
     e = make_env(tmp_path, sshd, extra="pipeline:\n  model: /models/tiny-kimi\n  dataset: /data/d.jsonl\n")
-    export = e.workdir / "out" / "draft" / "export"
-    export.mkdir(parents=True)
-    (export / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DraftModel"], "draft_vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
-        "speculators_config": {"verifier": {"name_or_path": "/models/tiny-kimi"}}}))
-    (export / "model.safetensors").write_bytes(b"\0" * 4096)
+    export = write_fake_export(e, "/models/tiny-kimi", size=4096)
     # A real `train` job that exits at once (--help), so the ending is what the user sees after training.
     r = e.cli("run", "train", "--host", "gpu", "--no-preflight", "--", "--help")
     assert r.code == 0, (r.stdout, r.stderr)
