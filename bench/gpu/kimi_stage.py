@@ -108,6 +108,8 @@ def reason(out: str, err: str) -> str:
 def record(name, ok, **fields):
     report["steps"][name] = {"ok": ok, **fields}
     print(f"[kimi] {name}: {json.dumps(report['steps'][name])[:400]}", flush=True)
+    # Written after every step: a machine taken back mid-stage (device time spent) still leaves what was measured.
+    (OUT / "kimi_gpu.json").write_text(json.dumps(report, indent=1))
     return ok
 
 
