@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from sshd import Sshd  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback_host import controller_site, host_entry, openssh_on_path, start_sshd  # noqa: E402
 
 PY = sys.executable
 OUT = Path(os.environ.get("OUT") or ROOT / "out").resolve()
@@ -38,7 +38,8 @@ report: dict = {"sizes": E, "steps": {}}
 
 def cli(*args, check=True, timeout=900, env=None):
     e = {**os.environ, "KIMI_EAGLE_INVENTORY": str(TMP / "inventory.yaml"), "NO_COLOR": "1", "COLUMNS": "160",
-         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])), **(env or {})}
+         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TMP / "ctl-site"), str(ROOT)])),
+         **(env or {})}
     t0 = time.perf_counter()
     p = subprocess.run([PY, "-m", "kimi_eagle", *args], capture_output=True, text=True, env=e, timeout=timeout)
     secs = time.perf_counter() - t0
@@ -66,22 +67,13 @@ def follow(job_id, timeout=1800):
 
 
 def main():
-    sshd = Sshd(TMP / "sshd").start()
-    known = TMP / "known_hosts"
-    known.write_text("")
+    controller_site(PY, TMP / "ctl-site")   # cli() puts TMP/ctl-site on PYTHONPATH
+    openssh_on_path(TMP)
+    sshd, known = start_sshd(TMP)
     subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(SPEC_SITE),
                     *map(str, (ROOT / ".whl" / "spec").glob("speculators-0.3.0-*.whl"))], check=True)
-    (TMP / "inventory.yaml").write_text(f"""hosts:
-  h200:
-    address: 127.0.0.1
-    port: {sshd.port}
-    user: root
-    identity_file: {sshd.client_key}
-    known_hosts: {known}
-    python: {PY}
-    workdir: {WORK}
-    env: {{PYTHONPATH: "{SPEC_SITE}"}}
-pipeline:
+    (TMP / "inventory.yaml").write_text("hosts:\n" + host_entry("h200", sshd, known, python=PY, workdir=WORK,
+                                                               env={"PYTHONPATH": str(SPEC_SITE)}) + f"""pipeline:
   model: "{{workdir}}/models/llama-1b"
   dataset: "{{workdir}}/data/chat.jsonl"
   output_dir: "{{workdir}}/out"

@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback_host import controller_site, host_entry, openssh_on_path, start_sshd  # noqa: E402
+
 # The host's interpreter (torch, the carried vLLM), as an absolute path: jobs start from sshd sessions, whose PATH
 # is the system's, not this process's (a bare "python3" there is the system Python, without torch).
 PY = shutil.which(os.environ.get("PYTHON", sys.executable)) or os.environ.get("PYTHON", sys.executable)
@@ -122,38 +125,6 @@ def run_step(name, *extra, preflight=False, gpu=True, timeout=1500):
     return rc == 0, res, secs, (None if rc == 0 else reason(out, err))
 
 
-# ------------------------------------------------------------------------------------------------------
-# tools on a machine without network: the controller's wheels and an OpenSSH sshd, from the carried files
-
-def tools():
-    site = WORK / "ctl-site"
-    wheels = sorted((ROOT / ".whl").glob("*.whl"))
-    has_deps = subprocess.run([CTL_PY, "-c", "import fabric, pydantic, typer"], capture_output=True).returncode == 0
-    if not has_deps and not (site / "fabric").exists():
-        if not wheels:
-            raise SystemExit("no .whl/*.whl in the checkout: run bench/gpu/fetch_gpu_deps.sh and carry .whl/")
-        subprocess.run([CTL_PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
-                        str(site), *map(str, wheels)], check=True)
-    if not shutil.which("sshd"):
-        ossh = WORK / "openssh"
-        debs = sorted((ROOT / ".debs").glob("*.deb"))
-        if not debs:
-            raise SystemExit("no sshd and no .debs/*.deb in the checkout: carry .debs/")
-        for deb in debs:
-            subprocess.run(["dpkg", "-x", str(deb), str(ossh)], check=True)
-        if subprocess.run(["id", "sshd"], capture_output=True).returncode != 0:
-            subprocess.run(["useradd", "-r", "-M", "-d", "/run/sshd", "-s", "/usr/sbin/nologin", "sshd"], check=True)
-        libs = f"{ossh}/usr/lib/x86_64-linux-gnu:{ossh}/lib/x86_64-linux-gnu"
-        wrap = ossh / "wrap"
-        wrap.mkdir(exist_ok=True)
-        for tool in ("usr/sbin/sshd", "usr/bin/ssh", "usr/bin/ssh-keygen", "usr/bin/scp"):
-            w = wrap / Path(tool).name
-            w.write_text(f'#!/bin/sh\nLD_LIBRARY_PATH={libs} exec {ossh / tool} "$@"\n')
-            w.chmod(0o755)
-        os.environ["PATH"] = f"{wrap}:{os.environ['PATH']}"
-    os.environ["PATH"] += ":/usr/local/nvidia/bin"
-
-
 def host_info() -> dict:
     """The device and the installed vLLM, as the host's interpreter sees them (with the carried sites)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT / "remote_payloads")])}
@@ -195,15 +166,11 @@ def rel_err_per_layer(a_dir: Path, b_dir: Path, shift: int = 0) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 def main():
-    sys.path.insert(0, str(ROOT / "tests"))
-    tools()
-    from sshd import Sshd  # after tools(): it looks sshd up on PATH
-
+    controller_site(CTL_PY, WORK / "ctl-site")   # cli() puts WORK/ctl-site on PYTHONPATH
+    openssh_on_path(WORK)
     info = host_info()
     report.update(vllm_version=info.get("vllm"), device=info.get("device"), gpus=info.get("gpus"), torch=info.get("torch"))
-    sshd = Sshd(WORK / "sshd").start()
-    known = WORK / "known_hosts"
-    known.write_text("")
+    sshd, known = start_sshd(WORK)
     out = WORK / "out"
     host_env = {"PYTHONPATH": os.pathsep.join(SITES), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "NCCL_NVLS_ENABLE": "0",
@@ -211,17 +178,8 @@ def main():
                 "VLLM_CACHE_ROOT": str(WORK / "vllm-cache"), "HF_HOME": str(WORK / "hf")}
     if K["DEVICE"] == "cpu":
         host_env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    (WORK / "inventory.yaml").write_text(f"""hosts:
-  h200:
-    address: 127.0.0.1
-    port: {sshd.port}
-    user: root
-    identity_file: {sshd.client_key}
-    known_hosts: {known}
-    python: {PY}
-    workdir: {WORK / "host"}
-    env: {json.dumps(host_env)}
-pipeline:
+    (WORK / "inventory.yaml").write_text("hosts:\n" + host_entry("h200", sshd, known, python=PY, workdir=WORK / "host",
+                                                                env=host_env) + f"""pipeline:
   model: "{{workdir}}/models/kimi"
   dataset: "{{workdir}}/data/chat.jsonl"
   output_dir: "{out}"
