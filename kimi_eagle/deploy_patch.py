@@ -17,7 +17,7 @@ from .resources import payload_files, payloads_dir
 
 ENGINE = "ops/patch_engine.py"
 SETS_DIR = "patch_sets"
-RUNTIME = ("step_runtime.py", "versions.py")  # the engine imports them
+RUNTIME = ("step_runtime.py", "versions.py", "vllm_compat.py")  # the engine imports them
 PAYLOAD_NAME = "patch"
 MODES = ("apply", "check", "diff", "revert")
 # Per mode, the file statuses that count as "ended in the wanted state".
@@ -64,16 +64,17 @@ class PatchResult:
     reason: str = ""
     engine_ok: bool = False
     files: list[FileResult] = field(default_factory=list)
+    not_needed: str = ""  # why nothing on this host needs the patch (then there are no files and that is ok)
 
     @property
     def ok(self) -> bool:
-        """Every file ended in the wanted state (for check/diff: nothing failed or was skipped)."""
-        return (
-            self.exited == 0
-            and self.engine_ok
-            and bool(self.files)
-            and all(f.status in GOOD[self.mode] for f in self.files)
-        )
+        """Every file ended in the wanted state (for check/diff: nothing failed or was skipped), or the host
+        needs no patch at all."""
+        if self.exited != 0 or not self.engine_ok:
+            return False
+        if self.not_needed and not self.files:
+            return True
+        return bool(self.files) and all(f.status in GOOD[self.mode] for f in self.files)
 
     def why_not(self) -> str:
         """The reason the run fell short, naming the file that failed first (files skipped because of another
@@ -107,6 +108,7 @@ def parse(host: str, mode: str, exited: int, data: dict) -> PatchResult:
         state_dir=data.get("state_dir"),
         reason=str(data.get("reason") or ""),
         engine_ok=bool(data.get("ok")),
+        not_needed=str(data.get("not_needed") or ""),
         files=[FileResult.from_json(f) for f in data.get("files") or [] if isinstance(f, dict)],
     )
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "remote_payloads" / "ops" / "patch_engine.py"
 PATCH_DIR = REPO / "remote_payloads" / "patch_sets"
 WHEEL_CACHE = Path("/tmp/specwheels")
-VERSIONS = ("0.3.0", "0.4.0")
+VERSIONS = ("0.3.0", "0.4.0", "0.9.0")  # 0.9.0: a release no patch set covers
 TARGETS = ("speculators/data_generation/custom_worker.py",
            "speculators/data_generation/vllm_hidden_states_generator.py")
 

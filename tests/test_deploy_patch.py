@@ -227,3 +227,23 @@ def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypat
     assert exc.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "unknown patch set 'no-such-set'" in err[0] and err[0].startswith("error: local:")
+
+
+@pytest.mark.vllm
+def test_a_host_that_needs_no_patch_says_skipped_and_exits_0(tmp_path, sshd, install):
+    """speculators 0.9.0 (no set covers it) next to vLLM 0.32 (native extraction) on the host: a clear
+    "skipped, nothing to patch", exit 0, in --check and apply; nothing written on the host."""
+    from vllm_envs import env_python
+
+    site = install("0.9.0")
+    e = make_env(tmp_path, sshd, host_env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}"},
+                 python=str(env_python("0.32.0")))
+    before = tree_hashes(site)
+    for mode in (["--check"], []):
+        r = e.cli("--json", "deploy-patch", "--host", "gpu", *mode)
+        assert r.code == 0, r.stdout + r.stderr
+        (doc,) = r.json()
+        assert doc["ok"] is True and doc["files"] == [] and "vLLM 0.32.0" in doc["not_needed"]
+        human = e.cli("deploy-patch", "--host", "gpu", *mode)
+        assert human.code == 0 and "skipped, nothing to patch" in human.stdout, human.stdout + human.stderr
+    assert tree_hashes(site) == before and not (site / ".kimi-eagle-pristine").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import py_compile
 import subprocess
 import sys
@@ -318,3 +319,42 @@ def test_ops_scripts_run_with_only_the_stdlib(script):
     r = subprocess.run([sys.executable, "-I", "-S", str(path), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "usage" in r.stdout.lower()
+
+
+# ------------------------------------------------------------------ no set matches the installed version
+def _only_set(tmp_path, version: str) -> str:
+    d = tmp_path / "one-set"
+    d.mkdir(exist_ok=True)
+    (d / f"{SETS[version]}.json").write_text((PATCH_DIR / f"{SETS[version]}.json").read_text())
+    return str(d)
+
+
+def test_no_matching_set_without_native_vllm_is_a_refusal_naming_the_ranges(install, tmp_path):
+    """speculators 0.4.0 installed, only the 0.3.0 set known, no vLLM: the generator would need a patch nobody
+    has: exit 1, the reason names what the sets cover, nothing written."""
+    site = install("0.4.0")
+    before = tree_hashes(site)
+    rc, doc, _ = run_engine(site, "--patch-set", "auto", "--patch-dir", _only_set(tmp_path, "0.3.0"))
+    assert rc == 1 and doc["ok"] is False and not doc.get("not_needed")
+    assert "'speculators': '0.4.0'" in doc["reason"] and "speculators==0.3.0" in doc["reason"]
+    assert "no vLLM installed" in doc["reason"]
+    assert tree_hashes(site) == before
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", [[], ["--check"], ["--revert"]])
+def test_no_matching_set_on_native_vllm_is_not_needed(install, tmp_path, mode):
+    """The same install next to a real vLLM >= 0.18 (the 0.32 CPU build): extraction is native there, so the
+    patch would fix code that never runs: ok, exit 0, saying so; nothing written, in every mode."""
+    from vllm_envs import env_python
+
+    py = env_python("0.32.0")
+    site = install("0.4.0")
+    before = tree_hashes(site)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_EAGLE")}
+    p = subprocess.run([str(py), str(ENGINE), "--patch-set", "auto", "--patch-dir", _only_set(tmp_path, "0.3.0"),
+                        *mode], capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(site)})
+    doc = json.loads(p.stdout)
+    assert p.returncode == 0 and doc["ok"] is True and doc["files"] == [], p.stderr
+    assert "vLLM 0.32.0" in doc["not_needed"] and "speculators 0.4.0" in doc["not_needed"]
+    assert tree_hashes(site) == before and not (site / ".kimi-eagle-pristine").exists()

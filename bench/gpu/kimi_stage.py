@@ -229,12 +229,12 @@ def main():
             except (ValueError, IndexError, KeyError):
                 doc = {"error": reason(o, e)}
             runs.append({"mode": mode[0] if mode else "apply", "exit": rc, "seconds": secs,
-                         "patch_set": doc.get("patch_set"), "reason": doc.get("reason") or doc.get("error"),
+                         "patch_set": doc.get("patch_set"), "not_needed": doc.get("not_needed"),
+                         "reason": doc.get("reason") or doc.get("error"),
                          "statuses": sorted({f.get("status") for f in doc.get("files", [])})})
-        statuses = {s for r in runs for s in r["statuses"]}
-        # With native extraction (vLLM >= 0.18) nothing of speculators runs: no patch set matches, and that is fine.
-        record("deploy_patch", all(r["exit"] == 0 for r in runs) or statuses <= {"skipped"},
-               skipped=statuses <= {"skipped"} or not statuses, runs=runs)
+        # With native extraction (vLLM >= 0.18) nothing of speculators runs: the product says "nothing to patch".
+        record("deploy_patch", all(r["exit"] == 0 for r in runs),
+               skipped=next((r["not_needed"] for r in runs if r["not_needed"]), None), runs=runs)
 
         ok, res, secs, why = run_step("prepare", "--max-samples", K["SAMPLES"], gpu=False)
         if not record("prepare", ok, seconds=secs, result=res, error=why):

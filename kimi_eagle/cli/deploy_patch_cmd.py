@@ -22,7 +22,8 @@ def deploy_patch(
 ):
     """Patch the installed speculators on each host so hidden-state extraction runs on Kimi-K2.5 (idempotent).
 
-    Exit 0 when every file ends in the wanted state (for --check/--diff: nothing failed); 1 otherwise
+    Exit 0 when every file ends in the wanted state (for --check/--diff: nothing failed) or the host needs no
+    patch (vLLM >= 0.18 extracts natively: "skipped, nothing to patch"); 1 otherwise
     (a failed or skipped file, an unsupported version, an unreachable host); 2 for bad usage or an unknown set.
     """
     from .. import deploy_patch
@@ -87,7 +88,9 @@ def _show(o, mode: str, good: bool) -> None:
             elif f.status == "ok":
                 ui.line(f"[{o.host}] {f.path}: no diff (already patched)")
     counts = ", ".join(f"{n} {s}" for s, n in sorted(r.counts().items()))
-    if good:
+    if good and r.not_needed:
+        ui.line(f"[{o.host}] skipped, {r.not_needed}", style="green")
+    elif good:
         ui.line(f"[{o.host}] {_VERDICT[mode]} ({counts})", style="green")
     else:
         why = r.why_not()

@@ -51,7 +51,8 @@ from pathlib import Path
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from step_runtime import BadInput, atomic_write  # noqa: E402
-from versions import satisfies  # noqa: E402
+from versions import at_least, satisfies  # noqa: E402
+from vllm_compat import NATIVE_FROM, vllm_install  # noqa: E402
 from step_runtime import log as _log  # noqa: E402
 
 DEFAULT_PATCH_DIR = Path(__file__).resolve().parent.parent / "patch_sets"
@@ -269,6 +270,26 @@ def swap_all(targets: list["Target"], fault: str) -> None:
         raise
 
 
+# ---------------------------------------------------------------- when no set matches
+def no_matching_set(sets: list[dict], mode: str) -> tuple[dict, int]:
+    """No set covers what is installed. The patches fix speculators' vLLM hidden-state generator, which the
+    pipeline runs only on vLLM < 0.18; from 0.18 it extracts through vLLM's own extract_hidden_states (and our
+    connector), so nothing patched here would run: that is "not needed", exit 0. Below 0.18 it is a refusal."""
+    found = {s["package"]: installed_version(s["package"]) for s in sets}
+    covered = sorted({f"{s['package']}{s['versions']}" for s in sets})
+    base = {"package": None, "version": None, "patch_set": None, "mode": mode, "files": []}
+    vllm = vllm_install()
+    if vllm and at_least(vllm["version"], NATIVE_FROM):
+        what = ", ".join(f"{k} {v}" for k, v in found.items() if v) or "speculators (not installed)"
+        return {**base, "ok": True, "not_needed": (
+            f"nothing to patch: vLLM {vllm['version']} (>= {NATIVE_FROM}) extracts hidden states natively, so "
+            f"speculators' generator, which the patch sets fix, does not run ({what}; sets cover {', '.join(covered)})")}, 0
+    engine = f"vLLM {vllm['version']}" if vllm else "no vLLM installed"
+    return {**base, "ok": False, "reason": (
+        f"no patch set matches the installed versions {found} (sets cover {', '.join(covered)}; {engine}: "
+        f"extraction through vLLM needs speculators' generator patched below vLLM {NATIVE_FROM})")}, 1
+
+
 # ---------------------------------------------------------------- the run
 def run(args) -> tuple[dict, int]:
     patch_dir = Path(args.patch_dir)
@@ -289,10 +310,7 @@ def run(args) -> tuple[dict, int]:
         if len(hits) > 1:
             raise BadInput(f"{patch_dir}: field 'versions': sets {[s['name'] for s in hits]} all match")
         if not hits:
-            found = {s["package"]: installed_version(s["package"]) for s in sets}
-            reason = f"no patch set matches the installed versions {found}"
-            return {"package": None, "version": None, "patch_set": None, "mode": mode,
-                    "files": [], "ok": False, "reason": reason}, 1
+            return no_matching_set(sets, mode)
         pset = hits[0]
     else:
         by_name = {s["name"]: s for s in sets}
