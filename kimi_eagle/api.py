@@ -81,6 +81,13 @@ class GroupStarted:
     def failed(self) -> bool:
         return any(o.action == "failed" for o in self.outcomes)
 
+    @property
+    def exit_code(self) -> int:
+        """0 when every host started; 5 when every failed start was the connection's, else 1."""
+        from . import groupjobs
+
+        return groupjobs.start_exit(self.outcomes)
+
 
 @dataclass
 class Followed:
@@ -98,7 +105,7 @@ class GroupStatus:
     def exit_code(self) -> int:
         from . import groupjobs
 
-        return groupjobs.exit_code(self.state)
+        return groupjobs.exit_code(self.state, self.members)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import backend, job_layout, jobs
-from .errors import ConfigError, KimiEagleError
+from .errors import EXIT_FAILED, EXIT_TRANSPORT, CommandError, ConfigError, KimiEagleError, is_transport_failure
 from .jobs import STATE_EXIT, Job, new_job_id, remember
 from .parallel import each_host
 
@@ -35,6 +35,7 @@ class Member:
     job_id: str | None = None
     error: str | None = None  # why the last start on this host failed
     attempts: int = 0
+    unreachable: bool = False  # that failure was the connection's (the network, not the host or the job)
 
 
 @dataclass
@@ -175,6 +176,20 @@ class StartOutcome:
     action: str  # started | done | running | failed
     job_id: str | None = None
     message: str = ""
+    error: BaseException | None = None  # why a start failed (its kind decides the exit code: 5 or 1)
+
+    def as_dict(self) -> dict:
+        return {"host": self.host, "action": self.action, "job_id": self.job_id, "message": self.message,
+                "unreachable": self.error is not None and is_transport_failure(self.error)}
+
+
+def start_exit(outcomes: list[StartOutcome]) -> int:
+    """0 when every host started (or was done or running already); else 5 when every failed start was the
+    connection's, 1 when any was the host's, its checks' or the job's."""
+    from .errors import failure_exit
+
+    failed = [o for o in outcomes if o.action == "failed"]
+    return failure_exit([o.error or CommandError(o.message) for o in failed]) if failed else 0
 
 
 def new_group_id(step: str) -> str:
@@ -264,11 +279,11 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
         m = by_host[o.host]
         m.attempts += 1
         if o.ok:
-            m.job_id, m.error = o.value.id, None
+            m.job_id, m.error, m.unreachable = o.value.id, None, False
             outcomes.append(StartOutcome(o.host, "started", o.value.id, job_layout.Shape.describe(shape_of(m))))
         else:
-            m.error = str(o.error)
-            outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error)))
+            m.error, m.unreachable = str(o.error), is_transport_failure(o.error)
+            outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error), o.error))
     return outcomes
 
 
@@ -285,7 +300,8 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
             try:
                 sessions.append(HostSession(h))
             except KimiEagleError as e:
-                raise KimiEagleError(f"{h.name}: unreachable, nothing started: {e}") from None
+                # The same kind of error (a connection failure stays one: exit 5), with what it means here.
+                raise _same_kind(e, f"{h.name}: unreachable, nothing started: {e}") from None
         if host_check:
             for s in sessions:
                 host_check(s)
@@ -304,7 +320,7 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
             started.append((m, s, job.id))
         outcomes = []
         for m, _, job_id in started:
-            m.job_id, m.error = job_id, None
+            m.job_id, m.error, m.unreachable = job_id, None, False
             outcomes.append(StartOutcome(m.host, "started", job_id, job_layout.Shape.describe(shape_of(m))))
         return outcomes
     finally:
@@ -314,22 +330,33 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
 
 def _undo_torchrun(g: GroupJob, started, refused: Member, error: KimiEagleError) -> list[StartOutcome]:
     """Stop the nodes that started before `refused` failed: a torchrun group runs on all its nodes or on none."""
-    refused.error = str(error)
-    outcomes = [StartOutcome(refused.host, "failed", None, str(error))]
+    refused.error, refused.unreachable = str(error), is_transport_failure(error)
+    outcomes = [StartOutcome(refused.host, "failed", None, str(error), error)]
     for m, s, job_id in started:
         try:
             backend.for_host(s.host).stop(s, job_id, grace=5.0)
             what = f"stopped again: {refused.host} did not start ({error})"
         except KimiEagleError as e:
             what = f"could not be stopped after {refused.host} did not start: {e}"
-        m.job_id, m.error = job_id, what
-        outcomes.append(StartOutcome(m.host, "failed", job_id, f"job {job_id} {what}"))
+        # stopped for the refused node's sake: its kind of failure is theirs too (a connection's is exit 5)
+        m.job_id, m.error, m.unreachable = job_id, what, is_transport_failure(error)
+        outcomes.append(StartOutcome(m.host, "failed", job_id, f"job {job_id} {what}", error))
     tried = {refused.host} | {m.host for m, _, _ in started}
     for m in g.members:
         if m.host not in tried:
-            m.error = f"not started: {refused.host} did not start"
-            outcomes.append(StartOutcome(m.host, "failed", None, m.error))
+            m.error, m.unreachable = f"not started: {refused.host} did not start", is_transport_failure(error)
+            outcomes.append(StartOutcome(m.host, "failed", None, m.error, error))
     return outcomes
+
+
+def _same_kind(e: KimiEagleError, message: str) -> KimiEagleError:
+    """An error of e's class (so of its exit code) with another message."""
+    try:
+        return type(e)(message, result=e.result)
+    except TypeError:
+        err = KimiEagleError(message, result=e.result)
+        err.exit_code = e.exit_code
+        return err
 
 
 # -- status / stop / logs -----------------------------------------------------------------------------
@@ -347,9 +374,11 @@ class MemberState:
     job: Job | None
     state: str  # the job's state, or unreachable / not started
     error: str | None = None
+    unreachable: bool = False  # the state is unknown, or the job never started, for the connection's sake alone
 
     def as_dict(self) -> dict:
         return {"host": self.host, "shape": self.shape, "state": self.state, "error": self.error,
+                "unreachable": self.unreachable,
                 "job": self.job.as_dict() if self.job else None}
 
 
@@ -361,11 +390,14 @@ def status(inventory, g: GroupJob) -> tuple[str, list[MemberState]]:
         desc = job_layout.Shape.describe(shape_of(m))
         o = outcomes.get(m.host)
         if not m.job_id:
-            rows.append(MemberState(m.host, desc, None, "failed", m.error or "not started"))
+            rows.append(MemberState(m.host, desc, None, "unreachable" if m.unreachable else "failed",
+                                    m.error or "not started", m.unreachable))
         elif o is None or not o.ok:
-            rows.append(MemberState(m.host, desc, None, "unreachable", str(o.error) if o else "host not in the inventory"))
+            rows.append(MemberState(m.host, desc, None, "unreachable", str(o.error) if o else "host not in the inventory",
+                                    o is not None and is_transport_failure(o.error)))
         else:
-            rows.append(MemberState(m.host, desc, o.value, o.value.state))
+            rows.append(MemberState(m.host, desc, o.value, o.value.state, m.error if m.unreachable else None,
+                                    m.unreachable and o.value.state == "stopped"))
     return overall([r.state for r in rows]), rows
 
 
@@ -376,8 +408,15 @@ def overall(states: list[str]) -> str:
     return "failed"
 
 
-def exit_code(state: str) -> int:
-    return STATE_EXIT.get(state, STATE_EXIT["failed"])
+def exit_code(state: str, rows: list[MemberState] | None = None) -> int:
+    """The group's exit code: its state's; a failed group whose only trouble is hosts that could not be
+    reached (nothing failed on a host, nothing was stopped) is the connection's, 5."""
+    code = STATE_EXIT.get(state, STATE_EXIT["failed"])
+    if code == EXIT_FAILED and rows:
+        bad = [r for r in rows if r.state != "succeeded"]
+        if bad and all(r.unreachable for r in bad):
+            return EXIT_TRANSPORT
+    return code
 
 
 def stop(inventory, g: GroupJob, grace: float = 10.0):

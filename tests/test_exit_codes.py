@@ -24,6 +24,12 @@ def _unreachable(e):
     ["preflight", "prepare", "--host", "gpu"],
     ["upload", "README", "--host", "gpu", "--to", "x"],
     ["hosts", "check", "gpu"],
+    ["status", "exec-20260101-000000-abcd", "--host", "gpu"],
+    ["logs", "exec-20260101-000000-abcd", "--host", "gpu"],
+    ["logs", "exec-20260101-000000-abcd", "--host", "gpu", "--follow"],
+    ["stop", "exec-20260101-000000-abcd", "--host", "gpu"],
+    ["pull", "exec-20260101-000000-abcd", "--host", "gpu"],
+    ["clean", "--run", "out", "--host", "gpu", "--dry-run"],
 ])
 def test_a_host_that_cannot_be_reached_is_exit_5(tmp_path, sshd, argv):
     e = _unreachable(make_env(tmp_path, sshd, extra="pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n"))

@@ -153,12 +153,29 @@ def test_unreachable_host_is_reported_and_started_later(tmp_path, servers):
     servers["b"].stop()
     try:
         r = env.cli(*cmd)
+        # The network, not a job: exit 5 (the README's table), for the start and for the group's status after.
+        assert r.code == 5, (r.stdout, r.stderr)
+        assert "[b]" in r.stderr and "failed" in r.stderr and "[a] started" in r.stderr
+        gid = gid_of(r.stderr)
+        data = wait_group(env, gid)
+        assert data["members"][0]["state"] == "succeeded" and data["members"][1]["state"] == "unreachable", data
+        assert env.cli("status", gid).code == 5
+        assert env.cli("logs", gid).code == 5
+        # Followed (no --detach): the reached host's part succeeds, the run still says the connection failed.
+        followed = env.cli(*[a for a in cmd if a != "--detach"])
+        assert followed.code == 5 and "succeeded before" in followed.stderr, (followed.stdout, followed.stderr)
+        # A host's own failure is the job's (1), even next to an unreachable one.
+        failing = tmp_path / "failing"
+        failing.mkdir()
+        (failing / "fail-0").touch()
+        other = env.cli(*[a for a in cmd if a != "--detach"][:-1], str(failing))
+        assert other.code == 1, (other.stdout, other.stderr)
+        # torchrun: a node that cannot be reached starts nothing anywhere, and says it is the connection.
+        t = env.cli("run", "exec", "--group", "pair", "--mode", "torchrun", "--", DDP)
+        assert t.code == 5 and "b: cannot reach 127.0.0.1" in t.stderr, (t.stdout, t.stderr)
+        assert not list((tmp_path / "work-a").glob("runs/*/job.sh")) or "torchrun" not in t.stdout
     finally:
         servers["b"].start()
-    assert r.code == 1
-    assert "[b]" in r.stderr and "failed" in r.stderr and "[a] started" in r.stderr
-    gid = gid_of(r.stderr)
-    assert wait_group(env, gid)["members"][0]["state"] == "succeeded"
     r = env.cli(*cmd)
     assert r.code == 0, r.stderr
     assert "[a]" in r.stderr and "succeeded before" in r.stderr and "[b] started" in r.stderr

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import EXIT_FAILED, EXIT_RUNNING, ConfigError
+from ..errors import EXIT_RUNNING, ConfigError
 from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
@@ -144,21 +144,20 @@ def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_pre
         style = "red" if o.action == "failed" else None
         what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
         err.print(f"[{o.host}] {what}: {o.message}", style=style, markup=False)
-    failed = started.failed
     err.print(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})", markup=False)
     if detach:
         if state.json:
             ui.emit_json({"id": g.id, "mode": g.mode, "hosts": g.hosts,
-                          "outcomes": [o.__dict__ for o in outcomes]})
+                          "outcomes": [o.as_dict() for o in outcomes]})
         else:
             ui.line(g.id)
-        raise typer.Exit(EXIT_FAILED if failed else 0)
+        raise typer.Exit(started.exit_code)
     # This run's view: the jobs it started or found running (a resume does not replay finished hosts' logs).
     live = {o.host for o in outcomes if o.action in ("started", "running")}
-    _follow_group_and_exit(g, follow=True, tail=None, start_failed=failed, hosts=live)
+    _follow_group_and_exit(g, follow=True, tail=None, start_code=started.exit_code, hosts=live)
 
 
-def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_failed: bool = False, hosts=None):
+def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: int = 0, hosts=None):
     g = state.api.group_job(g)
     ui = console_ui()
     printers = _Printers(ui)
@@ -187,7 +186,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_failed
                 ui.err_console().print(f"[{r.host}] {r.state}: {r.error}", style="red", markup=False)
         ui.err_console().print(f"group job {g.id} {gstate}", markup=False)
     code = status.exit_code
-    raise typer.Exit(code if not (start_failed and code == 0) else EXIT_FAILED)
+    raise typer.Exit(code or start_code)  # what ran succeeded: a start that failed still decides
 
 
 def logs(
