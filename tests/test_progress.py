@@ -4,6 +4,7 @@ step with step/total, ETA, loss, the acceptance signal and tokens/s; piped, the 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pty
 import re
@@ -66,6 +67,46 @@ def test_a_real_training_shows_a_bar_in_a_terminal_and_lines_in_a_pipe(tmp_path)
     lines = [ln for ln in piped.stdout.splitlines() if ln.startswith("[local] train ")]
     assert lines and lines[-1].startswith(f"[local] train {total}/{total} (100%)") and "loss " in lines[-1], lines[-3:]
     assert "━" not in piped.stdout and "@kimi-eagle-progress" not in piped.stdout
+
+
+def _follow_in_a_terminal(e, job) -> list[str]:
+    """`logs JOB --follow` in a pseudo-terminal: the screen's frames, escape codes removed."""
+    env = {**os.environ, "HOME": str(e.home), "PYTHONPATH": str(REPO), "TERM": "xterm-256color", "COLUMNS": "160",
+           "LINES": "40"}
+    env.pop("NO_COLOR", None)
+    screen = _in_a_terminal([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "logs", job, "--follow"], env)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    assert "job " + job + " succeeded" in plain, plain[-3000:]
+    assert "@kimi-eagle-progress" not in plain
+    return re.split(r"[\r\n]+", plain)
+
+
+def test_a_real_regenerate_shows_tokens_per_second_in_its_bar_and_its_lines(tmp_path):
+    """regenerate's bar: chunks done of all, the ETA while it runs, and the answers' tokens/s (not only
+    conversations/s), in a terminal and as plain lines."""
+    from test_regenerate_eval import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                               for i in range(8)))
+    e = make_env(tmp_path, None)
+    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", PY,
+              str(REPO / "remote_payloads" / "pipeline" / "regenerate.py"), "--model", str(model), "--dataset",
+              str(prompts), "--output-dir", str(tmp_path / "out"), "--engine", "hf", "--max-tokens", "16",
+              "--chunk-size", "1", "--max-model-len", "256")
+    assert r.code == 0, r.stderr
+    job = r.json()["id"]
+    frames = _follow_in_a_terminal(e, job)
+    bar = [ln for ln in frames if "[local] regenerate" in ln and "━" in ln]
+    assert bar and "8/8" in bar[-1] and "tok/s" in bar[-1], bar[-3:]
+    assert any("eta " in ln for ln in bar), bar
+    piped = e.cli("logs", job)
+    lines = [ln for ln in piped.stdout.splitlines() if ln.startswith("[local] regenerate ")]
+    assert lines and lines[-1].startswith("[local] regenerate 8/8 (100%)"), lines[-3:]
+    rate = re.search(r"([\d,]+) tok/s", lines[-1])
+    assert rate and int(rate.group(1).replace(",", "")) > 0, lines[-1]
+    assert "eta " in lines[1] and "━" not in piped.stdout
 
 
 def test_a_steps_own_line_replaces_its_tqdm_bar():

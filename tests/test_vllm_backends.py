@@ -97,6 +97,23 @@ def mean_rel_err(a_dir: Path, b_dir: Path, shift: int = 0) -> list[float]:
     return (sums / count).tolist()
 
 
+def assert_progress_with_tokens_per_s(run_stdout: str, samples: int) -> dict:
+    """The step's progress points as `logs --json` gives them: the last one says all samples done and a tokens/s
+    figure (what the bar of `logs --follow` shows beside step/total and the ETA)."""
+    points = []
+    for line in run_stdout.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("progress"), dict) and doc["progress"]["step"] == "extract":
+            points.append(doc["progress"])
+    assert points, run_stdout[-3000:]
+    last = points[-1]
+    assert last["done"] == last["total"] == samples and last.get("tok_s", 0) > 0, points
+    return last
+
+
 def assert_matches_hf(got: Path, hf: Path):
     errs = mean_rel_err(got, hf)
     assert max(errs) < TOL, f"mean relative error per layer {errs} (tolerance {TOL})"
@@ -175,6 +192,7 @@ def extract_speculators(v16, hf16, tmp_path_factory, sshd, version, kind, batch_
     assert checks["gpu"]["status"] == "warn" and "CPU build" in checks["gpu"]["detail"]
     out = tmp / "hs"
     r = run_step(e, "extract", "--out", str(out), "--batch-size", str(batch_size))
+    assert_progress_with_tokens_per_s(r.stdout, SAMPLES)
     assert "speculators 0.3.0 (patched)" in r.stdout or version != "0.3.0", r.stdout[-3000:]
     cfg = json.loads((out / "data_config.json").read_text())
     assert cfg["backend"] == "vllm-speculators" and cfg["layer_ids"] == LAYER_IDS
@@ -252,6 +270,10 @@ def test_native_extraction_matches_hf(v32):
     assert cfg["backend"] == "vllm-native" and cfg["layer_ids"] == LAYER_IDS and cfg["dtype"] == "bfloat16"
     assert not list(hs.glob(".hs_*"))          # no temp files or error markers left
     assert_matches_hf(hs, v32["hf"])
+
+
+def test_native_extraction_reports_its_progress_with_tokens_per_second(v32):
+    assert_progress_with_tokens_per_s(v32["result"], SAMPLES)
 
 
 def test_native_extraction_resumes(v32):

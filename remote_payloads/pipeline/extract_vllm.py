@@ -177,8 +177,8 @@ def extract_speculators(args, ds, todo, layer_ids, info, writer, spec_version):
             if any(waiting.values()):
                 raise RuntimeError(f"speculators returned no hidden states for samples "
                                    f"{sorted(i for v in waiting.values() for i in v)}")
-            if hasattr(bar, "update"):
-                bar.update(len(batch))
+            if hasattr(bar, "update"):  # tokens: the bar's tokens/s in `kimi-eagle logs`
+                bar.update(len(batch), tokens=sum(len(seqs[i]) for i in batch))
     finally:
         if hasattr(bar, "close"):
             bar.close()
@@ -230,7 +230,7 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     try:
         for b in range(0, len(order), chunk):
             part = order[b:b + chunk]
-            prompts, params = [], []
+            prompts, params, part_tokens = [], [], 0
             for i in part:
                 ids, mask = ds[i]
                 ids, mask = ids[:args.seq_len], mask[:args.seq_len]
@@ -240,11 +240,12 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
                 prompts.append({"prompt_token_ids": [int(t) for t in ids]})
                 params.append(SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
                     "hidden_states_path": path, LOSS_MASK_KEY: [int(m) for m in mask]}}))
-                tokens += len(ids)
+                part_tokens += len(ids)
             llm.generate(prompts, params, use_tqdm=False)
             written += _wait_for_samples(out_dir, part)
-            if hasattr(bar, "update"):
-                bar.update(len(part))
+            tokens += part_tokens
+            if hasattr(bar, "update"):  # tokens: the bar's tokens/s in `kimi-eagle logs`
+                bar.update(len(part), tokens=part_tokens)
     finally:
         if hasattr(bar, "close"):
             bar.close()

@@ -140,6 +140,21 @@ class HFGenerator:
         pass
 
 
+class Counted:
+    """A generator that counts the answer tokens it produced (the progress bar's tokens/s)."""
+
+    def __init__(self, gen):
+        self.gen, self.tokens = gen, 0
+
+    def __call__(self, convs, seed):
+        out = self.gen(convs, seed)
+        self.tokens += sum(n for _, n in out)
+        return out
+
+    def close(self):
+        self.gen.close()
+
+
 def hf_dtype(args, device):
     return args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
@@ -315,7 +330,7 @@ def run(args):
     answered = cut = 0
     t0 = time.time()
     if todo:
-        gen = VllmGenerator(args, memory) if engine == "vllm" else HFGenerator(args, tok)
+        gen = Counted(VllmGenerator(args, memory) if engine == "vllm" else HFGenerator(args, tok))
         t0 = time.time()
         progress_line("regenerate", 0, len(todo))
         done_convs = 0
@@ -329,7 +344,9 @@ def run(args):
             atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
             log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
             done_convs += len(rows)
-            progress_line("regenerate", n, len(todo), every_s=0, prompts_s=done_convs / max(time.time() - t0, 1e-9))
+            # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
+            dt = max(time.time() - t0, 1e-9)
+            progress_line("regenerate", n, len(todo), every_s=0, tok_s=gen.tokens / dt, prompts_s=done_convs / dt)
         gen.close()
     manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
                 "dropped_long_prompts": dropped_long}

@@ -8,6 +8,14 @@ none, or auto (tensorboard when the host's Python has it, else none). A comma li
 One run per job: the run is named by the job's id (KIMI_EAGLE_JOB_ID), so a `run all` chain shows its train and
 eval figures as one run. Only the process that logs (rank 0) opens a tracker; the others get a silent one.
 A tracker that was asked for by name and is not installed is bad input (exit 2), said before any work starts.
+
+Every tracker works on a host without a network, writing under <tracking dir>/<job> (what `kimi-eagle pull`
+brings back), unless the host's environment names a server:
+  tensorboard  event files in <tracking dir>/<job>
+  wandb        online when the host has an API key (WANDB_API_KEY or `wandb login`) or WANDB_MODE says so, else
+               offline into <tracking dir>/<job>/wandb (upload later with `wandb sync`)
+  mlflow       MLFLOW_TRACKING_URI when set, else a file store in <tracking dir>/<job>/mlruns
+  trackio      TRACKIO_DIR when set, else <tracking dir>/<job>/trackio (`trackio show` with TRACKIO_DIR there)
 """
 
 from __future__ import annotations
@@ -70,14 +78,37 @@ class _TensorBoard:
         self.writer.close()
 
 
+def _wandb_has_key() -> bool:
+    """An API key wandb would use: WANDB_API_KEY, or a `wandb login` entry in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        with open(os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")) as f:
+            return "api.wandb.ai" in f.read()
+    except OSError:
+        return False
+
+
 class _WandbLike:
     """wandb and trackio share this API (trackio mirrors wandb's)."""
 
     def __init__(self, module: str, directory: str, name: str, config: dict):
         import importlib
 
+        self.path = os.path.join(directory, name)
+        os.makedirs(self.path, exist_ok=True)
+        kwargs = {}
+        if module == "wandb":
+            kwargs["dir"] = self.path  # wandb writes <dir>/wandb/
+            if not os.environ.get("WANDB_MODE") and not _wandb_has_key():
+                kwargs["mode"] = "offline"  # never a login prompt in a detached job
+                log(f"wandb: no API key on this host (WANDB_API_KEY or wandb login): logging offline to "
+                    f"{self.path}/wandb; upload later with: wandb sync {self.path}/wandb/offline-run-*", "tracker")
+        else:  # trackio reads its folder from the environment when imported
+            if not os.environ.get("TRACKIO_DIR"):
+                os.environ["TRACKIO_DIR"] = os.path.join(self.path, "trackio")
+            log(f"trackio: {os.environ['TRACKIO_DIR']} (TRACKIO_DIR={os.environ['TRACKIO_DIR']} trackio show)", "tracker")
         self.lib = importlib.import_module(module)
-        kwargs = {"dir": directory} if module == "wandb" else {}
         self.run = self.lib.init(project=PROJECT, name=name, config=config, **kwargs)
 
     def log(self, step, metrics):
@@ -89,9 +120,14 @@ class _WandbLike:
 
 class _MLflow:
     def __init__(self, directory: str, name: str, config: dict):
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # A local file store next to the outputs (mlflow 3 wants this said: MLFLOW_ALLOW_FILE_STORE).
+            os.environ["MLFLOW_TRACKING_URI"] = "file:" + os.path.join(directory, name, "mlruns")
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         self.lib = mlflow
+        log(f"mlflow: {mlflow.get_tracking_uri()} (mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})", "tracker")
         mlflow.set_experiment(PROJECT)
         self.run = mlflow.start_run(run_name=name)
         mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
