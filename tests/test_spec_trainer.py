@@ -22,21 +22,27 @@ from test_train import REPO, TRAIN, make_pipeline, speculators_site, trained  # 
 
 import spec_trainer  # noqa: E402  (on sys.path through test_train)
 
-RESOLVE = textwrap.dedent("""
-    import sys, types, json, argparse
-    class Stub(types.ModuleType):   # its data pipeline's imports; the config does not use them
+STUBS = textwrap.dedent("""
+    import sys, types
+    class Stub(types.ModuleType):   # its data pipeline's imports; the config and the sampler do not use them
         def __getattr__(self, name):
             if name.startswith('__'): raise AttributeError(name)
             return type(name, (), {})
     for n in ['openai', 'openai.types', 'openai.types.chat', 'openai.types.completion', 'datasets']:
         m = Stub(n); m.__path__ = []; sys.modules.setdefault(n, m)
+""")
+RESOLVE = STUBS + textwrap.dedent("""
+    import json, argparse
     from speculators.train.config import TrainConfig
     import spec_trainer
-    a = argparse.Namespace(model='/m', epochs=2.5, lr=3e-4, ttt_steps=5, optimizer='muon', max_steps=7)
+    a = argparse.Namespace(model='/m', epochs=2.5, lr=3e-4, ttt_steps=5, optimizer='muon', max_steps=7, seed=3,
+                           lr_schedule=sys.argv[1], warmup_steps=4, log_every=6)
+    flags = spec_trainer.known_flags()
     argv = spec_trainer.trainer_argv(a, hs_dir='/o/hidden_states', data_dir='/d', vocab_dir='/o/vocab',
                                      save_dir='/s', aux_ids=[1, 2, 3], draft_vocab=24, tokens_per_step=4096,
-                                     holdout_fraction=0.05)
-    print(json.dumps(TrainConfig.resolve(argv).model_dump(mode="json"), default=str))
+                                     holdout_fraction=0.05, epochs=int(sys.argv[2]) if sys.argv[2] else None,
+                                     flags=flags)
+    print(json.dumps({"config": TrainConfig.resolve(argv).model_dump(mode="json"), "flags": len(flags)}, default=str))
 """)
 
 
@@ -45,9 +51,16 @@ def test_our_flags_resolve_in_speculators_own_config(speculators_site, tmp_path)
     script.write_text(RESOLVE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(TRAIN.parent),
                                                          str(TRAIN.parent.parent)])}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    c = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def resolve(schedule, epochs=""):
+        r = subprocess.run([sys.executable, str(script), schedule, str(epochs)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+        assert doc["flags"] > 50   # its parser was asked which flags it takes
+        return doc["config"]
+
+    c = resolve("linear")
     assert c["verifier"]["verifier_name_or_path"] == "/m"
     assert c["draft"]["target_layer_ids"] == [1, 2, 3] and c["draft"]["draft_vocab_size"] == 24
     assert (c["draft"]["d2t_path"], c["draft"]["t2d_path"]) == ("/o/vocab/d2t.npy", "/o/vocab/t2d.npy")
@@ -55,6 +68,60 @@ def test_our_flags_resolve_in_speculators_own_config(speculators_site, tmp_path)
     assert c["loss"]["ttt_steps"] == 5 and c["optimizer"]["optimizer"] == "muon" and c["optimizer"]["lr"] == 3e-4
     assert c["trainer"]["epochs"] == 3 and c["trainer"]["max_steps"] == 7 and c["trainer"]["save_path"] == "/s"
     assert c["generation"]["on_missing"] == "raise"   # a missing sample is an error, never generated
+    # the schedule, warm-up, seed and logging interval are ours; one checkpoint per `epochs` epochs
+    flat = {**c, **{k: v for group in c.values() if isinstance(group, dict) for k, v in group.items()}}
+    assert (flat["scheduler_type"], flat["scheduler_warmup_steps"], flat["seed"], flat["log_freq"]) == ("linear", 4, 3, 6)
+    assert flat["checkpoint_freq"] == 3
+    c = resolve("cosine", epochs=5)   # epochs planned by plan_epochs win over --epochs
+    assert c["trainer"]["epochs"] == 5 and c["trainer"]["checkpoint_freq"] == 5
+    assert c["scheduler"]["scheduler_type"] == "cosine" and resolve("constant")["scheduler"]["scheduler_type"] == "none"
+
+
+PLAN = STUBS + textwrap.dedent("""
+    import json
+    import numpy as np
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    import spec_trainer
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(20, 700, size=300)]
+    out = []
+    for max_steps, budget, ratio, seed in ((37, 2048, 0.98, 3), (5, 4096, 0.9, 42), (400, 1024, 0.98, 0)):
+        plan = spec_trainer.plan_epochs(lengths, budget, ratio, max_steps, 1000, seed=seed)
+        # speculators' own sampler over its training split, epoch by epoch, as its trainer walks it
+        s = MultipackDistributedBatchSamplerV2(budget, lengths[:int(len(lengths) * ratio)], 1, 0, seed=seed)
+        steps, tokens, epochs = 0, 0, 0
+        while steps < max_steps:
+            s.set_epoch(epochs)
+            epochs += 1
+            for batch in s:
+                tokens += int(np.clip(s.lengths[batch], 0, budget).sum())
+                steps += 1
+                if steps == max_steps:
+                    break
+        out.append([plan["epochs"], plan["steps"], plan["tokens"], plan["exact"], epochs, steps, tokens])
+    capped = spec_trainer.plan_epochs(lengths, 2048, 0.98, 10**6, 2.5)
+    print(json.dumps({"runs": out, "capped": [capped["epochs"], len(capped["batches_per_epoch"])]}))
+""")
+
+
+def test_the_epoch_plan_stops_speculators_at_max_steps(speculators_site, tmp_path):
+    """speculators' loop trains every epoch it is given, one step and one checkpoint each after --max-steps (~980
+    checkpoints on the H200 with --epochs 1000): the epochs handed over are counted with its own sampler, the fewest
+    that reach max_steps, and the tokens those steps hold are known before it starts."""
+    script = tmp_path / "plan.py"
+    script.write_text(PLAN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(TRAIN.parent),
+                                                         str(TRAIN.parent.parent)])}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    for epochs, steps, tokens, exact, want_epochs, want_steps, want_tokens in doc["runs"]:
+        assert exact and (epochs, steps, tokens) == (want_epochs, want_steps, want_tokens)
+    assert doc["runs"][2][0] > 1                  # several epochs: the plan is not just one
+    assert doc["capped"] == [3, 3]                # --epochs caps it (rounded up) when max_steps is never reached
+    # without speculators' sampler (this interpreter has none): an estimate from the token count, said so
+    est = spec_trainer.plan_epochs([500] * 100, 5000, 0.9, 25, 1000)
+    assert not est["exact"] and est["epochs"] == 3 and est["steps"] == 25
 
 
 def test_host_that_cannot_run_it_is_refused_in_one_line(tmp_path, speculators_site):

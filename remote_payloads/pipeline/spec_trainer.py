@@ -54,17 +54,74 @@ def write_rows(files: list[str], dest: str) -> int:
     return len(files)
 
 
+def known_flags() -> set[str] | None:
+    """The flags the installed speculators' `train` parser takes, or None where it cannot be asked (then only the
+    flags every trainer version has are handed over)."""
+    try:
+        from speculators.train.config.resolution import build_parser
+    except Exception:  # noqa: BLE001 - another layout: fall back to the base flags
+        return None
+    return set(build_parser()._option_string_actions)
+
+
+def plan_epochs(lengths: list[int], tokens_per_step: int, train_ratio: float, max_steps: int | None, epochs: float,
+                world_size: int = 1, seed: int = 0) -> dict:
+    """How many epochs speculators' trainer must be given so that it stops at `max_steps`, and what it will train.
+
+    Its loop runs every epoch it is given even after --max-steps: each later epoch trains one more step, writes a
+    checkpoint and validates (--epochs 1000 with --max-steps wrote ~980 checkpoints on the H200). So the epochs are
+    counted here with its own packing (seeded permutation per epoch, its bin-packing sampler over the training split,
+    the first int(n * ratio) rows): the fewest epochs whose batches reach max_steps, capped by `epochs`. Returns
+    {"epochs", "steps", "tokens" (real tokens those steps hold), "batches_per_epoch", "exact"}; exact is False where
+    speculators' sampler cannot be imported (then batches are estimated from the token count)."""
+    import numpy as np
+
+    train = np.clip(np.asarray(lengths[:int(len(lengths) * train_ratio)], dtype=np.int64), 0, tokens_per_step)
+    cap = max(1, math.ceil(epochs))
+    try:
+        from speculators.train.distributed_batch_sampler import _assign_to_packed_batches
+        exact = True
+    except Exception:  # noqa: BLE001 - not installed here, or another layout
+        _assign_to_packed_batches, exact = None, False
+    per_epoch, steps, tokens, n_epochs = [], 0, 0, 0
+    for epoch in range(cap):
+        if _assign_to_packed_batches is not None:
+            shuffled = train[np.random.default_rng(seed=seed + epoch).permutation(len(train))]
+            # a step's tokens over all ranks: every rank's batch of it
+            ranks = [_assign_to_packed_batches(shuffled, tokens_per_step, r, world_size) for r in range(world_size)]
+            batch_tokens = [int(sum(int(shuffled[r[b]].sum()) for r in ranks)) for b in range(len(ranks[0]))]
+        else:
+            n = max(1, math.ceil(int(train.sum()) / (tokens_per_step * world_size)))
+            batch_tokens = [int(train.sum()) // n] * n
+        n_epochs += 1
+        per_epoch.append(len(batch_tokens))
+        take = batch_tokens if max_steps is None else batch_tokens[:max(0, max_steps - steps)]
+        steps += len(take)
+        tokens += sum(take)
+        if max_steps is not None and steps >= max_steps:
+            break
+    return {"epochs": n_epochs, "steps": steps, "tokens": tokens, "batches_per_epoch": per_epoch, "exact": exact}
+
+
+LR_SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "none"}
+
+
 def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: str, aux_ids: list[int],
-                 draft_vocab: int, tokens_per_step: int, holdout_fraction: float) -> list[str]:
+                 draft_vocab: int, tokens_per_step: int, holdout_fraction: float, epochs: int | None = None,
+                 flags: set[str] | None = None) -> list[str]:
     """speculators train's flags for our train flags: the same target, features, layers, vocabulary, TTT depth,
-    learning rate, tokens per step and epochs. One checkpoint per epoch; the run stops at --max-steps."""
+    learning rate and schedule, seed, tokens per step and epochs (`epochs`: planned by plan_epochs, else --epochs
+    rounded up). The run stops at --max-steps. Checkpoints: speculators always writes the first epoch's; with
+    --checkpoint-freq = epochs the only other is the last. `flags`: what the installed parser takes (known_flags);
+    the optional flags it lacks are left out (None: all handed over)."""
+    n_epochs = epochs if epochs is not None else max(1, math.ceil(args.epochs))
     argv = ["--verifier-name-or-path", args.model, "--data-path", data_dir, "--hidden-states-path", hs_dir,
             "--save-path", save_dir, "--draft-vocab-size", str(draft_vocab),
             "--d2t-path", os.path.join(vocab_dir, "d2t.npy"), "--t2d-path", os.path.join(vocab_dir, "t2d.npy"),
-            "--epochs", str(max(1, math.ceil(args.epochs))), "--lr", str(args.lr),
+            "--epochs", str(n_epochs), "--lr", str(args.lr),
             "--total-seq-len", str(tokens_per_step), "--ttt-steps", str(args.ttt_steps), "--on-missing", "raise",
             # speculators keeps a validation split of its own: at least 2 %, like our held-out default
-            "--train-data-ratio", str(round(1.0 - max(holdout_fraction, 0.02), 6)),
+            "--train-data-ratio", str(train_ratio(holdout_fraction)),
             "--no-resume-from-checkpoint", "--log-dir", os.path.join(save_dir, "logs"),
             "--target-layer-ids", *[str(i) for i in aux_ids], "--optimizer", args.optimizer,
             # Its default fused Triton loss does not trace under torch 2.11's dynamo (seen on the H200: "ListVariable
@@ -72,7 +129,21 @@ def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: 
             "--loss-implementation", "eager"]
     if args.max_steps is not None:
         argv += ["--max-steps", str(args.max_steps)]
+    optional = [("--seed", str(getattr(args, "seed", 0))),
+                ("--checkpoint-freq", str(n_epochs)),
+                # ours: cosine to 10 % / linear to 0 / constant after a linear warm-up; speculators' cosine ends at 0
+                ("--scheduler-type", LR_SCHEDULES[getattr(args, "lr_schedule", "cosine")]),
+                ("--scheduler-warmup-steps", str(getattr(args, "warmup_steps", 0) or 0)),
+                # metrics (a host sync) every N steps, like our --log-every, not every step
+                ("--log-freq", str(getattr(args, "log_every", 10)))]
+    for flag, value in optional:
+        if flags is None or flag in flags:
+            argv += [flag, value]
     return argv
+
+
+def train_ratio(holdout_fraction: float) -> float:
+    return round(1.0 - max(holdout_fraction, 0.02), 6)
 
 
 def latest_checkpoint(save_dir: str) -> str | None:
@@ -82,6 +153,15 @@ def latest_checkpoint(save_dir: str) -> str | None:
     nums = [int(n) for n in os.listdir(save_dir) if n.isdigit()
             and os.path.isfile(os.path.join(save_dir, n, "config.json"))]
     return os.path.join(save_dir, str(max(nums))) if nums else None
+
+
+def trained_steps(checkpoint: str | None) -> int | None:
+    """The optimizer steps speculators had taken when it wrote `checkpoint` (its training_state.json)."""
+    try:
+        with open(os.path.join(checkpoint, "training_state.json")) as f:
+            return int(json.load(f)["global_step"])
+    except (TypeError, OSError, ValueError, KeyError):
+        return None
 
 
 def check_export(export_dir: str, aux_ids: list[int], d2t, t2d, hidden: int) -> list[str]:
@@ -162,17 +242,24 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
                 raise RuntimeError(f"rank 0 wrote no speculators rows to {data_dir} within an hour")
             time.sleep(1)
     tokens_per_step = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
+    plan = plan_epochs(lengths, tokens_per_step, train_ratio(args.holdout_fraction), args.max_steps, args.epochs,
+                       world_size=int(os.environ.get("WORLD_SIZE", "1")), seed=args.seed)
     argv = trainer_argv(args, hs_dir=os.path.join(out, "hidden_states"), data_dir=data_dir,
                         vocab_dir=os.path.join(out, "vocab"), save_dir=save_dir, aux_ids=aux_ids,
                         draft_vocab=int(d2t.shape[0]), tokens_per_step=tokens_per_step,
-                        holdout_fraction=args.holdout_fraction)
+                        holdout_fraction=args.holdout_fraction, epochs=plan["epochs"], flags=known_flags())
+    log(f"speculators' plan: {plan['epochs']} epoch(s), {plan['steps']} steps, {plan['tokens']} tokens"
+        f"{'' if plan['exact'] else ' (estimated: its sampler could not be imported)'}")
     log(f"speculators {version} trainer: {' '.join(argv)}")
     t0 = time.time()
     spec_main(TrainConfig.resolve(argv))
     seconds = time.time() - t0
     ck = latest_checkpoint(save_dir)
     result = {"ok": True, "finished": True, "trainer": f"speculators {version}", "samples": len(files),
-              "tokens_per_step": tokens_per_step,
+              "tokens_per_step": tokens_per_step, "step": plan["steps"], "epochs": plan["epochs"],
+              "train_tokens": plan["tokens"], "plan_exact": plan["exact"],
+              "checkpoints": sorted(n for n in os.listdir(save_dir) if n.isdigit()) if os.path.isdir(save_dir) else [],
+              "steps_done": trained_steps(ck),
               "tokens": sum(lengths), "aux_layer_ids": aux_ids, "draft_vocab_size": int(d2t.shape[0]),
               "speculators_argv": argv, "train_seconds": round(seconds, 2), "checkpoint": ck}
     if torch.cuda.is_available():
