@@ -535,7 +535,7 @@ def prepare_extract_vocab(stage, gpu, pipe: Path) -> dict:
 def st_smol_train(gpu):
     """Ours, as many steps as fit KE_SMOL_TRAIN_S: a 30-step calibration run gives the seconds per step."""
     lr = ["--lr", os.environ.get("KE_SMOL_LR", "5e-4")]
-    seq = tokens_per_step(SPIPE)   # the budget spec_smol gets too
+    seq = tokens_per_step(SPIPE)
     calib = our_train("smol_train", gpu, SPIPE, SMOL, 30 if not TINY else 6, extra=lr, tokens_per_step=seq)
     tps = calib.get("tokens_per_s_median_interval") or 1
     ls = lengths_of(SPIPE / "prepared")
@@ -547,39 +547,19 @@ def st_smol_train(gpu):
     return res
 
 
-def eval_cmd(draft: Path, out: Path, batch_sizes=True, eager=False):
+def eval_cmd(draft: Path, out: Path):
     cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
            "--prompts", str(ROOT / "remote_payloads" / "sample_data" / "prompts_eval.jsonl"),
            "--num-prompts", os.environ.get("KE_EVAL_PROMPTS", "64"),
            "--max-tokens", os.environ.get("KE_EVAL_MAX_TOKENS", "128"),
-           "--num-speculative-tokens", "3", "--engine", "vllm"]
-    if not TINY and not eager:
+           "--num-speculative-tokens", "3", "--engine", "vllm", "--batch-sizes", "1,16"]
+    if not TINY:
         cmd.append("--no-enforce-eager")  # CUDA graphs: batch-1 decode of a 135M model is launch-bound without
-    src = Path(payload("eval.py")).read_text()
-    if batch_sizes and "--batch-sizes" in src:
-        cmd += ["--batch-sizes", "1,16"]
     return cmd
 
 
 def st_eval_smol(gpu):
     return run("eval_smol", eval_cmd(SPIPE / "draft" / "export", WORK / "eval_ours"), gpu,
-               sites=("site-early", "site-vllm"), timeout=600)
-
-
-def st_spec_smol(gpu):
-    steps = results("smol_train").get("step") or int(os.environ.get("KE_SMOL_STEPS", "1500"))
-    seq = tokens_per_step(SPIPE)
-    return run("spec_smol", [PY, "bench/gpu/spec_train_bench.py", "--pipeline", str(SPIPE), "--model", str(SMOL),
-                             "--steps", str(steps), "--epochs", "1000", "--total-seq-len", str(seq), "--ttt-steps", "3",
-                             "--save-path", str(WORK / "spec_smol")], gpu, sites=("site-early",), timeout=720)
-
-
-def st_eval_spec_smol(gpu):
-    export = results("spec_smol").get("export_dir")
-    if not export:
-        raise StageFailed("speculators wrote no checkpoint")
-    # Acceptance is what this one is for: one batch, no graph capture (faster start).
-    return run("eval_spec_smol", eval_cmd(Path(export), WORK / "eval_spec", batch_sizes=False, eager=True), gpu,
                sites=("site-early", "site-vllm"), timeout=600)
 
 
@@ -608,6 +588,7 @@ def st_kimi(gpu):
 # --- SmolLM2 answers ShareGPT, its draft measured on MT-Bench (the field's benchmark, k=3) -----------------
 MPIPE = SHM / "mtb"
 MTB_TRAIN_S = float(os.environ.get("KE_MTB_TRAIN_S", "210"))
+MTB_EVAL_TIMEOUT_S = float(os.environ.get("KE_MTB_EVAL_TIMEOUT_S", "600"))   # a CPU rehearsal's hf eval needs more
 
 
 def st_mtb_data(gpu):
@@ -642,17 +623,104 @@ def st_mtb_train(gpu):
     return res
 
 
-def st_mtb_eval(gpu):
-    """MT-Bench, both turns, k=3; tokens/s with and without the draft at batch 1 and 16 (vLLM, CUDA graphs)."""
-    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(MPIPE / "draft" / "export"),
-           "--out", str(WORK / "eval_mtb"), "--prompts", "mt-bench", "--num-speculative-tokens", "3",
+def mtb_eval_cmd(draft: Path, out: Path, batch_sizes: str) -> list[str]:
+    """MT-Bench, both turns, k=3, vLLM with CUDA graphs; batch_sizes "" = acceptance only (no tokens/s figures).
+    KE_MTB_EVAL_PROMPTS: the first N of the 80 questions (all by default)."""
+    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft),
+           "--out", str(out), "--prompts", "mt-bench", "--num-speculative-tokens", "3",
            "--max-tokens", os.environ.get("KE_MTB_EVAL_MAX_TOKENS", "256" if not TINY else "8"),
-           "--batch-sizes", "1,16", "--timing-prompts", "32", "--engine", "vllm" if not TINY else "hf"]
-    if TINY:
-        cmd += ["--num-prompts", "8"]
-    else:
+           "--engine", "vllm" if not TINY else "hf"]
+    # eval always times some batch size: "" times batch 1 on one prompt only (seconds), a figure nobody reads
+    cmd += ["--batch-sizes", batch_sizes, "--timing-prompts", "32"] if batch_sizes else ["--batch-sizes", "1",
+                                                                                          "--timing-prompts", "1"]
+    prompts = os.environ.get("KE_MTB_EVAL_PROMPTS", "" if not TINY else "8")
+    if prompts:
+        cmd += ["--num-prompts", prompts]
+    if not TINY:
         cmd.append("--no-enforce-eager")  # CUDA graphs: batch-1 decode of a 135M model is launch-bound without
-    return run("mtb_eval", cmd, gpu, sites=("site-early", "site-vllm"), timeout=600)
+    return cmd
+
+
+def st_mtb_eval(gpu):
+    """MT-Bench, both turns, k=3; tokens/s with and without the draft at batch 1 and 16 (KE_MTB_EVAL_BATCH_SIZES;
+    empty: acceptance only)."""
+    cmd = mtb_eval_cmd(MPIPE / "draft" / "export", WORK / "eval_mtb", os.environ.get("KE_MTB_EVAL_BATCH_SIZES", "1,16"))
+    return run("mtb_eval", cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
+
+
+# --- the A/B: speculators' own trainer on the same hidden states and token budget, its draft on MT-Bench -------
+SPEC_PIPE = SHM / "mtb_spec"
+
+
+def st_mtb_spec(gpu):
+    """`train --trainer speculators` on mtb_train's hidden states, vocab and split fraction, with its budget: the same
+    tokens per step (rows x pack length), the same number of steps, TTT 3, lr and schedule (cosine; speculators'
+    decays to 0, ours to 10 %), optimizer AdamW like ours (KE_MTB_SPEC_OPTIMIZER=muon: speculators' default).
+    Epochs are planned so its loop stops at those steps with one checkpoint besides the first epoch's.
+    KE_MTB_SPEC_EXPORT=DIR: no training, DIR stands in for its export (a CPU rehearsal of the later stages)."""
+    ours = results("mtb_train")
+    if os.environ.get("KE_MTB_SPEC_EXPORT"):
+        return {"stand_in": True, "trainer": "stand-in", "export_dir": os.environ["KE_MTB_SPEC_EXPORT"],
+                "why": "KE_MTB_SPEC_EXPORT: a stand-in export, speculators' trainer not run"}
+    steps, per_step = ours.get("step"), (ours.get("rows_per_step") or 0) * (ours.get("pack_len") or 0)
+    if not steps or not per_step:
+        raise StageFailed(f"mtb_train's result has no step count or tokens per step: {sorted(ours)}")
+    shutil.rmtree(SPEC_PIPE, ignore_errors=True)
+    SPEC_PIPE.mkdir(parents=True)
+    for sub in ("hidden_states", "vocab", "prepared"):
+        (SPEC_PIPE / sub).symlink_to(MPIPE / sub)
+    cmd = [PY, payload("train.py"), "--trainer", "speculators", "--model", str(SMOL), "--output-dir", str(SPEC_PIPE),
+           "--tokens-per-step", str(per_step), "--max-steps", str(steps), "--epochs", "1000", "--ttt-steps", "3",
+           "--lr", os.environ.get("KE_MTB_LR", "1e-3"), "--lr-schedule", "cosine", "--log-every", "50",
+           "--optimizer", os.environ.get("KE_MTB_SPEC_OPTIMIZER", "adamw"), "--device", DEVICE]
+    try:
+        res = run("mtb_spec", cmd, gpu, sites=("site-early",), timeout=float(os.environ.get("KE_MTB_SPEC_TIMEOUT_S", "900")))
+    except StageFailed as e:   # the step's own one-line reason (on a CPU box: its trainer needs CUDA)
+        raise StageFailed(str(e).splitlines()[0][:400]) from None
+    res["budget"] = {"ours_steps": steps, "ours_tokens_per_step": per_step, "ours_train_tokens": ours.get("train_tokens"),
+                     "tokens_ratio_theirs_over_ours": round(res["train_tokens"] / ours["train_tokens"], 4)
+                     if res.get("train_tokens") and ours.get("train_tokens") else None}
+    return res
+
+
+def st_mtb_eval_spec(gpu):
+    """speculators' draft on MT-Bench exactly as mtb_eval runs ours; acceptance only unless KE_MTB_SPEC_BATCH_SIZES."""
+    export = results("mtb_spec").get("export_dir")
+    if not export or not Path(export).is_dir():
+        raise StageFailed(f"mtb_spec left no export ({export})")
+    cmd = mtb_eval_cmd(Path(export), WORK / "eval_mtb_spec", os.environ.get("KE_MTB_SPEC_BATCH_SIZES", ""))
+    return run("mtb_eval_spec", cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
+
+
+def st_mtb_ab(gpu):
+    """The record side by side: acceptance length overall, per position, per turn and per category, ours vs
+    speculators' trainer, with the budgets each had (docs: ours reaches at least theirs)."""
+    ours_t, spec_t, ours_e, spec_e = (results(n) for n in ("mtb_train", "mtb_spec", "mtb_eval", "mtb_eval_spec"))
+
+    def side(train, ev):
+        return {"mean_acceptance_length": ev.get("mean_acceptance_length"),
+                "acceptance_per_position": ev.get("acceptance_per_position"),
+                "per_turn": {t: v.get("mean_acceptance_length") for t, v in (ev.get("per_turn") or {}).items()},
+                "per_category": {c: v.get("mean_acceptance_length") for c, v in (ev.get("per_category") or {}).items()},
+                "turns": ev.get("turns"), "drafts": ev.get("drafts"),
+                "trainer": train.get("trainer", "kimi-eagle"), "steps": train.get("steps_done") or train.get("step"),
+                "train_tokens": train.get("train_tokens"),
+                "epochs": train.get("epochs") or (train.get("calibration") or {}).get("epochs"),
+                "train_seconds": train.get("train_seconds"), "cuda_peak_mem_gb": train.get("cuda_peak_mem_gb"),
+                "export_dir": ev.get("draft")}
+
+    ours, theirs = side(ours_t, ours_e), side(spec_t, spec_e)
+    if ours["mean_acceptance_length"] is None or theirs["mean_acceptance_length"] is None:
+        raise StageFailed("an eval result has no mean_acceptance_length")
+    differ = [k for k in ("max_tokens", "num_speculative_tokens", "prompts", "turns", "engine")
+              if ours_e.get(k) != spec_e.get(k)]
+    ratio = ours["mean_acceptance_length"] / theirs["mean_acceptance_length"]
+    return {"ours": ours, "speculators": theirs, "stand_in": bool(spec_t.get("stand_in")),
+            "ours_over_speculators_acceptance_length": round(ratio, 4),
+            "ours_reaches_speculators": ours["mean_acceptance_length"] >= theirs["mean_acceptance_length"],
+            "per_position_ours_minus_speculators": [round(a - b, 4) for a, b in zip(
+                ours["acceptance_per_position"] or [], theirs["acceptance_per_position"] or [])],
+            "eval_settings_differ": differ, "budget": spec_t.get("budget")}
 
 
 def st_scaling(gpu):
@@ -680,16 +748,18 @@ LANE0 = [("matmul", st_matmul, []),
          ("vllm_1b", lambda g: st_vllm("vllm_1b", g, "1b", M1), ["hf_1b", "bundle-vllm"]),
          ("vllm_8b", lambda g: st_vllm("vllm_8b", g, "8b", M8, shard=2), ["models", "bundle-vllm"]),
          ("train_1b", st_train_1b, ["hf_1b", "bundle-early"]),
-         ("train_1b_spec_step", st_train_1b_spec_step, ["train_1b", "bundle-early"]),
-         ("spec_smol", st_spec_smol, ["smol_train", "bundle-early"])]
+         ("train_1b_spec_step", st_train_1b_spec_step, ["train_1b", "bundle-early"])]
 LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("smol_data", st_smol_data, ["smol_model", "bundle-vllm"]),
          ("smol_train", st_smol_train, ["smol_data"]),
          ("eval_smol", st_eval_smol, ["smol_train", "bundle-vllm"]),
-         ("eval_spec_smol", st_eval_spec_smol, ["spec_smol", "bundle-vllm"]),
          ("mtb_data", st_mtb_data, ["smol_model", "bundle-vllm"]),
          ("mtb_train", st_mtb_train, ["mtb_data"]),
-         ("mtb_eval", st_mtb_eval, ["mtb_train", "bundle-vllm"])]
+         ("mtb_eval", st_mtb_eval, ["mtb_train", "bundle-vllm"]),
+         # the A/B: in this lane, after ours (on one GPU the lanes run one after the other)
+         ("mtb_spec", st_mtb_spec, ["mtb_train", "bundle-early"]),
+         ("mtb_eval_spec", st_mtb_eval_spec, ["mtb_spec", "bundle-vllm"]),
+         ("mtb_ab", st_mtb_ab, ["mtb_eval", "mtb_eval_spec"])]
 # After both lanes, on every GPU: (name, function, needs).
 FINAL = [("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
 ALL = [s[0] for s in LANE0 + LANE1 + FINAL] + ["scaling"]
@@ -858,6 +928,11 @@ def status_table() -> str:
         elif name == "kimi" and r.get("steps"):
             head = " ".join(f"{k}:{'ok' if v.get('ok') else 'skip' if v.get('skipped') else 'FAIL'}"
                             for k, v in r["steps"].items())
+        elif name in ("mtb_eval", "mtb_eval_spec") and r.get("mean_acceptance_length"):
+            head = f"acceptance {r['mean_acceptance_length']} at k=3, per position {r.get('acceptance_per_position')}"
+        elif name == "mtb_ab" and r.get("ours"):
+            head = (f"ours {r['ours']['mean_acceptance_length']} vs speculators {r['speculators']['mean_acceptance_length']}"
+                    f" ({r['ours_over_speculators_acceptance_length']}x){' STAND-IN' if r.get('stand_in') else ''}")
         elif name == "matmul" and r.get("bf16_matmul_tflops"):
             head = f"{r['bf16_matmul_tflops']} TFLOP/s bf16, {r.get('d2d_copy_tb_s')} TB/s"
         secs = r.get("seconds", "")
@@ -884,7 +959,7 @@ def collect(out: Path) -> None:
         for p in sorted(D["results"].rglob("*")):
             if p.is_file() and p.stat().st_size < 4 << 20:
                 tar.add(p, arcname=f"results/{p.relative_to(D['results'])}")
-        for p in (WORK / "eval_ours", WORK / "eval_spec"):
+        for p in (WORK / "eval_ours", WORK / "eval_mtb", WORK / "eval_mtb_spec"):
             for f in sorted(p.rglob("*")) if p.exists() else []:
                 if f.is_file() and f.stat().st_size < 4 << 20:
                     tar.add(f, arcname=f"{p.name}/{f.relative_to(p)}")
