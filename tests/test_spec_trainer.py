@@ -122,6 +122,13 @@ def test_the_epoch_plan_stops_speculators_at_max_steps(speculators_site, tmp_pat
     # without speculators' sampler (this interpreter has none): an estimate from the token count, said so
     est = spec_trainer.plan_epochs([500] * 100, 5000, 0.9, 25, 1000)
     assert not est["exact"] and est["epochs"] == 3 and est["steps"] == 25
+    # a speculators whose parser cannot be asked gets only the flags every trainer version takes
+    import argparse
+
+    a = argparse.Namespace(model="/m", epochs=1, lr=1e-3, ttt_steps=3, optimizer="adamw", max_steps=None)
+    argv = spec_trainer.trainer_argv(a, hs_dir="/h", data_dir="/d", vocab_dir="/v", save_dir="/s", aux_ids=[1],
+                                     draft_vocab=8, tokens_per_step=64, holdout_fraction=0.02, epochs=4, flags=None)
+    assert argv[argv.index("--epochs") + 1] == "4" and "--checkpoint-freq" not in argv and "--seed" not in argv
 
 
 def test_host_that_cannot_run_it_is_refused_in_one_line(tmp_path, speculators_site):

@@ -113,7 +113,7 @@ def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: 
     learning rate and schedule, seed, tokens per step and epochs (`epochs`: planned by plan_epochs, else --epochs
     rounded up). The run stops at --max-steps. Checkpoints: speculators always writes the first epoch's; with
     --checkpoint-freq = epochs the only other is the last. `flags`: what the installed parser takes (known_flags);
-    the optional flags it lacks are left out (None: all handed over)."""
+    the optional flags it lacks are left out, all of them when it cannot be asked (None)."""
     n_epochs = epochs if epochs is not None else max(1, math.ceil(args.epochs))
     argv = ["--verifier-name-or-path", args.model, "--data-path", data_dir, "--hidden-states-path", hs_dir,
             "--save-path", save_dir, "--draft-vocab-size", str(draft_vocab),
@@ -137,7 +137,7 @@ def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: 
                 # metrics (a host sync) every N steps, like our --log-every, not every step
                 ("--log-freq", str(getattr(args, "log_every", 10)))]
     for flag, value in optional:
-        if flags is None or flag in flags:
+        if flags is not None and flag in flags:
             argv += [flag, value]
     return argv
 
