@@ -90,6 +90,14 @@ class GroupStarted:
 
 
 @dataclass
+class Pulled:
+    host: str
+    run: object                      # runs.RunDir
+    dest: Path
+    report: object                   # sync.FetchReport
+
+
+@dataclass
 class Followed:
     job: object                      # jobs.Job, as it stands when the log ended (or now, without follow)
     reconnects: int = 0
@@ -389,6 +397,33 @@ class Controller:
         outcomes = groupjobs.stop(self.inventory, g, grace)
         return [HostOutcome(o.host, Stopped(o.host, members[o.host], o.value) if o.ok else None, o.error)
                 for o in outcomes]
+
+    def _run_host(self, job_id: str | None, host: str | None):
+        return self.job_host(job_id, host) if job_id else self.inventory.one(host)
+
+    def pull(self, job_id: str | None = None, host: str | None = None, run_dir: str | None = None,
+             to: str | Path | None = None) -> Pulled:
+        """Copy a run's export, reports, recorded settings and versions, tensorboard events and job logs to `to`
+        (default ./pulled/JOB or ./pulled/HOST/DIRNAME): sha256-verified, unchanged files skipped."""
+        from . import runs
+        from .host import HostSession
+
+        h = self._run_host(job_id, host)
+        with HostSession(h) as session:
+            run = runs.locate(session, job_id, run_dir)
+            dest = Path(to) if to else (Path("pulled") / job_id if job_id else Path("pulled") / h.name / Path(run.path).name)
+            return Pulled(h.name, run, dest, runs.pull(session, run, dest))
+
+    def clean(self, job_id: str | None = None, host: str | None = None, run_dir: str | None = None, *,
+              dry_run: bool = False, confirm=None):
+        """Remove a run's hidden states and checkpoints (runs.CleanResult); `confirm(result)` is asked with the sizes
+        first. Refused while a job using the folder runs; the last check and the removal are atomic on the host."""
+        from . import runs
+        from .host import HostSession
+
+        h = self._run_host(job_id, host)
+        with HostSession(h) as session:
+            return runs.clean(session, runs.locate(session, job_id, run_dir), dry_run=dry_run, confirm=confirm)
 
     def export(self, host: str, step: str, session=None, job_id: str | None = None):
         """Where a finished pipeline's draft is and what to run next (results.Export), or None. With the job's id,

@@ -123,7 +123,8 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     job_id = check_job_id(job_id or new_job_id(step))
     rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
-    session.upload_scripts({rel: text})
+    record = {f"{RUNS}/{job_id}/{name}": t for name, t in pipeline.output_record(step, session).items()}
+    session.upload_scripts({rel: text, **record})
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):

@@ -116,6 +116,17 @@ def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]
     return [record, *steps]
 
 
+def output_record(step: str, session) -> dict[str, str]:
+    """What a pipeline job's start uploads next to its script: <runs>/<job>/output_dir (where its outputs are),
+    written before the job starts, so `clean` (ops/clean_run.py, under the lock a start holds) never misses a
+    job that has started and not yet recorded its folder. {name under the job folder: text}; {} for exec."""
+    if step == "exec":
+        return {}
+    out = str(expand(session.host.pipeline.output_dir))
+    path = out if out.startswith("/") else session.transport.abspath(out) if out.startswith("~") else session.path(out)
+    return {"output_dir": path + "\n"}
+
+
 def launch_flags(step: str, pipeline) -> list[str]:
     """pipeline/launch.py's flags from the inventory; what is not set there launch.py finds out on the host."""
     flags = []

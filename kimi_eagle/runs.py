@@ -5,7 +5,8 @@ A pipeline job records where its outputs are (`<workdir>/runs/<job>/output_dir`,
 so a job id is enough. `pull` copies the export, the eval report, the recorded settings and versions, the
 tensorboard events and the job logs, sha256-verified and skipping what is already here (sync.fetch, the
 upload's hashing the other way). `clean` removes the hidden states and the checkpoints, never while a job that
-uses the folder runs.
+uses the folder runs: the last check and the removal happen on the host under the lock a job's start takes
+(remote_payloads/ops/clean_run.py), so no job starts in between, and two cleans at once take turns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sync
-from .errors import CommandError, ConfigError
+from .errors import CommandError, ConfigError, ConnectionFailed
 from .host import RUNS, HostSession
 from .shell import join
 
@@ -72,22 +73,6 @@ for rel in sys.argv[2:]:
 print(json.dumps(out))
 """
 
-# Removes the named folders: each renamed aside first (atomic: no reader sees half a folder), then deleted.
-_REMOVE = r"""
-import json, os, secrets, shutil, sys
-root, gone = sys.argv[1], []
-for rel in sys.argv[2:]:
-    base = os.path.join(root, rel)
-    aside = os.path.join(os.path.dirname(base), "." + os.path.basename(base) + ".removing-" + secrets.token_hex(6))
-    try:
-        os.rename(base, aside)
-    except FileNotFoundError:
-        continue  # another clean took it
-    shutil.rmtree(aside)
-    gone.append(rel)
-print(json.dumps(gone))
-"""
-
 
 @dataclass
 class RunDir:
@@ -108,11 +93,16 @@ class CleanResult:
     run: RunDir
     found: list[Bulky] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    gone_before: list[str] = field(default_factory=list)  # confirmed, then removed by another clean first
     dry_run: bool = False
 
     @property
     def bytes(self) -> int:
         return sum(b.bytes for b in self.found)
+
+    @property
+    def freed(self) -> int:
+        return sum(b.bytes for b in self.found if b.rel in self.removed)
 
 
 def human(n: int) -> str:
@@ -169,11 +159,12 @@ def measure(session: HostSession, run: RunDir) -> list[Bulky]:
     return [Bulky(*row) for row in _json_of(session, _MEASURE, [run.path, *BULKY], "measuring the run's folders")]
 
 
-def users(session: HostSession, run: RunDir) -> list:
-    """Running (or queued) jobs whose outputs are this folder."""
+def users(session: HostSession, run: RunDir, listed: list | None = None) -> list:
+    """Running (or queued) jobs whose outputs are this folder (from `listed`, the host's jobs, when given)."""
     from .backend import for_host
 
-    live = [j for j in for_host(session.host).status(session) if j.state in ("running", "pending")]
+    listed = for_host(session.host).status(session) if listed is None else listed
+    live = [j for j in listed if j.state in ("running", "pending")]
     if not live:
         return []
     code = ("import os, sys\nroot = os.path.realpath(sys.argv[1])\nfor d in sys.argv[2:]:\n"
@@ -188,13 +179,37 @@ def users(session: HostSession, run: RunDir) -> list:
 def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=None) -> CleanResult:
     """Remove the run's hidden states and checkpoints. Refused while a job using them runs. `confirm(result)`
     is asked (with the sizes found) before anything is removed; False leaves everything as it is."""
+    from .backend import for_host
+
     result = CleanResult(run, measure(session, run), dry_run=dry_run)
-    busy = users(session, run)
+    listed = for_host(session.host).status(session)
+    busy = users(session, run, listed)
     if busy:
-        j = busy[0]
-        raise CommandError(f"{session.name}: job {j.id} ({j.step}) is {j.state} on {run.path}; nothing was removed. "
-                           f"Wait for it, or stop it: kimi-eagle stop {j.id} --host {session.name}")
+        raise _busy(session, run, busy[0].id, busy[0].step, busy[0].state)
     if dry_run or not result.found or (confirm is not None and not confirm(result)):
         return result
-    result.removed = _json_of(session, _REMOVE, [run.path, *(b.rel for b in result.found)], "removing the run's folders")
+    # Checked again and removed on the host under the lock a job's start holds: a job started since the check
+    # above (or while the user answered) is seen there, and nothing is removed.
+    ended = ",".join(j.id for j in listed if j.state not in ("running", "pending"))
+    res = session.call("ops/clean_run.py", ["--runs-dir", RUNS, "--root", run.path, "--ended", ended,
+                                            *(b.rel for b in result.found)], timeout=3600)
+    if res.exited == -1:
+        raise ConnectionFailed(f"{session.name}: connection lost while removing the run's folders", result=res)
+    try:
+        data = json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise CommandError(f"{session.name}: clean_run.py failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
+                           result=res) from None
+    if data.get("busy"):
+        b = data["busy"][0]
+        raise _busy(session, run, b["id"], b.get("step"), b["state"])
+    if not data.get("ok"):
+        raise CommandError(f"{session.name}: clean_run.py: {data.get('error') or data}", result=res)
+    result.removed = data["removed"]
+    result.gone_before = [b.rel for b in result.found if b.rel not in {f[0] for f in data["found"]}]
     return result
+
+
+def _busy(session: HostSession, run: RunDir, job_id: str, step, state: str) -> CommandError:
+    return CommandError(f"{session.name}: job {job_id} ({step}) is {state} on {run.path}; nothing was removed. "
+                        f"Wait for it, or stop it: kimi-eagle stop {job_id} --host {session.name}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -124,3 +125,65 @@ def test_clean_refuses_while_a_job_using_the_folder_runs(tmp_path, sshd):
     finally:
         assert e.cli("stop", busy, "--grace", "1").code == 0
     assert e.cli("clean", job, "--yes").code == 0 and not (out / "hidden_states").exists()
+
+
+SLOW_PY = """#!/bin/bash
+# The host's python, with a job that is slow to record its output folder and slow to finish: each job notes
+# whether the hidden states were there when it started and still there when it ended.
+case "$*" in
+  *ops/provenance.py*)
+    if [ -d {out}/hidden_states ]; then echo "start present" >> {marks}/$KIMI_EAGLE_JOB_ID; else echo "start absent" >> {marks}/$KIMI_EAGLE_JOB_ID; fi
+    sleep 1.5 ;;
+  *pipeline/vocab.py*)
+    sleep 1.5
+    if [ -d {out}/hidden_states ]; then echo "end present" >> {marks}/$KIMI_EAGLE_JOB_ID; else echo "end absent" >> {marks}/$KIMI_EAGLE_JOB_ID; fi ;;
+esac
+exec {py} "$@"
+"""
+
+
+def test_clean_never_removes_under_a_job_that_starts_at_the_same_time_over_many_rounds(tmp_path, sshd):
+    """Real concurrent processes against the real sshd host: `run` starting a pipeline job on the folder, and two
+    `clean --yes` of it, at staggered moments. Whatever the interleaving, a job that found the hidden states when it
+    started still has them when it ends, each clean either removed them or refused, and none fails otherwise."""
+    import subprocess
+
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    out, marks = e.workdir / "out", tmp_path / "marks"
+    marks.mkdir()
+    slow = tmp_path / "slowpy"
+    slow.write_text(SLOW_PY.format(out=out, marks=marks, py=PY))
+    slow.chmod(0o755)
+    e.write_inventory(e.inventory.read_text().replace(f"python: {PY}\n    workdir: {e.workdir}",
+                                                      f"python: {slow}\n    workdir: {e.workdir}", 1))
+    assert f"python: {slow}" in e.inventory.read_text()
+    env = {**os.environ, "HOME": str(e.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+
+    def cli(*args):
+        return subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    removed = refused = 0
+    for delay in (0.8, 1.3, 1.8, 2.3, 2.8):
+        (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+        (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"\0" * 4096)
+        run = cli("--json", "run", "vocab", "--host", "gpu", "--detach", "--no-preflight", "--no-gpu", "--", "--help")
+        time.sleep(delay)
+        cleans = [cli("clean", "--run", "out", "--host", "gpu", "--yes") for _ in range(2)]
+        answers = [(p.wait(timeout=120), *p.communicate()) for p in cleans]
+        code, so, se = run.wait(timeout=120), *run.communicate()
+        assert code == 0, se
+        job = json.loads(so)["id"]
+        assert subprocess.run([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "logs", job, "--follow"],
+                              env=env, capture_output=True, timeout=120).returncode == 0
+        for c, so, se in answers:
+            assert "Traceback" not in se, se
+            if c == 0:
+                removed += "removed hidden_states" in so
+            else:
+                assert c == 1 and f"job {job} (vocab) is running on {out}; nothing was removed" in se, (delay, c, so, se)
+                refused += 1
+        seen = (marks / job).read_text().split("\n")
+        assert seen[:2] != ["start present", "end absent"], (delay, seen, answers)  # removed under a running job
+    assert not [p for p in out.rglob("*") if ".removing-" in p.name]
+    assert refused and removed, (refused, removed)  # both outcomes happened

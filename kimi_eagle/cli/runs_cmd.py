@@ -12,18 +12,6 @@ from ..errors import EXIT_FAILED, ConfigError
 from .context import console_ui, state
 
 
-def _run_of(session, job_id, run_dir):
-    from .. import runs
-
-    return runs.locate(session, job_id, run_dir)
-
-
-def _host(job_id: Optional[str], host: Optional[str]):
-    if job_id:
-        return state.api.job_host(job_id, host)
-    return state.inventory.one(host)
-
-
 def pull(
     job_id: Optional[str] = typer.Argument(None, metavar="JOB", help="A pipeline job (its outputs are recorded)."),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host of the job or the folder."),
@@ -35,23 +23,19 @@ def pull(
     """Copy a run's draft export, eval report, recorded settings and versions, tensorboard events and job logs
     here: sha256-verified, files already here unchanged are skipped."""
     from .. import runs
-    from ..host import HostSession
 
-    h = _host(job_id, host)
-    with HostSession(h) as session:
-        run = _run_of(session, job_id, run_dir)
-        dest = to or (Path("pulled") / job_id if job_id else Path("pulled") / h.name / Path(run.path).name)
-        report = runs.pull(session, run, dest)
+    pulled = state.api.pull(job_id, host, run_dir, to)
+    h, run, dest, report = pulled.host, pulled.run, pulled.dest, pulled.report
     ui = console_ui()
     if state.json:
-        return ui.emit_json({"host": h.name, "run": run.path, "to": str(dest), "changed": report.changed,
+        return ui.emit_json({"host": h, "run": run.path, "to": str(dest), "changed": report.changed,
                              "unchanged": report.unchanged, "bytes_received": report.bytes_received})
     for path, status in report.rows():
-        ui.line(f"[{h.name}] {status:9} {dest / path}")
-    ui.line(f"[{h.name}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
+        ui.line(f"[{h}] {status:9} {dest / path}")
+    ui.line(f"[{h}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
             f"{len(report.unchanged)} unchanged", style="green")
     if (dest / "tracking").is_dir():
-        ui.line(f"[{h.name}] see the curves: tensorboard --logdir {dest / 'tracking'}")
+        ui.line(f"[{h}] see the curves: tensorboard --logdir {dest / 'tracking'}")
 
 
 def clean(
@@ -66,10 +50,9 @@ def clean(
 
     The export, reports and logs stay. Refused while a job that uses the folder runs."""
     from .. import runs
-    from ..host import HostSession
 
     ui = console_ui()
-    h = _host(job_id, host)
+    h = state.api.job_host(job_id, host) if job_id else state.inventory.one(host)
 
     def ask(result) -> bool:
         for b in result.found:
@@ -81,21 +64,24 @@ def clean(
                               "(nothing was removed)")
         return typer.confirm(f"Remove {runs.human(result.bytes)} on {h.name}?", default=False)
 
-    with HostSession(h) as session:
-        run = _run_of(session, job_id, run_dir)
-        result = runs.clean(session, run, dry_run=dry_run, confirm=ask)
+    result = state.api.clean(job_id, h.name, run_dir, dry_run=dry_run, confirm=ask)
+    run = result.run
     if state.json:
         return ui.emit_json({"host": h.name, "run": run.path, "dry_run": dry_run, "removed": result.removed,
-                             "found": [b.__dict__ for b in result.found], "bytes": result.bytes})
+                             "gone_before": result.gone_before, "found": [b.__dict__ for b in result.found],
+                             "bytes": result.bytes, "freed": result.freed})
     if not result.found:
         ui.line(f"[{h.name}] {run.path}: no hidden states or checkpoints; nothing to remove")
     elif dry_run:
         for b in result.found:
             ui.line(f"[{h.name}] would remove {run.path}/{b.rel}: {runs.human(b.bytes)} in {b.files} files")
         ui.line(f"[{h.name}] --dry-run: {runs.human(result.bytes)} would be freed; nothing was removed")
-    elif result.removed:
-        ui.line(f"[{h.name}] removed {', '.join(result.removed)} from {run.path}: {runs.human(result.bytes)} freed",
-                style="green")
+    elif result.removed or result.gone_before:
+        if result.removed:
+            ui.line(f"[{h.name}] removed {', '.join(result.removed)} from {run.path}: {runs.human(result.freed)} freed",
+                    style="green")
+        if result.gone_before:
+            ui.line(f"[{h.name}] {', '.join(result.gone_before)}: already removed (by another clean)")
     else:
         ui.line(f"[{h.name}] nothing was removed")
         raise typer.Exit(EXIT_FAILED)
