@@ -187,3 +187,23 @@ def test_clean_never_removes_under_a_job_that_starts_at_the_same_time_over_many_
         assert seen[:2] != ["start present", "end absent"], (delay, seen, answers)  # removed under a running job
     assert not [p for p in out.rglob("*") if ".removing-" in p.name]
     assert refused and removed, (refused, removed)  # both outcomes happened
+
+
+def test_pull_and_clean_from_python_return_result_objects(tmp_path, sshd, monkeypatch):
+    from kimi_eagle.api import Controller
+
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, out = _a_finished_run(e)
+    monkeypatch.setenv("HOME", str(e.home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    ke = Controller(str(e.inventory))
+    pulled = ke.pull(job, to=tmp_path / "here")
+    assert pulled.host == "gpu" and pulled.run.path == str(out) and pulled.dest == tmp_path / "here"
+    assert (pulled.dest / "draft" / "export" / "model.safetensors").is_file() and pulled.report.changed
+    dry = ke.clean(job, dry_run=True)
+    assert dry.dry_run and dry.bytes == 3_300_000 and not dry.removed and (out / "hidden_states").is_dir()
+    asked = []
+    assert not ke.clean(job, confirm=lambda r: asked.append(r.bytes) or False).removed and asked == [3_300_000]
+    done = ke.clean(job)
+    assert done.removed == ["hidden_states", "draft/checkpoints"] and done.freed == 3_300_000
+    assert not (out / "hidden_states").exists()
