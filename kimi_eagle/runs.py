@@ -53,25 +53,6 @@ for j in ids:
 print(json.dumps(out))
 """
 
-# Sizes of the bulky folders that exist: [[rel, bytes, files]].
-_MEASURE = r"""
-import json, os, sys
-root, out = sys.argv[1], []
-for rel in sys.argv[2:]:
-    base = os.path.join(root, rel)
-    if not os.path.isdir(base):
-        continue
-    size = count = 0
-    for d, _, files in os.walk(base):
-        for f in files:
-            try:
-                size += os.lstat(os.path.join(d, f)).st_size
-                count += 1
-            except OSError:
-                pass
-    out.append([rel, size, count])
-print(json.dumps(out))
-"""
 
 
 @dataclass
@@ -156,7 +137,22 @@ def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
 
 
 def measure(session: HostSession, run: RunDir) -> list[Bulky]:
-    return [Bulky(*row) for row in _json_of(session, _MEASURE, [run.path, *BULKY], "measuring the run's folders")]
+    """Sizes of the run's bulky folders that exist (ops/clean_run.py --measure: reads only)."""
+    data = _clean_run(session, ["--measure", "--runs-dir", RUNS, "--root", run.path, *BULKY])
+    return [Bulky(*row) for row in data["found"]]
+
+
+def _clean_run(session: HostSession, args: list[str]) -> dict:
+    """ops/clean_run.py on the host: its JSON answer; a lost connection or a broken run is an error."""
+    res = session.call("ops/clean_run.py", args, timeout=3600)
+    if res.exited == -1:
+        raise ConnectionFailed(f"{session.name}: connection lost while measuring or removing the run's folders",
+                               result=res)
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise CommandError(f"{session.name}: clean_run.py failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
+                           result=res) from None
 
 
 def users(session: HostSession, run: RunDir, listed: list | None = None) -> list:
@@ -191,20 +187,13 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
     # Checked again and removed on the host under the lock a job's start holds: a job started since the check
     # above (or while the user answered) is seen there, and nothing is removed.
     ended = ",".join(j.id for j in listed if j.state not in ("running", "pending"))
-    res = session.call("ops/clean_run.py", ["--runs-dir", RUNS, "--root", run.path, "--ended", ended,
-                                            *(b.rel for b in result.found)], timeout=3600)
-    if res.exited == -1:
-        raise ConnectionFailed(f"{session.name}: connection lost while removing the run's folders", result=res)
-    try:
-        data = json.loads(res.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        raise CommandError(f"{session.name}: clean_run.py failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
-                           result=res) from None
+    data = _clean_run(session, ["--runs-dir", RUNS, "--root", run.path, "--ended", ended,
+                                *(b.rel for b in result.found)])
     if data.get("busy"):
         b = data["busy"][0]
         raise _busy(session, run, b["id"], b.get("step"), b["state"])
     if not data.get("ok"):
-        raise CommandError(f"{session.name}: clean_run.py: {data.get('error') or data}", result=res)
+        raise CommandError(f"{session.name}: clean_run.py: {data.get('error') or data}")
     result.removed = data["removed"]
     result.gone_before = [b.rel for b in result.found if b.rel not in {f[0] for f in data["found"]}]
     return result

@@ -90,12 +90,16 @@ def main(argv=None) -> int:
     ap.add_argument("--runs-dir", required=True, help="the host's job folders")
     ap.add_argument("--root", required=True, help="the run's output folder")
     ap.add_argument("--ended", default="", help="jobs the controller knows have ended (comma list)")
+    ap.add_argument("--measure", action="store_true", help="only say the folders' sizes: remove nothing, take no lock")
     ap.add_argument("rels", nargs="+", help="folders under the output folder to remove")
     a = ap.parse_args(argv)
     if any(os.path.isabs(r) or ".." in r.split("/") for r in a.rels):
         print(json.dumps({"ok": False, "error": "folders must be relative to the output folder"}))
         return 2
     runs, root = os.path.abspath(a.runs_dir), os.path.realpath(a.root)
+    if a.measure:  # what `clean --dry-run` and the confirmation show
+        print(json.dumps({"ok": True, "found": measure(root, a.rels)}))
+        return 0
     os.makedirs(runs, exist_ok=True)
     with open(os.path.join(runs, ".lock"), "a+") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)  # jobctl start holds it too: no job starts between the check and the removal
