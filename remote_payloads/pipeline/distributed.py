@@ -143,11 +143,18 @@ def gather(obj) -> list:
     return out
 
 
-def shutdown() -> None:
-    if active():
-        import torch.distributed as dist
+def shutdown(completed: bool = True) -> None:
+    """Leave the process group. After a step that completed on this rank, wait for every rank first: a rank
+    that tears gloo's connections down while a peer is still using them dies at exit with "terminate called
+    without an active exception" (SIGABRT) even though its work is done — torchrun then reports the job
+    failed. After a failure, leave at once: torchrun stops the peers."""
+    if not active():
+        return
+    import torch.distributed as dist
 
-        dist.destroy_process_group()
+    if completed:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -475,10 +475,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
+    code = 1
     try:
-        return run_step("extract", run, args, refused=(LayerResolutionError,))
+        code = run_step("extract", run, args, refused=(LayerResolutionError,))
+        return code
     finally:
-        dist_.shutdown()
+        dist_.shutdown(completed=code == 0)
 
 
 if __name__ == "__main__":

@@ -667,10 +667,12 @@ def make_optimizer(model, args, device):
 
 
 def main(argv=None) -> int:
+    code = 1
     try:
-        return run_step("train", train, build_parser().parse_args(argv))
+        code = run_step("train", train, build_parser().parse_args(argv))
+        return code
     finally:
-        dist_.shutdown()
+        dist_.shutdown(completed=code == 0)
 
 
 if __name__ == "__main__":
