@@ -230,6 +230,21 @@ def test_resume_matches_uninterrupted(tmp_path):
     assert rc == 2 and "different settings" in bad["error"]
 
 
+def test_target_tops_found_once_train_exactly_like_every_step(tmp_path):
+    """On CPU, a run that sees the data more than once finds the target's top tokens once, before the first
+    step; its first epoch must be the same training as a run that finds them in every step."""
+    every = make_pipeline(tmp_path / "a")
+    common = ("--lr-schedule", "constant", "--log-every", "1", "--holdout-fraction", "0.25")
+    rc, one_epoch = run_train(every, "--epochs", "1", *common)
+    assert rc == 0 and one_epoch["target_tops"] == "every step"
+    once = make_pipeline(tmp_path / "b")
+    rc, first_of_two = run_train(once, "--epochs", "2", "--stop-at-step", str(one_epoch["total_steps"]), *common)
+    assert rc == 0 and first_of_two["target_tops"] == "once" and first_of_two["step"] == one_epoch["total_steps"]
+    for a, b in zip(one_epoch["history"], first_of_two["history"], strict=True):
+        assert (a["loss"], a["acc"], a["cond_acc"]) == (b["loss"], b["acc"], b["cond_acc"]), (a, b)
+    assert one_epoch["heldout"] == first_of_two["heldout"]
+
+
 def test_wrapper_weight_names(tmp_path):
     p = make_pipeline(tmp_path, wrapper=True)
     rc, doc = run_train(p, "--max-steps", "3", "--no-export-embed-tokens")

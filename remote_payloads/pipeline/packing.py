@@ -74,9 +74,12 @@ def load_document(path: str, limit: int, feat_dtype):
     return aux, last, s["token_ids"][1:n + 1].long(), s["loss_mask"][1:n + 1].bool()
 
 
-def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: int, hidden: int, feat_dtype) -> dict:
+def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: int, hidden: int, feat_dtype,
+               tops=None) -> dict:
     """The packed tensors of `rows` (lists of document indices): aux [R,P,A], last [R,P,H], ids, loss_mask,
-    doc_ids (-1 = padding) and positions [R,P]; plus tokens: the real positions, counted here on the host."""
+    doc_ids (-1 = padding) and positions [R,P]; plus tokens: the real positions, counted here on the host.
+    tops (per document, the target's top token at each position after the shift, found once before
+    training): packed as target_ids [R,P] too."""
     R = len(rows)
     out = {"aux": torch.zeros(R, pack_len, aux_dim, dtype=feat_dtype),
            "last": torch.zeros(R, pack_len, hidden, dtype=feat_dtype),
@@ -84,6 +87,8 @@ def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: 
            "loss_mask": torch.zeros(R, pack_len, dtype=torch.bool),
            "doc_ids": torch.full((R, pack_len), -1, dtype=torch.long),
            "positions": torch.ones(R, pack_len, dtype=torch.long)}
+    if tops is not None:
+        out["target_ids"] = torch.zeros(R, pack_len, dtype=torch.long)
     tokens = 0
     for r, docs in enumerate(rows):
         at = 0
@@ -94,6 +99,8 @@ def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: 
             out["aux"][r, sl], out["last"][r, sl], out["ids"][r, sl], out["loss_mask"][r, sl] = aux, last, ids, lm
             out["doc_ids"][r, sl] = d
             out["positions"][r, sl] = torch.arange(1, n + 1)
+            if tops is not None:
+                out["target_ids"][r, sl] = tops[d][:n]
             at += n
         tokens += at
     out["tokens"] = tokens
@@ -104,17 +111,18 @@ class StepData(torch.utils.data.Dataset):
     """Item i = this rank's packed rows of global step first + i (what a loader worker builds)."""
 
     def __init__(self, plan: Plan, first: int, last: int, rank: int, world: int, files, pack_len, aux_dim, hidden,
-                 feat_dtype):
+                 feat_dtype, tops=None):
         self.plan, self.first, self.n = plan, first, max(0, last - first)
         self.rank, self.world = rank, world
         self.files, self.pack_len, self.aux_dim, self.hidden, self.feat_dtype = files, pack_len, aux_dim, hidden, feat_dtype
+        self.tops = tops
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         rows = self.plan.rank_rows(self.first + i, self.rank, self.world)
-        return build_rows(self.files, rows, self.pack_len, self.aux_dim, self.hidden, self.feat_dtype)
+        return build_rows(self.files, rows, self.pack_len, self.aux_dim, self.hidden, self.feat_dtype, self.tops)
 
 
 def loader(data: StepData, workers: int, pin: bool):
