@@ -54,7 +54,6 @@ print(json.dumps(out))
 """
 
 
-
 @dataclass
 class RunDir:
     host: str
