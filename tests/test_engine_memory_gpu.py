@@ -1,13 +1,21 @@
 """The vLLM engine's GPU memory share (vllm_compat.engine_memory) on a GPU that another process partly holds.
 
 vLLM's default asks for 0.9 of the GPU and dies at start-up when less is free. The share is sized from what is free
-at start instead; a value the user set wins; a GPU with too little free is one clear error. The GPU's answer
-(torch.cuda.mem_get_info) is the one input that needs a GPU, so it is passed in here.
+at start instead; a value the user set wins; a GPU with too little free is one clear error. The first tests pass the
+GPU's answer (torch.cuda.mem_get_info) in; the `test_gpu_*` ones run the steps on a real CUDA GPU beside a foreign
+holder (skipped without one; bench/gpu/side_by_side.py's `engine_mem` stage runs them on the GPU machine).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,3 +56,137 @@ def test_a_share_the_user_set_that_is_no_fraction_is_one_line(value):
     with pytest.raises(ValueError) as e:
         engine_memory(2 * GIB, gpu_free_total=(H200, H200), environ={"KIMI_EAGLE_GPU_MEMORY_UTILIZATION": value})
     assert "\n" not in str(e.value) and f"KIMI_EAGLE_GPU_MEMORY_UTILIZATION={value!r}" in str(e.value)
+
+
+# ------------------------------------------------------------------ on a real GPU that another process partly holds
+# The steps themselves (extract, eval, regenerate through vLLM) beside a foreign process holding most of the GPU's
+# memory (bench/gpu/gpu_holder.py: a crashed worker, another user's job).
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = REPO / "remote_payloads" / "pipeline"
+HOLDER = REPO / "bench" / "gpu" / "gpu_holder.py"
+SHARE_ENV = "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"
+ENGINE_STARTS = "Initializing a V1 LLM engine"   # vLLM's first line of an engine start
+
+
+def gpu_memory_mib() -> tuple[int, int] | None:
+    """(free, total) MiB of GPU 0 as nvidia-smi sees them; None without a CUDA GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    p = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                       capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        return None
+    free, total = (int(x) for x in p.stdout.split(","))
+    return free, total
+
+
+needs_gpu = pytest.mark.skipif(gpu_memory_mib() is None, reason="needs a CUDA GPU (bench/gpu: the engine_mem stage)")
+
+
+@contextmanager
+def foreign_holder(gib: float, tmp: Path):
+    """A process that is not ours holding `gib` GiB of GPU 0 until the block ends."""
+    ready = tmp / f"held-{gib:.1f}"
+    proc = subprocess.Popen([sys.executable, str(HOLDER), "--gib", f"{gib:.2f}", "--ready-file", str(ready)])
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            assert proc.poll() is None, f"the holder died (exit {proc.returncode})"
+            assert time.monotonic() < deadline, "the holder never got its memory"
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def step(name: str, *args, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """One pipeline step as the host runs it; the user's share unset unless `env` sets it."""
+    environ = {k: v for k, v in os.environ.items() if k != SHARE_ENV}
+    p = subprocess.run([sys.executable, str(STEPS / name), *map(str, args)], capture_output=True, text=True,
+                       env={**environ, **(env or {})}, timeout=timeout)
+    p.output = p.stdout + p.stderr
+    return p
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A small random Llama (head_dim 64, what the GPU kernels take) and 8 prepared chat samples."""
+    root = tmp_path_factory.mktemp("engine_mem")
+    model, out = root / "model", root / "out"
+    r = step("tiny_model.py", "--out", model, "--kind", "llama", "--hidden", "256", "--layers", "8", "--vocab", "1024",
+             "--dtype", "bf16")
+    assert r.returncode == 0, r.output[-3000:]
+    r = step("prepare.py", "--model", model, "--dataset", REPO / "remote_payloads" / "sample_data" / "chat.jsonl",
+             "--output-dir", out, "--seq-len", "256", "--max-samples", "8")
+    assert r.returncode == 0, r.output[-3000:]
+    return {"root": root, "model": model, "out": out}
+
+
+@pytest.fixture(scope="module")
+def held(pipeline):
+    """Another process holds 60 % of the GPU: vLLM's default share (0.9) no longer fits in what is free."""
+    free, total = gpu_memory_mib()
+    with foreign_holder(0.6 * total / 1024, pipeline["root"]) as proc:
+        yield proc
+
+
+def engine_share(output: str) -> tuple[float, float]:
+    """(GiB the engine may take, GiB free at start) from the step's log line."""
+    m = re.search(r"vLLM engine memory: \d+% of the GPU \(([\d.]+) GiB; ([\d.]+) of [\d.]+ GiB free at start", output)
+    assert m, output[-3000:]
+    return float(m[1]), float(m[2])
+
+
+@needs_gpu
+def test_gpu_every_engine_starts_beside_a_foreign_holder(pipeline, held):
+    free, total = gpu_memory_mib()
+    assert free < 0.9 * total, "the holder must leave less than vLLM's default share free"
+    model, out = pipeline["model"], pipeline["out"]
+
+    r = step("extract.py", "--model", model, "--output-dir", out, "--backend", "vllm", "--seq-len", "256")
+    assert r.returncode == 0, r.output[-4000:]
+    takes, free_gib = engine_share(r.output)
+    assert takes <= free_gib < 0.9 * total / 1024, r.output[-2000:]
+    assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == 8
+
+    for name, args in (("vocab.py", ("--model", model, "--output-dir", out, "--draft-vocab-size", "256")),
+                       ("train.py", ("--model", model, "--output-dir", out, "--max-steps", "1", "--compile", "off"))):
+        r = step(name, *args)
+        assert r.returncode == 0, r.output[-4000:]
+
+    r = step("eval.py", "--model", model, "--output-dir", out, "--engine", "vllm", "--num-prompts", "2",
+             "--prompts", REPO / "remote_payloads" / "sample_data" / "prompts_eval.jsonl", "--max-tokens", "16",
+             "--batch-sizes", "1", "--timing-prompts", "1")
+    assert r.returncode == 0, r.output[-4000:]
+    assert json.loads((out / "eval" / "report.json").read_text())["engine"] == "vllm"
+    assert engine_share(r.output)[0] <= free / 1024
+
+    r = step("regenerate.py", "--model", model, "--dataset", REPO / "remote_payloads" / "sample_data" / "chat.jsonl",
+             "--output-dir", out, "--engine", "vllm", "--max-prompts", "4", "--max-tokens", "16", "--max-model-len", "512")
+    assert r.returncode == 0, r.output[-4000:]
+    assert engine_share(r.output)[0] <= free / 1024
+    assert held.poll() is None, "the foreign holder must outlive every step"
+
+
+@needs_gpu
+def test_gpu_vllms_default_share_would_not_start_there(pipeline, held, tmp_path):
+    """What every step did before it sized its engine: the user's 0.9 (vLLM's default) wins, and vLLM refuses."""
+    r = step("extract.py", "--model", pipeline["model"], "--output-dir", pipeline["out"], "--out", tmp_path / "hs",
+             "--backend", "vllm", "--seq-len", "256", env={SHARE_ENV: "0.9"})
+    assert r.returncode != 0 and "90% of the GPU" in r.output and ENGINE_STARTS in r.output, r.output[-3000:]
+    assert held.poll() is None
+
+
+@needs_gpu
+def test_gpu_too_little_free_is_one_line_before_any_engine(pipeline, tmp_path):
+    free, total = gpu_memory_mib()
+    with foreign_holder((free - 1024) / 1024, tmp_path) as proc:   # 1 GiB left: under the 2 % margin of an H200
+        r = step("extract.py", "--model", pipeline["model"], "--output-dir", pipeline["out"], "--out", tmp_path / "hs",
+                 "--backend", "vllm", "--seq-len", "256")
+        assert proc.poll() is None
+    assert r.returncode == 1, r.output[-3000:]
+    refusal = [s for s in r.stderr.splitlines() if "GiB free" in s]
+    assert len(refusal) == 1 and refusal[0].startswith("extract: vLLM engine: the GPU has"), r.stderr[-3000:]
+    assert ENGINE_STARTS not in r.output and not list((tmp_path / "hs").glob("hs_*"))

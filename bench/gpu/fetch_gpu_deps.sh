@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, on a machine with network, what bench/gpu/gpu_e2e.sh needs on a GPU machine without one:
-#   .whl/       wheels for the controller (fabric, paramiko, pydantic, ...) for CPython 3.12 x86_64
+#   .whl/       wheels for the controller (fabric, paramiko, pydantic, ...) and pytest (the GPU tests) for CPython 3.12
 #   .whl/spec/  the speculators 0.3.0 wheel the e2e run patches
 #   .debs/      Debian bookworm OpenSSH packages (sshd, ssh, sftp-server and their libraries)
 # Both folders are git-ignored; carry them to the GPU machine with the repo.
@@ -15,7 +15,8 @@ plat=(--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platfo
       --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
       --platform manylinux1_x86_64)
 for pkg in fabric==3.2.3 paramiko==5.1.0 invoke decorator deprecated wrapt pydantic==2.13.4 pydantic_core==2.46.4 \
-           annotated-types typing-inspection typing-extensions cryptography bcrypt pynacl cffi pycparser; do
+           annotated-types typing-inspection typing-extensions cryptography bcrypt pynacl cffi pycparser \
+           pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0 pytest-timeout==2.4.0; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" -d .whl "$pkg"
 done
 "$PY" -m pip download -q --no-deps -d .whl/spec speculators==0.3.0

@@ -585,6 +585,35 @@ def st_kimi(gpu):
     return {**res, "exit": p.returncode}
 
 
+def st_engine_mem(gpu):
+    """tests/test_engine_memory_gpu.py on this GPU: extract, eval and regenerate start their vLLM engines beside a
+    foreign process holding 60 % of it, vLLM's default share would not, and too little free is one line before any
+    engine. pytest (and its plugins) from the carried .whl/ into a site of its own."""
+    site = WORK / "site-test"
+    if not (site / "pytest").exists():
+        wheels = [str(w) for w in sorted((ROOT / ".whl").glob("*.whl"))
+                  if w.name.split("-")[0].lower() in ("pytest", "pluggy", "iniconfig", "pytest_timeout")]
+        if not wheels:
+            raise StageFailed("no pytest wheels in .whl/ (bench/gpu/fetch_gpu_deps.sh; carry .whl/)")
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site), *wheels],
+                       check=True)
+    junit = D["results"] / "engine_mem.xml"
+    env = env_for(gpu, ("site-early", "site-vllm"))
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    with open(D["logs"] / "engine_mem.log", "a") as lf:
+        p = subprocess.run([PY, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                            "tests/test_engine_memory_gpu.py"], cwd=ROOT, env=env, stdout=lf, stderr=lf, timeout=900)
+    import xml.etree.ElementTree as ET
+    cases = {}
+    for case in ET.parse(junit).getroot().iter("testcase") if junit.exists() else ():
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        cases[case.get("name")] = {"outcome": outcome, "seconds": round(float(case.get("time", 0)), 1)}
+    gpu_cases = {n: c for n, c in cases.items() if n.startswith("test_gpu_")}
+    if p.returncode != 0 or not gpu_cases or any(c["outcome"] != "passed" for c in gpu_cases.values()):
+        raise StageFailed(f"pytest exit {p.returncode}: {tail(D['logs'] / 'engine_mem.log', 2500)}")
+    return {"tests": cases}
+
+
 # --- SmolLM2 answers ShareGPT, its draft measured on MT-Bench (the field's benchmark, k=3) -----------------
 MPIPE = SHM / "mtb"
 MTB_TRAIN_S = float(os.environ.get("KE_MTB_TRAIN_S", "210"))
@@ -761,7 +790,8 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("mtb_eval_spec", st_mtb_eval_spec, ["mtb_spec", "bundle-vllm"]),
          ("mtb_ab", st_mtb_ab, ["mtb_eval", "mtb_eval_spec"])]
 # After both lanes, on every GPU: (name, function, needs).
-FINAL = [("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
+FINAL = [("engine_mem", st_engine_mem, ["bundle-early", "bundle-vllm"]),
+         ("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
 ALL = [s[0] for s in LANE0 + LANE1 + FINAL] + ["scaling"]
 T0 = now()
 
@@ -807,6 +837,10 @@ def run_all():
     global T0
     T0 = now()
     (WORK / "runner.started").write_text(str(T0))
+    # KE_FINAL_FIRST=1 (one GPU): the whole-machine stages before the lanes, when they matter more and time is short.
+    final_first = os.environ.get("KE_GPUS", "2") == "1" and os.environ.get("KE_FINAL_FIRST") == "1"
+    if final_first:
+        lane(FINAL, None)
     if os.environ.get("KE_GPUS", "2") == "1":
         # A one-GPU machine: the lanes one after the other on it (two lanes would fight over its memory).
         lane(LANE0, "0")
@@ -817,7 +851,8 @@ def run_all():
             t.start()
         for t in threads:
             t.join()
-    lane(FINAL, None)
+    if not final_first:
+        lane(FINAL, None)
     # The scaling run needs both GPUs to itself: after both lanes, if time is left.
     # KE_DEVICE_LEFT_S: the device time left when the runner started; the scaling run must end inside it.
     left = float(os.environ.get("KE_DEVICE_LEFT_S", "1e9")) - 60
