@@ -31,8 +31,14 @@ def cluster(tmp_path_factory):
 
 def test_a_failed_squeue_is_an_error_never_a_state_and_the_job_goes_on(tmp_path, sshd, cluster):
     env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
-    r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--", PY, "-c",
-                "import time; print('begin', flush=True); time.sleep(50); print('end', flush=True)")
+    # The job runs until the controller is back (the test says so with a file), so it spans the outage however
+    # long that takes on a loaded machine, and ends right after (a fixed sleep made it wait ~40 s longer).
+    back = tmp_path / "controller-back"
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\nprint('begin', flush=True)\nt = time.monotonic()\n"
+                      "while not os.path.exists(sys.argv[1]) and time.monotonic() - t < 150:\n    time.sleep(0.2)\n"
+                      "print('end' if os.path.exists(sys.argv[1]) else 'never told', flush=True)\n")
+    r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--", PY, str(script), str(back))
     assert r.code == 0, r.stderr
     job = r.json()["id"]
     wait_state(env, job, {"running"})
@@ -46,6 +52,7 @@ def test_a_failed_squeue_is_an_error_never_a_state_and_the_job_goes_on(tmp_path,
             listing = env.cli("--json", "status", "--host", "login")
         finally:
             cluster.start_controller()
+            back.touch()
         assert listing.code == 1, (listing.stdout, listing.stderr)
         data = listing.json()
         assert "squeue failed" in data["errors"]["login"] and not data["jobs"], data
