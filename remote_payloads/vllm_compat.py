@@ -256,7 +256,14 @@ def size_engine(step: str, model_dir: str, tp: int, seq_tokens: int, sequences: 
 
     from step_runtime import Refused, log
 
-    free_total = tuple(torch.cuda.mem_get_info()) if torch.cuda.is_available() else None
+    free_total = None
+    if torch.cuda.is_available():
+        try:
+            free_total = tuple(torch.cuda.mem_get_info())
+        except RuntimeError as e:  # torch.AcceleratorError: not even a CUDA context fits in what is free
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise Refused(f"vLLM engine: the GPU has too little memory free to start CUDA ({first}); other processes "
+                          "hold it: nvidia-smi shows which") from None
     try:
         memory = step_engine_memory(model_dir, tp, seq_tokens, sequences, gpu_free_total=free_total, environ=environ)
     except ValueError as e:
