@@ -191,3 +191,10 @@ def test_rows_written_for_speculators_match_the_sample_files(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert doc == {"ok": True, "rows": 16, "columns": ["input_ids", "loss_mask", "seq_len"]}
+
+
+def test_tokens_per_step_are_whole_flex_blocks():
+    """speculators' TTT block mask assumes total_seq_len // 128 query blocks: 1208 tokens per step (8 rows of the
+    sample data's longest document) failed its first step on the H200. Whole blocks go through unchanged."""
+    assert spec_trainer.spec_tokens_per_step(1208) == 1280
+    assert [spec_trainer.spec_tokens_per_step(n) for n in (1, 128, 129, 32768)] == [128, 128, 256, 32768]

@@ -39,7 +39,7 @@ step prepare "$PY" $P/prepare.py --model "$m" --dataset remote_payloads/sample_d
   --seq-len 256 &&
 step extract "$PY" $P/extract.py --model "$m" --output-dir "$o" --backend hf --seq-len 256 --device "$DEV" &&
 step vocab "$PY" $P/vocab.py --model "$m" --output-dir "$o" --draft-vocab-size 256 &&
-step train_speculators "$PY" $P/train.py --trainer speculators --model "$m" --output-dir "$o" --max-steps 20 \
+step train_speculators "$PY" $P/train.py --trainer speculators --model "$m" --output-dir "$o" --max-steps "${SPEC_SMOKE_STEPS:-20}" \
   --epochs 100 --device "$DEV" --log-every 5
 rc=$?
 "$PY" - "$W/steps.jsonl" "$OUT/spec_step.json" "$rc" <<'EOF'

@@ -105,6 +105,16 @@ def plan_epochs(lengths: list[int], tokens_per_step: int, train_ratio: float, ma
 
 LR_SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "none"}
 
+# speculators pads every packed batch to --total-seq-len and extends its flex-attention block mask for each TTT step
+# assuming total_seq_len // 128 query blocks (128: flex attention's block size). Any other length fails at the first
+# step ("block_mask was created for block_mask.shape=(1, 1, 1280, 2560) but got q_len=1208", seen on the H200).
+FLEX_BLOCK = 128
+
+
+def spec_tokens_per_step(requested: int) -> int:
+    """The tokens per step speculators' trainer can take: `requested` rounded up to a whole number of flex blocks."""
+    return -(-max(1, requested) // FLEX_BLOCK) * FLEX_BLOCK
+
 
 def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: str, aux_ids: list[int],
                  draft_vocab: int, tokens_per_step: int, holdout_fraction: float, epochs: int | None = None,
@@ -241,7 +251,10 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
             if time.time() > deadline:
                 raise RuntimeError(f"rank 0 wrote no speculators rows to {data_dir} within an hour")
             time.sleep(1)
-    tokens_per_step = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
+    requested = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
+    tokens_per_step = spec_tokens_per_step(requested)
+    if tokens_per_step != requested:
+        log(f"tokens per step {requested} -> {tokens_per_step}: speculators' trainer takes whole blocks of {FLEX_BLOCK}")
     plan = plan_epochs(lengths, tokens_per_step, train_ratio(args.holdout_fraction), args.max_steps, args.epochs,
                        world_size=int(os.environ.get("WORLD_SIZE", "1")), seed=args.seed)
     argv = trainer_argv(args, hs_dir=os.path.join(out, "hidden_states"), data_dir=data_dir,
