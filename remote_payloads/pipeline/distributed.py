@@ -157,6 +157,18 @@ def shutdown(completed: bool = True) -> None:
     dist.destroy_process_group()
 
 
+def run_step_then_leave(name: str, fn, args, **kwargs) -> int:
+    """step_runtime.run_step for a step torchrun may launch: the step, then shutdown() whatever happened."""
+    from step_runtime import run_step
+
+    code = 1
+    try:
+        code = run_step(name, fn, args, **kwargs)
+        return code
+    finally:
+        shutdown(completed=code == 0)
+
+
 # ----------------------------------------------------------------------------------------------------
 # stop requests
 

@@ -42,7 +42,7 @@ from hf_target import HiddenStateCapture, load_model  # noqa: E402
 from hidden_state_files import (COMPAT_KEYS, FORMAT, LAYOUT, check_sample, clean_stale_tmp, sample_path,  # noqa: E402
                                 tmp_path, write_safetensors)
 from prepared_data import PreparedDataset  # noqa: E402
-from step_runtime import (BadInput, Refused, atomic_write_json, log, model_identity, progress, run_step,  # noqa: E402
+from step_runtime import (BadInput, atomic_write_json, log, model_identity, progress,  # noqa: E402
                           settings_changed)
 import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
 import extract_vllm  # noqa: E402
@@ -475,12 +475,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
-    code = 1
-    try:
-        code = run_step("extract", run, args, refused=(LayerResolutionError,))
-        return code
-    finally:
-        dist_.shutdown(completed=code == 0)
+    return dist_.run_step_then_leave("extract", run, args, refused=(LayerResolutionError,))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_specul
                          load_target_tensors)
 from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
 from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, progress_line,  # noqa: E402
-                          run_step, settings_changed)
+                          settings_changed)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 import packing  # noqa: E402  (packed rows, the step plan, the loader)
 import spec_trainer  # noqa: E402  (--trainer speculators)
@@ -704,12 +704,7 @@ def make_optimizer(model, args, device):
 
 
 def main(argv=None) -> int:
-    code = 1
-    try:
-        code = run_step("train", train, build_parser().parse_args(argv))
-        return code
-    finally:
-        dist_.shutdown(completed=code == 0)
+    return dist_.run_step_then_leave("train", train, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
