@@ -87,12 +87,19 @@ def draft_dir(tmp_path, **changes):
            "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
            "transformer_layer_config": {"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
                                         "intermediate_size": 128}}
+    nan = changes.pop("nan_weights", False)
     for k, v in changes.items():
         if k in ("hidden_size", "vocab_size"):
             cfg["transformer_layer_config"][k] = v
         else:
             cfg[k] = v
     (d / "config.json").write_text(json.dumps(cfg))
+    import torch
+    from safetensors.torch import save_file
+
+    fc = torch.zeros(64, 3 * 64)
+    fc[1, 2] = float("nan") if nan else 0.0
+    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64)}, str(d / "model.safetensors"))
     return d
 
 
@@ -100,6 +107,7 @@ def draft_dir(tmp_path, **changes):
     ({"hidden_size": 96}, "hidden_size 96"),
     ({"vocab_size": 1000}, "vocab_size 1000"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}, "eagle_aux_hidden_state_layer_ids"),
+    ({"nan_weights": True}, "tensor fc.weight holds NaN or Inf"),   # a diverged run's export
 ])
 def test_eval_refuses_a_draft_that_does_not_fit_the_target_before_loading_it(tmp_path, change, named):
     model = tmp_path / "target"
@@ -108,7 +116,7 @@ def test_eval_refuses_a_draft_that_does_not_fit_the_target_before_loading_it(tmp
     code, out, err = payload("eval.py", "--model", model, "--draft", draft_dir(tmp_path, **change),
                              "--prompts", PROMPTS / "prompts_eval.jsonl", "--output-dir", tmp_path / "o")
     assert code == 2, err
-    assert named in err and "config.json" in err
+    assert named in err and ("model.safetensors" if "NaN" in named else "config.json") in err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o" / "eval").exists()
 
@@ -370,6 +378,28 @@ def test_eval_on_mt_bench_reports_both_turns_per_category_and_batch_sizes(tmp_pa
     assert rep["identical_completions"] == 1.0  # fp32 greedy: the draft never changes the text
     for words in ("mt-bench", "k=3", "transformers", "acceptance length"):
         assert words in rep["card"]
+    # an untrained draft: a warning beside the figure exactly when nothing was accepted
+    nothing = rep["accepted_tokens"] == 0
+    assert ("warnings" in rep) == nothing and ("WARNING: none of the" in rep["headline"]) == nothing, rep
+    assert ("eval: warning: none of the" in err) == nothing
+
+
+def test_eval_refuses_to_report_acceptance_when_no_draft_ran():
+    """An engine that decoded many tokens per turn with the draft attached but counted no drafts (vLLM's
+    counters renamed, a speculative config it ignored) must not be reported as acceptance length 1.00."""
+    sys.path.insert(0, str(PIPE))
+    import eval as ev
+    from step_runtime import Refused
+
+    def m(drafts, accepted, tokens, turns=4):
+        return {"groups": {(0, None): {"drafts": drafts, "accepted": accepted, "per_pos": [accepted, 0, 0]}},
+                "output_tokens": tokens, "turns": turns}
+
+    with pytest.raises(Refused, match="counted no drafts: speculative decoding did not run"):
+        ev.drafting_problems(m(0, 0, 40), "vLLM 0.32.0")
+    assert ev.drafting_problems(m(0, 0, 4), "vLLM") == []    # one token per turn: nothing to draft after it
+    assert "none of the 9 drafts" in ev.drafting_problems(m(9, 0, 40), "vLLM")[0]
+    assert ev.drafting_problems(m(9, 2, 40), "vLLM") == []
 
 
 # ------------------------------------------------------------------------- the real vLLM 0.32 (CPU) engine

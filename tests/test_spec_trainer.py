@@ -160,6 +160,15 @@ def test_export_checks_accept_our_export_and_catch_a_wrong_one(trained, tmp_path
     assert any("eagle_aux_hidden_state_layer_ids" in x for x in problems)
     assert any("d2t differs" in x for x in problems)
     assert spec_trainer.check_export(str(tmp_path), **args) == [f"{tmp_path}: config.json or model.safetensors missing"]
+    # weights a diverged run left: they would load and serve, accepting nothing
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(exp, nan)
+    sd = load_file(str(nan / "model.safetensors"))
+    sd["fc.weight"][0, 0] = float("nan")
+    save_file(sd, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    assert spec_trainer.check_export(str(nan), **args) == ["tensor fc.weight holds NaN or Inf (training diverged)"]
 
 
 def test_rows_written_for_speculators_match_the_sample_files(tmp_path):

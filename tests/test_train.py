@@ -230,6 +230,22 @@ def test_resume_matches_uninterrupted(tmp_path):
     assert rc == 2 and "different settings" in bad["error"]
 
 
+@pytest.mark.parametrize("log_every,save_every", [(1, 5), (4, 1)], ids=["at-a-logging-step", "at-a-save-step"])
+def test_diverged_loss_stops_without_saving_or_exporting(tmp_path, log_every, save_every):
+    """A learning rate that blows the weights up (the loss is NaN from step 2) must not end as a success with a
+    NaN draft exported: the step fails naming the step and what to change, and writes no checkpoint of it,
+    whether a logging step or a save step sees it first."""
+    p = make_pipeline(tmp_path)
+    rc, doc = run_train(p, "--epochs", "2", "--log-every", str(log_every), "--save-every", str(save_every),
+                        "--lr", "1e30")
+    assert rc == 1 and not doc["ok"] and not doc["finished"], doc
+    assert "not finite" in doc["error"] and "at step 2" in doc["error"] and "--lr" in doc["error"], doc["error"]
+    assert not (p["out"] / "draft" / "export").exists()
+    ckpts = sorted(x.name for x in (p["out"] / "draft" / "checkpoints").glob("step_*.pt"))
+    assert ckpts == (["step_00000001.pt"] if save_every == 1 else []), ckpts
+    assert doc["history"][-1]["step"] <= 2
+
+
 def test_target_tops_found_once_train_exactly_like_every_step(tmp_path):
     """On CPU, a run that sees the data more than once finds the target's top tokens once, before the first
     step; its first epoch must be the same training as a run that finds them in every step."""

@@ -355,6 +355,20 @@ class Eagle3Draft(nn.Module):
         return [self.lm_head(h) for h in normed]
 
 
+def nonfinite_weights(st_path: str) -> list[str]:
+    """The tensors of a safetensors file holding NaN or Inf, as problems. A diverged run's weights load and serve
+    without complaint and accept nothing, so an export is checked before anything trusts it."""
+    from safetensors import safe_open
+
+    bad = []
+    with safe_open(st_path, "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(f"tensor {name} holds NaN or Inf (training diverged)")
+    return bad
+
+
 def draft_layer_config(tcfg: dict, args) -> dict:
     """The Llama decoder-layer shape of the draft, derived from the target's text config.
 

@@ -33,8 +33,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from step_runtime import (BadInput, atomic_write, atomic_write_json, job_headline, log, run_step,  # noqa: E402
-                          stdout_for_result_only)
+from step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, job_headline, log,  # noqa: E402
+                          run_step, stdout_for_result_only)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
 
@@ -88,6 +88,14 @@ def check_draft(draft_dir, model_dir):
                        f"(valid 0..{N - 1}: {model_dir} has {N} decoder layers)")
     if not isinstance(dc.get("draft_vocab_size"), int) or not 0 < dc["draft_vocab_size"] <= tc["vocab_size"]:
         raise BadInput(f"{path}: draft_vocab_size {dc.get('draft_vocab_size')!r} must be 1..{tc['vocab_size']}")
+    weights = os.path.join(draft_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise BadInput(f"{weights}: missing (--draft must be a speculators Eagle3 export)")
+    from draft_model import nonfinite_weights   # before the engines' load (for a 1T target, half an hour)
+
+    bad = nonfinite_weights(weights)
+    if bad:
+        raise BadInput(f"{weights}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return dc, tc
 
 
@@ -293,7 +301,7 @@ def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
 
     runner = open_runner(k)
     runner(firsts[:1])
-    groups, same, spec_turns = {}, 0, 0
+    groups, same, spec_turns, spec_tokens = {}, 0, 0, 0
     for r in range(rounds):
         todo, _ = turn_prompts(convs, budget, base_answers, r)
         by_cat = {}
@@ -307,13 +315,32 @@ def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
                 for (i, _), (_, ids) in zip(piece, outs):
                     same += ids == base_ids.get((i, r))
                     spec_turns += 1
+                    spec_tokens += len(ids)
         log(f"eval: with the draft, turn {r + 1}: {len(todo)} prompts")
     for b in batch_sizes:
         if runner.can_batch(b):
             speeds[b]["with_draft"] = timed(runner, firsts, b)
     runner.close()
     return {"groups": groups, "speeds": speeds, "identical": same / max(spec_turns, 1), "turns": spec_turns,
-            "cut": cut, "timing_prompts": len(firsts)}
+            "output_tokens": spec_tokens, "cut": cut, "timing_prompts": len(firsts)}
+
+
+def drafting_problems(m, engine_name) -> list[str]:
+    """What makes the acceptance figures mean nothing. Raises Refused when the engine decoded with the draft
+    attached but counted no drafts at all: an acceptance length of 1.00 would then be reported for a draft that
+    never ran (a vLLM whose spec-decode counters are named otherwise, a speculative config it ignored). Returns
+    warnings for what was measured but is worth a look: drafts made and none accepted."""
+    drafts = sum(c["drafts"] for c in m["groups"].values())
+    accepted = sum(c["accepted"] for c in m["groups"].values())
+    # Each turn's first token comes from the prefill, with nothing to verify; every later step drafts.
+    if drafts == 0 and m["output_tokens"] > m["turns"]:
+        raise Refused(f"{engine_name} decoded {m['output_tokens']} tokens in {m['turns']} turns with the draft "
+                      f"attached but counted no drafts: speculative decoding did not run, so there is no acceptance "
+                      f"to report")
+    if drafts and not accepted:
+        return [f"none of the {drafts} drafts had a token accepted: the draft predicts nothing of this target "
+                f"(a target with random weights, too few training steps, or features from other layers)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -447,7 +474,13 @@ def run(args):
     meta.update({"benchmark": benchmark_name(args.prompts, named, prov), "dataset": prov,
                  "model": os.path.abspath(args.model), "draft": args.draft, "prompts_file": path,
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
+    warnings = drafting_problems(m, meta["engine_name"])
     rep = summarize(m, k, convs, meta, batch_sizes)
+    if warnings:
+        rep["warnings"] = warnings
+        rep["headline"] += "; WARNING: " + "; ".join(warnings)
+        for w in warnings:
+            log(f"eval: warning: {w}")
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(os.path.join(out_dir, "report.json"), rep)
     from report_plot import render_report

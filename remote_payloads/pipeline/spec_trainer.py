@@ -208,6 +208,9 @@ def check_export(export_dir: str, aux_ids: list[int], d2t, t2d, hidden: int) -> 
                     problems.append(f"tensor {name} missing")
                 elif not np.array_equal(f.get_tensor(name).astype(want.dtype), want):
                     problems.append(f"tensor {name} differs from vocab/{name}.npy")
+    from draft_model import nonfinite_weights
+
+    problems += nonfinite_weights(st_path)
     return problems
 
 

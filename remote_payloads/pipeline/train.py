@@ -146,6 +146,23 @@ def restore_rng(ck: dict, rank: int, world_size: int, cuda_devices: int, set_cpu
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and export
 
+def nonfinite(loss_sum, params) -> str | None:
+    """What is no longer finite on some rank: the losses summed since the last logging step, or a weight (this
+    rank's shard of it); None when all is finite. One collective: every rank calls it at the same step."""
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in params]   # FSDP2: DTensor -> this rank's part
+    weights_bad = bool(torch.stack([(~torch.isfinite(x.detach())).any() for x in shards]).any()) if shards else False
+    loss_bad, weights_bad = dist_.all_sum([not math.isfinite(float(loss_sum)), weights_bad])
+    if loss_bad:
+        return "the loss is not finite"
+    return "a weight is not finite" if weights_bad else None
+
+
+def divergence(what, first: int, last: int) -> str:
+    """The error's first words: `what` is the mean loss of steps first..last (not finite), or nonfinite()'s answer."""
+    where = f"at step {last}" if first >= last else f"in steps {first}-{last}"
+    return f"the loss is not finite ({what}) {where}" if isinstance(what, float) else f"{what} {where}"
+
+
 def latest_checkpoint(ckpt_dir: str) -> str | None:
     if not os.path.isdir(ckpt_dir):
         return None
@@ -530,6 +547,7 @@ def train(args) -> dict:
     stats_c = torch.zeros(3 * S + 1, dtype=torch.float64, device=device)
     stats_loss = torch.zeros((), dtype=torch.float64, device=device)
     n_since = 0
+    diverged = None   # what the loss or the weights turned into, once they are no longer finite
     model.train()
     batches = iter(packing.loader(packing.StepData(plan, start, stop, w.rank, w.size, files, pack_len, aux_dim, H,
                                                    feat_dtype, tops), workers, pin))
@@ -589,6 +607,9 @@ def train(args) -> dict:
                     progress_line("train", done, total, every_s=0, loss=entry["loss"], acc=fig["acc"][0],
                                   accept_len=fig["accept_len"], tok_s=tok_g / dt)
                 history.append(entry)
+                if not math.isfinite(entry["loss"]):
+                    diverged = divergence(entry["loss"], done - n_since + 1, done)
+                    break
                 stats_l.zero_(), stats_c.zero_(), stats_loss.zero_()
                 t_log, tok_log, n_since = time.time(), 0, 0
             if held is not None and args.eval_every and done % args.eval_every == 0 and done != stop:
@@ -599,6 +620,11 @@ def train(args) -> dict:
                                        **{f"heldout/cond_acc_{k}": a for k, a in enumerate(evals[-1]["cond_acc"])}})
                 t_log = time.time()
             if done % args.save_every == 0 or done == stop or interrupted:
+                # A checkpoint is only written of finite weights reached by finite losses (one host sync per save).
+                bad = nonfinite(stats_loss, opt.params)
+                if bad:
+                    diverged = divergence(bad, done - n_since + 1, done)
+                    break
                 last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints,
                                             sharding, trainable_names)
             if interrupted:
@@ -608,8 +634,8 @@ def train(args) -> dict:
     loop_s = time.time() - t_loop
     tok_loop = int(dist_.all_sum([tok_loop])[0])
 
-    finished = done == total and not interrupted
-    result = {"ok": not interrupted, "finished": finished, "step": max(done, start), "total_steps": total,
+    finished = done == total and not interrupted and not diverged
+    result = {"ok": not interrupted and not diverged, "finished": finished, "step": max(done, start), "total_steps": total,
               "resumed_from_step": resumed_from, "samples": len(files), "tokens": n_tokens,
               "aux_layer_ids": aux_ids, "draft_vocab_size": K, "device": str(device), "dtype": str(dtype),
               "world_size": w.size, "parallel": sharding, "rows_per_step": n_rows, "pack_len": pack_len,
@@ -621,12 +647,19 @@ def train(args) -> dict:
               "elapsed_s": round(time.time() - t_start, 2)}
     if interrupted:
         result["error"] = f"stopped by {interrupted} after step {done}; checkpoint saved, continue with --resume"
+    if diverged:
+        kept = last_path or latest_checkpoint(ckpt_dir)
+        result["error"] = (f"{diverged}: stopped there, nothing exported and no checkpoint of it written (last "
+                           f"checkpoint: {kept or 'none'}); start again with a lower --lr (now {args.lr:g}), "
+                           f"--warmup-steps or --grad-clip")
+        if w.main:
+            log(f"train: {result['error']}")
     if device.type == "cuda":
         result["cuda_peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if history:
         result["final_loss"], result["final_acc"] = history[-1]["loss"], history[-1]["acc"]
         result["final_cond_acc"] = history[-1]["cond_acc"]
-    if held is not None and done == stop:
+    if held is not None and done == stop and not diverged:
         evals.append({"step": done, **evaluate()})
         if w.main:
             log(f"held-out at step {done}: {json.dumps(evals[-1])}")
