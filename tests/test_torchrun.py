@@ -247,6 +247,18 @@ def test_fsdp_two_ranks_same_curve_and_export(train_inputs, reference):
         assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), k
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_diverging_run_on_two_ranks_stops_on_both_at_the_same_step(train_inputs, parallel):
+    """Every rank must take the decision to stop together, or one waits forever in a collective the other
+    skipped: a NaN seen at a save step (between logging steps) ends both ranks, exit 1, nothing exported."""
+    out = fresh_out(train_inputs, f"nan-{parallel}")
+    code, doc, err = train(train_inputs, out, "--parallel", parallel, "--lr", "1e30", "--log-every", "100",
+                           "--save-every", "1", nproc=2)
+    assert code == 1 and not doc["ok"] and "not finite" in doc["error"] and "at step 2" in doc["error"], err
+    assert not (out / "draft" / "export").exists()
+    assert sorted(x.name for x in (out / "draft" / "checkpoints").glob("step_*")) == ["step_00000001.pt"]
+
+
 def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, reference):
     out = fresh_out(train_inputs, "sigterm")
     cmd = [*TORCHRUN, "--nproc-per-node", "2", str(PAY / "pipeline" / "train.py"), "--model",
