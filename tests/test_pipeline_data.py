@@ -476,10 +476,15 @@ def test_validate_reports_bad_samples(pipeline, tmp_path):
     t["token_ids"][0] += 1
     save_file(t, str(out_dir / "hs_5.safetensors"))
     os.unlink(out_dir / "hs_7.safetensors")
+    t = load_hs(str(out_dir / "hs_4.safetensors"))   # two positions of one layer never captured
+    t["hidden_states"][1:3, 2] = 0
+    save_file(t, str(out_dir / "hs_4.safetensors"))
     code, out, err = run("extract", "--validate", "--prepared-dir", os.path.join(root, "prepared"), "--out", out_dir)
     assert code == 1 and not out["ok"]
+    n = t["hidden_states"].shape[0]
     assert {b["index"]: b["error"] for b in out["bad"]} == {
-        3: "hidden_states contain NaN/Inf", 5: "token_ids do not match the prepared sample", 7: "missing"}
+        3: "hidden_states contain NaN/Inf", 5: "token_ids do not match the prepared sample", 7: "missing",
+        4: f"hidden_states: 2 of {n} positions are all zeros at layer slot(s) [2] (never captured)"}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ def check_sample_headers(files, num_ids: int, hidden: int) -> list[int]:
 def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=False):
     """Return None if the file is a valid sample for these token ids, else a short reason.
 
-    Cheap mode (resume): header + token ids + shape. Full mode (--validate): also loss mask and finiteness.
+    Cheap mode (resume): header + token ids + shape. Full mode (--validate): also loss mask, finiteness and no
+    vector left all zeros (never captured).
     """
     import numpy as np
     import torch
@@ -107,6 +108,13 @@ def check_sample(path, token_ids, loss_mask, num_layer_ids, hidden_size, full=Fa
             hs = f.get_tensor("hidden_states")
             if not bool(torch.isfinite(hs.float()).all()):
                 return "hidden_states contain NaN/Inf"
+            # A real residual stream is never exactly zero over a whole vector; a capture that skipped positions
+            # (a prefix-cache hit, a connector that saw only part of the prompt) leaves its buffer's zeros there.
+            zero = (hs == 0).all(dim=-1)
+            if bool(zero.any()):
+                slots = sorted(set(zero.nonzero()[:, 1].tolist()))
+                return (f"hidden_states: {int(zero.any(dim=1).sum())} of {t} positions are all zeros at layer "
+                        f"slot(s) {slots} (never captured)")
     except Exception as e:  # truncated / corrupt file
         return f"unreadable ({type(e).__name__}: {e})"
     return None
