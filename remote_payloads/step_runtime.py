@@ -158,6 +158,32 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def files_digest(folder: str, names) -> str:
+    """16 hex digits of the named files' contents: the code behind an output that a later run may reuse."""
+    h = hashlib.sha256()
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".json")
+
+
+def model_fingerprint(model: str | None) -> str | None:
+    """16 hex digits that change when a local model folder's config or weights do (names, sizes, mtimes: a
+    folder rebuilt in place with other weights is another model), without reading gigabytes; None for a hub id."""
+    if not model or not os.path.isdir(model):
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(model)):
+        path = os.path.join(model, name)
+        if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(path):
+            st = os.stat(path)
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 # ---------------------------------------------------------------------------------------------- main
 def emit(result, code: int) -> int:
     # Under torchrun every worker runs the step; rank 0 answers for all of them (one JSON document on

@@ -130,7 +130,8 @@ def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
     extra = ["--dtype", "bfloat16", "--threads", 2] if engine == "hf" else []
     return step("eval.py", "--model", model, "--draft", draft, "--prompts", prompts, "--engine", engine,
                 "--num-prompts", EVAL_QUESTIONS, "--max-tokens", 48, "-k", K, "--batch-sizes", "1", "--timing-prompts",
-                1, "--out", out, "--output-dir", out, "--report-to", "none", *extra, python=python)
+                1, "--out", out, "--output-dir", out, "--report-to", "none", "--baseline-dir", out.parent / "baselines",
+                *extra, python=python)
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,8 @@ def test_a_trained_draft_beats_an_untrained_one_on_mt_bench(smollm2, drafts, tra
     good = trained_hf
     bad = evaluate(smollm2, untrained, mt_bench, out / "eval_untrained")
     print(f"\ntrained:   {good['card']}\nuntrained: {bad['card']}")
+    # the target alone answered once, for both drafts (same target, prompts and settings)
+    assert bad["baseline"]["reused"] and bad["baseline"]["file"] == good["baseline"]["file"]
     assert good["benchmark"] == "mt-bench" and good["turns"] == 2 * EVAL_QUESTIONS and len(good["per_category"]) == 8
     # The untrained draft is accepted ~never (seen: 1.00); the trained one at position 0 in ~a quarter of ~600
     # drafts (seen 2026-12-01: 1.31, 24 % / 6 % / 2 %; the AdamW recipe before it reached 1.11, which fails

@@ -448,3 +448,41 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
     assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]
     assert "vLLM 0.32.0" in rep["card"] and "k=3" in rep["card"]
+
+
+def test_a_second_eval_takes_the_targets_answers_from_the_first(tmp_path, tiny_llama):
+    """The target alone answers the same prompts the same way whatever the draft: the second eval of a draft on
+    the same target, prompts and settings takes those answers and tokens/s from the first's record instead of
+    decoding them again (for a 1T target, one half-hour engine load less). Any change of setting, or of the
+    target's weights, or --no-reuse-baseline, runs it again."""
+    import shutil
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_llama, model)
+    draft = export_untrained_draft(tmp_path, model)
+    base = tmp_path / "baselines"
+
+    def ev(name, *extra):
+        code, out, err = payload("eval.py", "--model", model, "--draft", draft, "--engine", "hf", "--prompts",
+                                 PROMPTS / "prompts_eval.jsonl", "--num-prompts", 3, "--max-tokens", 6,
+                                 "--batch-sizes", "1", "--threads", 1, "--report-to", "none", "--out", tmp_path / name,
+                                 "--baseline-dir", base, *extra)
+        assert code == 0, err
+        return out, err
+
+    first, err1 = ev("a")
+    second, err2 = ev("b")
+    assert not first["baseline"]["reused"] and "without the draft, turn 1" in err1
+    assert second["baseline"]["reused"] and second["baseline"]["file"] == first["baseline"]["file"]
+    assert "without the draft, turn" not in err2 and "no engine started for them" in err2
+    for key in ("mean_acceptance_length", "acceptance_per_position", "identical_completions", "turns"):
+        assert second[key] == first[key], key
+    assert second["tokens_per_s"]["without_draft"] == first["tokens_per_s"]["without_draft"]
+    assert second["identical_completions"] == 1.0   # fp32 greedy: the recorded answers are the target's exactly
+
+    assert not ev("c", "--max-tokens", 5)[0]["baseline"]["reused"]          # another setting
+    assert not ev("d", "--no-reuse-baseline")[0]["baseline"]["reused"]
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rebuilt in place
+    assert not ev("e")[0]["baseline"]["reused"]
+    assert len(list(base.glob("*.json"))) == 3   # a, c, e: d re-recorded a's

@@ -657,6 +657,8 @@ def mtb_eval_cmd(draft: Path, out: Path, batch_sizes: str) -> list[str]:
     KE_MTB_EVAL_PROMPTS: the first N of the 80 questions (all by default)."""
     cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft),
            "--out", str(out), "--prompts", "mt-bench", "--num-speculative-tokens", "3",
+           # the A/B's second eval takes the target's answers from the first's record: one engine start less
+           "--baseline-dir", str(WORK / "eval_baselines"),
            "--max-tokens", os.environ.get("KE_MTB_EVAL_MAX_TOKENS", "256" if not TINY else "8"),
            "--engine", "vllm" if not TINY else "hf"]
     # eval always times some batch size: "" times batch 1 on one prompt only (seconds), a figure nobody reads

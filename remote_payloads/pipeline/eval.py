@@ -20,6 +20,10 @@ acceptance per draft position as vLLM counts it (position i only when every earl
 output tokens/s with and without the draft at each --batch-sizes entry (default 1 and 16); and the fraction
 of turns whose greedy completion is identical with and without the draft (reported, not asserted: batch
 shapes change bf16 numerics).
+The target's answers and tokens/s without the draft are recorded under --baseline-dir (default
+<output-dir>/eval/baselines), keyed by everything that changes them; the next eval of another draft with the same
+target, prompts and settings takes them from there and starts only the engine with the draft (--no-reuse-baseline:
+run the target again).
 The draft's config is checked against the target before any model is loaded (hidden size, vocab size,
 aux layer ids), and so are the prompts (UTF-8, no lone surrogates, a first turn that fits the context);
 a mismatch is bad input (exit 2) naming the file and field.
@@ -30,11 +34,12 @@ import sys
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, job_headline, log,  # noqa: E402
-                          run_step, stdout_for_result_only)
+from step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, job_headline,  # noqa: E402
+                          log, model_fingerprint, model_identity, run_step, stdout_for_result_only)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
 from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
 
@@ -250,14 +255,14 @@ class VllmRunner:
 # the measurement, the same for both engines
 
 def turn_prompts(convs, budget, base_answers, r):
-    """[(conversation index, chat)] for turn r: the target's own earlier answers as context; a turn that no
-    longer fits the context ends its conversation there (counted by the caller)."""
+    """[(conversation index, chat)] for turn r: the target's own earlier answers ([text, token ids] per turn) as
+    context; a turn that no longer fits the context ends its conversation there (counted by the caller)."""
     out, cut = [], 0
     for i, c in enumerate(convs):
         if r >= len(c.user_turns) or len(base_answers[i]) < r:
             continue
         if r > 0:
-            used = c.first_tokens + sum(base_answers[i][j][1] + budget.per_message for j in range(r))
+            used = c.first_tokens + sum(len(base_answers[i][j][1]) + budget.per_message for j in range(r))
             used += budget.count([c.user_turns[r]])[0] + budget.per_message
             if not budget.fits(used):
                 cut += 1
@@ -275,35 +280,44 @@ def timed(runner, chats, batch_size):
     return tokens / max(time.perf_counter() - t0, 1e-9), tokens
 
 
-def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
-    """Baseline then speculative: per-turn outputs, counters per (turn, category), tokens/s per batch size."""
+def baseline_pass(runner, convs, budget, batch_sizes, firsts, max_batch):
+    """The target alone: its answer to every turn (the context of the later turns, for both passes) and its
+    tokens/s per batch size. JSON-ready, so the next eval of another draft can take it from the file."""
     rounds = max(len(c.user_turns) for c in convs)
-    base_answers = [[] for _ in convs]
-    base_ids, cut = {}, 0
-    speeds = {b: {} for b in batch_sizes}
-    firsts = [c.messages([]) for c in convs][:timing_n]
-    runner = open_runner(0)
+    answers, cut = [[] for _ in convs], 0
     runner(firsts[:1])  # warm-up: the first call pays one-time costs
     for r in range(rounds):
-        todo, n_cut = turn_prompts(convs, budget, base_answers, r)
+        todo, n_cut = turn_prompts(convs, budget, answers, r)
         cut += n_cut
         for lo in range(0, len(todo), max_batch):
             part = todo[lo:lo + max_batch]
             outs, _ = runner([chat for _, chat in part])
             for (i, _), (text, ids) in zip(part, outs):
-                base_answers[i].append((text, len(ids)))
-                base_ids[(i, r)] = ids
+                answers[i].append([text, list(ids)])
         log(f"eval: without the draft, turn {r + 1}: {len(todo)} prompts")
-    for b in batch_sizes:
-        if runner.can_batch(b):
-            speeds[b]["without_draft"] = timed(runner, firsts, b)
-    runner.close()
+    speeds = {str(b): list(timed(runner, firsts, b)) for b in batch_sizes if runner.can_batch(b)}
+    return {"answers": answers, "speeds": speeds, "cut": cut}
+
+
+def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch, baseline=None):
+    """Baseline (unless `baseline`, an earlier run's, is given) then speculative: per-turn outputs, counters per
+    (turn, category), tokens/s per batch size."""
+    rounds = max(len(c.user_turns) for c in convs)
+    firsts = [c.messages([]) for c in convs][:timing_n]
+    if baseline is None:
+        runner = open_runner(0)
+        baseline = baseline_pass(runner, convs, budget, batch_sizes, firsts, max_batch)
+        runner.close()
+    answers = baseline["answers"]
+    speeds = {b: {} for b in batch_sizes}
+    for b, got in baseline["speeds"].items():
+        speeds[int(b)]["without_draft"] = tuple(got)
 
     runner = open_runner(k)
     runner(firsts[:1])
     groups, same, spec_turns, spec_tokens = {}, 0, 0, 0
     for r in range(rounds):
-        todo, _ = turn_prompts(convs, budget, base_answers, r)
+        todo, _ = turn_prompts(convs, budget, answers, r)
         by_cat = {}
         for i, chat in todo:
             by_cat.setdefault(convs[i].category, []).append((i, chat))
@@ -313,7 +327,7 @@ def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
                 outs, cnt = runner([chat for _, chat in piece])
                 add_counters(groups.setdefault((r, cat), zero_counters(k)), cnt)
                 for (i, _), (_, ids) in zip(piece, outs):
-                    same += ids == base_ids.get((i, r))
+                    same += list(ids) == answers[i][r][1]
                     spec_turns += 1
                     spec_tokens += len(ids)
         log(f"eval: with the draft, turn {r + 1}: {len(todo)} prompts")
@@ -322,7 +336,40 @@ def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch):
             speeds[b]["with_draft"] = timed(runner, firsts, b)
     runner.close()
     return {"groups": groups, "speeds": speeds, "identical": same / max(spec_turns, 1), "turns": spec_turns,
-            "output_tokens": spec_tokens, "cut": cut, "timing_prompts": len(firsts)}
+            "output_tokens": spec_tokens, "cut": baseline["cut"], "timing_prompts": len(firsts),
+            "baseline": baseline}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the target alone, recorded: the next eval of another draft on the same target, prompts and settings takes its
+# answers and tokens/s from the file instead of starting an engine for them (for a 1T target, a half-hour load)
+
+def baseline_settings(args, prov, engine_name, batch_sizes, timing_n) -> dict:
+    """Everything that changes the target's answers or its tokens/s without the draft."""
+    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model),
+            "prompts_sha256": prov.get("sha256"), "num_prompts": args.num_prompts, "max_turns": args.max_turns,
+            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "max_batch": args.max_batch,
+            "batch_sizes": batch_sizes, "timing_prompts": timing_n, "engine": engine_name, "tp_size": args.tp_size,
+            "enforce_eager": args.enforce_eager,
+            "code": files_digest(os.path.dirname(os.path.abspath(__file__)), ("eval.py", "prompts.py", "spec_hf.py"))}
+
+
+def baseline_file(args, settings) -> str:
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    folder = args.baseline_dir or os.path.join(args.output_dir, "eval", "baselines")
+    return os.path.abspath(os.path.join(folder, f"{key}.json"))
+
+
+def recorded_baseline(path, settings, n_convs):
+    """The recorded run of the target alone, or None (none yet, unreadable, or not this run's)."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if rec.get("settings") != settings or len(rec.get("answers") or ()) != n_convs:
+        return None
+    return rec
 
 
 def drafting_problems(m, engine_name) -> list[str]:
@@ -451,7 +498,7 @@ def run(args):
         meta = {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype,
                 "device": device_name(), "engine_env": engine_env, "engine_memory": memory["says"]}
         meta["engine_name"] = f"vLLM {vllm.__version__} ({args.vllm_dtype}, {meta['device']})"
-        m = measure(lambda kk: VllmRunner(args, kk, memory), convs, budget, k, batch_sizes, timing_n, args.max_batch)
+        open_runner = lambda kk: VllmRunner(args, kk, memory)  # noqa: E731
     else:
         import torch
 
@@ -467,8 +514,19 @@ def run(args):
         import transformers
 
         meta["engine_name"] = f"transformers {transformers.__version__} ({dtype}, {device_name() if device == 'cuda' else 'cpu'})"
-        m = measure(lambda kk: HFRunner(eng, tok, eos, kk, args.max_tokens), convs, budget, k, batch_sizes,
-                    timing_n, args.max_batch)
+        open_runner = lambda kk: HFRunner(eng, tok, eos, kk, args.max_tokens)  # noqa: E731
+    settings = baseline_settings(args, prov, meta["engine_name"], batch_sizes, timing_n)
+    bfile = baseline_file(args, settings)
+    recorded = recorded_baseline(bfile, settings, len(convs)) if args.reuse_baseline else None
+    if recorded:
+        log(f"eval: the target's answers and tokens/s without the draft come from {bfile} (recorded "
+            f"{recorded['recorded_at']} with the same target, prompts and settings): no engine started for them")
+    m = measure(open_runner, convs, budget, k, batch_sizes, timing_n, args.max_batch, recorded)
+    if not recorded:
+        os.makedirs(os.path.dirname(bfile), exist_ok=True)
+        atomic_write(bfile, json.dumps({"settings": settings, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                        **m["baseline"]}, ensure_ascii=False))
+    meta["baseline"] = {"file": bfile, "reused": bool(recorded), "recorded_at": (recorded or {}).get("recorded_at")}
     if why:
         meta["fallback_reason"] = why
     meta.update({"benchmark": benchmark_name(args.prompts, named, prov), "dataset": prov,
@@ -547,6 +605,11 @@ def build_parser():
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm engine: skip graph capture (default on: faster start for short evals)")
+    ap.add_argument("--reuse-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="take the target's answers and tokens/s without the draft from an earlier eval of the same "
+                         "target, prompts and settings (default on: one engine start less per draft)")
+    ap.add_argument("--baseline-dir", default=None,
+                    help="where those runs are recorded (default <output-dir>/eval/baselines)")
     ap.add_argument("--report-to", default="auto", help="figures to tensorboard, wandb, trackio, mlflow (comma list), "
                     "none, or auto: tensorboard when installed (default)")
     ap.add_argument("--tracking-dir", default=None, help="tensorboard's folder (default <output-dir>/tracking)")
