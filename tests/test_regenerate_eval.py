@@ -318,6 +318,23 @@ def test_regenerate_rerun_with_other_prompts_or_settings_does_not_keep_the_old_a
     assert manifest["source"]["sha256"] == out["source"]["sha256"] and manifest["source"]["path"] == str(second)
 
 
+def test_regenerate_does_not_resume_answers_of_a_target_rebuilt_in_place(tmp_path, tiny_llama):
+    """The same folder with other weights (a model re-downloaded or rebuilt there) is another target: its
+    answers are made again, not resumed from the old weights' chunks."""
+    import shutil
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_llama, model)
+    prompts = chat_file(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Hi {i}?"}]}
+                                               for i in range(3)])
+    code, out, err = regenerate(model, prompts, tmp_path / "o")
+    assert code == 0 and out["chunks_done_now"] == 2, err
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    code, out, err = regenerate(model, prompts, tmp_path / "o")
+    assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["weights"], err
+
+
 def weightless_copy(tmp_path, model):
     """The tokenizer and config of a model without its weights: loading the model would fail."""
     d = tmp_path / "weightless"

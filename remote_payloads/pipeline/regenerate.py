@@ -37,13 +37,13 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from step_runtime import (BadInput, atomic_write, atomic_write_json, log, model_identity, progress_line,  # noqa: E402
-                          run_step, stdout_for_result_only)
+from step_runtime import (BadInput, atomic_write, atomic_write_json, files_digest, log,  # noqa: E402
+                          model_fingerprint, model_identity, progress_line, run_step, stdout_for_result_only)
 from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
-KEYED = ("model", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed", "chunk_size",
+KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed", "chunk_size",
          "max_model_len", "long_prompts", "engine", "dtype", "code")
 
 
@@ -59,11 +59,7 @@ def shard_chunks(n_chunks, rank, world_size):
 
 
 def code_version():
-    h = hashlib.sha256()
-    for name in ("regenerate.py", "prompts.py", "data_sources.py"):
-        with open(os.path.join(HERE, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
+    return files_digest(HERE, ("regenerate.py", "prompts.py", "data_sources.py"))
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -217,7 +213,7 @@ def conversation_row(conv, answers):
 def settings_of(args, prov, engine):
     dtype = args.vllm_dtype if engine == "vllm" else hf_dtype(args, args.device if args.device != "auto" else
                                                               ("cuda" if _cuda() else "cpu"))
-    return {"model": model_identity(args.model), "dataset": args.dataset, "dataset_sha256": prov["sha256"],
+    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset, "dataset_sha256": prov["sha256"],
             "max_prompts": args.max_prompts, "max_turns": args.max_turns, "temperature": args.temperature,
             "max_tokens": args.max_tokens, "seed": args.seed, "chunk_size": args.chunk_size,
             "max_model_len": args.max_model_len, "long_prompts": args.long_prompts, "engine": engine,
