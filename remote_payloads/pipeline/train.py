@@ -163,6 +163,17 @@ def divergence(what, first: int, last: int) -> str:
     return f"the loss is not finite ({what}) {where}" if isinstance(what, float) else f"{what} {where}"
 
 
+def finite_or_none(value):
+    """`value` with every non-finite float, also inside lists and dicts, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 def latest_checkpoint(ckpt_dir: str) -> str | None:
     if not os.path.isdir(ckpt_dir):
         return None
@@ -609,6 +620,7 @@ def train(args) -> dict:
                 history.append(entry)
                 if not math.isfinite(entry["loss"]):
                     diverged = divergence(entry["loss"], done - n_since + 1, done)
+                    history[-1] = finite_or_none(entry)   # the result stays strict JSON (no NaN)
                     break
                 stats_l.zero_(), stats_c.zero_(), stats_loss.zero_()
                 t_log, tok_log, n_since = time.time(), 0, 0
@@ -635,7 +647,7 @@ def train(args) -> dict:
     tok_loop = int(dist_.all_sum([tok_loop])[0])
 
     finished = done == total and not interrupted and not diverged
-    result = {"ok": not interrupted and not diverged, "finished": finished, "step": max(done, start), "total_steps": total,
+    result = {"ok": not (interrupted or diverged), "finished": finished, "step": max(done, start), "total_steps": total,
               "resumed_from_step": resumed_from, "samples": len(files), "tokens": n_tokens,
               "aux_layer_ids": aux_ids, "draft_vocab_size": K, "device": str(device), "dtype": str(dtype),
               "world_size": w.size, "parallel": sharding, "rows_per_step": n_rows, "pack_len": pack_len,
