@@ -84,6 +84,10 @@ def v32(tmp_path_factory):
     (draft / "config.json").write_text(json.dumps({
         "speculators_model_type": "eagle3", "draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"]}}))
+    import torch   # weights eval reads (and checks finite) before it sizes its engine; never loaded as a model
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(cfg["hidden_size"], 3 * cfg["hidden_size"])}, str(draft / "model.safetensors"))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     return {"py": py, "model": model, "prompts": prompts, "draft": draft, "env": env}
 
