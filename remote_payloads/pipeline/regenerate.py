@@ -43,8 +43,8 @@ from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwarg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
-KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed", "chunk_size",
-         "max_model_len", "long_prompts", "engine", "dtype", "code")
+KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
+         "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
 
 
 def chunk_path(chunks_dir, start):
@@ -213,7 +213,8 @@ def conversation_row(conv, answers):
 def settings_of(args, prov, engine):
     dtype = args.vllm_dtype if engine == "vllm" else hf_dtype(args, args.device if args.device != "auto" else
                                                               ("cuda" if _cuda() else "cpu"))
-    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset, "dataset_sha256": prov["sha256"],
+    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset,
+            "dataset_sha256": prov["sha256"],
             "max_prompts": args.max_prompts, "max_turns": args.max_turns, "temperature": args.temperature,
             "max_tokens": args.max_tokens, "seed": args.seed, "chunk_size": args.chunk_size,
             "max_model_len": args.max_model_len, "long_prompts": args.long_prompts, "engine": engine,

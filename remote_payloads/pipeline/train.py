@@ -157,10 +157,9 @@ def nonfinite(loss_sum, params) -> str | None:
     return "a weight is not finite" if weights_bad else None
 
 
-def divergence(what, first: int, last: int) -> str:
-    """The error's first words: `what` is the mean loss of steps first..last (not finite), or nonfinite()'s answer."""
-    where = f"at step {last}" if first >= last else f"in steps {first}-{last}"
-    return f"the loss is not finite ({what}) {where}" if isinstance(what, float) else f"{what} {where}"
+def steps_span(first: int, last: int) -> str:
+    """Where a figure summed over steps first..last (since the last logging step) comes from, in words."""
+    return f"at step {last}" if first >= last else f"in steps {first}-{last}"
 
 
 def finite_or_none(value):
@@ -619,7 +618,7 @@ def train(args) -> dict:
                                   accept_len=fig["accept_len"], tok_s=tok_g / dt)
                 history.append(entry)
                 if not math.isfinite(entry["loss"]):
-                    diverged = divergence(entry["loss"], done - n_since + 1, done)
+                    diverged = f"the loss is not finite ({entry['loss']}) {steps_span(done - n_since + 1, done)}"
                     history[-1] = finite_or_none(entry)   # the result stays strict JSON (no NaN)
                     break
                 stats_l.zero_(), stats_c.zero_(), stats_loss.zero_()
@@ -635,7 +634,7 @@ def train(args) -> dict:
                 # A checkpoint is only written of finite weights reached by finite losses (one host sync per save).
                 bad = nonfinite(stats_loss, opt.params)
                 if bad:
-                    diverged = divergence(bad, done - n_since + 1, done)
+                    diverged = f"{bad} {steps_span(done - n_since + 1, done)}"
                     break
                 last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints,
                                             sharding, trainable_names)
