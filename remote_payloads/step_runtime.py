@@ -168,19 +168,35 @@ def files_digest(folder: str, names) -> str:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".json")
+# model_fingerprint reads this many windows of this many bytes of each file, evenly spread from its first
+# byte to its last: 1 MiB a file, so ~64 MiB for a Kimi-K2.5 folder, never the gigabytes.
+FINGERPRINT_WINDOWS, FINGERPRINT_WINDOW = 16, 64 << 10
 
 
 def model_fingerprint(model: str | None) -> str | None:
-    """16 hex digits that change when a local model folder's config or weights do (names, sizes, mtimes: a
-    folder rebuilt in place with other weights is another model), without reading gigabytes; None for a hub id."""
+    """16 hex digits that change when a local model folder's config or weights do; None for a hub id.
+
+    From each file's name, size and bytes sampled across it (a safetensors header and windows through its
+    tensors), not its mtime: the same weights downloaded again, or copied to each node's own disk, are the
+    same model, while weights rebuilt or trained in place differ in every window. The one change it can miss
+    is a few tensors rewritten in place at the same size: for that, extract --overwrite, eval
+    --no-reuse-baseline or another regenerate --output-dir."""
     if not model or not os.path.isdir(model):
         return None
     h = hashlib.sha256()
     for name in sorted(os.listdir(model)):
         path = os.path.join(model, name)
         if name.endswith(WEIGHT_SUFFIXES) and os.path.isfile(path):
-            st = os.stat(path)
-            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            size = os.path.getsize(path)
+            h.update(f"{name}\0{size}\n".encode())
+            with open(path, "rb") as f:
+                if size <= FINGERPRINT_WINDOWS * FINGERPRINT_WINDOW:
+                    h.update(f.read())
+                    continue
+                last = size - FINGERPRINT_WINDOW
+                for i in range(FINGERPRINT_WINDOWS):
+                    f.seek(i * last // (FINGERPRINT_WINDOWS - 1))
+                    h.update(f.read(FINGERPRINT_WINDOW))
     return h.hexdigest()[:16]
 
 

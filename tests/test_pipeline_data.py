@@ -463,6 +463,32 @@ def test_resume_knows_the_same_model_by_any_path_and_upgrades_older_records(mode
     assert code == 2 and "different model" in err
 
 
+def test_resume_refuses_the_features_of_a_target_rebuilt_in_place(models, pipeline, tmp_path):
+    """Samples of the old weights must not be counted as done for other weights in the same folder (a model
+    rebuilt or trained in place): refused in one line, nothing written. The same weights with a new mtime (a
+    download again, a copy without -p) are the same target and resume."""
+    model = tmp_path / "target"
+    shutil.copytree(models["llama"], model)
+    out_dir = tmp_path / "hs"
+    args = ("--model", model, "--prepared-dir", os.path.join(pipeline["llama"]["root"], "prepared"),
+            "--out", out_dir, "--seq-len", SEQ_LEN)
+    code, out, err = run("extract", *args)
+    assert code == 0 and out["written"] == N_SAMPLES, err
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    code, out, err = run("extract", *args)
+    assert code == 0 and out["skipped_existing"] == N_SAMPLES and out["written"] == 0, err
+
+    tiny_model.build(str(model), kind="llama", layers=N_LAYERS, seed=1)
+    before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    code, out, err = run("extract", *args)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "data_config.json" in line and "weights_fingerprint" in line and "--overwrite" in line
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
+    code, out, err = run("extract", *args, "--overwrite")
+    assert code == 0 and out["written"] == N_SAMPLES, err
+
+
 def test_validate_reports_bad_samples(pipeline, tmp_path):
     from safetensors.torch import save_file
 

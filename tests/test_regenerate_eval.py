@@ -148,12 +148,19 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
 
 # ----------------------------------------------------------------------- tiny target + untrained draft
 
-def build_tiny_llama(tmp_path):
-    out = tmp_path / "tiny-llama"
-    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+def build_tiny_llama(tmp_path, out=None, seed=0):
+    """The tiny random Llama target; with `out` and another seed, rebuilt in place with other weights."""
+    out = out or tmp_path / "tiny-llama"
+    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--out", str(out),
+                        "--seed", str(seed)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return out
+
+
+def touch_weights(model):
+    """The same weights with a new mtime: what a download again, or a copy without -p, leaves."""
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
 
 
 def export_untrained_draft(tmp_path, model):
@@ -319,8 +326,9 @@ def test_regenerate_rerun_with_other_prompts_or_settings_does_not_keep_the_old_a
 
 
 def test_regenerate_does_not_resume_answers_of_a_target_rebuilt_in_place(tmp_path, tiny_llama):
-    """The same folder with other weights (a model re-downloaded or rebuilt there) is another target: its
-    answers are made again, not resumed from the old weights' chunks."""
+    """The same folder with other weights (a model rebuilt or trained there) is another target: its answers are
+    made again, not resumed from the old weights' chunks. The same weights with a new mtime (downloaded again)
+    are the same target: resumed."""
     import shutil
 
     model = tmp_path / "target"
@@ -329,8 +337,10 @@ def test_regenerate_does_not_resume_answers_of_a_target_rebuilt_in_place(tmp_pat
                                                for i in range(3)])
     code, out, err = regenerate(model, prompts, tmp_path / "o")
     assert code == 0 and out["chunks_done_now"] == 2, err
-    weights = next(model.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    touch_weights(model)
+    code, out, err = regenerate(model, prompts, tmp_path / "o")
+    assert code == 0 and out["chunks_done_now"] == 0 and out["not_reused_because"] is None, err
+    build_tiny_llama(tmp_path, out=model, seed=1)
     code, out, err = regenerate(model, prompts, tmp_path / "o")
     assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["weights"], err
 
@@ -499,7 +509,8 @@ def test_a_second_eval_takes_the_targets_answers_from_the_first(tmp_path, tiny_l
 
     assert not ev("c", "--max-tokens", 5)[0]["baseline"]["reused"]          # another setting
     assert not ev("d", "--no-reuse-baseline")[0]["baseline"]["reused"]
-    weights = next(model.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rebuilt in place
-    assert not ev("e")[0]["baseline"]["reused"]
-    assert len(list(base.glob("*.json"))) == 3   # a, c, e: d re-recorded a's
+    touch_weights(model)
+    assert ev("e")[0]["baseline"]["reused"]         # the same weights downloaded again: the same target
+    build_tiny_llama(tmp_path, out=model, seed=1)   # rebuilt in place with other weights: another target
+    assert not ev("f")[0]["baseline"]["reused"]
+    assert len(list(base.glob("*.json"))) == 3   # a, c, f: d re-recorded a's, e reused it

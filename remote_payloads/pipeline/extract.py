@@ -42,8 +42,8 @@ from hf_target import HiddenStateCapture, load_model  # noqa: E402
 from hidden_state_files import (COMPAT_KEYS, FORMAT, LAYOUT, check_sample, clean_stale_tmp, sample_path,  # noqa: E402
                                 tmp_path, write_safetensors)
 from prepared_data import PreparedDataset  # noqa: E402
-from step_runtime import (BadInput, atomic_write_json, log, model_identity, progress,  # noqa: E402
-                          settings_changed)
+from step_runtime import (BadInput, atomic_write_json, log, model_fingerprint, model_identity,  # noqa: E402
+                          progress, settings_changed)
 import distributed as dist_  # noqa: E402  (ranks of a torchrun launch)
 import extract_vllm  # noqa: E402
 
@@ -363,6 +363,9 @@ def run(args):
         "layout": LAYOUT,
         # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
         "model": model_identity(args.model),
+        # ... and its weights: the same folder rebuilt or re-trained in place is another target, whose
+        # features must not join the old ones' (None for a hub id)
+        "weights_fingerprint": model_fingerprint(args.model),
         "model_class": info["model_class"],
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,

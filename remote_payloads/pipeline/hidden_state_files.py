@@ -20,9 +20,11 @@ from step_runtime import BadInput  # noqa: E402
 FORMAT = "kimi-eagle-hidden-states/1"
 LAYOUT = "hs_{i}.safetensors: token_ids int64 [T], hidden_states [T, L, H], loss_mask int64 [T]"
 TENSORS = ("token_ids", "hidden_states", "loss_mask")
-# data_config fields that must agree before extract resumes into an existing directory: the target, the layers,
-# and the code's sample format (samples written by another format are never counted as done)
-COMPAT_KEYS = ("model", "layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention", "format", "layout")
+# data_config fields that must agree before extract resumes into an existing directory: the target (its folder
+# and its weights), the layers, and the code's sample format (samples written by another format are never
+# counted as done)
+COMPAT_KEYS = ("model", "weights_fingerprint", "layer_ids", "num_layers", "hidden_size", "dtype", "layer_convention",
+               "format", "layout")
 SAMPLE_RE = re.compile(r"^hs_(\d+)\.safetensors$")
 TMP_RE = re.compile(r"^\.hs_(\d+)\.safetensors\.tmp-\d+$")
 
