@@ -137,3 +137,9 @@ def write_fake_export(env: Env, model: str, size: int = 64) -> Path:
         "speculators_config": {"verifier": {"name_or_path": model}}}))
     (export / "model.safetensors").write_bytes(b"\0" * size)
     return export
+
+
+def touch_weights(model: Path) -> None:
+    """The same weights with a new mtime: what a download again, or a copy without -p, leaves."""
+    weights = next(Path(model).glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))

@@ -28,6 +28,7 @@ import model_layers  # noqa: E402
 import tiny_model  # noqa: E402
 import vocab  # noqa: E402
 from prepared_data import PreparedDataset  # noqa: E402
+from conftest import touch_weights  # noqa: E402
 
 KINDS = ["llama", "kimi", "llava"]
 N_LAYERS = 8
@@ -474,8 +475,7 @@ def test_resume_refuses_the_features_of_a_target_rebuilt_in_place(models, pipeli
             "--out", out_dir, "--seq-len", SEQ_LEN)
     code, out, err = run("extract", *args)
     assert code == 0 and out["written"] == N_SAMPLES, err
-    weights = next(model.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    touch_weights(model)
     code, out, err = run("extract", *args)
     assert code == 0 and out["skipped_existing"] == N_SAMPLES and out["written"] == 0, err
 

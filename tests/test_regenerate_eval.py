@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_env
+from conftest import make_env, touch_weights
 
 REPO = Path(__file__).resolve().parents[1]
 PIPE = REPO / "remote_payloads" / "pipeline"
@@ -155,12 +155,6 @@ def build_tiny_llama(tmp_path, out=None, seed=0):
                         "--seed", str(seed)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return out
-
-
-def touch_weights(model):
-    """The same weights with a new mtime: what a download again, or a copy without -p, leaves."""
-    weights = next(model.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
 
 
 def export_untrained_draft(tmp_path, model):
