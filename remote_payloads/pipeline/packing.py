@@ -1,5 +1,5 @@
 """Training data as fixed shapes: documents packed into rows of --pack-len tokens, a fixed number of rows per
-optimizer step, read ahead by loader workers.
+optimizer step (step_batches.py reads them ahead and onto the device).
 
 A step's rows are a pure function of (seed, epoch, step), so --resume needs no sampler state and reproduces an
 uninterrupted run; rank r of N takes rows r, r+N, ... of every step (the global batch does not depend on N).
@@ -15,7 +15,11 @@ In a row, positions restart at 1 for every document and doc_ids say which docume
 from __future__ import annotations
 
 import bisect
+import json
 import math
+import mmap
+import os
+import struct
 
 import torch
 
@@ -61,11 +65,46 @@ class Plan:
         return mine + [[] for _ in range(math.ceil(self.rows_per_step / world) - len(mine))]
 
 
+# safetensors' dtype names -> torch (the ones a hidden-state file holds)
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def map_sample(path: str) -> dict:
+    """The tensors of one safetensors file as views of its pages (a private mapping: nothing is read until a view
+    is copied from, and then only the rows copied), so a document reaches its packed row in one copy."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)   # copy-on-write: torch.frombuffer wants it writable
+    (n,) = struct.unpack("<Q", mm[:8])
+    if 8 + n > size:
+        raise ValueError(f"{path}: truncated ({size} bytes, its header says {8 + n})")
+    try:
+        header = json.loads(mm[8:8 + n])
+    except ValueError as e:
+        raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor '{name}' has dtype {meta.get('dtype')}, not one a sample file holds")
+        lo, hi = (8 + n + o for o in meta["data_offsets"])
+        if hi > size:
+            raise ValueError(f"{path}: truncated ({size} bytes, tensor '{name}' ends at {hi})")
+        count = (hi - lo) // dtype.itemsize
+        flat = torch.frombuffer(mm, dtype=dtype, offset=lo, count=count) if count else torch.empty(0, dtype=dtype)
+        out[name] = flat.view(meta["shape"])
+    return out
+
+
 def load_document(path: str, limit: int, feat_dtype):
     """(aux [n, L_aux*H], last [n, H], ids [n], loss_mask [n]) of one file after the EAGLE shift, n <= limit."""
-    from safetensors.torch import load_file
-
-    s = load_file(path)
+    s = map_sample(path)
     hs = s["hidden_states"]
     n = min(s["token_ids"].shape[0] - 1, limit)
     L, H = hs.shape[1:]
@@ -74,65 +113,55 @@ def load_document(path: str, limit: int, feat_dtype):
     return aux, last, s["token_ids"][1:n + 1].long(), s["loss_mask"][1:n + 1].bool()
 
 
-def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: int, hidden: int, feat_dtype,
-               tops=None) -> dict:
-    """The packed tensors of `rows` (lists of document indices): aux [R,P,A], last [R,P,H], ids, loss_mask,
-    doc_ids (-1 = padding) and positions [R,P]; plus tokens: the real positions, counted here on the host.
-    tops (per document, the target's top token at each position after the shift, found once before
-    training): packed as target_ids [R,P] too."""
-    R = len(rows)
-    out = {"aux": torch.zeros(R, pack_len, aux_dim, dtype=feat_dtype),
-           "last": torch.zeros(R, pack_len, hidden, dtype=feat_dtype),
-           "ids": torch.zeros(R, pack_len, dtype=torch.long),
-           "loss_mask": torch.zeros(R, pack_len, dtype=torch.bool),
-           "doc_ids": torch.full((R, pack_len), -1, dtype=torch.long),
-           "positions": torch.ones(R, pack_len, dtype=torch.long)}
-    if tops is not None:
-        out["target_ids"] = torch.zeros(R, pack_len, dtype=torch.long)
+def new_slot(rows: int, pack_len: int, aux_dim: int, hidden: int, feat_dtype, tops: bool, pin: bool = False) -> dict:
+    """Host tensors for one step's packed rows: aux [R,P,A], last [R,P,H], ids, loss_mask, doc_ids (-1 = padding),
+    positions [R,P] and, with tops, target_ids [R,P]. pin: page-locked, so copies to a GPU do not wait."""
+    def empty(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, pin_memory=pin)
+    slot = {"aux": empty(rows, pack_len, aux_dim, dtype=feat_dtype), "last": empty(rows, pack_len, hidden, dtype=feat_dtype),
+            "ids": empty(rows, pack_len, dtype=torch.long), "loss_mask": empty(rows, pack_len, dtype=torch.bool),
+            "doc_ids": empty(rows, pack_len, dtype=torch.long), "positions": empty(rows, pack_len, dtype=torch.long)}
+    if tops:
+        slot["target_ids"] = empty(rows, pack_len, dtype=torch.long)
+    return slot
+
+
+_PADDING = {"aux": 0, "last": 0, "ids": 0, "loss_mask": False, "doc_ids": -1, "positions": 1, "target_ids": 0}
+
+
+def fill_rows(slot: dict, files: list[str], rows: list[list[int]], tops=None) -> int:
+    """Write the packed rows (lists of document indices) into slot and return the real positions' count. Every
+    position is written, padding included, so a slot is reused without clearing it first."""
+    pack_len = slot["ids"].shape[1]
+    counting = torch.arange(1, pack_len + 1)
     tokens = 0
     for r, docs in enumerate(rows):
         at = 0
         for d in docs:
-            aux, last, ids, lm = load_document(files[d], pack_len - at, feat_dtype)
-            n = ids.shape[0]
+            s = map_sample(files[d])
+            hs, ids = s["hidden_states"], s["token_ids"]
+            n = min(ids.shape[0] - 1, pack_len - at)
+            L, H = hs.shape[1:]
             sl = slice(at, at + n)
-            out["aux"][r, sl], out["last"][r, sl], out["ids"][r, sl], out["loss_mask"][r, sl] = aux, last, ids, lm
-            out["doc_ids"][r, sl] = d
-            out["positions"][r, sl] = torch.arange(1, n + 1)
+            slot["aux"][r, sl].view(n, L - 1, H).copy_(hs[:n, :-1])
+            slot["last"][r, sl].copy_(hs[1:n + 1, -1])
+            slot["ids"][r, sl].copy_(ids[1:n + 1])
+            slot["loss_mask"][r, sl].copy_(s["loss_mask"][1:n + 1])
+            slot["doc_ids"][r, sl].fill_(d)
+            slot["positions"][r, sl].copy_(counting[:n])
             if tops is not None:
-                out["target_ids"][r, sl] = tops[d][:n]
+                slot["target_ids"][r, sl].copy_(tops[d][:n])
             at += n
+        for name, t in slot.items():
+            t[r, at:].fill_(_PADDING[name])
         tokens += at
-    out["tokens"] = tokens
-    return out
+    return tokens
 
 
-class StepData(torch.utils.data.Dataset):
-    """Item i = this rank's packed rows of global step first + i (what a loader worker builds)."""
-
-    def __init__(self, plan: Plan, first: int, last: int, rank: int, world: int, files, pack_len, aux_dim, hidden,
-                 feat_dtype, tops=None):
-        self.plan, self.first, self.n = plan, first, max(0, last - first)
-        self.rank, self.world = rank, world
-        self.files, self.pack_len, self.aux_dim, self.hidden, self.feat_dtype = files, pack_len, aux_dim, hidden, feat_dtype
-        self.tops = tops
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        rows = self.plan.rank_rows(self.first + i, self.rank, self.world)
-        return build_rows(self.files, rows, self.pack_len, self.aux_dim, self.hidden, self.feat_dtype, self.tops)
-
-
-def loader(data: StepData, workers: int, pin: bool):
-    """Batches in step order; with workers, built ahead in other processes (pinned when copying to a GPU)."""
-    kw = {"num_workers": workers, "pin_memory": pin, "batch_size": None, "shuffle": False}
-    if workers:
-        kw.update(prefetch_factor=4, persistent_workers=False)
-    return torch.utils.data.DataLoader(data, **kw)
-
-
-def to_device(batch: dict, device) -> dict:
-    """Host -> device copies that do not wait (from pinned memory they overlap the running step)."""
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+def build_rows(files: list[str], rows: list[list[int]], pack_len: int, aux_dim: int, hidden: int, feat_dtype,
+               tops=None) -> dict:
+    """The packed tensors of `rows` in new host tensors (new_slot's), plus tokens: the real positions.
+    tops (per document, the target's top token at each position after the shift, found once before
+    training): packed as target_ids [R,P] too."""
+    slot = new_slot(len(rows), pack_len, aux_dim, hidden, feat_dtype, tops is not None)
+    return {**slot, "tokens": fill_rows(slot, files, rows, tops)}

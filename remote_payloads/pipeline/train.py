@@ -43,7 +43,8 @@ from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
 from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, progress_line,  # noqa: E402
                           settings_changed)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
-import packing  # noqa: E402  (packed rows, the step plan, the loader)
+import packing  # noqa: E402  (packed rows, the step plan)
+from step_batches import StepBatches, default_workers  # noqa: E402  (rows read ahead onto the device)
 import spec_trainer  # noqa: E402  (--trainer speculators)
 import ttt_loss  # noqa: E402  (chunked KL, conditional acceptance)
 import distributed as dist_  # noqa: E402  (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack-len", type=int, default=None,
                    help="tokens per packed row (default: the longest document; a multiple of 128 on CUDA)")
     p.add_argument("--loader-workers", type=int, default=None,
-                   help="processes reading batches ahead (default: 4 per GPU, 0 on CPU)")
+                   help="threads reading batches ahead (default: up to 4 per GPU, 0 on CPU)")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth, 1..7 (default 3)")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step k is decay**k")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -479,8 +480,7 @@ def train(args) -> dict:
         return F.embedding(ids, embed)
 
     S = args.ttt_steps
-    workers = args.loader_workers if args.loader_workers is not None else (4 if device.type == "cuda" else 0)
-    pin = device.type == "cuda"
+    workers = args.loader_workers if args.loader_workers is not None else default_workers(device)
 
     # The target's top token over its full vocabulary, at every position: on a CPU the full head is ~40 % of a
     # step (SmolLM2: 576 x 49,152 per token, 3 TTT steps of a 5 M draft) and the data is small, so each
@@ -517,13 +517,11 @@ def train(args) -> dict:
             counts = ttt_loss.acceptance_counts(tops, draft_to_target_dev, target_ids, scored)
         return loss, step_l, counts
 
-    held = None
+    held = None   # the held-out documents' plan: one pass of it is an evaluation
     if held_docs:
-        held_plan = packing.Plan(packing.pack_rows([lengths[i] for i in held_docs], pack_len, args.seed), n_rows,
-                                 args.seed)
-        held_plan.rows = [[held_docs[i] for i in row] for row in held_plan.rows]
-        held = packing.StepData(held_plan, 0, held_plan.steps_per_epoch, w.rank, w.size, files, pack_len, aux_dim, H,
-                                feat_dtype, tops)
+        held = packing.Plan([[held_docs[i] for i in row]
+                             for row in packing.pack_rows([lengths[i] for i in held_docs], pack_len, args.seed)],
+                            n_rows, args.seed)
 
     def evaluate() -> dict:
         """Loss, accuracy and conditional acceptance per position on the held-out documents (all ranks)."""
@@ -531,13 +529,15 @@ def train(args) -> dict:
         tot_l = torch.zeros(S, dtype=torch.float64, device=device)
         tot_c = torch.zeros(3 * S + 1, dtype=torch.float64, device=device)
         with torch.no_grad():
-            for cpu_batch in packing.loader(held, 0, False):
-                _, step_l, counts = measure(packing.to_device(cpu_batch, device))
-                tot_l += step_l.double()
-                tot_c += counts
+            with StepBatches(held, 0, held.steps_per_epoch, w.rank, w.size, files, pack_len, aux_dim, H,
+                             feat_dtype, device, 0, tops) as batches:
+                for batch in batches:
+                    _, step_l, counts = measure(batch)
+                    tot_l += step_l.double()
+                    tot_c += counts
         model.train()
         sums = dist_.all_sum([*tot_l.tolist(), *tot_c.tolist()])
-        n_batches = held.n
+        n_batches = held.steps_per_epoch
         res = ttt_loss.summarize(sums[S:], [x / n_batches for x in sums[:S]], S)
         res["documents"] = len(held_docs)
         return res
@@ -559,19 +559,16 @@ def train(args) -> dict:
     n_since = 0
     diverged = None   # what the loss or the weights turned into, once they are no longer finite
     model.train()
-    batches = iter(packing.loader(packing.StepData(plan, start, stop, w.rank, w.size, files, pack_len, aux_dim, H,
-                                                   feat_dtype, tops), workers, pin))
-    pending = packing.to_device(next(batches), device) if start < stop else None
+    batches = StepBatches(plan, start, stop, w.rank, w.size, files, pack_len, aux_dim, H, feat_dtype, device,
+                          workers, tops)
     tracker = open_tracker(args.report_to, tracking_dir(out, args.tracking_dir), config=vars(args), main=w.main)
     progress_line("train", start, total)  # the bar's start: its ETA counts from here
-    with tracker, dist_.StopRequest() as stop_request:
+    with tracker, dist_.StopRequest() as stop_request, batches:
         for step in range(start, stop):
             lr = lr_at(step, total, args)
             for g in opt.param_groups:
                 g["lr"] = lr
-            batch = pending
-            # The next batch's copy is queued now, so it overlaps this step instead of starting after it.
-            pending = packing.to_device(next(batches), device) if step + 1 < stop else None
+            batch = next(batches)   # its copy to the GPU was queued during the step before
             noise = None
             if args.feature_noise > 0:   # seeded by (seed, step, rank): the same after a resume, no RNG state
                 noise = torch.Generator(device=device).manual_seed(
@@ -604,7 +601,8 @@ def train(args) -> dict:
                 sums = dist_.all_sum([float(stats_loss), *stats_l.tolist(), *stats_c.tolist(), tok_log])
                 tok_g = sums[-1]
                 fig = ttt_loss.summarize(sums[1 + S:-1], [x / n_since for x in sums[1:1 + S]], S)
-                entry = {"step": done, "loss": sums[0] / n_since, **fig, "lr": lr, "tokens_per_s": round(tok_g / dt, 1)}
+                entry = {"step": done, "loss": sums[0] / n_since, **fig, "lr": lr, "tokens_per_s": round(tok_g / dt, 1),
+                         "tokens": int(tok_g), "seconds": round(dt, 4)}   # the interval since the last log
                 if w.main:
                     acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(fig["acc"]))
                     log(f"step {done}/{total} loss {entry['loss']:.4f} {acc_s} accept_len {fig['accept_len']:.2f} "
