@@ -155,3 +155,17 @@ def test_closed_half_way_leaves_no_thread(tmp_path):
         next(batches)
         assert len(loader_threads()) == 3
     assert loader_threads() == []
+
+
+def test_a_ring_over_its_memory_cap_keeps_one_thread(tmp_path, monkeypatch):
+    import step_batches
+
+    lengths = [25, 14, 30, 9, 22, 17]
+    files = write_docs(tmp_path, lengths)
+    plan = packing.Plan(packing.pack_rows([n - 1 for n in lengths], 32, seed=1), 2, seed=1)
+    monkeypatch.setattr(step_batches, "MAX_RING_BYTES", 1)
+    with StepBatches(plan, 0, 2 * plan.steps_per_epoch, 0, 1, files, 32, (L - 1) * H, H, torch.float32, CPU,
+                     4) as batches:
+        assert len(batches.threads) == 1 and len(batches.slots) == 2
+        for step, batch in enumerate(batches):
+            assert_batch(batch, expected_rows(files, plan.rank_rows(step, 0, 1), 32))

@@ -20,7 +20,7 @@ import torch
 
 import packing
 
-MAX_RING_BYTES = 8 << 30   # page-locked host memory per rank for the ring, at most (Kimi-K2.5: ~1 GB a step)
+MAX_RING_BYTES = 8 << 30   # page-locked host memory per rank for the ring (Kimi-K2.5: ~57 KB a token of a step)
 
 
 def default_workers(device: torch.device) -> int:
@@ -45,10 +45,11 @@ class StepBatches:
         self.next_step, self.last = first, last
         rows = len(data_plan.rank_rows(first, rank, world)) if first < last else 0
         slot_bytes = rows * pack_len * ((aux_dim + hidden) * torch.finfo(feat_dtype).bits // 8 + 8 * 4)
-        # Slots: one per thread being filled, one ready ahead, one whose copy to the GPU may still run.
-        want = workers + 2 if self.cuda else workers + 1
-        n_slots = max(2 if self.cuda else 1, min(want, MAX_RING_BYTES // max(slot_bytes, 1)))
-        workers = min(workers, n_slots - (2 if self.cuda else 1)) if workers else 0
+        # Buffers: one per thread filling, plus on a GPU one ready ahead and one whose copy may still run, on a
+        # CPU the one handed out. Fewer threads when the ring would pass MAX_RING_BYTES, but one stays.
+        spare = 2 if self.cuda else 1
+        workers = min(workers, max(1, MAX_RING_BYTES // max(slot_bytes, 1) - spare))
+        n_slots = workers + spare
         self.slots = [packing.new_slot(rows, pack_len, aux_dim, hidden, feat_dtype, tops is not None, pin=self.cuda)
                       for _ in range(n_slots if first < last else 0)]
         self.free = list(range(len(self.slots)))   # slot indices a filler may take
