@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -201,9 +200,10 @@ def train_dir(name: str) -> Path:
 
 
 def step_rate(doc: dict) -> float | None:
-    """Median tokens/s of the logged steps, without each run's first (CUDA/NCCL warm-up)."""
-    rates = [h["tokens_per_s"] for h in doc.get("history", [])[1:] if h.get("tokens_per_s")]
-    return round(statistics.median(rates), 1) if rates else None
+    """Tokens/s of the logged steps after each run's first (CUDA/NCCL warm-up): their tokens over their time, so a
+    slow step counts as it cost (train.py's history gives each interval's tokens and seconds)."""
+    spans = [(h["tokens"], h["seconds"]) for h in doc.get("history", [])[1:] if h.get("seconds")]
+    return round(sum(t for t, _ in spans) / sum(s for _, s in spans), 1) if spans else None
 
 
 def training() -> dict:
