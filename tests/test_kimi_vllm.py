@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,8 +72,11 @@ def test_the_gpu_stage_runs_through_on_vllm_cpu(tmp_path):
     assert agree["samples"] == 12 and max(agree["rel_err_per_layer"]) < 0.05 < min(agree["off_by_one_rel_err"])
     assert steps["train_export"]["export"]["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[:-1]
     ev = steps["eval"]
-    assert ev["engine"] == "vllm" and ev["drafts"] > 0 and len(ev["acceptance_per_position"]) == 3, ev
-    # no flashinfer in the env: eval's engine starts with the flashinfer sampler off, as extract's does
-    assert ev["engine_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, ev
+    if "amx_tile" in Path("/proc/cpuinfo").read_text():
+        assert ev["engine"] == "vllm" and ev["drafts"] > 0 and len(ev["acceptance_per_position"]) == 3, ev
+        # no flashinfer in the env: eval's engine starts with the flashinfer sampler off, as extract's does
+        assert ev["engine_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, ev
+    else:   # vLLM 0.32's CPU MLA kernel without AMX shares no KV block size with the draft's attention
+        assert "no block size fits both" in ev["skipped"] and "CPU_MLA" in ev["skipped"], ev
     assert steps["train_export"]["result"]["finished"] and steps["train_export"]["result"]["aux_layer_ids"] == LAYER_IDS[:-1]
     assert steps["extract_vllm_tp2_vs_tp1"]["skipped"]                # one "GPU" here

@@ -136,6 +136,19 @@ def host_info() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-400:]}
 
 
+def eagle3_serving(model: Path) -> tuple[bool, str | None]:
+    """eval's own answer, asked of the host's interpreter: can its vLLM serve an EAGLE-3 draft for this target?"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT / "remote_payloads" / "pipeline"),
+                                                                str(ROOT / "remote_payloads")])}
+    code = ("import json, sys; from eval import target_text_config, vllm_support; "
+            "print(json.dumps(vllm_support(target_text_config(sys.argv[1])[0])))")
+    p = subprocess.run([PY, "-c", code, str(model)], capture_output=True, text=True, env=env, timeout=600)
+    if p.returncode:
+        return True, None      # the eval step itself says what is wrong
+    ok, why = json.loads(p.stdout.strip().splitlines()[-1])
+    return ok, (None if ok else why)
+
+
 # ------------------------------------------------------------------------------------------------------
 # agreement between two extractions of the same samples
 
@@ -271,7 +284,10 @@ def main():
                                  result={k: v for k, v in (res or {}).items() if k != "history"},
                                  export={k: exp.get(k) for k in ("architectures", "eagle_aux_hidden_state_layer_ids",
                                                                  "draft_vocab_size", "speculators_model_type")})
-        if trained:
+        serving = eagle3_serving(model) if trained else (True, None)
+        if trained and not serving[0]:    # where vLLM itself cannot (a CPU without AMX): said, not run
+            record("eval", False, skipped=serving[1])
+        elif trained:
             ok, res, secs, why = run_step("eval", timeout=1800)
             rep = out / "eval" / "report.json"
             doc = json.loads(rep.read_text()) if rep.exists() else {}

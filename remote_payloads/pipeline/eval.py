@@ -130,8 +130,40 @@ def vllm_support(target_cfg):
             except Exception:  # noqa: BLE001
                 cls = None
         if cls is not None and supports_eagle3(cls):
-            return True, version
+            conflict = cpu_kv_block_conflict(target_cfg, version)
+            return (False, conflict) if conflict else (True, version)
     return False, f"vLLM {version} cannot serve EAGLE-3 drafts for {archs or 'this target'}"
+
+
+def cpu_kv_block_conflict(target_cfg, version):
+    """Why vLLM on this CPU cannot hold an MLA target and an EAGLE-3 draft in one engine, else None. The target's
+    layers and the draft's attention run on two backends that must share a KV block size; without AMX, vLLM 0.32's
+    CPU_MLA takes 16-token blocks only and CPU_ATTN multiples of 32, and the engine dies at start-up ("No common
+    block size", seen on an AMD EPYC with AVX-512). Asked of vLLM's own backends, so a version that lifts it passes."""
+    text = target_cfg.get("text_config") if isinstance(target_cfg.get("text_config"), dict) else target_cfg
+    if not text.get("kv_lora_rank"):   # not MLA (DeepSeek-V3 / Kimi-K2.5 text configs have it)
+        return None
+    try:
+        import torch
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or torch.cpu._is_amx_tile_supported():
+            return None
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+        mla, attn = CPUMLABackend.get_supported_kernel_block_sizes(), CPUAttentionBackend.get_supported_kernel_block_sizes()
+    except Exception:  # noqa: BLE001 - another layout of vLLM: its engine start decides
+        return None
+
+    def fits(size, spec):
+        return size == spec if isinstance(spec, int) else size % spec.base == 0
+
+    if not all(isinstance(m, int) for m in mla) or any(fits(m, a) for m in mla for a in attn):
+        return None
+    return (f"vLLM {version} on this CPU (no AMX) runs the MLA target with CPU_MLA, KV blocks of {mla} tokens, and "
+            f"the draft's attention with CPU_ATTN, blocks of {attn}: no block size fits both, so no engine can serve an "
+            f"EAGLE-3 draft for this target here (a GPU host or a CPU with AMX can)")
 
 
 # ----------------------------------------------------------------------------------------------------
