@@ -159,10 +159,14 @@ def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
-        t = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-        return kv_bytes_per_token(t, tp)
+        return kv_bytes_per_token(text_config_of(cfg), tp)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
+
+
+def text_config_of(cfg: dict) -> dict:
+    """The text model's config: a multimodal wrapper's (Kimi-K2.5) text_config, else the config itself."""
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def host_memory_available() -> tuple[int, int]:

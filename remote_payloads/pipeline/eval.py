@@ -41,7 +41,7 @@ import time  # noqa: E402
 from step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, job_headline,  # noqa: E402
                           log, model_fingerprint, model_identity, run_step, stdout_for_result_only)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
-from vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs  # noqa: E402
+from vllm_compat import engine_env_defaults, size_engine, text_config_of, text_only_engine_kwargs  # noqa: E402
 
 HEADLINE_PREFIX = "eval: "
 
@@ -61,7 +61,7 @@ def read_json(path, what):
 
 def target_text_config(model_dir):
     cfg = read_json(os.path.join(model_dir, "config.json"), "--model must be a local model folder")
-    tc = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    tc = text_config_of(cfg)
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if not isinstance(tc.get(field), int):
             raise BadInput(f"{model_dir}/config.json: no integer '{field}'")
@@ -140,8 +140,7 @@ def cpu_kv_block_conflict(target_cfg, version):
     layers and the draft's attention run on two backends that must share a KV block size; without AMX, vLLM 0.32's
     CPU_MLA takes 16-token blocks only and CPU_ATTN multiples of 32, and the engine dies at start-up ("No common
     block size", seen on an AMD EPYC with AVX-512). Asked of vLLM's own backends, so a version that lifts it passes."""
-    text = target_cfg.get("text_config") if isinstance(target_cfg.get("text_config"), dict) else target_cfg
-    if not text.get("kv_lora_rank"):   # not MLA (DeepSeek-V3 / Kimi-K2.5 text configs have it)
+    if not text_config_of(target_cfg).get("kv_lora_rank"):   # not MLA (DeepSeek-V3 / Kimi-K2.5 text configs have it)
         return None
     try:
         import torch

@@ -57,7 +57,7 @@ class StepBatches:
         self.ready = {}                            # step -> (slot, tokens) or the exception its filler raised
         self.to_fill = first                       # the next step a filler takes
         self.held = None                           # CPU: the slot handed out last (valid until the next call)
-        self.prefetched = None                     # CUDA: (step, device batch, event) copied ahead
+        self.prefetched = None                     # CUDA: (device batch, event) of the next step, copied ahead
         self.closed = False
         self.cond = threading.Condition()
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -124,7 +124,7 @@ class StepBatches:
             self.cond.notify_all()
 
     def _to_device(self, step: int):
-        """Queue the copy of `step`'s rows on the side stream; (step, device batch, event)."""
+        """Queue the copy of `step`'s rows on the side stream; (device batch, event)."""
         slot, tokens = self._take(step)
         with torch.cuda.stream(self.copy_stream):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self.slots[slot].items()}
@@ -132,7 +132,7 @@ class StepBatches:
             event.record(self.copy_stream)
         self._release(slot, event)
         batch["tokens"] = tokens
-        return step, batch, event
+        return batch, event
 
     def __iter__(self):
         return self
@@ -148,7 +148,7 @@ class StepBatches:
                 self._release(self.held)
             self.held, tokens = self._take(step)
             return {**self.slots[self.held], "tokens": tokens}
-        _, batch, event = self.prefetched or self._to_device(step)
+        batch, event = self.prefetched or self._to_device(step)
         self.prefetched = None
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(event)
