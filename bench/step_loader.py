@@ -90,6 +90,19 @@ def timed(batches, steps: int, device) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def same_batches(plan, files, pack_len, aux_dim, hidden, dt, device, workers, steps: int) -> bool:
+    """Whether the first steps' batches on `device` (threads, ring, side stream) equal the same rows built on
+    the host in this thread: a fast loader that hands out wrong rows must not report a speed."""
+    args = (files, pack_len, aux_dim, hidden, dt)
+    with StepBatches(plan, 0, steps, 0, 1, *args, device, workers) as fast, \
+            StepBatches(plan, 0, steps, 0, 1, *args, torch.device("cpu"), 0) as host:
+        for got, want in zip(fast, host):
+            if got["tokens"] != want["tokens"] or any(
+                    not torch.equal(got[k].cpu(), want[k]) for k in want if torch.is_tensor(want[k])):
+                return False
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=240)
@@ -121,7 +134,9 @@ def main() -> int:
         with StepBatches(plan, 0, a.steps + 3, 0, 1, files, pack_len, aux_dim, a.hidden, dt, device,
                          a.workers) as batches:
             ours = timed(batches, a.steps, device)
+        equal = same_batches(plan, files, pack_len, aux_dim, a.hidden, dt, device, a.workers, steps=6)
         print(json.dumps({"device": str(device), "workers": a.workers, "docs": a.docs, "pack_len": pack_len,
+                          "batches_equal_host_built": equal,
                           "rows_per_step": plan.rows_per_step, "bytes_per_token": (aux_dim + a.hidden) * 2,
                           "step_batches_tokens_per_s": round(ours), "dataloader_tokens_per_s": round(theirs),
                           "ratio": round(ours / theirs, 2), "cpus": os.cpu_count()}))
