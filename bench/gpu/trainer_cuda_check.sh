@@ -1,8 +1,10 @@
 #!/bin/bash
 # CUDA check of the trainer on random 1B-shaped inputs (hidden 2048, draft vocab 8192, TTT 3, 16384 tokens/step):
-# flex attention + compile tokens/s on 1 GPU, DDP on 2 GPUs stopped half-way and resumed on 1 GPU, FSDP on 2 GPUs.
+# flex attention + compile tokens/s on 1 GPU; the same 20 steps stopped at step 10 and resumed on 1 GPU, whose final
+# loss must equal the straight run's; DDP on 2 GPUs stopped half-way and resumed on 1 GPU, FSDP on 2 GPUs (the
+# 2-GPU runs are skipped on a one-GPU machine).
 # About 4.5 minutes on the 2-GPU H200 machine:  PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/trainer_cuda_check.sh
-# Writes $OUT/{one,ddp,resume,fsdp}.json (each run's JSON answer) and .log; prints a summary.
+# Writes $OUT/{one,half,half_resume,ddp,resume,fsdp}.json (each run's JSON answer) and .log; prints a summary.
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
 export OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -12,11 +14,23 @@ D=/dev/shm/kimi-eagle-trainer-check; rm -rf $D
 $PY bench/gpu/random_train_inputs.py $D 40 || exit 1
 TR="remote_payloads/pipeline/train.py --model $D/target --tokens-per-step 16384 --epochs 100 --log-every 5 --save-every 1000"
 copy() { rm -rf $D/$1; mkdir -p $D/$1; ln -s $D/out/hidden_states $D/$1/hidden_states; ln -s $D/out/vocab $D/$1/vocab; }
-copy one; CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/one --max-steps 25 > $OUT/one.json 2> $OUT/one.log; echo "one rc=$?"
+copy one; CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/one --max-steps 20 > $OUT/one.json 2> $OUT/one.log; echo "one rc=$?"
+copy half; CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/half --max-steps 20 --stop-at-step 10 > $OUT/half.json 2> $OUT/half.log; echo "half rc=$?"
+CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/half --max-steps 20 --resume > $OUT/half_resume.json 2> $OUT/half_resume.log; echo "half_resume rc=$?"
+$PY -c "
+import json
+last = lambda f: json.loads(open(f).read().strip().splitlines()[-1])
+a, b = last('$OUT/one.json'), last('$OUT/half_resume.json')
+print('resume on 1 GPU: final loss', a.get('final_loss'), 'straight,', b.get('final_loss'), 'stopped at 10 and resumed:',
+      'EQUAL' if a.get('final_loss') == b.get('final_loss') is not None else 'DIFFERENT')"
+runs="one half half_resume"
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then echo "ddp, resume, fsdp: skipped (one GPU)"; else
+runs="$runs ddp resume fsdp"
 copy ddp; timeout 100 $PY -m torch.distributed.run --standalone --nproc-per-node 2 $TR --output-dir $D/ddp --max-steps 20 --stop-at-step 10 > $OUT/ddp.json 2> $OUT/ddp.log; echo "ddp rc=$?"
 CUDA_VISIBLE_DEVICES=0 timeout 90 $PY $TR --output-dir $D/ddp --max-steps 20 --resume > $OUT/resume.json 2> $OUT/resume.log; echo "resume rc=$?"
 copy fsdp; timeout 100 $PY -m torch.distributed.run --standalone --nproc-per-node 2 $TR --output-dir $D/fsdp --max-steps 10 --parallel fsdp > $OUT/fsdp.json 2> $OUT/fsdp.log; echo "fsdp rc=$?"
-for f in one ddp resume fsdp; do echo "== $f"; $PY -c "
+fi
+for f in $runs; do echo "== $f"; $PY -c "
 import json,sys
 try: d=json.loads(open('$OUT/$f.json').read().strip().splitlines()[-1])
 except Exception as e: print('no json', e); sys.exit()
