@@ -288,6 +288,46 @@ def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, referenc
     assert b["history"][0]["step"] == stopped_at + 1 and b["step"] == b["total_steps"] == 200
 
 
+def compiling_in_group(pgid: int) -> bool:
+    """Whether g++ compiles one of torch.compile's kernels (`<hash>.main.cpp` under the Inductor cache; the
+    compiles before those are probes of the CPU's vector ISA, whose failure Inductor tolerates) in process
+    group `pgid`."""
+    for name in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid and any(a.endswith(b".main.cpp") for a in argv):
+            return True
+    return False
+
+
+def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, tmp_path):
+    """`kimi-eagle stop` signals the job's whole process group, and torch.compile's compiler runs in it. A stop
+    that lands while the first step compiles ends that step, saves and says so (it was a CppCompileError: the
+    compiler died of the signal)."""
+    out = fresh_out(train_inputs, "stop-compiling")
+    cmd = [sys.executable, str(PAY / "pipeline" / "train.py"), "--model", str(train_inputs["target"]),
+           "--output-dir", str(out), *map(str, TRAIN_ARGS), "--epochs", "50", "--compile", "on"]
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}   # cold: the first step compiles
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
+    try:
+        deadline = time.time() + 240
+        while not compiling_in_group(proc.pid) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and compiling_in_group(proc.pid), "no compiler seen in the job's group"
+        os.killpg(proc.pid, signal.SIGTERM)  # what `kimi-eagle stop` does
+        stdout, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    doc = answer(stdout)
+    assert proc.returncode == 1 and "stopped by SIGTERM after step 1" in doc["error"], err[-3000:]
+    assert Path(doc["checkpoint"]).is_file() and doc["checkpoint"].endswith("step_00000001.pt")
+
+
 # ----------------------------------------------------------------------------------------------------
 # the controller: a torchrun job through the CLI over the real sshd, and its stop
 

@@ -3,7 +3,7 @@
 # flex attention + compile tokens/s on 1 GPU; the same 20 steps stopped at step 10 and resumed on 1 GPU, whose final
 # loss must equal the straight run's; DDP on 2 GPUs stopped half-way and resumed on 1 GPU, FSDP on 2 GPUs (the
 # 2-GPU runs are skipped on a one-GPU machine).
-# About 4.5 minutes on the 2-GPU H200 machine:  PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/trainer_cuda_check.sh
+# About 4.5 minutes on the 2-GPU H200 machine with warm compile caches (a cold first step compiles ~2 min):  PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/trainer_cuda_check.sh
 # Writes $OUT/{one,half,half_resume,ddp,resume,fsdp}.json (each run's JSON answer) and .log; prints a summary.
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -14,8 +14,8 @@ D=/dev/shm/kimi-eagle-trainer-check; rm -rf $D
 $PY bench/gpu/random_train_inputs.py $D 40 || exit 1
 TR="remote_payloads/pipeline/train.py --model $D/target --tokens-per-step 16384 --epochs 100 --log-every 5 --save-every 1000"
 copy() { rm -rf $D/$1; mkdir -p $D/$1; ln -s $D/out/hidden_states $D/$1/hidden_states; ln -s $D/out/vocab $D/$1/vocab; }
-copy one; CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/one --max-steps 20 > $OUT/one.json 2> $OUT/one.log; echo "one rc=$?"
-copy half; CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/half --max-steps 20 --stop-at-step 10 > $OUT/half.json 2> $OUT/half.log; echo "half rc=$?"
+copy one; CUDA_VISIBLE_DEVICES=0 timeout 300 $PY $TR --output-dir $D/one --max-steps 20 > $OUT/one.json 2> $OUT/one.log; echo "one rc=$?"
+copy half; CUDA_VISIBLE_DEVICES=0 timeout 240 $PY $TR --output-dir $D/half --max-steps 20 --stop-at-step 10 > $OUT/half.json 2> $OUT/half.log; echo "half rc=$?"
 CUDA_VISIBLE_DEVICES=0 timeout 120 $PY $TR --output-dir $D/half --max-steps 20 --resume > $OUT/half_resume.json 2> $OUT/half_resume.log; echo "half_resume rc=$?"
 $PY -c "
 import json

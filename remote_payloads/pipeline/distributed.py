@@ -10,6 +10,7 @@ lazily, inside the functions that talk to the process group.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -187,6 +188,12 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
+        if self.received is None:
+            # Under sparing_children() the signal waits in the pending set instead of reaching _handle.
+            pending = signal.sigpending() & set(self.signals)
+            if pending:
+                signal.sigtimedwait(pending, 0)   # taken here: it must not act again when the block is lifted
+                self._handle(min(pending), None)
         return self.received is not None
 
     def _handle(self, signum, frame):
@@ -203,6 +210,22 @@ class StopRequest:
         for s, old in self._old.items():
             signal.signal(s, old)
         return False
+
+
+@contextlib.contextmanager
+def sparing_children(signals=(signal.SIGTERM,)):
+    """Keep `signals` blocked in this thread while the block runs, so that the processes started meanwhile
+    (torch.compile's C++ compiler, Inductor's Triton compile workers) are born with them blocked too.
+
+    Why: `kimi-eagle stop` (like timeout and Slurm) signals the job's whole process group. A compiler killed in
+    the middle of a step turned a clean stop into a CppCompileError on a CPU, and on CUDA into a hang until the
+    SIGKILL (Inductor waiting for its dead workers): no checkpoint either way. A StopRequest inside still sees
+    the signal (it looks in the pending set). A signal left pending on the way out acts as it would have."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ world size. SIGTERM (kimi-eagle stop) ends the current step, saves a checkpoint 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -746,7 +747,11 @@ def make_optimizer(model, args, device):
 
 
 def main(argv=None) -> int:
-    return dist_.run_step_then_leave("train", train, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    # Our loop compiles in processes of the job's group; speculators' trainer is stopped by the signal itself.
+    spared = dist_.sparing_children() if args.trainer == "ours" else contextlib.nullcontext()
+    with spared:
+        return dist_.run_step_then_leave("train", train, args)
 
 
 if __name__ == "__main__":
