@@ -218,9 +218,10 @@ def sparing_children(signals=(signal.SIGTERM,)):
     (torch.compile's C++ compiler, Inductor's Triton compile workers) are born with them blocked too.
 
     Why: `kimi-eagle stop` (like timeout and Slurm) signals the job's whole process group. A compiler killed in
-    the middle of a step turned a clean stop into a CppCompileError on a CPU, and on CUDA into a hang until the
-    SIGKILL (Inductor waiting for its dead workers): no checkpoint either way. A StopRequest inside still sees
-    the signal (it looks in the pending set). A signal left pending on the way out acts as it would have."""
+    the middle of a step turned a clean stop into a CppCompileError on a CPU; on an H200 the trainer was still
+    running minutes after the signal (most likely Inductor waiting for its dead Triton workers) until the SIGKILL:
+    no checkpoint either way. A StopRequest inside still sees the signal (it looks in the pending set). A signal
+    left pending on the way out acts as it would have."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
