@@ -288,19 +288,26 @@ def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, referenc
     assert b["history"][0]["step"] == stopped_at + 1 and b["step"] == b["total_steps"] == 200
 
 
+def processes(*files: str):
+    """(pid, the fields of /proc/<pid>/stat after the command name, then the bytes of each named /proc/<pid>
+    file) of every process that is still there to read."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+            extra = [Path(f"/proc/{name}/{f}").read_bytes() for f in files]
+        except OSError:
+            continue
+        yield (int(name), stat[stat.rindex(")") + 2:].split(), *extra)
+
+
 def compiling_in_group(pgid: int) -> bool:
     """Whether g++ compiles one of torch.compile's kernels (`<hash>.main.cpp` under the Inductor cache; the
     compiles before those are probes of the CPU's vector ISA, whose failure Inductor tolerates) in process
     group `pgid`."""
-    for name in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid and any(a.endswith(b".main.cpp") for a in argv):
-            return True
-    return False
+    return any(int(fields[2]) == pgid and any(a.endswith(b".main.cpp") for a in cmdline.split(b"\0"))
+               for _, fields, cmdline in processes("cmdline"))
 
 
 def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, tmp_path):
@@ -334,18 +341,8 @@ def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, t
 def job_processes(job_id: str) -> list[int]:
     """Live pids carrying the job's id in their environment: torchrun and its workers, which torchrun starts in
     sessions of their own, outside the job's process group. Our own scan, not jobctl's: the test checks jobctl."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{name}/environ").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and f"KIMI_EAGLE_JOB_ID={job_id}\0".encode() in environ + b"\0":
-            found.append(int(name))
-    return found
+    marker = f"KIMI_EAGLE_JOB_ID={job_id}\0".encode()
+    return [pid for pid, fields, environ in processes("environ") if fields[0] != "Z" and marker in environ + b"\0"]
 
 
 def test_stop_of_a_torchrun_job_over_ssh_leaves_no_process(tmp_path, sshd, train_inputs):
