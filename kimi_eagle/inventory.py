@@ -16,6 +16,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
 
+from .config_yaml import read_config_text, read_yaml
 from .errors import ConfigError
 
 DEFAULT_INVENTORY = Path(__file__).resolve().parent / "default_inventory.yaml"
@@ -423,27 +424,6 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
         shown = str(path)
         text = read_config_text(path, "inventory")
     return parse(text, shown)
-
-
-def read_config_text(path: str | os.PathLike, what: str) -> str:
-    """A YAML file's text (the inventory, a recipe), or one ConfigError line naming the file."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the {what}: {e}") from None
-
-
-def read_yaml(text: str, shown: str):
-    """(the parsed document, its node tree for line numbers); a syntax error is one ConfigError with the line."""
-    try:
-        return yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{shown}{where}: YAML syntax error: {problem}") from None
 
 
 def parse(text: str, shown: str) -> Inventory:
