@@ -62,6 +62,25 @@ def _host_name(value):
     return value
 
 
+def _given(value):
+    # An empty value would not fall back to the default (only a missing one does): ssh gets `-i ''`, the
+    # host runs `'' script.py`.
+    _printable(value)
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("is empty (leave the field out for the default)")
+    return value
+
+
+def _host_folder(value):
+    # Every script cds into the workdir and the controller names paths under it from the host's home: a
+    # relative one resolves against wherever a shell starts, so the job started and was then `lost`. `~user/`
+    # is not one either: the scripts quote the path and only expand a leading `~/`.
+    _given(value)
+    if isinstance(value, str) and not (value.startswith("/") or value == "~" or value.startswith("~/")):
+        raise ValueError("must be an absolute path (/...) or start with ~/ (the host's home)")
+    return value
+
+
 Number = Annotated[int, BeforeValidator(_no_bool)]
 Positive = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
 
@@ -112,6 +131,8 @@ StepSettings = Annotated[dict, BeforeValidator(_step_settings)]
 Real = Annotated[float, BeforeValidator(_no_bool)]
 Text = Annotated[str, BeforeValidator(_printable)]
 HostName = Annotated[str, BeforeValidator(_host_name)]
+Given = Annotated[str, BeforeValidator(_given)]
+HostFolder = Annotated[str, BeforeValidator(_host_folder)]
 
 
 class _Strict(BaseModel):
@@ -259,13 +280,13 @@ class SlurmSettings(_Strict):
 class HostFields(_Strict):
     address: HostName | None = None  # hostname, IP or ~/.ssh/config alias; defaults to the host's name
     port: Number | None = Field(None, gt=0, lt=65536)
-    user: Text | None = None
-    identity_file: Text | None = None
-    python: Text | None = None
-    workdir: Text | None = None
+    user: Given | None = None
+    identity_file: Given | None = None
+    python: Given | None = None
+    workdir: HostFolder | None = None
     env: dict[str, str] = Field(default_factory=dict)
     transport: Literal["ssh", "local"] | None = None
-    known_hosts: Text | None = None
+    known_hosts: Given | None = None
     connect_timeout: Real | None = Field(None, gt=0)
     pipeline: PipelineOverride | None = None
     # Several hosts and Slurm (how jobs are launched; see kimi_eagle/backend.py):

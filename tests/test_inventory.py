@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from conftest import make_env
+from conftest import make_env, one_line_usage_error
 
 GOOD_HOST = """hosts:
   blackwell-01:
@@ -79,6 +81,23 @@ CASES = {
         'hosts:\n  b:\n    workdir: "/root/x\\ntouch /tmp/p"\n',
         ["inventory.yaml:3", "host 'b'", "field workdir", "control character"],
     ),
+    # A relative workdir started the job and then lost it (`cd: relwd: No such file or directory`, exit 4).
+    "relative workdir": (
+        "hosts:\n  b:\n    transport: local\n    workdir: relwd\n",
+        ["inventory.yaml:4", "host 'b'", "field workdir", "absolute path", "'relwd'"],
+    ),
+    "workdir in another user's home": (
+        "hosts:\n  b:\n    transport: local\n    workdir: ~alice/w\n",
+        ["inventory.yaml:4", "host 'b'", "field workdir", "start with ~/"],
+    ),
+    "relative workdir in defaults": (
+        "defaults:\n  workdir: w\nhosts:\n  b:\n    transport: local\n",
+        ["inventory.yaml:2", "field defaults.workdir", "absolute path"],
+    ),
+    **{f"empty {field}": (
+        f"hosts:\n  b:\n    transport: local\n    {field}: ''\n",
+        ["inventory.yaml:4", "host 'b'", f"field {field}", "is empty"],
+    ) for field in ("workdir", "python", "identity_file", "known_hosts", "user")},
     "control character in a group name": (
         GOOD_HOST + 'groups:\n  "g\\x1b[2J": [blackwell-01]\n',
         ["inventory.yaml:7", "group name", "control character"],
@@ -111,6 +130,17 @@ def test_inventory_mistake_is_one_clear_line(tmp_path, case):
     for n in needles:
         assert n in msg, (n, msg)
     assert r.stdout == ""  # nothing ran
+
+
+@pytest.mark.parametrize("workdir", ["relwd", "''"])
+def test_a_workdir_that_is_no_absolute_folder_is_refused_before_anything_runs(tmp_path, workdir):
+    """Before: the command ran (in the empty workdir's case to exit 0), and the job was reported `lost`."""
+    e = make_env(tmp_path, None)
+    e.write_inventory(f"hosts:\n  h1:\n    transport: local\n    python: {sys.executable}\n    workdir: {workdir}\n")
+    marker = tmp_path / "ran"
+    line = one_line_usage_error(e.cli("run", "exec", "--host", "h1", "--no-gpu", "--", "touch", str(marker)))
+    assert "inventory.yaml:5: host 'h1', field workdir: " in line, line
+    assert not marker.exists()
 
 
 def test_missing_inventory_file(tmp_path):
