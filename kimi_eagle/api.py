@@ -235,6 +235,7 @@ class Controller:
         (what a person saw in a dry run and confirmed)."""
         from . import gpu_reset
 
+        gpu_reset.check_device_paths(device_paths or [])
         extra = [a for p in device_paths or [] for a in ("--device-path", p)]
         kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu, stop_all=stop_all, dry_run=dry_run)
 

@@ -6,9 +6,10 @@ holders from both fuser and nvidia-smi, signals, and verifies memory came back.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 
-from .errors import KimiEagleError
+from .errors import ConfigError, KimiEagleError
 from .host import RUNS, HostSession
 
 
@@ -41,6 +42,20 @@ class ResetResult:
         return "stopped what was ours; still held by " + "; ".join(
             f"pid {h.get('pid')} ({h.get('owner')}, {h.get('user') or '?'}, {(h.get('cmd') or '')[:40]!r}, GPU "
             f"{','.join(map(str, h.get('gpu') or [])) or '?'})" for h in held)
+
+
+# Where GPU device nodes live. The host checks what each path is (a character device of a GPU driver); this is
+# the early check of the name, before any host is contacted.
+GPU_NODE_PREFIXES = ("/dev/nvidia", "/dev/dri/")
+
+
+def check_device_paths(paths: list[str]) -> None:
+    """--device-path values: GPU device nodes or globs of them, else one ConfigError (fuser on /dev/null would
+    list every process of the host as a GPU holder)."""
+    for path in paths:
+        if not posixpath.normpath(path).startswith(GPU_NODE_PREFIXES):
+            raise ConfigError(f"--device-path {path}: not a GPU device node (expected /dev/nvidia*, "
+                              f"/dev/dri/card* or /dev/dri/renderD*)")
 
 
 def reset_args(session: HostSession, *, stop_all=False, dry_run=False, grace=10.0, timeout=60.0,

@@ -87,10 +87,22 @@ def device(tmp: Path, name: str = "nvidia0") -> Path:
 
 
 def run_reset(tmp: Path, *args: str, smi: str | None = None) -> tuple[int, dict, str]:
-    cmd = [sys.executable, str(SCRIPT), "--device-path", str(tmp / "dev" / "nvidia*"),
-           "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # Plain files stand in for the device nodes: through the host's env, which is trusted as given (a
+    # --device-path must be a GPU's character device).
+    cmd = [sys.executable, str(SCRIPT), "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"),
+           *args]
+    env = {**os.environ, "KIMI_EAGLE_GPU_DEVICES": str(tmp / "dev" / "nvidia*")}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return res.returncode, json.loads(res.stdout), res.stderr
+
+
+def import_script():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import stop_gpu_holders
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return stop_gpu_holders
 
 
 def by_pid(report: dict) -> dict[int, dict]:
@@ -295,13 +307,32 @@ def test_invisible_pid_is_reported(tmp_path, holders):
 
 
 def test_importable_main(tmp_path, capsys):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import stop_gpu_holders
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    stop_gpu_holders = import_script()
     rc = stop_gpu_holders.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
     assert rc == 0 and "no NVIDIA driver" in json.loads(capsys.readouterr().out)["note"]
+
+
+@pytest.mark.parametrize("path", ["/dev/null", "/dev/zero", "/dev/tty", "{tmp}/dev/nvidia0", "{tmp}/dev/nvidia*"])
+def test_a_device_path_that_is_no_gpu_node_is_refused(tmp_path, holders, path):
+    """fuser on /dev/null lists every process of the machine: a --device-path must be a GPU's character device."""
+    dev = device(tmp_path)
+    holder = holders.spawn(dev)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device-path", path.format(tmp=tmp_path), "--dry-run",
+                          "--nvidia-smi", str(tmp_path / "no-nvidia-smi")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+    (line,) = res.stderr.strip().splitlines()
+    assert "is not a GPU device node" in line and path.format(tmp=tmp_path).rstrip("*") in line, line
+    assert alive(holder)
+
+
+def test_gpu_majors_include_the_dynamic_nvidia_ones(tmp_path):
+    stop_gpu_holders = import_script()
+    devices = tmp_path / "devices"
+    devices.write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n226 drm\n508 nvidia-uvm\n"
+                       "509 nvidia-caps\n\nBlock devices:\n510 nvidia-not-a-char-device\n")
+    assert stop_gpu_holders.gpu_majors(str(devices)) == {195, 226, 508, 509}
+    # /dev/null (major 1) is none of them, on this machine too.
+    assert stop_gpu_holders.not_gpu_nodes(["/dev/null"]) == ["/dev/null"]
 
 
 def test_pgid_from_an_earlier_boot_is_not_ours(tmp_path, holders):

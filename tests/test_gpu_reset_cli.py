@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_env
+from conftest import make_env, one_line_usage_error
 
 PY = sys.executable
 
@@ -109,6 +109,17 @@ def test_run_reset_gpus_frees_our_stale_holder_first(gpu_env):
     assert r.code == 0, r.stdout + r.stderr
     assert not alive(stale) and alive(foreign)
     assert f"pid {stale}" in r.stdout
+
+
+@pytest.mark.parametrize("path", ["/dev/null", "/dev/nvidia0/../null", "/dev/*", "relative/nvidia0"])
+def test_a_device_path_that_is_no_gpu_node_is_refused_before_the_host(gpu_env, path):
+    """fuser on /dev/null lists every process of the host; the dry run listed them all as GPU holders. Only
+    --dry-run here: without the check, a stop would signal every process of the machine."""
+    foreign = foreign_holder(gpu_env)
+    r = gpu_env.cli("gpu-reset", "--host", "gpu", "--device-path", path, "--dry-run")
+    line = one_line_usage_error(r)
+    assert f"--device-path {path}: not a GPU device node" in line and r.stdout == "", (line, r.stdout)
+    assert alive(foreign)
 
 
 def test_host_without_gpu_is_a_clear_no_op(tmp_path, sshd):

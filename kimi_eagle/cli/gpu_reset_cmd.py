@@ -9,7 +9,7 @@ import typer
 
 from ..parallel import failure_exit
 from .context import console_ui, state
-from ..errors import EXIT_FAILED, ConfigError
+from ..errors import EXIT_FAILED, EXIT_USAGE, ConfigError
 
 
 def gpu_reset(
@@ -40,7 +40,10 @@ def gpu_reset(
         outcomes = state.api.gpu_reset(host, group, stop_all=all_, dry_run=dry_run, **kw)
     _print(outcomes, ui)
     if not all(o.ok and o.value.ok for o in outcomes):
-        raise typer.Exit(failure_exit(outcomes))
+        failed = [o.error for o in outcomes if not o.ok]
+        # Every failing host refused the input (a --device-path that is no GPU node there): bad input, exit 2.
+        refused = failed and all(isinstance(e, ConfigError) for e in failed)
+        raise typer.Exit(EXIT_USAGE if refused else failure_exit(outcomes))
 
 
 def _print(outcomes, ui) -> None:

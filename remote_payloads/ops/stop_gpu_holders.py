@@ -32,6 +32,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -147,6 +148,40 @@ def expand_device_paths(patterns: list[str]) -> list[str]:
             if not os.path.isdir(p) and p not in paths:
                 paths.append(p)
     return paths
+
+
+# Character-device majors of GPU nodes: NVIDIA's fixed 195 (nvidia0.., nvidiactl, nvidia-modeset) and DRM's 226
+# (/dev/dri/card*, renderD*); nvidia-uvm, nvidia-caps, nvidia-nvlink and nvidia-nvswitch get a dynamic major,
+# which the kernel lists in /proc/devices under their names.
+FIXED_GPU_MAJORS = {195, 226}
+
+
+def gpu_majors(proc_devices: str = "/proc/devices") -> set[int]:
+    majors = set(FIXED_GPU_MAJORS)
+    try:
+        text = Path(proc_devices).read_text()
+    except OSError:
+        return majors
+    for line in text.split("Block devices:")[0].splitlines():
+        number, _, name = line.strip().partition(" ")
+        if number.isdigit() and (name.startswith("nvidia") or name == "drm"):
+            majors.add(int(number))
+    return majors
+
+
+def not_gpu_nodes(paths: list[str]) -> list[str]:
+    """The paths that are not a GPU's character device. fuser on any other file lists whoever has it open:
+    on /dev/null, every process of the machine would be taken for a GPU holder."""
+    majors = gpu_majors()
+    bad = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue  # gone since the glob: nothing to inspect
+        if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) not in majors:
+            bad.append(p)
+    return bad
 
 
 _DEV_INDEX = re.compile(r"nvidia(\d+)$")
@@ -560,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stop the processes holding NVIDIA GPUs (default: only kimi-eagle jobs' ones) "
                     "and verify the memory is free. JSON report on stdout.")
     p.add_argument("--device-path", action="append", default=None, metavar="PATH",
-                   help=f"device file or glob to inspect with fuser (repeatable; default $KIMI_EAGLE_GPU_DEVICES "
+                   help=f"GPU device node or glob to inspect with fuser (repeatable; default $KIMI_EAGLE_GPU_DEVICES "
                         f"split on ':', else {DEFAULT_DEVICE_GLOB})")
     p.add_argument("--nvidia-smi", default=None, metavar="PATH",
                    help="nvidia-smi binary (default: from PATH or /usr/local/nvidia/bin); absent: skip that source")
@@ -603,8 +638,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"stop_gpu_holders.py: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
             return 2
+    bad = not_gpu_nodes(expand_device_paths(args.device_path or []))
+    if bad:
+        print(f"stop_gpu_holders.py: --device-path {bad[0]} is not a GPU device node (expected a character device "
+              f"such as /dev/nvidia0, /dev/nvidiactl, /dev/nvidia-uvm or /dev/dri/renderD128)", file=sys.stderr)
+        return 2
     runs_dir = args.runs_dir if args.runs_dir is not None else default_runs_dir()
-    # The inventory can point a host at other device files through its env (tests, unusual drivers).
+    # The inventory can point a host at other device files through its env (tests, unusual drivers): the
+    # host's own configuration, trusted as given, unlike a command's --device-path.
     env_paths = [p for p in os.environ.get("KIMI_EAGLE_GPU_DEVICES", "").split(":") if p]
     report = run_reset(device_paths=args.device_path or env_paths or None, nvidia_smi=args.nvidia_smi, fuser=args.fuser,
                        runs_dir=runs_dir, stop_all=args.stop_all, dry_run=args.dry_run,
