@@ -12,7 +12,8 @@ import pytest
 from conftest import make_env, one_line_usage_error
 
 # Nine levels of nine aliases: 9^9 (~387 million) values from ~400 bytes of text.
-BOMB = "a0: &a0 [x,x,x,x,x,x,x,x,x]\n" + "".join(f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
+BOMB = "a0: &a0 [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
 DEEP = "epochs: " + "[" * 100_000 + "\n"
 LOOP = "epochs: &a [1, *a]\n"
 # Generous on a loaded 2-core machine; before the bounds the bomb ran for minutes.

@@ -89,8 +89,8 @@ def device(tmp: Path, name: str = "nvidia0") -> Path:
 def run_reset(tmp: Path, *args: str, smi: str | None = None) -> tuple[int, dict, str]:
     # Plain files stand in for the device nodes: through the host's env, which is trusted as given (a
     # --device-path must be a GPU's character device).
-    cmd = [sys.executable, str(SCRIPT), "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"),
-           *args]
+    cmd = [sys.executable, str(SCRIPT), "--runs-dir", str(tmp / "runs"),
+           "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
     env = {**os.environ, "KIMI_EAGLE_GPU_DEVICES": str(tmp / "dev" / "nvidia*")}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return res.returncode, json.loads(res.stdout), res.stderr
