@@ -219,7 +219,8 @@ def status(
         else:
             table = [[r.host, r.shape, r.job.id if r.job else "", r.state, _duration(r.job.runtime_s) if r.job else "",
                       "" if not r.job or r.job.exit_code is None else r.job.exit_code, r.error or ""] for r in rows]
-            ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table)
+            ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table,
+                     wrap=("error",))
         raise typer.Exit(st.exit_code)
     # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
     listed = state.api.status(job_id, host)
@@ -231,7 +232,7 @@ def status(
             ui.line(f"[{name}] {error}", style="red")
         rows = [[j.id, j.step, j.host, j.state, _duration(j.runtime_s), "" if j.exit_code is None else j.exit_code,
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started_at)) if j.started_at else ""] for j in all_jobs]
-        ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows)
+        ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows, wrap=("started",))
         for j in all_jobs:  # results worth seeing without opening the log (eval's acceptance figures)
             if j.headline:
                 ui.line(f"{j.id}: {j.headline}")

@@ -1,0 +1,42 @@
+"""What the CLI prints, as a person in a narrow terminal or a script reading a pipe sees it: identifiers whole,
+JSON that parses, no raw terminal control from a job's log."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from conftest import REPO
+from test_jobs import start, wait_state
+from test_progress import _in_a_terminal
+
+NARROW = {"COLUMNS": "80"}
+
+
+def _narrow_terminal(env, *args) -> str:
+    e = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO), "COLUMNS": "80",
+         "LINES": "40", "TERM": "xterm"}
+    return _in_a_terminal([sys.executable, "-m", "kimi_eagle", "--inventory", str(env.inventory), *args], e, timeout=60)
+
+
+def test_status_keeps_job_ids_whole_at_80_columns_piped_and_in_a_terminal(env):
+    job = start(env, sys.executable, "-c", "print('hi')")
+    wait_state(env, job["id"], {"succeeded"})
+    piped = env.cli("status", "--host", "gpu", env=NARROW)
+    assert piped.code == 0, piped.stderr
+    assert job["id"] in piped.stdout, piped.stdout
+    shown = _narrow_terminal(env, "status", "--host", "gpu")
+    assert job["id"] in shown, shown
+    assert "…" not in piped.stdout + shown
+
+
+def test_hosts_keeps_address_port_and_workdir_whole_at_80_columns(env):
+    whole = [f"127.0.0.1:{env.sshd.port}", str(env.workdir), str(env.root / "localwork")]
+    piped = env.cli("hosts", env=NARROW)
+    assert piped.code == 0, piped.stderr
+    shown = _narrow_terminal(env, "hosts")
+    for text in (piped.stdout, shown):
+        flat = text.replace("\r", "")
+        assert all(w in flat for w in whole), flat
+        assert "…" not in flat
