@@ -76,4 +76,10 @@ def _fits(columns: list[str], cells: list[list[str]], wrap, width: int) -> bool:
 
 
 def line(text: str, style: str | None = None) -> None:
+    """One line on stdout, never broken by rich: a path or an id in it stays whole for a pipe and for copying."""
     console().print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
+def note(text: str, style: str | None = None) -> None:
+    """A line about the command (not its result) on stderr, never broken by rich, as `line`."""
+    err_console().print(text, style=style, markup=False, highlight=False, soft_wrap=True)

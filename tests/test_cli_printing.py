@@ -40,3 +40,11 @@ def test_hosts_keeps_address_port_and_workdir_whole_at_80_columns(env):
         flat = text.replace("\r", "")
         assert all(w in flat for w in whole), flat
         assert "…" not in flat
+
+
+def test_a_piped_run_prints_its_log_path_whole_on_one_line(env):
+    r = env.cli("run", "exec", "--host", "gpu", "--no-gpu", "--", "true", env=NARROW)
+    assert r.code == 0, r.stderr
+    (started,) = [ln for ln in r.stderr.splitlines() if " started job " in ln]
+    log = started.rsplit(" log ", 1)[1]
+    assert log.startswith(str(env.workdir)) and (env.workdir / log[len(str(env.workdir)) + 1:]).is_file(), r.stderr

@@ -38,7 +38,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers = _Printers(ui)
 
     def reconnecting(n, wait):
-        ui.err_console().print(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
+        ui.note(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
 
     try:
         result = state.api.follow(job_id, printers, host=name, follow=follow, tail=tail, session=session,
@@ -70,18 +70,17 @@ def _show_result(host: str, job, session) -> None:
 
 
 def _detached_hint(job_id: str, where: str, host_opt: str = ""):
-    console_ui().err_console().print(
+    console_ui().note(
         f"\ndetached; job {job_id} keeps running {where}.\n"
         f"  reattach: kimi-eagle logs {job_id} --follow{host_opt}\n"
-        f"  stop:     kimi-eagle stop {job_id}{host_opt}",
-        markup=False,
+        f"  stop:     kimi-eagle stop {job_id}{host_opt}"
     )
 
 
 def _final_line(ui, label: str, job):
     style = "green" if job.state == "succeeded" else "yellow" if job.state in ("running", "pending") else "red"
     code = "" if job.exit_code is None else f" (exit code {job.exit_code})"
-    ui.err_console().print(f"[{label}] job {job.id} {job.state}{code}", style=style, markup=False)
+    ui.note(f"[{label}] job {job.id} {job.state}{code}", style=style)
     if job.headline and job.state not in ("running", "pending"):
         ui.line(f"[{label}] {job.headline}")  # a step's one-line result (eval's acceptance figures)
 
@@ -124,7 +123,7 @@ def run(
         ui.emit_json(job.as_dict())
     else:
         where = f"Slurm job {job.extra['slurm_job_id']}, " if job.extra.get("slurm_job_id") else ""
-        ui.err_console().print(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}", markup=False)
+        ui.note(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}")
     if detach:
         if not state.json:
             ui.line(job.id)
@@ -138,13 +137,12 @@ def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_pre
                                   preflight=not no_preflight, gpu=gpu,
                                   notify=lambda text, style=None: ui.line(text, style=style))
     g, outcomes = started.group_job, started.outcomes
-    err = ui.err_console()
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
     for o in outcomes:
         style = "red" if o.action == "failed" else None
         what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
-        err.print(f"[{o.host}] {what}: {o.message}", style=style, markup=False)
-    err.print(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})", markup=False)
+        ui.note(f"[{o.host}] {what}: {o.message}", style=style)
+    ui.note(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})")
     if detach:
         if state.json:
             ui.emit_json({"id": g.id, "mode": g.mode, "hosts": g.hosts,
@@ -163,7 +161,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
     printers = _Printers(ui)
 
     def reconnecting(host, n, wait):
-        ui.err_console().print(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
+        ui.note(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
 
     try:
         status, errors = state.api.follow_group(g, printers, follow=follow, tail=tail, on_reconnect=reconnecting,
@@ -174,7 +172,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
         raise typer.Exit(EXIT_RUNNING)
     printers.close()
     for host, e in errors.items():
-        ui.err_console().print(f"[{host}] {e}", style="red", markup=False)
+        ui.note(f"[{host}] {e}", style="red")
     gstate, rows = status.state, status.members
     if state.json:
         ui.emit_json({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
@@ -183,8 +181,8 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
             if r.job:
                 _final_line(ui, r.host, r.job)
             else:
-                ui.err_console().print(f"[{r.host}] {r.state}: {r.error}", style="red", markup=False)
-        ui.err_console().print(f"group job {g.id} {gstate}", markup=False)
+                ui.note(f"[{r.host}] {r.state}: {r.error}", style="red")
+        ui.note(f"group job {g.id} {gstate}")
     code = status.exit_code
     raise typer.Exit(code or start_code)  # what ran succeeded: a start that failed still decides
 
