@@ -32,7 +32,14 @@ def _markup_safe(text: str) -> bool:
 
 
 def emit_json(obj) -> None:
+    """The one JSON document of a command that answers once."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def emit_json_line(obj) -> None:
+    """One record of a streaming command's JSON Lines (its log lines, then its result): one object, one line."""
+    sys.stdout.write(json.dumps(obj, default=str, ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
 

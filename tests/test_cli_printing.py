@@ -48,3 +48,28 @@ def test_a_piped_run_prints_its_log_path_whole_on_one_line(env):
     (started,) = [ln for ln in r.stderr.splitlines() if " started job " in ln]
     log = started.rsplit(" log ", 1)[1]
     assert log.startswith(str(env.workdir)) and (env.workdir / log[len(str(env.workdir)) + 1:]).is_file(), r.stderr
+
+
+def _json_lines(text: str) -> list[dict]:
+    records = [json.loads(ln) for ln in text.splitlines()]  # every line is one JSON object, the last one too
+    assert records and all(isinstance(r, dict) for r in records), text
+    return records
+
+
+def _job_output(records: list[dict]) -> list[str]:
+    return [x["line"] for x in records if "line" in x and not x["line"].startswith("==> kimi-eagle")]
+
+
+def test_json_run_and_logs_are_json_lines_ending_with_the_result(env):
+    r = env.cli("--json", "run", "exec", "--host", "gpu", "--no-gpu", "--", sys.executable, "-c",
+                "print('first'); print('second')")
+    assert r.code == 0, r.stderr
+    records = _json_lines(r.stdout)
+    job_id = records[0]["started"]["id"]
+    assert _job_output(records) == ["first", "second"]
+    assert records[-1]["job"]["id"] == job_id and records[-1]["job"]["state"] == "succeeded"
+    logs = env.cli("--json", "logs", job_id, "--host", "gpu")
+    assert logs.code == 0, logs.stderr
+    records = _json_lines(logs.stdout)
+    assert _job_output(records) == ["first", "second"]
+    assert records[-1]["job"]["state"] == "succeeded"

@@ -50,7 +50,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers.close()
     job = result.job
     if state.json:
-        ui.emit_json({"job": job.as_dict(), "reconnects": result.reconnects})
+        ui.emit_json_line({"job": job.as_dict(), "reconnects": result.reconnects})
     elif follow or job.state not in ("running", "pending"):
         _final_line(ui, name, job)
         if follow and job.state == "succeeded":
@@ -117,10 +117,12 @@ def run(
                           no_preflight=no_preflight, gpu=gpu)
     ui = console_ui()
     started = state.api.run(step, host, extra, reset_gpus=reset_gpus, preflight=not no_preflight, gpu=gpu,
-                            notify=lambda text, style=None: ui.line(text, style=style), keep_session=not detach)
+                            notify=_notifier(ui), keep_session=not detach)
     job = started.job
     if state.json and detach:
         ui.emit_json(job.as_dict())
+    elif state.json:
+        ui.emit_json_line({"started": job.as_dict()})  # the first record of the followed run's JSON Lines
     else:
         where = f"Slurm job {job.extra['slurm_job_id']}, " if job.extra.get("slurm_job_id") else ""
         ui.note(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}")
@@ -131,11 +133,18 @@ def run(
     _follow_and_exit(job.id, started.host, follow=True, tail=None, session=started.session)
 
 
+def _notifier(ui):
+    """Where a start's progress notes go: stdout for a person; stderr under --json, whose stdout is only JSON."""
+    if state.json:
+        return lambda text, style=None: ui.note(text, style=style)
+    return lambda text, style=None: ui.line(text, style=style)
+
+
 def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_preflight, gpu):
     ui = console_ui()
     started = state.api.run_group(step, group, extra, shard_by=shard_by, mode=mode, reset_gpus=reset_gpus,
                                   preflight=not no_preflight, gpu=gpu,
-                                  notify=lambda text, style=None: ui.line(text, style=style))
+                                  notify=_notifier(ui))
     g, outcomes = started.group_job, started.outcomes
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
     for o in outcomes:
@@ -175,7 +184,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
         ui.note(f"[{host}] {e}", style="red")
     gstate, rows = status.state, status.members
     if state.json:
-        ui.emit_json({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
+        ui.emit_json_line({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
     elif follow or gstate not in ("running", "pending"):
         for r in rows:
             if r.job:
