@@ -103,6 +103,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         if kind == "usage":
             console_ui().error(_usage_line(e))
             sys.exit(EXIT_USAGE)
+        if kind == "abort" and e.__context__ is not None and is_transport_failure(e.__context__):
+            # click turns an EOFError (paramiko's word for a connection that went away) into Abort
+            console_ui().error(f"connection lost: {type(e.__context__).__name__}: {e.__context__}")
+            sys.exit(EXIT_TRANSPORT)
         if kind == "abort":
             console_ui().error("aborted")
             sys.exit(EXIT_FAILED)
