@@ -73,3 +73,23 @@ def test_json_run_and_logs_are_json_lines_ending_with_the_result(env):
     records = _json_lines(logs.stdout)
     assert _job_output(records) == ["first", "second"]
     assert records[-1]["job"]["state"] == "succeeded"
+
+
+HOSTILE = ("import sys; sys.stdout.write('\\x1b]0;owned\\x07\\x1b[31mred\\x1b[0m line\\n'); "
+           "sys.stdout.write('last words without a newline')")
+
+
+def test_a_jobs_control_sequences_never_reach_the_user_and_its_last_line_stands_alone(env):
+    job = start(env, sys.executable, "-c", HOSTILE)
+    wait_state(env, job["id"], {"succeeded"})
+    piped = env.cli("logs", job["id"], "--host", "gpu")
+    shown = _narrow_terminal(env, "logs", job["id"], "--host", "gpu")
+    for text in (piped.stdout, shown):
+        assert "\x1b" not in text and "\x07" not in text, repr(text)
+        lines = text.replace("\r", "").splitlines()
+        assert "[gpu] red line" in lines, lines
+        assert "[gpu] last words without a newline" in lines, lines
+        assert any(ln.startswith("[gpu] ==> kimi-eagle: job ") for ln in lines), lines
+    # The log on the host keeps what the job wrote.
+    log = (env.workdir / "runs" / job["id"] / "log").read_bytes()
+    assert b"\x1b]0;owned\x07" in log
