@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import make_env
@@ -71,3 +73,15 @@ def test_shell_completion_is_shown_and_completes_commands_and_options(tmp_path):
                                ("kimi-eagle run all --rec", "3", "--recipe")):
         r = e.cli(env={"_KIMI_EAGLE_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
         assert r.code == 0 and want in r.stdout.split(), (words, r.stdout, r.stderr)
+
+
+def test_json_is_accepted_after_the_command_too(tmp_path):
+    e = make_env(tmp_path, None)
+    for argv in (["hosts", "--json"], ["status", "--host", "local", "--json"], ["hosts", "check", "local", "--json"]):
+        r = e.cli(*argv)
+        assert r.code == 0, (argv, r.stdout, r.stderr)
+        assert r.stdout.lstrip()[0] in "[{" and r.json() is not None, (argv, r.stdout)
+    # After `--` it is the command's own argument, not ours.
+    r = e.cli("--json", "run", "exec", "--host", "local", "--no-gpu", "--", "echo", "--json")
+    assert r.code == 0, r.stderr
+    assert any(json.loads(ln).get("line") == "--json" for ln in r.stdout.splitlines()), r.stdout
