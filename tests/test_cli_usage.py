@@ -85,3 +85,19 @@ def test_json_is_accepted_after_the_command_too(tmp_path):
     r = e.cli("--json", "run", "exec", "--host", "local", "--no-gpu", "--", "echo", "--json")
     assert r.code == 0, r.stderr
     assert any(json.loads(ln).get("line") == "--json" for ln in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("command", ["pull", "clean"])
+def test_pull_or_clean_without_a_job_or_run_says_that_whatever_the_hosts(tmp_path, command):
+    e = make_env(tmp_path, None)
+    e.write_inventory(e.inventory.read_text() + f"""  other:
+    transport: local
+    workdir: {tmp_path / "otherwork"}
+""")
+    for argv in ([command], [command, "--host", "local"]):
+        r = e.cli(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1, (argv, r.stdout, r.stderr)
+        assert "JOB" in lines[0] and "--run" in lines[0] and "--host" not in lines[0], lines[0]
+    r = e.cli(command, "some-job", "--run", "out", "--host", "local")
+    assert r.code == 2 and "not both" in r.stderr, r.stderr
