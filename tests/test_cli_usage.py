@@ -101,3 +101,15 @@ def test_pull_or_clean_without_a_job_or_run_says_that_whatever_the_hosts(tmp_pat
         assert "JOB" in lines[0] and "--run" in lines[0] and "--host" not in lines[0], lines[0]
     r = e.cli(command, "some-job", "--run", "out", "--host", "local")
     assert r.code == 2 and "not both" in r.stderr, r.stderr
+
+
+def test_a_group_exec_without_a_mode_names_the_option_that_exists(tmp_path):
+    e = make_env(tmp_path, None, extra="groups:\n  pair: [local]\n")
+    for argv in (["run", "exec", "--group", "pair", "--", "true"],
+                 ["run", "exec", "--group", "pair", "--mode", "both", "--", "true"]):
+        r = e.cli(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1, (r.stdout, r.stderr)
+        assert "--mode shards" in lines[0] and "--mode torchrun" in lines[0], lines[0]
+    help_text = e.cli("run", "--help").stdout
+    assert "--mode" in help_text and "--shards " not in help_text and "--torchrun" not in help_text
