@@ -56,6 +56,16 @@ _OPENSSH_CONNECTION_WORDS = ("Connection refused", "Connection timed out", "Conn
                              "connection lost", "Timeout, server", "kex_exchange_identification")
 
 
+def _handshake_failure(h, conn, e: BaseException) -> str:
+    """What a failed SSH handshake means and what to do. Without the server's banner paramiko says "Error reading
+    SSH protocol banner", or, when it went on to log in, "No existing session": neither says what to do."""
+    t = conn.client.get_transport()
+    if t is None or not t.remote_version:
+        return (f"{h.name}: SSH banner not received from {conn.host}:{conn.port} within {h.connect_timeout:g}s — check "
+                f"that sshd listens there; a slow host: raise `connect_timeout:` in the inventory")
+    return f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}"
+
+
 def _lost(name: str, what: str) -> ConnectionFailed:
     return ConnectionFailed(f"{name}: connection lost {what}")
 
@@ -120,7 +130,7 @@ class SSHTransport(Transport):
         except paramiko.AuthenticationException as e:
             raise HostError(f"{h.name}: authentication failed for {conn.user}@{conn.host}:{conn.port}: {e}") from None
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostUnreachable(f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}") from None
+            raise HostUnreachable(_handshake_failure(h, conn, e)) from None
         conn.transport.set_keepalive(15)
         return conn
 
