@@ -113,3 +113,22 @@ def test_a_group_exec_without_a_mode_names_the_option_that_exists(tmp_path):
         assert "--mode shards" in lines[0] and "--mode torchrun" in lines[0], lines[0]
     help_text = e.cli("run", "--help").stdout
     assert "--mode" in help_text and "--shards " not in help_text and "--torchrun" not in help_text
+
+
+def test_run_from_the_clone_the_demo_host_is_the_embedded_default(tmp_path):
+    """The clone ships its example inventory under another name: a command run in the clone without
+    --inventory reads the embedded default, whose only host is `local`, as it does anywhere else."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "HOME": str(tmp_path), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
+    env.pop("KIMI_EAGLE_INVENTORY", None)
+    r = subprocess.run([sys.executable, "-m", "kimi_eagle", "hosts", "--json"], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    hosts = json.loads(r.stdout)["hosts"]
+    assert [h["name"] for h in hosts] == ["local"], hosts
+    assert hosts[0]["workdir"].endswith(".cache/kimi-eagle/local")
