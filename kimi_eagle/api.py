@@ -406,13 +406,14 @@ class Controller:
              to: str | Path | None = None) -> Pulled:
         """Copy a run's export, reports, recorded settings and versions, tensorboard events and job logs to `to`
         (default ./pulled/JOB or ./pulled/HOST/DIRNAME): sha256-verified, unchanged files skipped."""
-        from . import runs
+        from . import local_dest, runs
         from .host import HostSession
 
         h = self._run_host(job_id, host)
         with HostSession(h) as session:
             run = runs.locate(session, job_id, run_dir)
             dest = Path(to) if to else (Path("pulled") / job_id if job_id else Path("pulled") / h.name / Path(run.path).name)
+            local_dest.prepare_folder(dest, "--to" if to else "pull into")
             return Pulled(h.name, run, dest, runs.pull(session, run, dest))
 
     def clean(self, job_id: str | None = None, host: str | None = None, run_dir: str | None = None, *,

@@ -71,6 +71,9 @@ def is_transport_failure(e: BaseException) -> bool:
 
 def failure_exit(errors) -> int:
     """The exit code of a command over several hosts where some failed: 5 when every failure was the
-    connection's, else 1 (a host's command, a check or a job failed)."""
+    connection's, 2 when every failure was the inventory's (a missing key file), else 1 (a host's command, a
+    check or a job failed)."""
     errors = [e for e in errors if e is not None]
+    if errors and all(isinstance(e, ConfigError) for e in errors):
+        return EXIT_USAGE
     return EXIT_TRANSPORT if errors and all(is_transport_failure(e) for e in errors) else EXIT_FAILED

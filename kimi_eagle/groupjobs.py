@@ -138,13 +138,16 @@ def _latest_with_key(key: tuple) -> GroupJob | None:
     return None
 
 
+MODE_CHOICE = "choose --mode shards or --mode torchrun"
+
+
 def mode_for(step: str) -> str:
     if step in job_layout.SHARDABLE and step != "exec":
         return "shards"
     if step in job_layout.DISTRIBUTED and step != "exec":
         return "torchrun"
     raise ConfigError(f"`run {step} --group`: only extract (sharded) and train (torchrun) run across a group; "
-                      "for exec choose --shards or --torchrun")
+                      f"for exec {MODE_CHOICE}")
 
 
 def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group: str, group_id: str) -> GroupJob:
@@ -158,7 +161,7 @@ def plan(hosts, step: str, extra: list[str], *, mode: str, shard_by: str, group:
     elif mode == "torchrun":
         parts = job_layout.torchrun_shapes(hosts, group_id)
     else:
-        raise ConfigError(f"unknown group mode {mode!r}")
+        raise ConfigError(f"unknown group mode {mode!r} ({MODE_CHOICE})")
     g = GroupJob(group_id, group, step, list(extra), mode, shard_by, [h.name for h in hosts])
     g.members = [Member(h.name, asdict(s)) for h, s in zip(hosts, parts)]
     return g

@@ -20,6 +20,18 @@ PROGRESS = re.compile(r"(?<!\d)(?P<pct>\d{1,3})%(?:[ \t]*Completed[ \t]*\||\|[^|
 
 
 POINT_MARK = "@kimi-eagle-progress "  # remote_payloads/step_runtime.py writes it
+NOTE_MARK = "==> kimi-eagle: "  # the job script's own lines (a step starts, the job exited)
+
+# What a job may print that would act on the user's terminal instead of showing: escape sequences (CSI such as
+# colours and cursor moves, OSC such as window titles, ending in BEL or ST; other two-byte ESC codes), and any
+# other C0/C1 control character but the tab. The log file on the host keeps them; only what is shown loses them.
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -/]*[0-~]?"
+                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` without terminal control sequences."""
+    return _CONTROL.sub("", text)
 
 
 def parse_point(text: str) -> dict | None:
@@ -76,6 +88,11 @@ class Printer:
         self.stepped: set[str] = set()  # steps that print progress lines: their tqdm bar would be a second bar
 
     def __call__(self, kind: str, text: str) -> None:
+        text = printable(text)
+        note = text.find(NOTE_MARK) if kind == "line" else -1
+        if note > 0:  # the job's last output had no newline and the script's note ran into it: two lines
+            self("line", text[:note])
+            text = text[note:]
         at = text.find(POINT_MARK) if kind == "line" else -1
         if at > 0:  # a tqdm redraw (no newline of its own) ran into the step's progress line: two things
             self("progress", text[:at])

@@ -9,7 +9,6 @@ interpolations that skip the filters.
 
 from __future__ import annotations
 
-import os
 import re
 from functools import cache
 from pathlib import Path
@@ -104,24 +103,16 @@ def render(template: str, **context) -> str:
 
 def write(out_dir: str | Path, files: dict[str, str]) -> list[Path]:
     """Write rendered files into a local folder (for `kimi-eagle render`)."""
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied")
-    except FileExistsError:
-        raise ConfigError(f"--out {out}: is a file, not a folder") from None
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there: {e.strerror or e}") from None
+    from .local_dest import prepare_folder, writing
+
+    out = prepare_folder(out_dir, "--out")
     written = []
     for rel, text in files.items():
         p = out / rel
-        try:
+        with writing(out, "--out"):
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text)
             if rel.endswith(".sh"):
                 p.chmod(0o755)
-        except OSError as e:
-            raise ConfigError(f"--out {out}: cannot write {rel}: {e.strerror or e}") from None
         written.append(p)
     return written

@@ -10,6 +10,7 @@ controller goes away (killed, connection lost) it removes them, and the next upl
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CommandError, KimiEagleError
+from .local_dest import writing
 from .shell import join
 
 
@@ -375,6 +377,12 @@ def _local_digest(path: Path) -> str:
     return Item(remote="", local=path).digest()
 
 
+def _write_all(f, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+
+
 def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> FetchReport:
     """Copy host files here: (absolute path on the host, path under `local_root`, size). Hashed on the host in
     one round trip; a local file of the same size and sha256 is skipped; each other file is written to a
@@ -389,22 +397,30 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
         if want is None:
             raise CommandError(f"{transport.name}: {path} changed or vanished while being read; run the command again")
         dest = local_root / rel
-        if dest.is_file() and dest.stat().st_size == size and _local_digest(dest) == want:
-            report.unchanged.append(rel)
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        with writing(local_root):
+            if dest.is_file() and dest.stat().st_size == size and _local_digest(dest) == want:
+                report.unchanged.append(rel)
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.{token}.part"
         h = hashlib.sha256()
         stream = transport.stream(f"exec cat -- {join([path])}")
         try:
-            with open(tmp, "wb") as f:
+            # Only the local file calls are guarded: a connection lost while reading chunks stays exit 5.
+            with writing(local_root):
+                f = open(tmp, "wb", buffering=0)  # unbuffered: a full disk fails in a guarded write, not at close
+            with f:
                 for chunk in stream.chunks:
                     h.update(chunk)
-                    f.write(chunk)
+                    with writing(local_root):
+                        _write_all(f, chunk)
             if h.hexdigest() != want:
                 raise CommandError(f"{transport.name}: sha256 mismatch copying {path} (it changed while being copied?); "
                                    f"nothing was replaced, run the command again")
-            os.replace(tmp, dest)
+            with writing(local_root):
+                if dest.is_dir():  # os.replace would name only the temporary file
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(dest))
+                os.replace(tmp, dest)
         finally:
             stream.close()
             tmp.unlink(missing_ok=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import make_env
@@ -71,3 +73,62 @@ def test_shell_completion_is_shown_and_completes_commands_and_options(tmp_path):
                                ("kimi-eagle run all --rec", "3", "--recipe")):
         r = e.cli(env={"_KIMI_EAGLE_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
         assert r.code == 0 and want in r.stdout.split(), (words, r.stdout, r.stderr)
+
+
+def test_json_is_accepted_after_the_command_too(tmp_path):
+    e = make_env(tmp_path, None)
+    for argv in (["hosts", "--json"], ["status", "--host", "local", "--json"], ["hosts", "check", "local", "--json"]):
+        r = e.cli(*argv)
+        assert r.code == 0, (argv, r.stdout, r.stderr)
+        assert r.stdout.lstrip()[0] in "[{" and r.json() is not None, (argv, r.stdout)
+    # After `--` it is the command's own argument, not ours.
+    r = e.cli("--json", "run", "exec", "--host", "local", "--no-gpu", "--", "echo", "--json")
+    assert r.code == 0, r.stderr
+    assert any(json.loads(ln).get("line") == "--json" for ln in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("command", ["pull", "clean"])
+def test_pull_or_clean_without_a_job_or_run_says_that_whatever_the_hosts(tmp_path, command):
+    e = make_env(tmp_path, None)
+    e.write_inventory(e.inventory.read_text() + f"""  other:
+    transport: local
+    workdir: {tmp_path / "otherwork"}
+""")
+    for argv in ([command], [command, "--host", "local"]):
+        r = e.cli(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1, (argv, r.stdout, r.stderr)
+        assert "JOB" in lines[0] and "--run" in lines[0] and "--host" not in lines[0], lines[0]
+    r = e.cli(command, "some-job", "--run", "out", "--host", "local")
+    assert r.code == 2 and "not both" in r.stderr, r.stderr
+
+
+def test_a_group_exec_without_a_mode_names_the_option_that_exists(tmp_path):
+    e = make_env(tmp_path, None, extra="groups:\n  pair: [local]\n")
+    for argv in (["run", "exec", "--group", "pair", "--", "true"],
+                 ["run", "exec", "--group", "pair", "--mode", "both", "--", "true"]):
+        r = e.cli(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1, (r.stdout, r.stderr)
+        assert "--mode shards" in lines[0] and "--mode torchrun" in lines[0], lines[0]
+    help_text = e.cli("run", "--help").stdout
+    assert "--mode" in help_text and "--shards " not in help_text and "--torchrun" not in help_text
+
+
+def test_run_from_the_clone_the_demo_host_is_the_embedded_default(tmp_path):
+    """The clone ships its example inventory under another name: a command run in the clone without
+    --inventory reads the embedded default, whose only host is `local`, as it does anywhere else."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "HOME": str(tmp_path), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
+    env.pop("KIMI_EAGLE_INVENTORY", None)
+    r = subprocess.run([sys.executable, "-m", "kimi_eagle", "hosts", "--json"], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    hosts = json.loads(r.stdout)["hosts"]
+    assert [h["name"] for h in hosts] == ["local"], hosts
+    assert hosts[0]["workdir"].endswith(".cache/kimi-eagle/local")

@@ -67,3 +67,13 @@ def test_a_host_that_never_answered_fails_fast_with_one_line(tmp_path, silent_se
     assert r.code == 5, (r.code, r.stdout, r.stderr)
     assert len(lines) == 1 and "quiet" in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert "reconnecting" not in r.stderr and took < 30, took
+
+
+@pytest.mark.parametrize("cmd", [["preflight", "prepare"], ["hosts", "check"], ["status"]])
+def test_a_host_that_sends_no_ssh_banner_is_told_what_to_do(tmp_path, silent_server, cmd):
+    env = inventory_at(tmp_path, silent_server)
+    r = env.cli(*cmd, *(["--host"] if cmd[0] != "hosts" else []), "quiet", timeout=60)
+    said = r.stdout + r.stderr
+    assert r.code == 5, (r.code, said)
+    assert "SSH banner not received" in said and "within 2s" in said and "connect_timeout" in said, said
+    assert "No existing session" not in said and "Traceback" not in said

@@ -209,8 +209,9 @@ def test_unreachable_is_said_only_when_no_connection_was_made(tmp_path, sshd):
     assert r.code == 1 and "[gpu] failed:" in r.stdout and "unreachable" not in r.stdout, r.stdout
     e = make_env(tmp_path / "b", sshd)
     e.inventory.write_text(e.inventory.read_text().replace(f"python: {__import__('sys').executable}", "python: /no/such/python3", 1))
-    r = e.cli("hosts", "check", "gpu")  # reached and logged in; the probe could not run
-    assert r.code == 1 and "[gpu] failed:" in r.stdout and "unreachable" not in r.stdout, r.stdout
+    r = e.cli("hosts", "check", "gpu")  # reached and logged in; the inventory's python is not there: its fix, exit 2
+    assert r.code == 2 and "[gpu] failed:" in r.stdout and "unreachable" not in r.stdout, r.stdout
+    assert "set `python:` in the inventory" in r.stdout, r.stdout
     e.inventory.write_text(e.inventory.read_text().replace(f"port: {sshd.port}", f"port: {free_port()}"))
     r = e.cli("hosts", "check", "gpu")
     assert r.code == 5 and "[gpu] unreachable:" in r.stdout, r.stdout  # the network, not the host: its own code

@@ -160,7 +160,7 @@ def test_example_inventory_is_valid():
 
     from kimi_eagle import inventory
 
-    inv = inventory.load(Path(__file__).resolve().parents[1] / "inventory.yaml")
+    inv = inventory.load(Path(__file__).resolve().parents[1] / "inventory.example.yaml")
     assert {"blackwell-01", "local"} <= set(inv.hosts)
     assert inv.hosts["blackwell-01"].pipeline.tp_size == 8
     assert inv.hosts["local"].transport == "local"

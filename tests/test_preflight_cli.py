@@ -104,3 +104,15 @@ def test_bad_dataset(tmp_path, sshd, site):
     r = e.cli("--json", "preflight", "prepare", "--host", "gpu")
     c = checks_of(r)
     assert r.code == 1 and c["dataset"]["status"] == "fail" and ":2" in c["dataset"]["detail"] and c["dataset"]["fix"]
+
+
+@pytest.mark.parametrize("host", ["local", "gpu"])
+def test_a_host_python_that_does_not_exist_is_named_with_the_fix(tmp_path, sshd, host):
+    e = make_env(tmp_path, sshd, extra="pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n")
+    e.inventory.write_text(e.inventory.read_text().replace(f"python: {sys.executable}", "python: /opt/nowhere/python3"))
+    for argv in (["preflight", "prepare", "--host", host], ["run", "exec", "--host", host, "--", "true"]):
+        r = e.cli(*argv)
+        said = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+        assert r.code == 2 and len(said) == 1, (argv, r.code, said)
+        assert "/opt/nowhere/python3 not found" in said[0] and "set `python:` in the inventory" in said[0], said
+        assert "exited 127" not in said[0]

@@ -207,3 +207,48 @@ def test_pull_and_clean_from_python_return_result_objects(tmp_path, sshd, monkey
     done = ke.clean(job)
     assert done.removed == ["hidden_states", "draft/checkpoints"] and done.freed == 3_300_000
     assert not (out / "hidden_states").exists()
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A tmpfs of 256 KiB (a disk that fills up), mounted read-write; skipped where this user cannot mount."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "none", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_pull_to_a_place_it_cannot_write_is_one_line_naming_the_path(tmp_path, sshd, small_mount):
+    from conftest import one_line_usage_error
+
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, _ = _a_finished_run(e)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    line = one_line_usage_error(e.cli("pull", job, "--to", str(a_file)))
+    assert str(a_file) in line and a_file.read_text() == "mine\n"
+    # A folder where the export's config.json should go: nothing of the user's is replaced.
+    blocked = tmp_path / "blocked"
+    (blocked / "draft" / "export" / "config.json").mkdir(parents=True)
+    line = one_line_usage_error(e.cli("pull", job, "--to", str(blocked)))
+    assert str(blocked / "draft" / "export" / "config.json") in line and "folder" in line
+    # A file where a folder of the run should go.
+    (tmp_path / "filed").mkdir()
+    (tmp_path / "filed" / "draft").write_text("mine\n")
+    line = one_line_usage_error(e.cli("pull", job, "--to", str(tmp_path / "filed")))
+    assert str(tmp_path / "filed" / "draft") in line
+    # A full disk: one line, exit 1 (the destination was right), no partial file left.
+    full = e.cli("pull", job, "--to", str(small_mount / "dest"))
+    lines = [ln for ln in full.stderr.splitlines() if ln.strip()]
+    assert full.code == 1 and len(lines) == 1 and "no space left" in lines[0], (full.code, full.stderr)
+    assert str(small_mount / "dest") in lines[0] and not list(small_mount.rglob("*.part"))
+    # A read-only file system.
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    line = one_line_usage_error(e.cli("pull", job, "--to", str(small_mount / "dest")))
+    assert str(small_mount / "dest") in line and "Read-only file system" in line

@@ -104,7 +104,7 @@ def test_a_missing_recipe_file_is_named(tmp_path):
 def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
     """The recipes under recipes/ are valid, and render the whole chain for the example 8-GPU host."""
     e = make_env(tmp_path, None)
-    e.write_inventory((REPO / "inventory.yaml").read_text())
+    e.write_inventory((REPO / "inventory.example.yaml").read_text())
     out = tmp_path / "r"
     r = e.cli("render", "job", "all", "--host", "blackwell-01", "--out", str(out), "-c", str(REPO / "recipes" / f"{name}.yaml"))
     assert r.code == 0, r.stderr

@@ -38,7 +38,7 @@ def _global(
         None, "--inventory", "-i", envvar="KIMI_EAGLE_INVENTORY", metavar="PATH",
         help="Inventory file (default ./inventory.yaml, else the embedded local default).",
     ),
-    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout (also accepted after the command)."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail (repeat for more)."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
@@ -89,8 +89,18 @@ def _usage_line(e) -> str:
     return f"{where}: {message} (see: {where} --help)"
 
 
+def _global_flags_first(argv: List[str]) -> List[str]:
+    """`kimi-eagle hosts --json` means `kimi-eagle --json hosts`: --json is accepted after any command (before a
+    `--`, after which everything belongs to the step or the command)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--json" not in argv[:end]:
+        return argv
+    return ["--json"] + [a for a in argv[:end] if a != "--json"] + argv[end:]
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    state.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _global_flags_first(list(sys.argv[1:] if argv is None else argv))
+    state.argv = argv
     try:
         rc = command().main(args=argv, prog_name="kimi-eagle", standalone_mode=False)
     except KimiEagleError as e:
@@ -103,6 +113,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         if kind == "usage":
             console_ui().error(_usage_line(e))
             sys.exit(EXIT_USAGE)
+        if kind == "abort" and e.__context__ is not None and is_transport_failure(e.__context__):
+            # click turns an EOFError (paramiko's word for a connection that went away) into Abort
+            console_ui().error(f"connection lost: {type(e.__context__).__name__}: {e.__context__}")
+            sys.exit(EXIT_TRANSPORT)
         if kind == "abort":
             console_ui().error("aborted")
             sys.exit(EXIT_FAILED)

@@ -63,7 +63,8 @@ def _print(outcomes, ui) -> None:
                      h.get("mem_mib", ""), h.get("action") if h.get("action") != "none" else f"(would {h.get('planned', 'keep')})",
                      h.get("result", "")] for h in d["holders"]]
             ui.table(f"[{o.host}] GPU holders ({d.get('mode', '')})",
-                     ["pid", "user", "owner", "command", "gpu", "MiB", "action", "result"], rows)
+                     ["pid", "user", "owner", "command", "gpu", "MiB", "action", "result"], rows,
+                     wrap=("command", "action", "result"))
         elif not d.get("note"):
             ui.line(f"[{o.host}] no process holds a GPU")
         for g in d.get("gpus", []):

@@ -27,6 +27,7 @@ def hosts_list(ctx: typer.Context):
         f"hosts in {state.inventory.path}", ["host", "transport", "address", "user", "workdir", "python", "groups"],
         [[r["name"], r["transport"], r["address"] + (f":{r['port']}" if r["port"] else ""), r["user"] or "",
           r["workdir"], r["python"], ", ".join(r["groups"])] for r in rows],
+        wrap=("groups",),
     )
 
 

@@ -38,7 +38,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers = _Printers(ui)
 
     def reconnecting(n, wait):
-        ui.err_console().print(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
+        ui.note(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
 
     try:
         result = state.api.follow(job_id, printers, host=name, follow=follow, tail=tail, session=session,
@@ -50,7 +50,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers.close()
     job = result.job
     if state.json:
-        ui.emit_json({"job": job.as_dict(), "reconnects": result.reconnects})
+        ui.emit_json_line({"job": job.as_dict(), "reconnects": result.reconnects})
     elif follow or job.state not in ("running", "pending"):
         _final_line(ui, name, job)
         if follow and job.state == "succeeded":
@@ -70,18 +70,17 @@ def _show_result(host: str, job, session) -> None:
 
 
 def _detached_hint(job_id: str, where: str, host_opt: str = ""):
-    console_ui().err_console().print(
+    console_ui().note(
         f"\ndetached; job {job_id} keeps running {where}.\n"
         f"  reattach: kimi-eagle logs {job_id} --follow{host_opt}\n"
-        f"  stop:     kimi-eagle stop {job_id}{host_opt}",
-        markup=False,
+        f"  stop:     kimi-eagle stop {job_id}{host_opt}"
     )
 
 
 def _final_line(ui, label: str, job):
     style = "green" if job.state == "succeeded" else "yellow" if job.state in ("running", "pending") else "red"
     code = "" if job.exit_code is None else f" (exit code {job.exit_code})"
-    ui.err_console().print(f"[{label}] job {job.id} {job.state}{code}", style=style, markup=False)
+    ui.note(f"[{label}] job {job.id} {job.state}{code}", style=style)
     if job.headline and job.state not in ("running", "pending"):
         ui.line(f"[{label}] {job.headline}")  # a step's one-line result (eval's acceptance figures)
 
@@ -118,13 +117,15 @@ def run(
                           no_preflight=no_preflight, gpu=gpu)
     ui = console_ui()
     started = state.api.run(step, host, extra, reset_gpus=reset_gpus, preflight=not no_preflight, gpu=gpu,
-                            notify=lambda text, style=None: ui.line(text, style=style), keep_session=not detach)
+                            notify=_notifier(ui), keep_session=not detach)
     job = started.job
     if state.json and detach:
         ui.emit_json(job.as_dict())
+    elif state.json:
+        ui.emit_json_line({"started": job.as_dict()})  # the first record of the followed run's JSON Lines
     else:
         where = f"Slurm job {job.extra['slurm_job_id']}, " if job.extra.get("slurm_job_id") else ""
-        ui.err_console().print(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}", markup=False)
+        ui.note(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}")
     if detach:
         if not state.json:
             ui.line(job.id)
@@ -132,19 +133,25 @@ def run(
     _follow_and_exit(job.id, started.host, follow=True, tail=None, session=started.session)
 
 
+def _notifier(ui):
+    """Where a start's progress notes go: stdout for a person; stderr under --json, whose stdout is only JSON."""
+    if state.json:
+        return lambda text, style=None: ui.note(text, style=style)
+    return lambda text, style=None: ui.line(text, style=style)
+
+
 def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_preflight, gpu):
     ui = console_ui()
     started = state.api.run_group(step, group, extra, shard_by=shard_by, mode=mode, reset_gpus=reset_gpus,
                                   preflight=not no_preflight, gpu=gpu,
-                                  notify=lambda text, style=None: ui.line(text, style=style))
+                                  notify=_notifier(ui))
     g, outcomes = started.group_job, started.outcomes
-    err = ui.err_console()
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
     for o in outcomes:
         style = "red" if o.action == "failed" else None
         what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
-        err.print(f"[{o.host}] {what}: {o.message}", style=style, markup=False)
-    err.print(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})", markup=False)
+        ui.note(f"[{o.host}] {what}: {o.message}", style=style)
+    ui.note(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})")
     if detach:
         if state.json:
             ui.emit_json({"id": g.id, "mode": g.mode, "hosts": g.hosts,
@@ -163,7 +170,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
     printers = _Printers(ui)
 
     def reconnecting(host, n, wait):
-        ui.err_console().print(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})", markup=False)
+        ui.note(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
 
     try:
         status, errors = state.api.follow_group(g, printers, follow=follow, tail=tail, on_reconnect=reconnecting,
@@ -174,17 +181,17 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
         raise typer.Exit(EXIT_RUNNING)
     printers.close()
     for host, e in errors.items():
-        ui.err_console().print(f"[{host}] {e}", style="red", markup=False)
+        ui.note(f"[{host}] {e}", style="red")
     gstate, rows = status.state, status.members
     if state.json:
-        ui.emit_json({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
+        ui.emit_json_line({"id": g.id, "state": gstate, "members": [r.as_dict() for r in rows]})
     elif follow or gstate not in ("running", "pending"):
         for r in rows:
             if r.job:
                 _final_line(ui, r.host, r.job)
             else:
-                ui.err_console().print(f"[{r.host}] {r.state}: {r.error}", style="red", markup=False)
-        ui.err_console().print(f"group job {g.id} {gstate}", markup=False)
+                ui.note(f"[{r.host}] {r.state}: {r.error}", style="red")
+        ui.note(f"group job {g.id} {gstate}")
     code = status.exit_code
     raise typer.Exit(code or start_code)  # what ran succeeded: a start that failed still decides
 
@@ -219,7 +226,8 @@ def status(
         else:
             table = [[r.host, r.shape, r.job.id if r.job else "", r.state, _duration(r.job.runtime_s) if r.job else "",
                       "" if not r.job or r.job.exit_code is None else r.job.exit_code, r.error or ""] for r in rows]
-            ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table)
+            ui.table(f"group job {g.id}: {g.step} ({gstate})", ["host", "part", "job", "state", "runtime", "exit", "error"], table,
+                     wrap=("error",))
         raise typer.Exit(st.exit_code)
     # One job, one host: an unknown job is bad input (exit 2), as for `logs` and `stop`.
     listed = state.api.status(job_id, host)
@@ -231,7 +239,7 @@ def status(
             ui.line(f"[{name}] {error}", style="red")
         rows = [[j.id, j.step, j.host, j.state, _duration(j.runtime_s), "" if j.exit_code is None else j.exit_code,
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.started_at)) if j.started_at else ""] for j in all_jobs]
-        ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows)
+        ui.table("jobs", ["job", "step", "host", "state", "runtime", "exit", "started"], rows, wrap=("started",))
         for j in all_jobs:  # results worth seeing without opening the log (eval's acceptance figures)
             if j.headline:
                 ui.line(f"{j.id}: {j.headline}")

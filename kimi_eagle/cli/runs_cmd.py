@@ -24,6 +24,7 @@ def pull(
     here: sha256-verified, files already here unchanged are skipped."""
     from .. import runs
 
+    _job_or_run("pull", job_id, run_dir)
     pulled = state.api.pull(job_id, host, run_dir, to)
     h, run, dest, report = pulled.host, pulled.run, pulled.dest, pulled.report
     ui = console_ui()
@@ -51,6 +52,7 @@ def clean(
     The export, reports and logs stay. Refused while a job that uses the folder runs."""
     from .. import runs
 
+    _job_or_run("clean", job_id, run_dir)
     ui = console_ui()
     h = state.api.job_host(job_id, host) if job_id else state.inventory.one(host)
 
@@ -85,6 +87,13 @@ def clean(
     else:
         ui.line(f"[{h.name}] nothing was removed")
         raise typer.Exit(EXIT_FAILED)
+
+
+def _job_or_run(command: str, job_id: Optional[str], run_dir: Optional[str]) -> None:
+    """The run is named by a JOB or by --run DIR: said before a host is chosen or reached."""
+    if bool(job_id) == bool(run_dir):
+        what = "a JOB or --run DIR, not both" if job_id else "which run: a JOB, or its output folder with --run DIR"
+        raise ConfigError(f"kimi-eagle {command}: name {what} (see: kimi-eagle {command} --help)")
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ import abc
 import time
 from dataclasses import dataclass, field
 
-from ..errors import CommandError
+from ..errors import CommandError, ConfigError
 
 
 @dataclass
@@ -84,7 +84,19 @@ class Transport(abc.ABC):
         result = CommandResult(
             self.name, command, code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), time.monotonic() - t0
         )
+        if check and self._python_missing(result):
+            raise ConfigError(f"{self.name}: python {self.host.python} not found on the host — set `python:` in the "
+                              f"inventory to the host's interpreter")
         return result.check(what) if check else result
+
+    def _python_missing(self, result: CommandResult) -> bool:
+        """The shell could not start the host's interpreter (exit 127, the shell naming it): the inventory's
+        `python:` is wrong for this host, whatever command needed it."""
+        python = getattr(self.host, "python", None) or ""
+        name = python.rstrip("/").rsplit("/", 1)[-1]
+        said = result.stderr.strip().splitlines()[-1:] or [""]
+        return result.exited == 127 and bool(name) and name in said[0] and (
+            "not found" in said[0] or "No such file" in said[0] or "Permission denied" in said[0])
 
     @abc.abstractmethod
     def stream(self, command: str) -> Stream:

@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 
-from ..errors import HostError, HostUnreachable
+from ..errors import ConfigError, ConnectionFailed, HostError, HostUnreachable
 from .. import hostkeys
 from .base import HashingReader, Stream, Transport
 
@@ -38,6 +38,36 @@ def _transport_factory(sock, disabled_algorithms=None, **kw):
     ciphers = list(opts.ciphers)
     opts.ciphers = tuple([c for c in _GCM_FIRST if c in ciphers] + [c for c in ciphers if c not in _GCM_FIRST])
     return t
+
+
+def _identity_file(h) -> str:
+    """The inventory's key file, which must exist: a missing one is the inventory's mistake (exit 2), not an
+    unreachable host worth retrying."""
+    path = os.path.expanduser(h.identity_file)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{h.name}: identity_file {h.identity_file}: no such file (fix the inventory's "
+                          f"`identity_file:`)")
+    return path
+
+
+# What OpenSSH's client prints when the network, not the login, failed (it exits 255 for both).
+_OPENSSH_CONNECTION_WORDS = ("Connection refused", "Connection timed out", "Connection reset", "Connection closed",
+                             "Broken pipe", "No route to host", "Network is unreachable", "Could not resolve",
+                             "connection lost", "Timeout, server", "kex_exchange_identification")
+
+
+def _handshake_failure(h, conn, e: BaseException) -> str:
+    """What a failed SSH handshake means and what to do. Without the server's banner paramiko says "Error reading
+    SSH protocol banner", or, when it went on to log in, "No existing session": neither says what to do."""
+    t = conn.client.get_transport()
+    if t is None or not t.remote_version:
+        return (f"{h.name}: SSH banner not received from {conn.host}:{conn.port} within {h.connect_timeout:g}s — check "
+                f"that sshd listens there; a slow host: raise `connect_timeout:` in the inventory")
+    return f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}"
+
+
+def _lost(name: str, what: str) -> ConnectionFailed:
+    return ConnectionFailed(f"{name}: connection lost {what}")
 
 
 class SSHTransport(Transport):
@@ -70,7 +100,7 @@ class SSHTransport(Transport):
             "transport_factory": _transport_factory,
         }
         if h.identity_file:
-            connect_kwargs["key_filename"] = [os.path.expanduser(h.identity_file)]
+            connect_kwargs["key_filename"] = [_identity_file(h)]
         conn = Connection(
             h.address, user=h.user, port=h.port, connect_timeout=h.connect_timeout,
             connect_kwargs=connect_kwargs, forward_agent=False, config=Config(),
@@ -100,7 +130,7 @@ class SSHTransport(Transport):
         except paramiko.AuthenticationException as e:
             raise HostError(f"{h.name}: authentication failed for {conn.user}@{conn.host}:{conn.port}: {e}") from None
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostUnreachable(f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}") from None
+            raise HostUnreachable(_handshake_failure(h, conn, e)) from None
         conn.transport.set_keepalive(15)
         return conn
 
@@ -136,9 +166,16 @@ class SSHTransport(Transport):
 
     # -- commands ---------------------------------------------------------
     def _open_channel(self, command: str):
+        import paramiko
+
         t = self.conn.transport
-        chan = t.open_session(timeout=max(30.0, self.host.connect_timeout))
-        chan.exec_command(command)
+        try:
+            chan = t.open_session(timeout=max(30.0, self.host.connect_timeout))
+            chan.exec_command(command)
+        except (EOFError, OSError, paramiko.SSHException) as e:
+            if t.is_active():
+                raise
+            raise _lost(self.name, f"before a command could start ({type(e).__name__}: {e})") from None
         return chan
 
     def _exec(self, command, stdin, timeout):
@@ -174,12 +211,17 @@ class SSHTransport(Transport):
                         out += data
                 except socket.timeout:
                     pass
-        if not chan.exit_status_ready():
+        if not chan.exit_status_ready() or self._cut_off(chan):
             chan.close()
-            raise ConnectionError(f"{self.name}: connection lost while running a command")
+            raise _lost(self.name, "while running a command")
         code = chan.recv_exit_status()
         chan.close()
         return code, bytes(out), bytes(err)
+
+    def _cut_off(self, chan) -> bool:
+        """A channel that ended without an exit status because the connection died (paramiko then reports -1,
+        as for a command killed by a signal, but the transport is gone)."""
+        return chan.exit_status == -1 and not (self._conn and self._conn.transport and self._conn.transport.is_active())
 
     def stream(self, command: str) -> Stream:
         chan = self._open_channel(command)
@@ -204,8 +246,8 @@ class SSHTransport(Transport):
                 state["idle"] = 0.0
                 if not data:
                     # A command that ended normally sends its exit status around its EOF.
-                    if not chan.status_event.wait(5.0):
-                        raise ConnectionError(f"{self.name}: connection lost")
+                    if not chan.status_event.wait(5.0) or self._cut_off(chan):
+                        raise _lost(self.name, "while reading a command's output")
                     return
                 yield data
 
@@ -283,8 +325,11 @@ class SSHTransport(Transport):
         out, err = proc.stdout.read(), proc.stderr.read()  # both tiny: a digest, maybe a warning
         proc.wait()
         if proc.returncode != 0:
-            last = (err.decode(errors="replace").strip().splitlines() or [""])[-1]
-            raise HostError(f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): {last}")
+            said = err.decode(errors="replace").strip()
+            last = (said.splitlines() or [""])[-1]
+            network = proc.returncode == 255 and any(w in said for w in _OPENSSH_CONNECTION_WORDS)
+            raise (ConnectionFailed if network else HostError)(
+                f"{self.name}: upload through OpenSSH failed (exit {proc.returncode}): {last}")
         return reader.hexdigest(), out.decode().strip()
 
     def rename(self, src, dst):
