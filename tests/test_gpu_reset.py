@@ -1,4 +1,4 @@
-"""remote_payloads/ops/stop_gpu_holders.py with real fuser and real signals, no GPU.
+"""kimi_eagle_host/ops/gpu_reset.py with real fuser and real signals, no GPU.
 
 Ordinary temp files stand in for /dev/nvidia*: spawned processes hold them open, so
 fuser reports them exactly as it reports GPU holders. A bash `nvidia-smi` stand-in is
@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import host_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "stop_gpu_holders.py"
+SCRIPT = host_cmd("ops.gpu_reset")
 
 pytestmark = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) not installed")
 
@@ -87,7 +88,7 @@ def device(tmp: Path, name: str = "nvidia0") -> Path:
 
 
 def run_reset(tmp: Path, *args: str, smi: str | None = None) -> tuple[int, dict, str]:
-    cmd = [sys.executable, str(SCRIPT), "--device-path", str(tmp / "dev" / "nvidia*"),
+    cmd = [*SCRIPT, "--device-path", str(tmp / "dev" / "nvidia*"),
            "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return res.returncode, json.loads(res.stdout), res.stderr
@@ -295,12 +296,9 @@ def test_invisible_pid_is_reported(tmp_path, holders):
 
 
 def test_importable_main(tmp_path, capsys):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import stop_gpu_holders
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    rc = stop_gpu_holders.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
+    from kimi_eagle_host.ops import gpu_reset
+
+    rc = gpu_reset.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
     assert rc == 0 and "no NVIDIA driver" in json.loads(capsys.readouterr().out)["note"]
 
 
