@@ -4,11 +4,11 @@
 #   1. record nvidia-smi's baseline memory on GPU $GPU;
 #   2. start an "ours" holder (own session, pgid recorded in a fake runs dir, like a job)
 #      and a "foreign" holder (not recorded), each allocating GiB with torch;
-#   3. stop_gpu_holders.py (default mode): ours must die, foreign must live, memory = baseline + foreign;
-#   4. stop_gpu_holders.py --all: foreign must die, memory back to baseline;
+#   3. gpu_reset (default mode): ours must die, foreign must live, memory = baseline + foreign;
+#   4. gpu_reset --all: foreign must die, memory back to baseline;
 #   5. write $OUT/gpu_reset_h200.json and .txt, with the time from each command to verified free memory.
 #
-# Safety: it signals only processes it started. Every stop_gpu_holders.py call carries
+# Safety: it signals only processes it started. Every gpu_reset call carries
 # --only-pids <our two holders>, so other GPU users on the machine are never touched even
 # with --all, and the cleanup trap kills only its own holders.
 #

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Remove a run's bulky folders (`kimi-eagle clean`), never while a job that uses them runs. Stdlib only.
 
-The check and the removal happen under flock(<runs>/.lock), the lock jobctl.py holds while it starts a job, and
+The check and the removal happen under flock(<runs>/.lock), the lock ops/jobs.py holds while it starts a job, and
 every pipeline job's output folder is recorded (<runs>/<job>/output_dir) before its start: a job either started
 before the check (it is seen, and nothing is removed) or starts after the removal. Two cleans at once take turns;
 the second finds what is left. A folder is renamed aside first (no reader sees half of it), then deleted.
 
-  clean_run.py --runs-dir R --root OUT [--ended JOB,JOB] REL ...
+  python -m kimi_eagle_host.ops.clean --runs-dir R --root OUT [--ended JOB,JOB] REL ...
 
 --ended names jobs the controller knows have ended (a Slurm job cancelled before it wrote an exit code); any
 other job of the folder without an exit code counts as running. One JSON document on stdout:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(runs, exist_ok=True)
     with open(os.path.join(runs, ".lock"), "a+") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # jobctl start holds it too: no job starts between the check and the removal
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # ops/jobs.py's start holds it too: no job starts between the check and the removal
         busy = users(runs, root, set(filter(None, a.ended.split(","))))
         if busy:
             print(json.dumps({"ok": False, "busy": busy, "found": measure(root, a.rels), "removed": []}))

@@ -4,11 +4,11 @@
 Runs on the GPU host with the host's Python, stdlib only. It never imports the target
 package: `importlib.metadata` gives the installed version and the file locations.
 
-    python patch_engine.py --patch-set NAME|auto [--patch-dir DIR] [--state-dir DIR]
-                           [--check] [--diff] [--revert]
-    python patch_engine.py --list [--patch-dir DIR]
+    python -m kimi_eagle_host.ops.deploy_patch --patch-set NAME|auto [--patch-dir DIR] [--state-dir DIR]
+                                               [--check] [--diff] [--revert]
+    python -m kimi_eagle_host.ops.deploy_patch --list [--patch-dir DIR]
 
-Patch sets are JSON files in `patch_sets/` next to this script (see docs/deploy-patch.md for
+Patch sets are JSON files in the package's `patch_sets/` (see docs/deploy-patch.md for
 the format). `auto` picks the one set whose package is installed and whose version range
 matches the installed version.
 

@@ -11,7 +11,7 @@ One call does the whole reset:
    kimi-eagle job of another workdir on the same machine: its environment names that run
    dir), ``foreign`` or ``invisible`` (listed by nvidia-smi, absent from our PID namespace).
    Whether a holder's job is running is read from that job's own run dir, wherever it is,
-   the same way jobctl reads it;
+   the same way ops/jobs.py reads it;
 3. stop the targets (default: ours; ``--all``: every holder) with SIGTERM, then
    SIGKILL after ``--grace`` seconds;
 4. verify, up to ``--timeout``, that the targets are gone and that nvidia-smi shows
@@ -240,7 +240,7 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
 
 
 def job_running(run_dir: str | None) -> bool:
-    """Is the job of this run dir (in any workdir) running now? jobctl's own reading of a job's state."""
+    """Is the job of this run dir (in any workdir) running now? ops/jobs.py's own reading of a job's state."""
     if not run_dir or not os.path.isfile(os.path.join(run_dir, "meta.json")):
         return False
     return job_state(run_dir)["state"] == "running"
@@ -540,7 +540,7 @@ def _finish(report: dict, t0: float, snap: SmiSnapshot, target_pids: set[int], w
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="stop_gpu_holders.py",
+        prog="python -m kimi_eagle_host.ops.gpu_reset",
         description="Stop the processes holding NVIDIA GPUs (default: only kimi-eagle jobs' ones) "
                     "and verify the memory is free. JSON report on stdout.")
     p.add_argument("--device-path", action="append", default=None, metavar="PATH",
@@ -578,14 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.grace < 0 or args.timeout < 0:
-        print("stop_gpu_holders.py: --grace and --timeout must be >= 0", file=sys.stderr)
+        print("gpu_reset: --grace and --timeout must be >= 0", file=sys.stderr)
         return 2
     only = None
     if args.only_pids is not None:
         try:
             only = {int(x) for x in args.only_pids.split(",") if x.strip()}
         except ValueError:
-            print(f"stop_gpu_holders.py: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
+            print(f"gpu_reset: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
             return 2
     runs_dir = args.runs_dir if args.runs_dir is not None else default_runs_dir()
     # The inventory can point a host at other device files through its env (tests, unusual drivers).
