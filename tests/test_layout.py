@@ -100,3 +100,16 @@ def test_no_pointers_to_what_does_not_ship():
             continue
         found += [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in pointer.finditer(text)]
     assert not found, "\n".join(found)
+
+
+def test_each_host_rule_is_written_once():
+    """Where nvidia-smi is, how big a model's stored weights are, and the default layer ids: each rule has one home
+    in the host package (they were written two or three times, and the copies drifted)."""
+    rules = {
+        "where nvidia-smi is": (r'which\("nvidia-smi"\)|"/usr/(local/nvidia/)?bin/nvidia-smi"', "gpus.py"),
+        "a model's stored weight bytes": (r'\["total_size"\]|get\("total_size"\)', "model_size.py"),
+        "the default layer ids": (r"\bn // 2, n - 3\b", "target/model_layers.py"),
+    }
+    for rule, (pattern, home) in rules.items():
+        places = sorted(str(path.relative_to(HOST)) for path, _ in host_modules() if re.search(pattern, path.read_text()))
+        assert places == [home], f"{rule}: written in {places}, its home is {home}"
