@@ -24,17 +24,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPE = ROOT / "remote_payloads" / "pipeline"
 sys.path.insert(0, str(ROOT / "tests"))
 from vllm_envs import env_python  # noqa: E402
 
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# The steps run as `python -m kimi_eagle_host...` from this checkout.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def site_and_us(site) -> str:
+    """PYTHONPATH with an extra site folder (an install of speculators) before this checkout."""
+    return os.pathsep.join([str(site), str(ROOT)])
 
 
 def step(py, script, *args, env=None):
     t0 = time.perf_counter()
-    p = subprocess.run([str(py), str(PIPE / script), *map(str, args)], capture_output=True, text=True,
-                       env={**ENV, **(env or {})}, timeout=3600)
+    p = subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)],
+                       capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=3600)
     if p.returncode:
         sys.exit(f"{script} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout), time.perf_counter() - t0
@@ -58,7 +63,7 @@ def main():
         # written by transformers 4.57 (the 0.16 env): a layout all three load
         step(py16, "tiny_model.py", "--out", model, "--kind", "llama", "--layers", a.layers, "--hidden", a.hidden,
              "--heads", a.heads, "--vocab", a.vocab)
-        step(py16, "prepare.py", "--model", model, "--dataset", ROOT / "remote_payloads/sample_data/chat.jsonl",
+        step(py16, "prepare.py", "--model", model, "--dataset", ROOT / "kimi_eagle_host/sample_data/chat.jsonl",
              "--output-dir", work, "--seq-len", a.seq_len, "--max-samples", a.samples)
         site = work / "site-0.3.0"
         wheel_dir = work / "wheels"
@@ -66,12 +71,12 @@ def main():
                         "speculators==0.3.0"], check=True, capture_output=True)
         subprocess.run([str(py16), "-m", "pip", "install", "-q", "--no-deps", "--target", site,
                         next(wheel_dir.glob("*.whl"))], check=True, capture_output=True)
-        subprocess.run([str(py16), str(ROOT / "remote_payloads/ops/patch_engine.py"), "--patch-set", "auto"],
-                       check=True, capture_output=True, env={**ENV, "PYTHONPATH": str(site)})
+        subprocess.run([str(py16), "-m", "kimi_eagle_host.ops.deploy_patch", "--patch-set", "auto"],
+                       check=True, capture_output=True, env={**ENV, "PYTHONPATH": site_and_us(site)})
         common = ["--model", model, "--output-dir", work, "--layer-ids", f"2,{a.layers // 2},{a.layers - 3},{a.layers}",
                   "--seq-len", a.seq_len, "--batch-size", a.batch_size, "--dtype", "bfloat16"]
         runs = [("hf", py32, ["--backend", "hf"], {}),
-                ("vllm-0.16 + speculators 0.3.0", py16, ["--backend", "vllm"], {"PYTHONPATH": str(site)}),
+                ("vllm-0.16 + speculators 0.3.0", py16, ["--backend", "vllm"], {"PYTHONPATH": site_and_us(site)}),
                 ("vllm-0.32 native", py32, ["--backend", "vllm"], {})]
         rows = []
         for name, py, extra, env in runs:

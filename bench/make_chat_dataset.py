@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-SAMPLE = Path(__file__).resolve().parents[1] / "remote_payloads" / "sample_data" / "chat.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "kimi_eagle_host" / "sample_data" / "chat.jsonl"
 
 
 def words() -> list[str]:

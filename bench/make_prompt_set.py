@@ -1,11 +1,11 @@
-"""Build the bundled prompt set (remote_payloads/sample_data/prompts_{train,eval}.jsonl) from word lists.
+"""Build the bundled prompt set (kimi_eagle_host/sample_data/prompts_{train,eval}.jsonl) from word lists.
 
 Every prompt is written here from templates and word lists of our own, so the set is ours to ship. The
 split is by a hash of the prompt text (about 1 in 20 to eval), so a prompt never lands in both files and
 re-running gives byte-identical files. Rows are OpenAI-style chat rows with only the user turn; the
 `regenerate` step adds the target's own answer.
 
-    python bench/make_prompt_set.py            # rewrites the two files in remote_payloads/sample_data/
+    python bench/make_prompt_set.py            # rewrites the two files in kimi_eagle_host/sample_data/
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "remote_payloads" / "sample_data"
+OUT = Path(__file__).resolve().parents[1] / "kimi_eagle_host" / "sample_data"
 
 SCIENCE = ["photosynthesis", "gravity", "the water cycle", "volcanoes", "earthquakes", "magnetism", "rainbows",
            "the tides", "black holes", "DNA", "vaccines", "electricity", "sound waves", "the seasons",

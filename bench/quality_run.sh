@@ -17,35 +17,37 @@
 # on a CPU without AMX use float32). Measured figures: docs/benchmarks.md, "Draft quality".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The steps run as modules of this checkout's kimi_eagle_host, as on a host.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 OUT=${OUT:?set OUT to an empty folder}
 CACHE=${KIMI_EAGLE_CACHE:-$HOME/.cache/kimi-eagle}
 M=${MODEL:-$CACHE/models/smollm2-135m-instruct}
-P=remote_payloads/pipeline
+P=kimi_eagle_host.pipeline
 DT=${DTYPE:-bfloat16}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 SEQ=${SEQ:-512}
 EXTRACT=${EXTRACT:-$($PY -c 'import vllm' >/dev/null 2>&1 && echo vllm || echo hf)}
 mkdir -p "$OUT"
-python3 $P/models.py --source smollm2 --out "$M" > "$OUT/models.json"                   # cached, not timed
-python3 $P/convert_dataset.py --source sharegpt --out "$OUT/sharegpt.jsonl" > "$OUT/sharegpt.json"
-python3 $P/convert_dataset.py --source mt-bench --out "$OUT/mt-bench.jsonl" > "$OUT/mt-bench.json"
+python3 -m $P.models --source smollm2 --out "$M" > "$OUT/models.json"                   # cached, not timed
+python3 -m $P.convert_dataset --source sharegpt --out "$OUT/sharegpt.jsonl" > "$OUT/sharegpt.json"
+python3 -m $P.convert_dataset --source mt-bench --out "$OUT/mt-bench.jsonl" > "$OUT/mt-bench.json"
 t0=$(date +%s)
 lap() { echo "$1: $(( $(date +%s) - t0 ))s total, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/times.txt"; }
-$PY $P/regenerate.py --model "$M" --dataset "$OUT/sharegpt.jsonl" --output-dir "$OUT" --long-prompts skip \
+$PY -m $P.regenerate --model "$M" --dataset "$OUT/sharegpt.jsonl" --output-dir "$OUT" --long-prompts skip \
     --max-prompts "${CONVERSATIONS:-600}" --max-turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-192}" \
     --max-model-len "${MAX_MODEL_LEN:-512}" --dtype "$DT" > "$OUT/regenerate.json" 2> "$OUT/regenerate.err"; lap regenerate
-$PY $P/prepare.py --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "$SEQ" \
+$PY -m $P.prepare --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "$SEQ" \
     > "$OUT/prepare.json" 2> "$OUT/prepare.err"; lap prepare
-$PY $P/extract.py --model "$M" --output-dir "$OUT" --backend "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
+$PY -m $P.extract --model "$M" --output-dir "$OUT" --backend "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
     --dtype "$DT" > "$OUT/extract.json" 2> "$OUT/extract.err"; lap extract
-$PY $P/vocab.py --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
-$PY $P/train.py --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-4}" --lr "${LR:-3e-3}" \
+$PY -m $P.vocab --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
+$PY -m $P.train --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-4}" --lr "${LR:-3e-3}" \
     --optimizer "${OPTIMIZER:-muon}" --warmup-steps "${WARMUP:-10}" \
     --batch-size "${BATCH:-4}" --ttt-steps "${TTT:-3}" --dtype "$DT" --log-every 20 --report-to none \
     > "$OUT/train.json" 2> "$OUT/train.err"; lap train
 evaluate() {  # $1: pipeline folder with draft/export
-  $PY $P/eval.py --model "$M" --output-dir "$1" --prompts "$OUT/mt-bench.jsonl" --num-prompts "${EVAL_QUESTIONS:-16}" \
+  $PY -m $P.eval --model "$M" --output-dir "$1" --prompts "$OUT/mt-bench.jsonl" --num-prompts "${EVAL_QUESTIONS:-16}" \
       --max-tokens "${EVAL_TOKENS:-128}" -k "${K:-3}" --dtype "$DT" --batch-sizes "${TIMING:-1}" --timing-prompts 4 --report-to none \
       > "$1/eval.json" 2> "$1/eval.err"
 }
@@ -53,7 +55,7 @@ evaluate "$OUT"; lap eval
 # The untrained draft: the same export after one step at a vanishing learning rate (= its initialisation).
 mkdir -p "$OUT/untrained"
 ln -sfn "$OUT/hidden_states" "$OUT/untrained/hidden_states"; ln -sfn "$OUT/vocab" "$OUT/untrained/vocab"
-$PY $P/train.py --model "$M" --output-dir "$OUT/untrained" --max-steps 1 --lr 1e-12 --ttt-steps "${TTT:-3}" \
+$PY -m $P.train --model "$M" --output-dir "$OUT/untrained" --max-steps 1 --lr 1e-12 --ttt-steps "${TTT:-3}" \
     --dtype "$DT" > "$OUT/untrained/train.json" 2> "$OUT/untrained/train.err"
 evaluate "$OUT/untrained"
 grep -h "^eval: " "$OUT/eval.err" | tail -1 | sed 's/^/trained:   /'

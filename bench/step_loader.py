@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
-sys.path.insert(0, str(ROOT / "remote_payloads"))
-import packing  # noqa: E402
-from step_batches import StepBatches  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host
+from kimi_eagle_host.data import packing  # noqa: E402
+from kimi_eagle_host.data.step_batches import StepBatches  # noqa: E402
 
 
 def write_docs(folder: Path, n: int, hidden: int, layers: int, seed: int) -> list[int]:

@@ -39,7 +39,7 @@ class Backend(abc.ABC):
 
 
 class Direct(Backend):
-    """A detached job in its own session and process group (remote_payloads/jobctl.py on the host)."""
+    """A detached job in its own session and process group (kimi_eagle_host/ops/jobs.py on the host)."""
 
     name = "direct"
 

@@ -1,4 +1,4 @@
-"""deploy-patch: run remote_payloads/ops/patch_engine.py on hosts and read back what it did per file.
+"""deploy-patch: run kimi_eagle_host/ops/deploy_patch.py on hosts and read back what it did per file.
 
 The engine and its patch-set JSON files travel with every payload deploy (HostSession.deploy_payloads);
 this module only picks the engine's arguments, checks the patch-set name against the local copies of
@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, field
 from .errors import ConfigError
 from .host import PAYLOADS, HostSession
 from .parallel import HostOutcome, each_host
-from .resources import payload_files, payloads_dir
+from .resources import host_package_dir, payload_files, payloads_dir
 
-ENGINE = "ops/patch_engine.py"
-SETS_DIR = "patch_sets"
-RUNTIME = ("step_runtime.py", "versions.py", "vllm_compat.py")  # the engine imports them
+ENGINE = "ops.deploy_patch"  # the host half, a module of kimi_eagle_host
+SETS_DIR = "patch_sets"  # in the host package
+# The engine's files and what it imports, relative to the host package (for `render patch`).
+ENGINE_FILES = ("__init__.py", "ops/__init__.py", "ops/deploy_patch.py", "step_runtime.py", "versions.py",
+                "vllm_compat.py")
 PAYLOAD_NAME = "patch"
 MODES = ("apply", "check", "diff", "revert")
 # Per mode, the file statuses that count as "ended in the wanted state".
@@ -125,7 +127,7 @@ def engine_args(patch_set: str = "auto", mode: str = "apply") -> list[str]:
 def available_sets() -> list[str]:
     """Names of the patch sets that travel with the payloads (file stems are accepted too)."""
     names = []
-    for f in sorted((payloads_dir() / SETS_DIR).glob("*.json")):
+    for f in sorted((host_package_dir() / SETS_DIR).glob("*.json")):
         try:
             name = json.loads(f.read_text()).get("name")
         except (OSError, ValueError, AttributeError):
@@ -138,7 +140,7 @@ def check_patch_set(patch_set: str) -> None:
     """Refuse an unknown set name before any host is contacted (exit 2)."""
     if patch_set == "auto":
         return
-    folder = payloads_dir() / SETS_DIR
+    folder = host_package_dir() / SETS_DIR
     known = set(available_sets()) | {f.stem for f in folder.glob("*.json")}
     if patch_set not in known:
         raise ConfigError(
@@ -165,12 +167,12 @@ def succeeded(outcome: HostOutcome) -> bool:
 # ---------------------------------------------------------------------------------------------- render
 def upload_files() -> dict[str, str]:
     """The engine and the patch sets exactly as they land on the host, keyed by path under the workdir."""
-    root = payloads_dir()
+    package, root = host_package_dir(), payloads_dir()
     out = {}
     for f in payload_files():
-        rel = f.relative_to(root).as_posix()
-        if rel == ENGINE or rel in RUNTIME or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
-            out[f"{PAYLOADS}/{rel}"] = f.read_text()
+        rel = f.relative_to(package).as_posix()
+        if rel in ENGINE_FILES or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
+            out[f"{PAYLOADS}/{f.relative_to(root).as_posix()}"] = f.read_text()
     return out
 
 

@@ -1,6 +1,6 @@
 """gpu-reset: find, stop and verify every GPU holder on a host, stopping only ours unless told.
 
-The work happens on the host in one uploaded script (remote_payloads/ops/stop_gpu_holders.py), which gathers
+The work happens on the host in one host module (kimi_eagle_host/ops/gpu_reset.py), which gathers
 holders from both fuser and nvidia-smi, signals, and verifies memory came back.
 """
 
@@ -73,7 +73,7 @@ def reset_args(session: HostSession, *, stop_all=False, dry_run=False, grace=10.
 
 
 def reset(session: HostSession, **kw) -> ResetResult:
-    res = session.run_payload("gpu-reset", "ops/stop_gpu_holders.py", reset_args(session, **kw))
+    res = session.run_payload("gpu-reset", "ops.gpu_reset", reset_args(session, **kw))
     return ResetResult(session.name, res.exited, res.data)
 
 

@@ -115,15 +115,13 @@ def _locked(key: tuple):
 def _fingerprint(rendered: dict[str, dict[str, str]]) -> dict:
     import hashlib
 
-    from .host import _manifest
-    from .resources import payload_files, payloads_dir
-    from . import sync
+    from .host import _manifest, _payload_items
 
     def digest(files: dict[str, str]) -> str:
         return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
     return {"hosts": {h: digest(files) for h, files in rendered.items()},
-            "payloads": _manifest(sync.tree_items(payloads_dir(), payload_files()))}
+            "payloads": _manifest(_payload_items())}
 
 
 def _latest_with_key(key: tuple) -> GroupJob | None:

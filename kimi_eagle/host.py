@@ -1,6 +1,8 @@
 """A host plus its open transport: the library's unit of work for one command.
 
-Knows the layout on the host (everything relative to the workdir) and how to deploy and run a payload.
+Knows the layout on the host (everything relative to the workdir) and how to deploy and run a payload: the
+kimi_eagle_host package, uploaded to <workdir>/.kimi-eagle/payloads/kimi_eagle_host/ and run as modules
+(`python -m kimi_eagle_host.ops.probe`) with PYTHONPATH naming <workdir>/.kimi-eagle/payloads.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import render, sync
 from .errors import CommandError, ConfigError
-from .resources import payload_files, payloads_dir
+from .resources import HOST_PACKAGE, payload_files, payloads_dir
 from .transport import open_transport
 
 STATE = ".kimi-eagle"
@@ -19,6 +21,11 @@ PAYLOADS = f"{STATE}/payloads"
 BIN = f"{STATE}/bin"
 RUNS = "runs"
 MANIFEST = "MANIFEST"
+
+
+def module_argv(module: str) -> list[str]:
+    """How the host's Python runs one of our entry points: `-m kimi_eagle_host.<module>` (e.g. "ops.probe")."""
+    return ["-m", f"{HOST_PACKAGE}.{module}"]
 
 
 @dataclass
@@ -35,9 +42,12 @@ class PayloadResult:
 
 
 def expand(value):
-    """Placeholders in pipeline settings: paths on the host, relative to the workdir (scripts cd there)."""
+    """Placeholders in pipeline settings: paths on the host, relative to the workdir (scripts cd there).
+
+    {payloads} is the uploaded package's folder, so `{payloads}/sample_data/chat.jsonl` still names the bundled data
+    (inventories written before the host code became a package keep working)."""
     if isinstance(value, str):
-        return value.replace("{workdir}", ".").replace("{payloads}", PAYLOADS)
+        return value.replace("{workdir}", ".").replace("{payloads}", f"{PAYLOADS}/{HOST_PACKAGE}")
     return value
 
 
@@ -66,24 +76,24 @@ class HostSession:
 
     # -- payloads ---------------------------------------------------------
     def deploy_payloads(self) -> sync.SyncReport:
-        """Upload what changed in remote_payloads/, then record the set's digest in MANIFEST."""
+        """Upload what changed in the kimi_eagle_host package, then record the set's digest in MANIFEST."""
         if self._deployed is None:
-            items = sync.tree_items(payloads_dir(), payload_files())
+            items = _payload_items()
             report = sync.sync(self.transport, self.path(PAYLOADS), items)
             sync.sync(self.transport, self.path(PAYLOADS), [sync.Item(remote=MANIFEST, data=_manifest(items).encode())])
             self._deployed = report
         return self._deployed
 
-    def call(self, script: str, args: list[str], *, timeout: float | None = None):
-        """Run a payload directly, in one round trip when the host already has this payload set.
+    def call(self, module: str, args: list[str], *, timeout: float | None = None):
+        """Run a payload module (e.g. "ops.jobs") directly, in one round trip when the host already has this set.
 
         The command checks MANIFEST first; on a mismatch (exit 222) the set is deployed and the call repeated.
         """
-        digest = _manifest(sync.tree_items(payloads_dir(), payload_files()))
+        digest = _manifest(_payload_items())
         python = render.sh_path(self.host.python)
         cmd = (f"cd {render.sh_path(self.host.workdir)} && "
                f"[ \"$(cat {PAYLOADS}/{MANIFEST} 2>/dev/null)\" = {render.quote(digest)} ] || exit 222; "
-               f"exec {python} {render.sh_join([f'{PAYLOADS}/{script}', *args])}")
+               f"{pythonpath_export()}; exec {python} {render.sh_join([*module_argv(module), *args])}")
         if self._deployed is None:
             res = self.transport.run(cmd, timeout=timeout)
             if res.exited != 222:
@@ -92,20 +102,20 @@ class HostSession:
             self.deploy_payloads()
         return self.transport.run(cmd, timeout=timeout)
 
-    def payload_wrapper(self, name: str, script: str) -> tuple[str, str]:
-        """The wrapper that runs `script` with the host's env and Python: (path under the workdir, text).
+    def payload_wrapper(self, name: str, module: str) -> tuple[str, str]:
+        """The wrapper that runs payload `module` with the host's env and Python: (path under the workdir, text).
 
         It takes the flags at run time ("$@") and is named by a digest of its text, so a file on the host is
         never rewritten with other contents: concurrent callers share it safely or use different ones."""
         import hashlib
 
         text = render.render("payload.sh.j2", host=self.host.name, env=self.host.env, workdir=self.host.workdir,
-                             python=self.host.python, script=f"{PAYLOADS}/{script}")
+                             python=self.host.python, argv=module_argv(module), payloads=PAYLOADS)
         return f"{BIN}/{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh", text
 
-    def render_payload(self, name: str, script: str, args: list[str]) -> dict[str, str]:
+    def render_payload(self, name: str, module: str, args: list[str]) -> dict[str, str]:
         """For `kimi-eagle render`: the wrapper as uploaded, plus `<name>.sh` that runs it with these flags."""
-        rel, text = self.payload_wrapper(name, script)
+        rel, text = self.payload_wrapper(name, module)
         call = render.render("payload_call.sh.j2", host=self.host.name, wrapper=posixpath.basename(rel),
                              args=[str(a) for a in args])
         return {rel: text, f"{BIN}/{name}.sh": call}
@@ -114,21 +124,31 @@ class HostSession:
         items = [sync.Item(remote=rel, data=text.encode(), mode=0o755) for rel, text in files.items()]
         return sync.sync(self.transport, self.path(""), items)
 
-    def run_payload(self, name: str, script: str, args: list[str], *, timeout: float | None = None) -> PayloadResult:
+    def run_payload(self, name: str, module: str, args: list[str], *, timeout: float | None = None) -> PayloadResult:
         """Deploy, upload the rendered wrapper, run it once, parse the JSON it prints."""
         self.deploy_payloads()
-        rel, text = self.payload_wrapper(name, script)
+        rel, text = self.payload_wrapper(name, module)
         self.upload_scripts({rel: text})
         res = self.transport.run(f"bash {render.sh_join([self.path(rel), *args])}", timeout=timeout)
         data = _parse_json(res.stdout)
         if data is None:
             if res.exited == 2:
-                raise ConfigError(f"{self.name}: {_last_line(res.stderr) or f'{script} refused its input'}", result=res)
+                raise ConfigError(f"{self.name}: {_last_line(res.stderr) or f'{module} refused its input'}", result=res)
             raise CommandError(
-                f"{self.name}: {script} exited {res.exited} without a result: {_last_line(res.stderr) or _last_line(res.stdout)}",
+                f"{self.name}: {module} exited {res.exited} without a result: {_last_line(res.stderr) or _last_line(res.stdout)}",
                 result=res,
             )
         return PayloadResult(self.name, name, res.exited, data, res.stderr)
+
+
+def pythonpath_export() -> str:
+    """The shell line, run in the workdir, that lets the host's Python import kimi_eagle_host (templates include it)."""
+    return render.render("_pythonpath.sh.j2", payloads=PAYLOADS).strip()
+
+
+def _payload_items() -> list[sync.Item]:
+    """The host package's files as they land under <workdir>/.kimi-eagle/payloads/ (kimi_eagle_host/...)."""
+    return sync.tree_items(payloads_dir(), payload_files())
 
 
 def _manifest(items) -> str:

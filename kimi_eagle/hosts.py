@@ -10,7 +10,7 @@ def check(hosts) -> list:
     """Probe each host in parallel with one uploaded script. Returns HostOutcome values of probe dicts."""
 
     def probe(session):
-        res = session.run_payload("probe", "ops/probe.py", [])
+        res = session.run_payload("probe", "ops.probe", [])
         return res.data
 
     return each_host(hosts, probe)

@@ -2,7 +2,7 @@
 
 A group job (kimi_eagle/groupjobs.py) gives each host a Shape; the host's job script (direct or Slurm) is the
 pipeline plan with the shape applied. The processes themselves are decided on the host by
-remote_payloads/pipeline/launch.py (one process, or torchrun workers per GPU; c10d across nodes): we only say
+kimi_eagle_host.pipeline.launch (one process, or torchrun workers per GPU; c10d across nodes): we only say
 which ranks a host owns, how many nodes there are and where the rendezvous is (docs/CONTRACTS.md).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .errors import ConfigError
-from .host import PAYLOADS
+from .host import module_argv
 from .pipeline import Step
 
 # Steps whose command takes --rank/--world-size and writes a disjoint part of the output
@@ -19,7 +19,7 @@ from .pipeline import Step
 SHARDABLE = {"extract", "exec"}
 # Steps that run as one torchrun job over several nodes (exec: the command is a Python script).
 DISTRIBUTED = {"train", "exec"}
-LAUNCHER = f"{PAYLOADS}/pipeline/launch.py"
+LAUNCHER = module_argv("pipeline.launch")  # after the host's Python
 
 
 @dataclass
@@ -57,17 +57,18 @@ class Shape:
 
 
 def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(pipeline/launch.py's own flags, the command it starts); a command not started through it: ([], argv)."""
-    if argv and argv[0] == LAUNCHER and "--" in argv:
+    """(the launcher's own flags, the command it starts); a command not started through it: ([], argv)."""
+    n = len(LAUNCHER)
+    if argv[:n] == LAUNCHER and "--" in argv:
         i = argv.index("--")
-        return argv[1:i], argv[i + 1:]
+        return argv[n:i], argv[i + 1:]
     return [], list(argv)
 
 
 def through_launcher(main: Step, flags: list[str]) -> Step:
-    """`main` started by pipeline/launch.py with more flags (an exec command becomes the script it runs)."""
+    """`main` started by the launcher with more flags (an exec command becomes the script it runs)."""
     own, command = split_launch(main.argv)
-    return replace(main, python=True, argv=[LAUNCHER, *own, *flags, "--", *command])
+    return replace(main, python=True, argv=[*LAUNCHER, *own, *flags, "--", *command])
 
 
 def apply(steps: list[Step], step: str, shape: Shape | None) -> list[Step]:

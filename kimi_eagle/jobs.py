@@ -1,4 +1,4 @@
-"""Detached jobs on a host: start, status, stop. The host-side half is remote_payloads/ops/jobctl.py."""
+"""Detached jobs on a host: start, status, stop. The host-side half is kimi_eagle_host/ops/jobs.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import pipeline, render, job_layout
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
-from .host import RUNS, HostSession
+from .host import PAYLOADS, RUNS, HostSession
 from .shell import join
 
 # What `logs --follow` and `status` exit with, by job state (documented in the README).
@@ -92,6 +92,7 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
         env=host.env,
         workdir=host.workdir,
         python=host.python,
+        payloads=PAYLOADS,
         steps=steps,
     )
     return f"{run_rel}/job.sh", text
@@ -102,7 +103,7 @@ def _under(workdir: str, rel: str) -> str:
 
 
 def _jobctl(session: HostSession, args: list[str]) -> tuple[int, dict]:
-    res = session.call("ops/jobctl.py", ["--runs-dir", RUNS, *args])
+    res = session.call("ops.jobs", ["--runs-dir", RUNS, *args])
     if res.exited == -1:  # the channel closed without an exit status: the connection dropped, not jobctl
         raise ConnectionFailed(f"{session.name}: connection lost during jobctl {args[0]}", result=res)
     try:

@@ -19,7 +19,7 @@ import sys
 PROGRESS = re.compile(r"(?<!\d)(?P<pct>\d{1,3})%(?:[ \t]*Completed[ \t]*\||\|[^|]*\|)[ \t]*(?P<n>\d+)/(?P<total>\d+)")
 
 
-POINT_MARK = "@kimi-eagle-progress "  # remote_payloads/step_runtime.py writes it
+POINT_MARK = "@kimi-eagle-progress "  # kimi_eagle_host/step_runtime.py writes it
 NOTE_MARK = "==> kimi-eagle: "  # the job script's own lines (a step starts, the job exited)
 
 # What a job may print that would act on the user's terminal instead of showing: escape sequences (CSI such as

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 from . import step_flags
 from .errors import ConfigError
-from .host import PAYLOADS, RUNS, expand
+from .host import RUNS, expand, module_argv
 
 STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
 # Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
 GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
-# Steps that may run as several processes. They start through pipeline/launch.py, which decides on the host
+# Steps that may run as several processes. They start through kimi_eagle_host.pipeline.launch, which decides on the host
 # (it sees the GPUs and the model) between one process and torchrun workers (docs/CONTRACTS.md).
 TORCHRUN_STEPS = {"extract", "train"}
 
@@ -85,25 +85,25 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
     steps = []
     if pipeline.tiny_model:
         model = str(expand(pipeline.model))
-        steps.append(Step("tiny-model", [f"{PAYLOADS}/pipeline/tiny_model.py", "--kind", pipeline.tiny_model, "--out", model],
+        steps.append(Step("tiny-model", [*module_argv("pipeline.tiny_model"), "--kind", pipeline.tiny_model, "--out", model],
                           unless_exists=f"{model}/config.json"))
     elif pipeline.model_source:
         model = str(expand(pipeline.model))
-        steps.append(Step("model", [f"{PAYLOADS}/pipeline/models.py", "--source", pipeline.model_source, "--out", model],
+        steps.append(Step("model", [*module_argv("pipeline.models"), "--source", pipeline.model_source, "--out", model],
                           unless_exists=f"{model}/config.json"))
     step_flags.validate(names[0], extra)  # a typo is refused here, before anything is rendered or uploaded
     for n in names:
-        argv = [f"{PAYLOADS}/pipeline/{n}.py", *step_args(n, pipeline),
+        argv = [*module_argv(f"pipeline.{n}"), *step_args(n, pipeline),
                 *step_flags.mapping_to_argv(n, pipeline.steps.get(n) or {}), *extra]
         if n in TORCHRUN_STEPS:
-            argv = [f"{PAYLOADS}/pipeline/launch.py", *launch_flags(n, pipeline), "--", *argv]
+            argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
     return steps
 
 
 def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]:
     """The plan, led (for pipeline steps) by the record of what the run used: the resolved settings, the versions
-    on the host and ours, written by ops/provenance.py under {output_dir}/runs/<job-id>/ next to the outputs."""
+    on the host and ours, written by kimi_eagle_host.ops.provenance under {output_dir}/runs/<job-id>/ next to the outputs."""
     from . import __version__
     from .recipe import resolved_yaml
 
@@ -111,14 +111,14 @@ def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]
     if step == "exec":
         return steps
     settings = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
-    record = Step("record", [f"{PAYLOADS}/ops/provenance.py", "--output-dir", str(expand(host.pipeline.output_dir)),
+    record = Step("record", [*module_argv("ops.provenance"), "--output-dir", str(expand(host.pipeline.output_dir)),
                              "--runs-dir", RUNS, "--product-version", __version__, "--settings", settings])
     return [record, *steps]
 
 
 def output_record(step: str, session) -> dict[str, str]:
     """What a pipeline job's start uploads next to its script: <runs>/<job>/output_dir (where its outputs are),
-    written before the job starts, so `clean` (ops/clean_run.py, under the lock a start holds) never misses a
+    written before the job starts, so `clean` (kimi_eagle_host.ops.clean, under the lock a start holds) never misses a
     job that has started and not yet recorded its folder. {name under the job folder: text}; {} for exec."""
     if step == "exec":
         return {}
@@ -128,7 +128,8 @@ def output_record(step: str, session) -> dict[str, str]:
 
 
 def launch_flags(step: str, pipeline) -> list[str]:
-    """pipeline/launch.py's flags from the inventory; what is not set there launch.py finds out on the host."""
+    """The launcher's flags (kimi_eagle_host.pipeline.launch) from the inventory; what is not set there it finds out on
+    the host."""
     flags = []
     if pipeline.nproc_per_node is not None:
         flags += ["--nproc-per-node", str(pipeline.nproc_per_node)]

@@ -1,6 +1,6 @@
 """Preflight: every known failure caught in seconds, before a 27-minute model load.
 
-The checks run on the host in one uploaded script (remote_payloads/ops/preflight_checks.py); this module maps
+The checks run on the host in one host module (kimi_eagle_host/ops/preflight.py); this module maps
 the inventory's pipeline settings to its flags and turns its verdict into a result or an error.
 """
 
@@ -52,7 +52,7 @@ def preflight_args(session: HostSession, step: str, extra: list[str] | None = No
 
 
 def run(session: HostSession, step: str, extra: list[str] | None = None) -> PreflightResult:
-    res = session.run_payload("preflight", "ops/preflight_checks.py", preflight_args(session, step, extra))
+    res = session.run_payload("preflight", "ops.preflight", preflight_args(session, step, extra))
     checks = []
     for c in res.data.get("checks", []):
         c = dict(c)

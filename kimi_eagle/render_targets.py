@@ -30,13 +30,13 @@ def _job(session, step, extra):
 def _gpu_reset(session, step, extra):
     from .gpu_reset import reset_args
 
-    return session.render_payload("gpu-reset", "ops/stop_gpu_holders.py", reset_args(session, extra=extra))
+    return session.render_payload("gpu-reset", "ops.gpu_reset", reset_args(session, extra=extra))
 
 
 def _preflight(session, step, extra):
     from .preflight import preflight_args
 
-    return session.render_payload("preflight", "ops/preflight_checks.py", preflight_args(session, step or "all", extra))
+    return session.render_payload("preflight", "ops.preflight", preflight_args(session, step or "all", extra))
 
 
 def _patch(session, step, extra):
@@ -48,7 +48,7 @@ def _patch(session, step, extra):
 
 
 def _probe(session, step, extra):
-    return session.render_payload("probe", "ops/probe.py", extra)
+    return session.render_payload("probe", "ops.probe", extra)
 
 
 def files_for(what: str, step, host, extra: list[str] | None = None) -> dict[str, str]:

@@ -1,12 +1,12 @@
 """A run's outputs on a host: find them (by job or by folder), bring back what a user keeps (`pull`), remove
 what is bulky once trained (`clean`).
 
-A pipeline job records where its outputs are (`<workdir>/runs/<job>/output_dir`, written by ops/provenance.py),
+A pipeline job records where its outputs are (`<workdir>/runs/<job>/output_dir`, written by kimi_eagle_host/ops/provenance.py),
 so a job id is enough. `pull` copies the export, the eval report, the recorded settings and versions, the
 tensorboard events and the job logs, sha256-verified and skipping what is already here (sync.fetch, the
 upload's hashing the other way). `clean` removes the hidden states and the checkpoints, never while a job that
 uses the folder runs: the last check and the removal happen on the host under the lock a job's start takes
-(remote_payloads/ops/clean_run.py), so no job starts in between, and two cleans at once take turns.
+(kimi_eagle_host/ops/clean.py), so no job starts in between, and two cleans at once take turns.
 """
 
 from __future__ import annotations
@@ -136,14 +136,14 @@ def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
 
 
 def measure(session: HostSession, run: RunDir) -> list[Bulky]:
-    """Sizes of the run's bulky folders that exist (ops/clean_run.py --measure: reads only)."""
+    """Sizes of the run's bulky folders that exist (ops/clean.py --measure: reads only)."""
     data = _clean_run(session, ["--measure", "--runs-dir", RUNS, "--root", run.path, *BULKY])
     return [Bulky(*row) for row in data["found"]]
 
 
 def _clean_run(session: HostSession, args: list[str]) -> dict:
-    """ops/clean_run.py on the host: its JSON answer; a lost connection or a broken run is an error."""
-    res = session.call("ops/clean_run.py", args, timeout=3600)
+    """kimi_eagle_host.ops.clean on the host: its JSON answer; a lost connection or a broken run is an error."""
+    res = session.call("ops.clean", args, timeout=3600)
     if res.exited == -1:
         raise ConnectionFailed(f"{session.name}: connection lost while measuring or removing the run's folders",
                                result=res)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import pipeline, render, job_layout, sync
 from .errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
-from .host import RUNS, HostSession
+from .host import PAYLOADS, RUNS, HostSession
 from .jobs import Job, check_job_id, new_job_id, remember
 from .shell import join, quote
 
@@ -73,11 +73,12 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
         tasks = [ArrayTask(i, job_layout.apply(steps, step, job_layout.Shape(ranks=[i], world_size=slurm.shards, devices_per_rank=0)))
                  for i in range(slurm.shards)]
     array_spec = f"0-{len(tasks) - 1}" + (f"%{slurm.array_parallelism}" if slurm.array_parallelism else "")
-    common = dict(job_id=job_id, host=host.name, step=step, env=host.env, workdir=host.workdir, python=host.python)
+    common = dict(job_id=job_id, host=host.name, step=step, env=host.env, workdir=host.workdir, python=host.python,
+                  payloads=PAYLOADS)
     files = {}
     main = steps[-1]
     if torchrun:
-        # pipeline/launch.py on every node: it picks the workers per node from the GPUs Slurm gave the node.
+        # kimi_eagle_host.pipeline.launch on every node: it picks the workers per node from the GPUs Slurm gave the node.
         launch_flags, command = job_layout.split_launch(main.argv)
         files[f"{run_rel}/node.sh"] = render.render("slurm_node.sh.j2", **common, launcher=job_layout.LAUNCHER,
                                                     launch_flags=launch_flags, command=command)

@@ -1,6 +1,6 @@
 """Every flag of every pipeline step's script, declared once, so a typo is refused here before anything runs.
 
-The steps' scripts (remote_payloads/pipeline/*.py) parse their own flags with argparse on the host; this table is
+The steps (kimi_eagle_host/pipeline/*.py) parse their own flags with argparse on the host; this table is
 what the controller knows of them. tests/test_step_flags.py reads each script's argparse and fails when the two
 differ, so they cannot drift apart: a flag added to a step is added here too.
 """

@@ -14,8 +14,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))  # this checkout's kimi_eagle and kimi_eagle_host, not an installed copy
+# Every subprocess of a test finds them too: the host package runs as `python -m kimi_eagle_host.<module>`.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+HOST_PACKAGE = REPO / "kimi_eagle_host"
 
 from sshd import Sshd  # noqa: E402
+
+
+def host_cmd(module: str, *args, python=None) -> list[str]:
+    """Run a module of the host package as a host does: `python -m kimi_eagle_host.<module> ARGS`."""
+    return [str(python or sys.executable), "-m", f"kimi_eagle_host.{module}", *map(str, args)]
 
 
 @pytest.fixture(scope="session")

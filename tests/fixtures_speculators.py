@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = REPO / "remote_payloads" / "ops" / "patch_engine.py"
-PATCH_DIR = REPO / "remote_payloads" / "patch_sets"
+ENGINE = ["-m", "kimi_eagle_host.ops.deploy_patch"]  # after a Python, with this checkout on PYTHONPATH
+PATCH_DIR = REPO / "kimi_eagle_host" / "patch_sets"
 WHEEL_CACHE = Path("/tmp/specwheels")
 VERSIONS = ("0.3.0", "0.4.0", "0.9.0")  # 0.9.0: a release no patch set covers
 TARGETS = ("speculators/data_generation/custom_worker.py",
@@ -64,9 +64,9 @@ def install(golden_installs, tmp_path):
 def run_engine(site: Path, *args: str, env: dict | None = None) -> tuple[int, dict | None, str]:
     """Run the engine as the host would: its Python, the install on PYTHONPATH."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_EAGLE")}
-    full_env["PYTHONPATH"] = str(site)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, str(ENGINE), *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, *ENGINE, *args], capture_output=True, text=True,
                           env=full_env, timeout=60)
     import json
     doc = json.loads(proc.stdout) if proc.stdout.strip() else None

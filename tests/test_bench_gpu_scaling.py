@@ -17,6 +17,7 @@ def test_stop_phase_renders_the_train_job(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     host, rel, text = mod.render_train_job(tmp_path / "host", tmp_path / "pipe", "train-20260101-000000-abcd")
-    assert "pipeline/train.py" in text and "--max-steps" in text and "pipeline/launch.py" in text
+    assert "-m kimi_eagle_host.pipeline.launch" in text and "--max-steps" in text
+    assert "-m kimi_eagle_host.pipeline.train" in text
     assert str(tmp_path / "pipe") in text and host.name == "gpu-scaling"
     sys.modules.pop("gpu_scaling_bench", None)

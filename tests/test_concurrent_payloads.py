@@ -57,8 +57,8 @@ def test_payload_wrappers_carry_no_flags_and_are_named_by_content(env):
 
     h = inventory.load(env.inventory).hosts["gpu"]
     with HostSession(h) as s:
-        s.run_payload("probe", "ops/probe.py", [])
-        s.run_payload("probe", "ops/probe.py", [])
+        s.run_payload("probe", "ops.probe", [])
+        s.run_payload("probe", "ops.probe", [])
     wrappers = sorted((env.workdir / BIN).iterdir())
     assert len(wrappers) == 1 and wrappers[0].name.startswith("probe-") and wrappers[0].suffix == ".sh"
     text = wrappers[0].read_text()

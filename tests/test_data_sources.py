@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "remote_payloads" / "pipeline" / "convert_dataset.py"
+SCRIPT = ["-m", "kimi_eagle_host.pipeline.convert_dataset"]  # after the host's Python
 
 
 def convert(tmp_path, source, *python_flags, env=None, out=None):
-    cmd = [sys.executable, *python_flags, str(SCRIPT), "--source", source]
+    cmd = [sys.executable, *python_flags, *SCRIPT, "--source", source]
     if out:
         cmd += ["--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KIMI_EAGLE_CACHE": str(tmp_path / "cache"),
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO), "KIMI_EAGLE_CACHE": str(tmp_path / "cache"),
                             **(env or {})})
     return p.returncode, (json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else None), p.stderr
 

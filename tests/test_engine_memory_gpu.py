@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payloads"))
-from vllm_compat import engine_memory  # noqa: E402
+from kimi_eagle_host.vllm_compat import engine_memory
 
 GIB = 1 << 30
 H200 = 141 * GIB
@@ -63,7 +62,6 @@ def test_a_share_the_user_set_that_is_no_fraction_is_one_line(value):
 # memory (bench/gpu/gpu_holder.py: a crashed worker, another user's job).
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = REPO / "remote_payloads" / "pipeline"
 HOLDER = REPO / "bench" / "gpu" / "gpu_holder.py"
 SHARE_ENV = "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"
 ENGINE_STARTS = "Initializing a V1 LLM engine"   # vLLM's first line of an engine start
@@ -104,7 +102,7 @@ def foreign_holder(gib: float, tmp: Path):
 def step(name: str, *args, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     """One pipeline step as the host runs it; the user's share unset unless `env` sets it."""
     environ = {k: v for k, v in os.environ.items() if k != SHARE_ENV}
-    p = subprocess.run([sys.executable, str(STEPS / name), *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline." + name.removesuffix(".py"), *map(str, args)], capture_output=True, text=True,
                        env={**environ, **(env or {})}, timeout=timeout)
     p.output = p.stdout + p.stderr
     return p
@@ -118,7 +116,7 @@ def pipeline(tmp_path_factory):
     r = step("tiny_model.py", "--out", model, "--kind", "llama", "--hidden", "256", "--layers", "8", "--vocab", "1024",
              "--dtype", "bf16")
     assert r.returncode == 0, r.output[-3000:]
-    r = step("prepare.py", "--model", model, "--dataset", REPO / "remote_payloads" / "sample_data" / "chat.jsonl",
+    r = step("prepare.py", "--model", model, "--dataset", REPO / "kimi_eagle_host" / "sample_data" / "chat.jsonl",
              "--output-dir", out, "--seq-len", "256", "--max-samples", "8")
     assert r.returncode == 0, r.output[-3000:]
     return {"root": root, "model": model, "out": out}
@@ -157,13 +155,13 @@ def test_gpu_every_engine_starts_beside_a_foreign_holder(pipeline, held):
         assert r.returncode == 0, r.output[-4000:]
 
     r = step("eval.py", "--model", model, "--output-dir", out, "--engine", "vllm", "--num-prompts", "2",
-             "--prompts", REPO / "remote_payloads" / "sample_data" / "prompts_eval.jsonl", "--max-tokens", "16",
+             "--prompts", REPO / "kimi_eagle_host" / "sample_data" / "prompts_eval.jsonl", "--max-tokens", "16",
              "--batch-sizes", "1", "--timing-prompts", "1")
     assert r.returncode == 0, r.output[-4000:]
     assert json.loads((out / "eval" / "report.json").read_text())["engine"] == "vllm"
     assert engine_share(r.output)[0] <= free / 1024
 
-    r = step("regenerate.py", "--model", model, "--dataset", REPO / "remote_payloads" / "sample_data" / "chat.jsonl",
+    r = step("regenerate.py", "--model", model, "--dataset", REPO / "kimi_eagle_host" / "sample_data" / "chat.jsonl",
              "--output-dir", out, "--engine", "vllm", "--max-prompts", "4", "--max-tokens", "16", "--max-model-len", "512")
     assert r.returncode == 0, r.output[-4000:]
     assert engine_share(r.output)[0] <= free / 1024

@@ -22,11 +22,10 @@ import pytest
 from conftest import REPO, make_env
 from held_memory import meminfo
 
-sys.path.insert(0, str(REPO / "remote_payloads"))
-from vllm_compat import GIB, engine_memory, step_engine_memory  # noqa: E402
+from kimi_eagle_host.vllm_compat import GIB, engine_memory, step_engine_memory
 
-PAYLOADS = REPO / "remote_payloads"
-PREFLIGHT = PAYLOADS / "ops" / "preflight_checks.py"
+PAYLOADS = REPO / "kimi_eagle_host"
+PREFLIGHT = ["-m", "kimi_eagle_host.ops.preflight"]  # after the host's Python
 # Far more context than this machine's memory holds the KV cache of, even for a tiny model (10^8 tokens).
 HUGE_CONTEXT = 100_000_000
 NOT_ONE_SEQUENCE = "the vLLM engine's KV cache needs"
@@ -73,7 +72,7 @@ def v32(tmp_path_factory):
     py = env_python("0.32.0")
     root = tmp_path_factory.mktemp("v32")
     model = root / "tiny-llama"
-    subprocess.run([str(py), str(PAYLOADS / "pipeline" / "tiny_model.py"), "--kind", "llama", "--heads", "2",
+    subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--heads", "2",
                     "--out", str(model)], check=True, capture_output=True, timeout=600)
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
@@ -101,7 +100,7 @@ def v32(tmp_path_factory):
 def test_a_step_refuses_in_one_line_before_its_engine_starts_when_one_sequence_does_not_fit(v32, tmp_path, script,
                                                                                              flags):
     out = tmp_path / "out"
-    argv = [str(v32["py"]), str(PAYLOADS / "pipeline" / script), "--model", str(v32["model"]), "--engine", "vllm",
+    argv = [str(v32["py"]), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), "--model", str(v32["model"]), "--engine", "vllm",
             "--output-dir", str(out), "--max-model-len", str(HUGE_CONTEXT),
             *[f.format(prompts=v32["prompts"], draft=v32["draft"]) for f in flags]]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=v32["env"])
@@ -114,7 +113,7 @@ def test_a_step_refuses_in_one_line_before_its_engine_starts_when_one_sequence_d
 
 
 def preflight(v32, step, *extra, env=None):
-    p = subprocess.run([str(v32["py"]), str(PREFLIGHT), "--step", step, "--backend", "vllm", "--model",
+    p = subprocess.run([str(v32["py"]), *PREFLIGHT, "--step", step, "--backend", "vllm", "--model",
                         str(v32["model"]), *extra], capture_output=True, text=True, timeout=300,
                        env=env or v32["env"])
     return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "engine-memory"]

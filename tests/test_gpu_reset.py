@@ -1,4 +1,4 @@
-"""remote_payloads/ops/stop_gpu_holders.py with real fuser and real signals, no GPU.
+"""kimi_eagle_host/ops/gpu_reset.py with real fuser and real signals, no GPU.
 
 Ordinary temp files stand in for /dev/nvidia*: spawned processes hold them open, so
 fuser reports them exactly as it reports GPU holders. A bash `nvidia-smi` stand-in is
@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import host_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "stop_gpu_holders.py"
+SCRIPT = host_cmd("ops.gpu_reset")
 
 pytestmark = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) not installed")
 
@@ -89,20 +90,16 @@ def device(tmp: Path, name: str = "nvidia0") -> Path:
 def run_reset(tmp: Path, *args: str, smi: str | None = None) -> tuple[int, dict, str]:
     # Plain files stand in for the device nodes: through the host's env, which is trusted as given (a
     # --device-path must be a GPU's character device).
-    cmd = [sys.executable, str(SCRIPT), "--runs-dir", str(tmp / "runs"),
-           "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
+    cmd = [*SCRIPT, "--runs-dir", str(tmp / "runs"), "--nvidia-smi", smi or str(tmp / "no-nvidia-smi"), *args]
     env = {**os.environ, "KIMI_EAGLE_GPU_DEVICES": str(tmp / "dev" / "nvidia*")}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return res.returncode, json.loads(res.stdout), res.stderr
 
 
 def import_script():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import stop_gpu_holders
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return stop_gpu_holders
+    from kimi_eagle_host.ops import gpu_reset
+
+    return gpu_reset
 
 
 def by_pid(report: dict) -> dict[int, dict]:
@@ -307,8 +304,9 @@ def test_invisible_pid_is_reported(tmp_path, holders):
 
 
 def test_importable_main(tmp_path, capsys):
-    stop_gpu_holders = import_script()
-    rc = stop_gpu_holders.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
+    from kimi_eagle_host.ops import gpu_reset
+
+    rc = gpu_reset.main(["--device-path", str(tmp_path / "none*"), "--nvidia-smi", str(tmp_path / "x")])
     assert rc == 0 and "no NVIDIA driver" in json.loads(capsys.readouterr().out)["note"]
 
 
@@ -317,7 +315,7 @@ def test_a_device_path_that_is_no_gpu_node_is_refused(tmp_path, holders, path):
     """fuser on /dev/null lists every process of the machine: a --device-path must be a GPU's character device."""
     dev = device(tmp_path)
     holder = holders.spawn(dev)
-    res = subprocess.run([sys.executable, str(SCRIPT), "--device-path", path.format(tmp=tmp_path), "--dry-run",
+    res = subprocess.run([*SCRIPT, "--device-path", path.format(tmp=tmp_path), "--dry-run",
                           "--nvidia-smi", str(tmp_path / "no-nvidia-smi")], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
     (line,) = res.stderr.strip().splitlines()
@@ -326,13 +324,13 @@ def test_a_device_path_that_is_no_gpu_node_is_refused(tmp_path, holders, path):
 
 
 def test_gpu_majors_include_the_dynamic_nvidia_ones(tmp_path):
-    stop_gpu_holders = import_script()
+    gpu_reset = import_script()
     devices = tmp_path / "devices"
     devices.write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n226 drm\n508 nvidia-uvm\n"
                        "509 nvidia-caps\n\nBlock devices:\n510 nvidia-not-a-char-device\n")
-    assert stop_gpu_holders.gpu_majors(str(devices)) == {195, 226, 508, 509}
+    assert gpu_reset.gpu_majors(str(devices)) == {195, 226, 508, 509}
     # /dev/null (major 1) is none of them, on this machine too.
-    assert stop_gpu_holders.not_gpu_nodes(["/dev/null"]) == ["/dev/null"]
+    assert gpu_reset.not_gpu_nodes(["/dev/null"]) == ["/dev/null"]
 
 
 def test_pgid_from_an_earlier_boot_is_not_ours(tmp_path, holders):

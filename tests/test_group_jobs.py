@@ -240,7 +240,7 @@ def test_rendezvous_problems_refuse_the_start_naming_the_host(tmp_path, servers)
 
 
 def test_train_over_two_hosts_is_one_torchrun_job(tmp_path, servers):
-    """The real train step across the group: pipeline/launch.py on each host joins the c10d rendezvous on a."""
+    """The real train step across the group: kimi_eagle_host.pipeline.launch on each host joins the c10d rendezvous on a."""
     port = free_port()
     env = group_env(tmp_path, servers, {h: {"rdzv_port": port} for h in "ab"},
                     pipeline=TINY_PIPELINE + "  epochs: 1\n  draft_vocab_size: 128\n")

@@ -43,12 +43,10 @@ def test_job_ids_are_input_and_never_reach_another_workdirs_job(tmp_path, sshd):
 
 
 def test_jobctl_refuses_a_job_id_that_is_not_one(tmp_path):
-    from conftest import REPO
-
     runs = tmp_path / "runs"
     (runs / "x").mkdir(parents=True)
     for argv in (["status", "--job=../x"], ["stop", "--job=-x"], ["status", "--job="]):
-        p = subprocess.run([PY, str(REPO / "remote_payloads/ops/jobctl.py"), "--runs-dir", str(runs), *argv],
+        p = subprocess.run([PY, "-m", "kimi_eagle_host.ops.jobs", "--runs-dir", str(runs), *argv],
                            capture_output=True, text=True)
         assert p.returncode == 2 and "not a job id" in json.loads(p.stdout)["error"], (argv, p.stdout, p.stderr)
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from vllm_envs import env_python
 
-PAYLOADS = REPO / "remote_payloads"
+PAYLOADS = REPO / "kimi_eagle_host"
 LAYER_IDS = [1, 2, 3, 4]          # id 4 = the last layer's output before the final norm (vLLM >= 0.25 captures it)
 CPU_SIZES = {"KIMI_PRESET": "mla", "KIMI_DEVICE": "cpu", "KIMI_LAYER_IDS": "1,2,3,4", "KIMI_ROWS": "24",
              "KIMI_WORDS": "60", "KIMI_SAMPLES": "12", "KIMI_SEQ": "128", "KIMI_DRAFT_VOCAB": "256",
@@ -29,7 +29,7 @@ CPU_SIZES = {"KIMI_PRESET": "mla", "KIMI_DEVICE": "cpu", "KIMI_LAYER_IDS": "1,2,
 
 def test_the_tiny_kimi_is_laid_out_like_the_hub_checkpoint(tmp_path):
     model = tmp_path / "kimi"
-    subprocess.run([sys.executable, str(PAYLOADS / "pipeline" / "tiny_model.py"), "--kind", "kimi", "--preset", "mla",
+    subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "kimi", "--preset", "mla",
                     "--layers", "4", "--out", str(model)], check=True, capture_output=True, timeout=600)
     cfg = json.loads((model / "config.json").read_text())
     assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"

@@ -1,5 +1,5 @@
-"""The code's shape stays as documented: no import circles in the CLI, payloads never import the controller,
-ops payloads stay stdlib-only (checked by running them in tests/test_patch_engine.py)."""
+"""The code's shape stays as documented: no import circles in the CLI, the host package never imports the controller
+and never edits sys.path, ops payloads stay stdlib-only (checked by running them in tests/test_patch_engine.py)."""
 
 from __future__ import annotations
 
@@ -37,22 +37,50 @@ def test_cli_command_modules_never_import_the_app():
         assert not {"kimi_eagle.cli.app", "kimi_eagle.cli"} & names, f"{path.name} imports the app back"
 
 
-def test_payloads_never_import_the_controller():
-    for path in (REPO / "remote_payloads").rglob("*.py"):
-        names = imports_of(path, "remote_payloads")
+HOST = REPO / "kimi_eagle_host"
+
+
+def host_modules():
+    """(path, dotted name of its package) of every module of the host package."""
+    for path in sorted(HOST.rglob("*.py")):
+        yield path, ".".join(("kimi_eagle_host", *path.relative_to(HOST).parent.parts))
+
+
+def test_the_host_package_never_imports_the_controller():
+    for path, package in host_modules():
+        names = imports_of(path, package)
         assert not any(n == "kimi_eagle" or n.startswith("kimi_eagle.") for n in names), path
 
 
-def test_no_pipeline_module_imports_a_step():
-    """Steps share pieces through modules of their own (prepared_data, hidden_state_files, hf_target, ...):
-    importing a step for one of its pieces would load the whole step and tie the two steps together."""
-    pipeline = REPO / "remote_payloads" / "pipeline"
+def test_the_host_package_never_edits_the_import_path():
+    """It runs as `python -m kimi_eagle_host...` with its folder on PYTHONPATH; every import names the package, so
+    no module reaches for sys.path (one that did could pick up a stale copy left on a host)."""
+    found = [f"{path.relative_to(REPO)}:{n}" for path, _ in host_modules()
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bsys\.path\b", line)]
+    assert not found, found
+
+
+def test_the_host_package_imports_itself_by_its_name():
+    """A bare `import step_runtime` works only with a folder put on sys.path by hand: every import of our own
+    modules names kimi_eagle_host (or is relative)."""
+    ours = {p.stem for p in HOST.rglob("*.py")} - {"__init__"}
+    for path, package in host_modules():
+        bare = {n.split(".")[0] for n in imports_of(path, package)} & ours
+        assert not bare, f"{path.relative_to(REPO)} imports {sorted(bare)} by a bare name"
+
+
+def test_no_host_module_imports_a_step():
+    """Steps share pieces through modules of their own (data/, target/, training/, ...): importing a step for one
+    of its pieces would load the whole step and tie the two steps together. Steps are entry points only."""
+    pipeline = HOST / "pipeline"
     # a step runs itself by name: run_step("extract", ...) or, under torchrun, run_step_then_leave("train", ...)
-    steps = {p.stem for p in pipeline.glob("*.py") if re.search(r'\brun_step(_then_leave)?\("', p.read_text())}
-    assert {"prepare", "extract", "vocab", "train", "regenerate", "eval"} <= steps, steps
-    for path in sorted(pipeline.glob("*.py")):
-        imported = {n.split(".")[0] for n in imports_of(path, "remote_payloads.pipeline")}
-        assert not (imported & steps) - {path.stem}, f"{path.name} imports the step(s) {sorted((imported & steps) - {path.stem})}"
+    steps = {f"kimi_eagle_host.pipeline.{p.stem}" for p in pipeline.glob("*.py")
+             if re.search(r'\brun_step(_then_leave)?\("', p.read_text())}
+    assert {f"kimi_eagle_host.pipeline.{s}" for s in ("prepare", "extract", "vocab", "train", "regenerate", "eval")} <= steps
+    for path, package in host_modules():
+        own = f"{package}.{path.stem}"
+        imported = {n for n in imports_of(path, package) if n in steps} - {own}
+        assert not imported, f"{path.relative_to(REPO)} imports the step(s) {sorted(imported)}"
 
 
 def test_no_pointers_to_what_does_not_ship():
@@ -60,7 +88,7 @@ def test_no_pointers_to_what_does_not_ship():
     import re
 
     pointer = re.compile(r"\b[Ii]ssues?[ -]?#?\d+\b|\(i\d{1,2}[a-z]?\)|" + "shared" + r"/reference")
-    roots = ["kimi_eagle", "remote_payloads", "templates", "docs", "bench", "tests", "recipes", ".ci"]
+    roots = ["kimi_eagle", "kimi_eagle_host", "templates", "docs", "bench", "tests", "recipes", ".ci"]
     files = [REPO / "README.md", REPO / "pyproject.toml"] + [
         p for r in roots for p in (REPO / r).rglob("*")
         if p.is_file() and "results" not in p.relative_to(REPO).parts and p.suffix not in (".pyc", ".png", ".gguf")]
@@ -72,3 +100,16 @@ def test_no_pointers_to_what_does_not_ship():
             continue
         found += [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in pointer.finditer(text)]
     assert not found, "\n".join(found)
+
+
+def test_each_host_rule_is_written_once():
+    """Where nvidia-smi is, how big a model's stored weights are, and the default layer ids: each rule has one home
+    in the host package (they were written two or three times, and the copies drifted)."""
+    rules = {
+        "where nvidia-smi is": (r'which\("nvidia-smi"\)|"/usr/(local/nvidia/)?bin/nvidia-smi"', "gpus.py"),
+        "a model's stored weight bytes": (r'\["total_size"\]|get\("total_size"\)', "model_size.py"),
+        "the default layer ids": (r"\bn // 2, n - 3\b", "target/model_layers.py"),
+    }
+    for rule, (pattern, home) in rules.items():
+        places = sorted(str(path.relative_to(HOST)) for path, _ in host_modules() if re.search(pattern, path.read_text()))
+        assert places == [home], f"{rule}: written in {places}, its home is {home}"

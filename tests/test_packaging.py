@@ -1,4 +1,5 @@
-"""The built wheel carries templates/ and remote_payloads/, so an installed kimi-eagle works anywhere."""
+"""The built wheel carries templates/ and the host package (kimi_eagle_host, with its data), so an installed
+kimi-eagle works anywhere: it uploads the package from site-packages and runs it with `python -m`."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def test_wheel_works_from_any_directory(tmp_path):
                    check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("kimi_eagle-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("kimi_eagle/_data/templates/job.sh.j2", "kimi_eagle/_data/remote_payloads/pipeline/extract.py",
-                   "kimi_eagle/_data/remote_payloads/patch_sets/speculators-0.3.0-vllm-0.16.json",
-                   "kimi_eagle/_data/remote_payloads/sample_data/chat.jsonl", "kimi_eagle/default_inventory.yaml"):
+    for needed in ("kimi_eagle/_data/templates/job.sh.j2", "kimi_eagle_host/__init__.py",
+                   "kimi_eagle_host/pipeline/extract.py", "kimi_eagle_host/engine/vllm_hs_connector.py",
+                   "kimi_eagle_host/patch_sets/speculators-0.3.0-vllm-0.16.json",
+                   "kimi_eagle_host/sample_data/chat.jsonl", "kimi_eagle/default_inventory.yaml"):
         assert needed in names, needed
-    # One import name, the product's: no generic top-level package (such as `launcher`) lands in site-packages.
-    assert {n.split("/")[0] for n in names} == {"kimi_eagle", wheel.name.split("-py")[0] + ".dist-info"}, names
+    assert not [n for n in names if "remote_payloads" in n], names  # the folder of scripts it replaced
+    # The product's import names only: no generic top-level package (such as `launcher`) lands in site-packages.
+    assert {n.split("/")[0] for n in names} == {"kimi_eagle", "kimi_eagle_host",
+                                                 wheel.name.split("-py")[0] + ".dist-info"}, names
     venv = _venv_seeing_our_dependencies(tmp_path / "venv")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
                    check=True, capture_output=True)
@@ -46,10 +50,17 @@ def test_wheel_works_from_any_directory(tmp_path):
                        cwd=elsewhere, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     script = next((elsewhere / "r").rglob("job.sh")).read_text()
-    assert "tiny_model.py" in script and "train.py" in script
-    located = subprocess.run([str(venv / "bin" / "python"), "-c", "import kimi_eagle.resources as r; print(r.payloads_dir())"],
+    assert "-m kimi_eagle_host.pipeline.tiny_model" in script and "-m kimi_eagle_host.pipeline.train" in script
+    located = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              "import kimi_eagle.resources as r; print(r.host_package_dir())"],
                              cwd=elsewhere, env=env, capture_output=True, text=True).stdout
-    assert "_data" in located and str(REPO) not in located
+    assert located.strip().endswith("site-packages/kimi_eagle_host") and str(REPO) not in located, located
+    # A payload from the installed package, uploaded to the local host's workdir and run there as a module.
+    r = subprocess.run([str(venv / "bin" / "kimi-eagle"), "--json", "hosts", "check", "local"], cwd=elsewhere, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    uploaded = next(tmp_path.rglob(".kimi-eagle/payloads/kimi_eagle_host/ops/probe.py"))
+    assert uploaded.read_bytes() == (REPO / "kimi_eagle_host" / "ops" / "probe.py").read_bytes()
     r = subprocess.run([str(venv / "bin" / "python"), "-m", "kimi_eagle", "--version"], cwd=elsewhere, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("kimi-eagle "), (r.stdout, r.stderr)

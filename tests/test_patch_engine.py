@@ -1,9 +1,8 @@
-"""remote_payloads/ops/patch_engine.py and the speculators patch sets, against the real wheels."""
+"""kimi_eagle_host/ops/deploy_patch.py (the patch engine) and the speculators patch sets, against the real wheels."""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import py_compile
@@ -22,10 +21,9 @@ SETS = {"0.3.0": "speculators-0.3.0-vllm-0.16", "0.4.0": "speculators-0.4.0"}
 
 
 def _engine_module():
-    spec = importlib.util.spec_from_file_location("patch_engine", ENGINE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from kimi_eagle_host.ops import deploy_patch
+
+    return deploy_patch
 
 
 # ------------------------------------------------------------------ engine lifecycle
@@ -311,12 +309,15 @@ def test_patched_resolver_on_transformers_multimodal(install):
         assert isinstance(base.layers, nn.ModuleList) and len(base.layers) == n_layers
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "remote_payloads" / "ops").glob("*.py")))
-def test_ops_scripts_run_with_only_the_stdlib(script):
+@pytest.mark.parametrize("module", sorted(p.stem for p in (REPO / "kimi_eagle_host" / "ops").glob("*.py")
+                                           if p.stem != "__init__"))
+def test_ops_scripts_run_with_only_the_stdlib(module):
     """Ops payloads (and the step runtime they import) must run on a host without torch or numpy:
-    `-S` hides every site-packages folder, so only the stdlib is importable."""
-    path = REPO / "remote_payloads" / "ops" / script
-    r = subprocess.run([sys.executable, "-I", "-S", str(path), "--help"], capture_output=True, text=True, timeout=60)
+    `-S` hides every site-packages folder, and the environment names only this checkout (no user site, no other
+    PYTHONPATH), so only the stdlib and the host package are importable."""
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO), "PYTHONNOUSERSITE": "1"}
+    r = subprocess.run([sys.executable, "-S", "-m", f"kimi_eagle_host.ops.{module}", "--help"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd="/")
     assert r.returncode == 0, r.stderr
     assert "usage" in r.stdout.lower()
 
@@ -352,8 +353,8 @@ def test_no_matching_set_on_native_vllm_is_not_needed(install, tmp_path, mode):
     site = install("0.4.0")
     before = tree_hashes(site)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_EAGLE")}
-    p = subprocess.run([str(py), str(ENGINE), "--patch-set", "auto", "--patch-dir", _only_set(tmp_path, "0.3.0"),
-                        *mode], capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(site)})
+    p = subprocess.run([str(py), *ENGINE, "--patch-set", "auto", "--patch-dir", _only_set(tmp_path, "0.3.0"),
+                        *mode], capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])})
     doc = json.loads(p.stdout)
     assert p.returncode == 0 and doc["ok"] is True and doc["files"] == [], p.stderr
     assert "vLLM 0.32.0" in doc["not_needed"] and "speculators 0.4.0" in doc["not_needed"]

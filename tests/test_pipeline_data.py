@@ -17,18 +17,13 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAYLOADS = os.path.join(REPO, "remote_payloads", "pipeline")
-SAMPLE = os.path.join(REPO, "remote_payloads", "sample_data", "chat.jsonl")
-sys.path.insert(0, PAYLOADS)
+SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
 
-import extract  # noqa: E402
-import extract_vllm  # noqa: E402
-import hf_target  # noqa: E402
-import model_layers  # noqa: E402
-import tiny_model  # noqa: E402
-import vocab  # noqa: E402
-from prepared_data import PreparedDataset  # noqa: E402
-from conftest import touch_weights  # noqa: E402
+from conftest import host_cmd, touch_weights
+from kimi_eagle_host.data.prepared_data import PreparedDataset
+from kimi_eagle_host.engine import extract_vllm
+from kimi_eagle_host.pipeline import extract, tiny_model, vocab
+from kimi_eagle_host.target import hf_target, model_layers
 
 KINDS = ["llama", "kimi", "llava"]
 N_LAYERS = 8
@@ -38,13 +33,9 @@ ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", 
        "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def script(name):
-    return os.path.join(PAYLOADS, name + ".py")
-
-
 def run(name, *args, env=None, timeout=300):
     """Run a payload; return (returncode, parsed stdout JSON or None, stderr)."""
-    p = subprocess.run([sys.executable, script(name), *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run(host_cmd(f"pipeline.{name}", *args), capture_output=True, text=True,
                        env=env or ENV, timeout=timeout)
     try:
         out = json.loads(p.stdout)
@@ -54,7 +45,7 @@ def run(name, *args, env=None, timeout=300):
 
 
 def popen(name, *args, env=None):
-    return subprocess.Popen([sys.executable, script(name), *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen(host_cmd(f"pipeline.{name}", *args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env or ENV)
 
 
@@ -294,7 +285,7 @@ def test_prepare_bad_row_fails_with_file_and_line(models, tmp_path, bad, why):
 
 
 def test_prepare_bad_rows_messages_and_skip(models, tmp_path):
-    import prepare
+    from kimi_eagle_host.pipeline import prepare
 
     for bad, why in BAD_ROWS:  # every kind of malformed row, checked in-process (fast)
         with pytest.raises(prepare.BadRow, match=None) as e:

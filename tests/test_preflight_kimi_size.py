@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight_checks.py"
-sys.path[:0] = [str(ROOT / "remote_payloads"), str(ROOT / "remote_payloads" / "pipeline")]
-import kimi_model  # noqa: E402
-import model_size  # noqa: E402
+SCRIPT = ["-m", "kimi_eagle_host.ops.preflight"]  # after the host's Python
+from kimi_eagle_host import model_size
+from kimi_eagle_host.target import kimi_model
 
 GIB = 1 << 30
 
@@ -40,7 +39,7 @@ def kimi(tmp_path):
 
 
 def preflight(kimi, *extra, gpus=8, backend="hf", tp=8):
-    p = subprocess.run([sys.executable, str(SCRIPT), "--step", "extract", "--backend", backend, "--model", str(kimi["model"]),
+    p = subprocess.run([sys.executable, *SCRIPT, "--step", "extract", "--backend", backend, "--model", str(kimi["model"]),
                         "--output-dir", str(kimi["out"]), "--runs-dir", str(kimi["tmp"]), "--tp-size", str(tp),
                         "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300)
     assert p.returncode in (0, 1), p.stderr

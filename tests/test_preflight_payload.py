@@ -1,4 +1,4 @@
-"""remote_payloads/ops/preflight_checks.py: each failure kind is reported with its fix; a healthy setup passes."""
+"""kimi_eagle_host/ops/preflight.py: each failure kind is reported with its fix; a healthy setup passes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import host_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "remote_payloads" / "ops" / "preflight_checks.py"
-REAL_PATCH_ENGINE = ROOT / "remote_payloads" / "ops" / "patch_engine.py"
+SCRIPT = host_cmd("ops.preflight")
+REAL_PATCH_ENGINE = ROOT / "kimi_eagle_host" / "ops" / "deploy_patch.py"
 
 FAKE_SMI = """#!/usr/bin/env bash
 # Stand-in for nvidia-smi --query-gpu=index,name,memory.total,memory.free
@@ -22,18 +23,21 @@ echo "0, NVIDIA H200, 143771, 143000"
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
+def llama_folder(d: Path, layers: int) -> Path:
     from transformers import LlamaConfig
     import numpy as np
     from safetensors.numpy import save_file
 
-    d = tmp_path_factory.mktemp("model")
-    LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=4, vocab_size=256).save_pretrained(d)
     # A small weights file only so the size estimate has something to sum.
     save_file({"embed": np.zeros((256, 64), dtype=np.float16)}, str(d / "model.safetensors"))
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return llama_folder(tmp_path_factory.mktemp("model"), layers=8)
 
 
 def write_dataset(path: Path, rows: list) -> Path:
@@ -65,13 +69,13 @@ def env(tmp_path, tiny_model):
 
 
 def run(env, *extra, backend="hf", step="all", pythonpath=None):
-    args = [sys.executable, str(SCRIPT), "--step", step, "--backend", backend,
+    args = [*SCRIPT, "--step", step, "--backend", backend,
             "--model", str(env["model"]), "--dataset", str(env["dataset"]),
             "--output-dir", str(env["out"]), "--runs-dir", str(env["runs"]),
             "--nvidia-smi", str(env["smi"]), "--seq-len", "512", *extra]
     if pythonpath:
         # Another site dir must be visible to importlib.metadata: run as the host would.
-        e = dict(os.environ, PYTHONPATH=str(pythonpath))
+        e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pythonpath), str(ROOT)]))
         res = subprocess.run(args, capture_output=True, text=True, timeout=120, env=e)
         assert res.returncode in (0, 1), res.stderr
         rc, out = res.returncode, res.stdout
@@ -79,7 +83,7 @@ def run(env, *extra, backend="hf", step="all", pythonpath=None):
         # In-process: transformers is imported once per test session, not once per run.
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            rc = preflight_module().main(args[2:])
+            rc = preflight_module().main(args[len(SCRIPT):])
         out = buf.getvalue()
         assert rc in (0, 1)
     doc = json.loads(out)
@@ -87,12 +91,9 @@ def run(env, *extra, backend="hf", step="all", pythonpath=None):
 
 
 def preflight_module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import preflight_checks
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return preflight_checks
+    from kimi_eagle_host.ops import preflight
+
+    return preflight
 
 
 def assert_failed(checks, name, *words):
@@ -114,8 +115,8 @@ def test_healthy_setup_passes(env):
             continue
         assert c["status"] == "pass", c
         assert c["fix"] is None
-    assert doc["layer_ids"] == [2, 2, 1, 4]  # default [2, N//2, N-3, N] for N=4
-    assert "id 4 = output of the last layer" in checks["layer_ids"]["detail"]
+    assert doc["layer_ids"] == [2, 4, 5, 8]  # default [2, N//2, N-3, N] for N=8
+    assert "id 8 = output of the last layer" in checks["layer_ids"]["detail"]
     assert "sum of 1 safetensors" in checks["gpu"]["detail"]
     assert doc["estimated_tokens"] > 0
 
@@ -123,8 +124,21 @@ def test_healthy_setup_passes(env):
 def test_layer_id_out_of_range(env):
     rc, doc, checks = run(env, "--layer-ids", "1,2,9", "--min-free-disk-gib", "0.001")
     assert rc == 1 and doc["ok"] is False
-    c = assert_failed(checks, "layer_ids", "[9]", "[0, 4]", "within 0..4")
+    c = assert_failed(checks, "layer_ids", "[9]", "[0, 8]", "within 0..8", "e.g. 2,4,5,8 (the default)")
     assert "input of decoder layer i" in c["detail"]
+
+
+def test_a_default_the_extract_step_would_refuse_fails_preflight_in_its_words(env, tmp_path):
+    """Preflight and extract share the default layer ids and their rule: on a 4-layer model [2, N//2, N-3, N] is
+    [2, 2, 1, 4], which extract refuses; preflight once passed it (its own copy of the default, unchecked)."""
+    from kimi_eagle_host.target.model_layers import LayerIdError, parse_layer_ids
+
+    shallow = llama_folder(tmp_path / "shallow", layers=4)
+    rc, doc, checks = run({**env, "model": shallow}, "--min-free-disk-gib", "0.001")
+    with pytest.raises(LayerIdError) as refused:
+        parse_layer_ids(None, 4)  # what the extract step says
+    assert rc == 1 and doc["ok"] is False
+    assert_failed(checks, "layer_ids", str(refused.value), "pass --layer-ids within 0..4")
 
 
 def test_too_little_disk(env):
@@ -283,7 +297,7 @@ def test_vllm_backend_without_vllm(env):
 
 
 def test_bad_usage_exit_2(env):
-    res = subprocess.run([sys.executable, str(SCRIPT), "--layer-ids", "a,b"], capture_output=True, text=True)
+    res = subprocess.run([*SCRIPT, "--layer-ids", "a,b"], capture_output=True, text=True)
     assert res.returncode == 2 and "--layer-ids" in res.stderr
 
 
@@ -313,7 +327,7 @@ def test_step_inputs_and_manifest_tokens(env):
 
 def test_no_model_flag_is_skipped(env):
     # The controller leaves --model out for a tiny demo model the job builds.
-    args = [sys.executable, str(SCRIPT), "--step", "prepare", "--backend", "hf", "--dataset", str(env["dataset"]),
+    args = [*SCRIPT, "--step", "prepare", "--backend", "hf", "--dataset", str(env["dataset"]),
             "--output-dir", str(env["out"]), "--runs-dir", str(env["runs"]), "--nvidia-smi", str(env["smi"]),
             "--min-free-disk-gib", "0.001"]
     res = subprocess.run(args, capture_output=True, text=True, timeout=120)

@@ -12,11 +12,11 @@ import select
 import sys
 import time
 
-from conftest import REPO, make_env
+from conftest import REPO, host_cmd, make_env
 from test_train import make_pipeline
 
 PY = sys.executable
-TRAIN = str(REPO / "remote_payloads" / "pipeline" / "train.py")
+TRAIN = host_cmd("pipeline.train")
 
 
 def _in_a_terminal(argv, env, timeout=240) -> str:
@@ -42,7 +42,7 @@ def _in_a_terminal(argv, env, timeout=240) -> str:
 def test_a_real_training_shows_a_bar_in_a_terminal_and_lines_in_a_pipe(tmp_path):
     p = make_pipeline(tmp_path)
     e = make_env(tmp_path, None)
-    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", PY, TRAIN, "--model",
+    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", *TRAIN, "--model",
               str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu", "--batch-size", "4", "--epochs", "4",
               "--log-every", "1", "--report-to", "none")
     assert r.code == 0, r.stderr
@@ -84,8 +84,8 @@ def test_a_real_regenerate_shows_tokens_per_second_in_its_bar_and_its_lines(tmp_
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                                for i in range(8)))
     e = make_env(tmp_path, None)
-    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", PY,
-              str(REPO / "remote_payloads" / "pipeline" / "regenerate.py"), "--model", str(model), "--dataset",
+    r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--",
+              *host_cmd("pipeline.regenerate"), "--model", str(model), "--dataset",
               str(prompts), "--output-dir", str(tmp_path / "out"), "--engine", "hf", "--max-tokens", "16",
               "--chunk-size", "1", "--max-model-len", "256")
     assert r.code == 0, r.stderr
@@ -126,11 +126,11 @@ def test_a_steps_tqdm_bar_also_prints_its_progress_lines():
     import json
     import subprocess
 
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from step_runtime import progress\n"
+    code = ("from kimi_eagle_host.step_runtime import progress\n"
             "bar = progress(None, total=3, desc='extract[vllm]')\n"
             "for _ in range(3): bar.update(1, tokens=100)\n"
             "bar.close()\n")
-    res = subprocess.run([PY, "-c", code, str(REPO / "remote_payloads")], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     points = [json.loads(ln.split(" ", 1)[1]) for ln in res.stderr.splitlines() if ln.startswith("@kimi-eagle-progress ")]
     assert points[-1]["step"] == "extract" and points[-1]["done"] == 3 and points[-1]["total"] == 3

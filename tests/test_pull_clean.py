@@ -108,8 +108,8 @@ def test_clean_shows_the_bytes_asks_and_removes_only_the_bulky_parts(tmp_path, s
 def test_clean_refuses_while_a_job_using_the_folder_runs(tmp_path, sshd):
     e = make_env(tmp_path, sshd, extra=PIPELINE)
     job, out = _a_finished_run(e)
-    # A running job that recorded this output folder, as every pipeline job does first (ops/provenance.py).
-    record = [PY, str(REPO / "remote_payloads" / "ops" / "provenance.py"), "--output-dir", "out", "--product-version",
+    # A running job that recorded this output folder, as every pipeline job does first (kimi_eagle_host.ops.provenance).
+    record = [PY, "-m", "kimi_eagle_host.ops.provenance", "--output-dir", "out", "--product-version",
               "test", "--settings", "x: 1"]
     r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "bash", "-c",
               " ".join(f"'{a}'" for a in record) + " && sleep 60")
@@ -131,10 +131,10 @@ SLOW_PY = """#!/bin/bash
 # The host's python, with a job that is slow to record its output folder and slow to finish: each job notes
 # whether the hidden states were there when it started and still there when it ended.
 case "$*" in
-  *ops/provenance.py*)
+  *kimi_eagle_host.ops.provenance*)
     if [ -d {out}/hidden_states ]; then echo "start present" >> {marks}/$KIMI_EAGLE_JOB_ID; else echo "start absent" >> {marks}/$KIMI_EAGLE_JOB_ID; fi
     sleep 1.5 ;;
-  *pipeline/vocab.py*)
+  *kimi_eagle_host.pipeline.vocab*)
     sleep 1.5
     if [ -d {out}/hidden_states ]; then echo "end present" >> {marks}/$KIMI_EAGLE_JOB_ID; else echo "end absent" >> {marks}/$KIMI_EAGLE_JOB_ID; fi ;;
 esac

@@ -33,7 +33,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PIPE = REPO / "remote_payloads" / "pipeline"
 CACHE = Path(os.environ.get("KIMI_EAGLE_CACHE", Path.home() / ".cache" / "kimi-eagle"))
 MODEL = CACHE / "models" / "smollm2-135m-instruct"
 K = 3
@@ -48,8 +47,8 @@ pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 def step(script, *args, python=sys.executable, timeout=1800):
     t = time.time()
-    p = subprocess.run([str(python), str(PIPE / script), *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    p = subprocess.run([str(python), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     TIMES[script] = TIMES.get(script, 0.0) + time.time() - t
     assert p.returncode == 0, f"{script} exited {p.returncode}:\n{p.stderr[-4000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])

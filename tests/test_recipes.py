@@ -20,7 +20,7 @@ def _train_line(e, tmp_path, *args) -> str:
     out = tmp_path / "r"
     r = e.cli("render", "job", "train", "--host", "local", "--out", str(out), *args)
     assert r.code == 0, (r.stdout, r.stderr)
-    return next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "pipeline/train.py" in ln)
+    return next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "kimi_eagle_host.pipeline.train" in ln)
 
 
 def test_a_recipe_and_overrides_set_the_run_and_the_last_word_wins(tmp_path):
@@ -63,7 +63,7 @@ def test_without_a_batch_size_the_steps_own_defaults_apply(tmp_path):
     r = e.cli("render", "job", "all", "--host", "local", "--out", str(out), "-c", str(recipe))
     assert r.code == 0, (r.stdout, r.stderr)
     script = next(out.rglob("job.sh")).read_text()
-    lines = [ln for ln in script.splitlines() if "pipeline/train.py" in ln or "pipeline/extract.py" in ln]
+    lines = [ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.train" in ln or "kimi_eagle_host.pipeline.extract" in ln]
     assert len(lines) == 2 and not any("--batch-size" in ln for ln in lines), lines
     assert "--batch-size 5 " in _train_line(e, tmp_path, "-c", str(recipe), "batch_size=5") + " "
 
@@ -111,12 +111,12 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
     script = next(out.rglob("job.sh")).read_text()
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     if name == "kimi-k2.5-8gpu":
-        extract = next(ln for ln in script.splitlines() if "pipeline/extract.py" in ln)
+        extract = next(ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.extract" in ln)
         for flag in ("--backend vllm", "--tp-size 8", "--layer-ids 2,30,58,61", "--model /models/Kimi-K2.5"):
             assert flag in extract, extract
         assert "--draft-vocab-size 32000" in script
     else:
-        assert "pipeline/regenerate.py" in script and "pipeline/eval.py" in script and "--source smollm2" in script
+        assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source smollm2" in script
 
 
 def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, sshd):

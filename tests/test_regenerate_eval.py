@@ -15,12 +15,11 @@ import pytest
 from conftest import make_env, touch_weights
 
 REPO = Path(__file__).resolve().parents[1]
-PIPE = REPO / "remote_payloads" / "pipeline"
-PROMPTS = REPO / "remote_payloads" / "sample_data"
+PROMPTS = REPO / "kimi_eagle_host" / "sample_data"
 
 
 def payload(script, *args, timeout=900):
-    p = subprocess.run([sys.executable, str(PIPE / script), *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)], capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, (json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else None), p.stderr
 
@@ -151,7 +150,7 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
 def build_tiny_llama(tmp_path, out=None, seed=0):
     """The tiny random Llama target; with `out` and another seed, rebuilt in place with other weights."""
     out = out or tmp_path / "tiny-llama"
-    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--out", str(out),
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--out", str(out),
                         "--seed", str(seed)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return out
@@ -159,7 +158,6 @@ def build_tiny_llama(tmp_path, out=None, seed=0):
 
 def export_untrained_draft(tmp_path, model):
     """A draft exported by our own trainer after one step of a vanishing learning rate (= its init)."""
-    sys.path.insert(0, str(PIPE))
     import torch
     from safetensors.torch import save_file
 
@@ -182,7 +180,7 @@ def export_untrained_draft(tmp_path, model):
     t2d = np.zeros(V, dtype=bool)
     t2d[:K] = True
     np.save(out / "vocab" / "t2d.npy", t2d)
-    p = subprocess.run([sys.executable, str(PIPE / "train.py"), "--model", str(model), "--output-dir", str(out),
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.train", "--model", str(model), "--output-dir", str(out),
                         "--max-steps", "1", "--lr", "1e-12", "--dtype", "float32"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -241,7 +239,7 @@ def test_a_host_choosing_model_source_replaces_an_inherited_tiny_model(tmp_path)
     r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), timeout=60)
     assert r.code == 0, r.stderr
     job = "\n".join(p.read_text() for p in (tmp_path / "r").rglob("*.sh"))
-    assert "pipeline/models.py --source smollm2" in job and "tiny_model.py" not in job
+    assert "kimi_eagle_host.pipeline.models --source smollm2" in job and "tiny_model.py" not in job
 
 
 # ------------------------------------------------------------------------------ multi-turn, resume keys
@@ -408,9 +406,8 @@ def test_eval_on_mt_bench_reports_both_turns_per_category_and_batch_sizes(tmp_pa
 def test_eval_refuses_to_report_acceptance_when_no_draft_ran():
     """An engine that decoded many tokens per turn with the draft attached but counted no drafts (vLLM's
     counters renamed, a speculative config it ignored) must not be reported as acceptance length 1.00."""
-    sys.path.insert(0, str(PIPE))
-    import eval as ev
-    from step_runtime import Refused
+    from kimi_eagle_host.pipeline import eval as ev
+    from kimi_eagle_host.step_runtime import Refused
 
     def m(drafts, accepted, tokens, turns=4):
         return {"groups": {(0, None): {"drafts": drafts, "accepted": accepted, "per_pos": [accepted, 0, 0]}},
@@ -438,7 +435,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
 
     py = env_python("0.32.0")
     tiny_llama = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
-    p = subprocess.run([sys.executable, str(PIPE / "tiny_model.py"), "--kind", "llama", "--heads", "2", "--out",
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--heads", "2", "--out",
                         str(tiny_llama)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     prompts = chat_file(tmp_path / "p.jsonl", [
@@ -449,7 +446,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_FLASHINFER_SAMPLER")}
 
     def step(script, *args):
-        p = subprocess.run([str(py), str(PIPE / script), *map(str, args)], capture_output=True, text=True,
+        p = subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)], capture_output=True, text=True,
                            timeout=900, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])

@@ -88,11 +88,13 @@ def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
         "print(json.dumps({'argv': sys.argv[1:], 'env': [os.environ[f'HOSTILE_{i}'] for i in range(%d)]}))\n" % len(HOSTILE)
     )
     with HostSession(h) as s:
-        sync.sync(s.transport, s.path(".kimi-eagle/payloads"), [sync.Item(remote="echo.py", local=echo)])
-        files = s.render_payload("echo", "echo.py", HOSTILE)
+        # A module of the host package, next to the deployed ones: wrappers run `python -m kimi_eagle_host.<module>`.
+        s.deploy_payloads()
+        sync.sync(s.transport, s.path(".kimi-eagle/payloads"), [sync.Item(remote="kimi_eagle_host/echo.py", local=echo)])
+        files = s.render_payload("echo", "echo", HOSTILE)
         s.upload_scripts(files)
         # Both ways in: the wrapper with the flags at run time (what run_payload does), and the rendered call.
-        res = s.transport.run(f"bash {render.sh_join([s.path(s.payload_wrapper('echo', 'echo.py')[0]), *HOSTILE])}", check=True)
+        res = s.transport.run(f"bash {render.sh_join([s.path(s.payload_wrapper('echo', 'echo')[0]), *HOSTILE])}", check=True)
         via_call = s.transport.run(f"bash {render.quote(s.path('.kimi-eagle/bin/echo.sh'))}", check=True)
     assert via_call.stdout == res.stdout
     got = json.loads(res.stdout)
@@ -171,4 +173,29 @@ def test_render_writes_files_without_network(tmp_path, sshd):
     assert r.code == 0, r.stderr
     (wrapper,) = (tmp_path / "rendered" / ".kimi-eagle" / "bin").glob("probe-*.sh")
     script = wrapper.read_text()
-    assert "set -euo pipefail" in script and "probe.py" in script and sys.executable in script
+    assert "set -euo pipefail" in script and "-m kimi_eagle_host.ops.probe" in script and sys.executable in script
+
+
+def test_a_payload_layout_from_before_the_package_is_left_alone_and_never_imported(tmp_path, sshd):
+    """A workdir used before the host code became a package holds payloads/step_runtime.py, payloads/pipeline/*.py,
+    payloads/ops/*.py (a job started then may still be running them). The upload leaves them; every command now
+    runs the package as uploaded, and none of the old files is imported (each would end the process if it were)."""
+    from conftest import make_env
+
+    e = make_env(tmp_path, sshd, host_env={"PYTHONPATH": ""})  # the host sees no checkout: only what was uploaded
+    old = e.workdir / ".kimi-eagle" / "payloads"
+    stale = ["step_runtime.py", "versions.py", "vllm_compat.py", "model_size.py", "pipeline/launch.py",
+             "pipeline/prepared_data.py", "ops/probe.py", "ops/jobctl.py", "ops/provenance.py"]
+    for rel in stale:
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_text("raise SystemExit('stale payload imported: ' + __file__)\n")
+    (old / "MANIFEST").write_text("the digest of the old layout\n")
+
+    assert e.cli("--json", "hosts", "check", "gpu").code == 0
+    code = "import kimi_eagle_host.step_runtime as s, kimi_eagle_host.gpus; print('runtime at', s.__file__)"
+    r = e.cli("--json", "run", "exec", "--host", "gpu", "--no-gpu", "--", sys.executable, "-c", code)
+    assert r.code == 0, (r.stdout, r.stderr)
+    assert f"runtime at {old}/kimi_eagle_host/step_runtime.py" in r.stdout + r.stderr
+    status = e.cli("--json", "status", "--host", "gpu")
+    assert status.code == 0 and "stale payload" not in status.stdout + status.stderr, (status.stdout, status.stderr)
+    assert all((old / rel).exists() for rel in stale)  # left for the jobs that may still use them

@@ -24,7 +24,7 @@ def test_render_job_exec_with_a_command(tmp_path):
 
 def test_render_a_step_with_extra_flags(tmp_path):
     text = _job_script(tmp_path, "extract", "--validate", "--batch-size", "3")
-    line = next(ln for ln in text.splitlines() if "pipeline/extract.py" in ln)
+    line = next(ln for ln in text.splitlines() if "kimi_eagle_host.pipeline.extract" in ln)
     assert line.rstrip().endswith("--validate --batch-size 3"), line
 
 

@@ -6,22 +6,20 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
 
 REP = {"num_speculative_tokens": 3, "acceptance_per_position": [0.5, 0.25, 0.125], "mean_acceptance_length": 1.875,
        "engine": "hf", "prompts": 4, "tokens_per_s": {"without_draft": 10.0, "with_draft": 15.0}, "speedup": 1.5,
        "identical_completions": 1.0}
 
-RENDER = ("import json, sys\nsys.path.insert(0, sys.argv[1])\n{hide}from report_plot import render_report\n"
-          "files = render_report(json.loads(sys.argv[2]))\n"
-          "open(sys.argv[3], 'w').write(json.dumps({{k: v.hex() for k, v in files.items()}}))\n")
+RENDER = ("import json, sys\n{hide}from kimi_eagle_host.evaluation.report_plot import render_report\n"
+          "files = render_report(json.loads(sys.argv[1]))\n"
+          "open(sys.argv[2], 'w').write(json.dumps({{k: v.hex() for k, v in files.items()}}))\n")
 
 
 def _render(tmp_path, hide_matplotlib: bool) -> dict:
     out = tmp_path / "files.json"
     hide = "sys.modules['matplotlib'] = None  # as on a host without it\n" if hide_matplotlib else ""
-    subprocess.run([sys.executable, "-c", RENDER.format(hide=hide), str(REPO / "remote_payloads" / "pipeline"),
-                    json.dumps(REP), str(out)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", RENDER.format(hide=hide), json.dumps(REP), str(out)], check=True, timeout=120)
     return {k: bytes.fromhex(v) for k, v in json.loads(out.read_text()).items()}
 
 

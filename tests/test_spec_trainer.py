@@ -21,7 +21,7 @@ import pytest
 
 from test_train import REPO, TRAIN, make_pipeline, speculators_site, trained  # noqa: F401  (fixtures)
 
-import spec_trainer  # noqa: E402  (on sys.path through test_train)
+from kimi_eagle_host.training import spec_trainer
 
 STUBS = textwrap.dedent("""
     import sys, types
@@ -35,7 +35,7 @@ STUBS = textwrap.dedent("""
 RESOLVE = STUBS + textwrap.dedent("""
     import json, argparse
     from speculators.train.config import TrainConfig
-    import spec_trainer
+    from kimi_eagle_host.training import spec_trainer
     a = argparse.Namespace(model='/m', epochs=2.5, lr=3e-4, ttt_steps=5, optimizer='muon', max_steps=7, seed=3,
                            lr_schedule=sys.argv[1], warmup_steps=4, log_every=6)
     flags = spec_trainer.known_flags()
@@ -50,8 +50,7 @@ RESOLVE = STUBS + textwrap.dedent("""
 def test_our_flags_resolve_in_speculators_own_config(speculators_site, tmp_path):
     script = tmp_path / "resolve.py"
     script.write_text(RESOLVE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(TRAIN.parent),
-                                                         str(TRAIN.parent.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(REPO)])}
 
     def resolve(schedule, epochs=""):
         r = subprocess.run([sys.executable, str(script), schedule, str(epochs)], capture_output=True, text=True,
@@ -82,7 +81,7 @@ PLAN = STUBS + textwrap.dedent("""
     import json
     import numpy as np
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    import spec_trainer
+    from kimi_eagle_host.training import spec_trainer
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in rng.integers(20, 700, size=300)]
     out = []
@@ -111,8 +110,7 @@ def test_the_epoch_plan_stops_speculators_at_max_steps(speculators_site, tmp_pat
     that reach max_steps, and the tokens those steps hold are known before it starts."""
     script = tmp_path / "plan.py"
     script.write_text(PLAN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(TRAIN.parent),
-                                                         str(TRAIN.parent.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(REPO)])}
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -134,9 +132,9 @@ def test_the_epoch_plan_stops_speculators_at_max_steps(speculators_site, tmp_pat
 
 def test_host_that_cannot_run_it_is_refused_in_one_line(tmp_path, speculators_site):
     p = make_pipeline(tmp_path)
-    base = [sys.executable, str(TRAIN), "--model", str(p["target"]), "--output-dir", str(p["out"]),
+    base = [*TRAIN, "--model", str(p["target"]), "--output-dir", str(p["out"]),
             "--trainer", "speculators"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(speculators_site)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(speculators_site), str(REPO)])}
     r = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 2 and "speculators 0.9.0's trainer needs a CUDA GPU" in doc["error"], r.stderr[-2000:]
@@ -184,8 +182,8 @@ def test_rows_written_for_speculators_match_the_sample_files(tmp_path):
     files = sorted((p["out"] / "hidden_states").glob("hs_*.safetensors"), key=lambda f: int(f.stem[3:]))
     script = textwrap.dedent(f"""
         import json, sys
-        sys.path[:0] = [{str(TRAIN.parent)!r}, {str(TRAIN.parent.parent)!r}]
-        import spec_trainer
+        sys.path[:0] = [{str(REPO)!r}]
+        from kimi_eagle_host.training import spec_trainer
         from datasets import load_from_disk
         from safetensors.torch import load_file
         files = {[str(f) for f in files]!r}

@@ -1,4 +1,4 @@
-"""The trainer's batches (pipeline/step_batches.py + packing.fill_rows) on real safetensors sample files:
+"""The trainer's batches (data/step_batches.py + packing.fill_rows) on real safetensors sample files:
 
 - the files are read through a private mapping that gives every tensor exactly as safetensors itself does
   (bf16, fp32, int64, bool); a truncated or foreign file is one error naming it;
@@ -17,9 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import test_train  # noqa: F401  (puts the payload folders on sys.path)
-import packing  # noqa: E402
-from step_batches import StepBatches  # noqa: E402
+from kimi_eagle_host.data import packing
+from kimi_eagle_host.data.step_batches import StepBatches
 
 H, L = 16, 4     # hidden size; three aux layers and the last
 CPU = torch.device("cpu")
@@ -158,7 +157,7 @@ def test_closed_half_way_leaves_no_thread(tmp_path):
 
 
 def test_a_ring_over_its_memory_cap_keeps_one_thread(tmp_path, monkeypatch):
-    import step_batches
+    from kimi_eagle_host.data import step_batches
 
     lengths = [25, 14, 30, 9, 22, 17]
     files = write_docs(tmp_path, lengths)

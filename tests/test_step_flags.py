@@ -15,16 +15,15 @@ from conftest import REPO, make_env
 # without running a step.
 _READ_PARSERS = r"""
 import argparse, importlib, json, sys
-sys.path.insert(0, sys.argv[1])
 class Got(BaseException):
     pass
 def grab(self, args=None, namespace=None):
     raise Got(self)
 argparse.ArgumentParser.parse_args = grab
 out = {}
-for step in sys.argv[2:]:
+for step in sys.argv[1:]:
     try:
-        importlib.import_module(step).main([])
+        importlib.import_module(f"kimi_eagle_host.pipeline.{step}").main([])
     except Got as g:
         parser = g.args[0]
     flags = {}
@@ -50,7 +49,7 @@ print(json.dumps(out))
 def test_the_declared_flags_are_the_steps_own():
     from kimi_eagle.step_flags import STEP_FLAGS
 
-    res = subprocess.run([sys.executable, "-c", _READ_PARSERS, str(REPO / "remote_payloads" / "pipeline"), *STEP_FLAGS],
+    res = subprocess.run([sys.executable, "-c", _READ_PARSERS, *STEP_FLAGS],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     actual = json.loads(res.stdout.strip().splitlines()[-1])
@@ -97,5 +96,5 @@ def test_flags_and_settings_that_are_right_pass(tmp_path):
     r = e.cli("render", "job", "train", "--host", "local", "--out", str(out), "--", "--epochs=3", "--resume",
               "--no-export-embed-tokens", "--lr", "-1e-3")
     assert r.code == 0, r.stderr
-    line = next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "pipeline/train.py" in ln)
+    line = next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "kimi_eagle_host.pipeline.train" in ln)
     assert line.rstrip().endswith("--epochs=3 --resume --no-export-embed-tokens --lr -1e-3"), line

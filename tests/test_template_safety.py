@@ -92,7 +92,7 @@ def test_a_host_name_with_a_newline_runs_nothing(tmp_path, evil):
     marker = tmp_path / "PWNED"
     h = _host(tmp_path, evil.format(marker=marker))
     session = HostSession(h, transport=Offline(h))
-    scripts = [*session.render_payload("probe", "probe.py", ["x"]).values(), jobs.render_job(session, "exec", ["true"])[1]]
+    scripts = [*session.render_payload("probe", "ops.probe", ["x"]).values(), jobs.render_job(session, "exec", ["true"])[1]]
     for text in scripts:
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
         # Only the comment lines: running the whole job would start work; the lines before `set` are the header.

@@ -24,7 +24,7 @@ import pytest
 from test_train import make_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-PAY = REPO / "remote_payloads"
+PAY = REPO / "kimi_eagle_host"
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_VERBOSITY": "error", "CUDA_VISIBLE_DEVICES": ""}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -41,14 +41,13 @@ def step(script, *args, nproc=1, env=None, timeout=300):
     """A payload run: in this process when nproc is 1 (saves a torch import on a busy CI box), else torchrun."""
     if nproc == 1 and env is None:
         return in_process(script, *args)
-    p = subprocess.run([*TORCHRUN, "--nproc-per-node", str(nproc), str(PAY / "pipeline" / script), *map(str, args)],
+    p = subprocess.run([*TORCHRUN, "--nproc-per-node", str(nproc), "-m", f"kimi_eagle_host.pipeline.{script[:-3]}",
+                        *map(str, args)],
                        capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
 
 
 def in_process(script, *args):
-    if str(PAY / "pipeline") not in sys.path:
-        sys.path.insert(0, str(PAY / "pipeline"))  # as when run as a script: its siblings import
     spec = importlib.util.spec_from_file_location(f"kimi_eagle_{script[:-3]}", PAY / "pipeline" / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -76,7 +75,7 @@ def fake_gpus(tmp_path):
 
 def decide(*args, env):
     e = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
-    p = subprocess.run([sys.executable, str(PAY / "pipeline" / "launch.py"), "--print", *map(str, args)],
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", "--print", *map(str, args)],
                        capture_output=True, text=True, env={**e, **env}, timeout=60)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
@@ -84,9 +83,11 @@ def decide(*args, env):
 
 def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     env = fake_gpus(81920, 81920, 81920, 81920)
-    d = decide("--", "pipeline/train.py", "--model", "m", env=env)
+    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--model", "m", env=env)
     assert d["mode"] == "torchrun" and d["nproc_per_node"] == 4 and "--standalone" in d["argv"]
-    assert d["argv"][-3:] == ["pipeline/train.py", "--model", "m"]
+    assert d["argv"][-4:] == ["-m", "kimi_eagle_host.pipeline.train", "--model", "m"]  # each worker: the module
+    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", env={**env, "CUDA_VISIBLE_DEVICES": "2"})
+    assert d["mode"] == "single" and d["argv"][1:] == ["-m", "kimi_eagle_host.pipeline.train"]
     # CUDA_VISIBLE_DEVICES narrows what a job may use.
     assert decide("--", "pipeline/train.py", env={**env, "CUDA_VISIBLE_DEVICES": "2"})["mode"] == "single"
     # A model of 100 GiB on 80 GiB GPUs needs 2 per replica: 4 GPUs give 2 extraction processes.
@@ -109,7 +110,7 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     assert d["mode"] == "torchrun-multinode" and d["argv"][d["argv"].index("--rdzv-endpoint") + 1] == "h0:29500"
     for flags, why in ((["--nproc-per-node", "8"], "8 processes x 1 GPUs each need 8 GPUs; this host shows 4"),
                        (["--gpus", "6"], "--gpus 6 (the inventory's gpus:) but this host shows 4 GPU(s)")):
-        p = subprocess.run([sys.executable, str(PAY / "pipeline" / "launch.py"), *flags, "--", "x.py"],
+        p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", *flags, "--", "x.py"],
                            capture_output=True, text=True, env={**ENV, **env, "CUDA_VISIBLE_DEVICES": "0,1,2,3"},
                            timeout=60)
         assert p.returncode == 2 and why in p.stderr, p.stderr
@@ -122,8 +123,7 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    sys.path.insert(0, str(PAY / "pipeline"))
-    import tiny_model
+    from kimi_eagle_host.pipeline import tiny_model
 
     root = tmp_path_factory.mktemp("tr_extract")
     model = tiny_model.build(str(root / "llama"), kind="llama", layers=8, seed=0)["out_dir"]
@@ -261,7 +261,7 @@ def test_a_diverging_run_on_two_ranks_stops_on_both_at_the_same_step(train_input
 
 def test_sigterm_saves_a_checkpoint_that_resume_continues(train_inputs, reference):
     out = fresh_out(train_inputs, "sigterm")
-    cmd = [*TORCHRUN, "--nproc-per-node", "2", str(PAY / "pipeline" / "train.py"), "--model",
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "-m", "kimi_eagle_host.pipeline.train", "--model",
            str(train_inputs["target"]), "--output-dir", str(out), *map(str, TRAIN_ARGS), "--epochs", "50"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": "0.3"})
@@ -315,7 +315,7 @@ def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, t
     that lands while the first step compiles ends that step, saves and says so (it was a CppCompileError: the
     compiler died of the signal)."""
     out = fresh_out(train_inputs, "stop-compiling")
-    cmd = [sys.executable, str(PAY / "pipeline" / "train.py"), "--model", str(train_inputs["target"]),
+    cmd = [sys.executable, "-m", "kimi_eagle_host.pipeline.train", "--model", str(train_inputs["target"]),
            "--output-dir", str(out), *map(str, TRAIN_ARGS), "--epochs", "50", "--compile", "on"]
     env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}   # cold: the first step compiles
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -361,7 +361,7 @@ def test_stop_of_a_torchrun_job_over_ssh_leaves_no_process(tmp_path, sshd, train
     rendered = env.cli("render", "job", "train", "--host", "gpu", "--out", str(tmp_path / "rendered"))
     assert rendered.code == 0, rendered.stderr
     script = next((tmp_path / "rendered").rglob("job.sh")).read_text()
-    assert "pipeline/launch.py --nproc-per-node 2 -- " in script and "pipeline/train.py" in script
+    assert "-m kimi_eagle_host.pipeline.launch --nproc-per-node 2 -- -m kimi_eagle_host.pipeline.train " in script
 
     r = env.cli("--json", "run", "train", "--host", "gpu", "--detach", "--no-preflight", "--",
                 "--device", "cpu", "--log-every", "1")

@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import host_cmd
 from test_train import make_pipeline
 
-TRAIN = REPO / "remote_payloads" / "pipeline" / "train.py"
+TRAIN = host_cmd("pipeline.train")
 
 
 def _train(p, *extra, env=None):
-    argv = [sys.executable, str(TRAIN), "--model", str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu",
+    argv = [*TRAIN, "--model", str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu",
             "--batch-size", "4", "--epochs", "2", "--lr", "3e-3", "--log-every", "2", *extra]
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}  # None: not set at all
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)

@@ -1,4 +1,4 @@
-"""remote_payloads/pipeline/train.py on CPU: learning, resume determinism, speculators-format export.
+"""kimi_eagle_host/pipeline/train.py on CPU: learning, resume determinism, speculators-format export.
 
 Inputs are generated here in the exact formats extract/vocab write (hs_{i}.safetensors +
 data_config.json, d2t.npy/t2d.npy) from a tiny random Llama target, with a learnable rule:
@@ -9,7 +9,6 @@ token it is fed, at every TTT depth.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -21,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import host_cmd
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "remote_payloads" / "pipeline" / "train.py"
+TRAIN = host_cmd("pipeline.train")  # as a host runs it
 WHEEL_CACHE = Path("/tmp/specwheels")
 
 V, H, N, K = 64, 32, 4, 24          # target vocab, hidden, layers, draft vocab
@@ -32,16 +32,8 @@ LAYER_IDS = [1, 2, 3, N]            # vLLM convention; the last is N (final hidd
 SEQ, SAMPLES = 24, 16
 
 
-def load_train_module():
-    sys.path.insert(0, str(TRAIN.parent))  # as when run as a script: its siblings (draft_model) import
-    spec = importlib.util.spec_from_file_location("kimi_eagle_train", TRAIN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tr = load_train_module()
-import draft_model as dm  # noqa: E402  (the model and export; train.py holds the loop)
+from kimi_eagle_host.pipeline import train as tr
+from kimi_eagle_host.draft import draft_model as dm  # noqa: E402  (the model and export; train.py holds the loop)
 # The models here are tiny: extra intra-op threads only add overhead (and contention with other suites).
 torch.set_num_threads(1)
 
@@ -352,7 +344,7 @@ def test_resume_refuses_another_target(tmp_path):
 
 
 def test_help():
-    r = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*TRAIN, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     for flag in ("--model", "--output-dir", "--epochs", "--lr", "--batch-size", "--ttt-steps", "--device",
                  "--dtype", "--resume", "--max-steps", "--seed", "--log-every", "--save-every"):
@@ -421,7 +413,7 @@ def test_speculators_loads_export_same_logits(trained, speculators_site, tmp_pat
     sd = load_file(str(exp / "model.safetensors"))
     embed = sd.pop("embed_tokens.weight")
     ours.load_state_dict({k: v for k, v in sd.items() if k not in ("d2t", "t2d")})
-    import packing
+    from kimi_eagle_host.data import packing
 
     doc = str(p["out"] / "hidden_states" / "hs_0.safetensors")
     b = packing.build_rows([doc], [[0]], SEQ - 1, 3 * H, H, torch.float32)

@@ -7,25 +7,11 @@ from the same index was accepted, as vLLM counts accepted tokens per position. P
 no draft id leave the loss (EAGLE, SpecForge) but stay misses for acceptance."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 
-TRAIN = Path(__file__).resolve().parents[1] / "remote_payloads" / "pipeline" / "train.py"
-
-
-def load_train():
-    sys.path.insert(0, str(TRAIN.parent))
-    spec = importlib.util.spec_from_file_location("kimi_eagle_train_acc", TRAIN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tr = load_train()
-import ttt_loss  # noqa: E402
+from kimi_eagle_host.pipeline import train as tr
+from kimi_eagle_host.training import ttt_loss
 
 
 def test_acc_counts_target_choices_outside_the_draft_vocab_as_misses():

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from test_train import make_pipeline, read_export, run_train, tr
 
-import draft_model as dm  # noqa: E402  (importable once test_train put the payload dir on sys.path)
-import packing  # noqa: E402
-import ttt_loss  # noqa: E402
+from kimi_eagle_host.draft import draft_model as dm
+from kimi_eagle_host.data import packing
+from kimi_eagle_host.training import ttt_loss
 
 CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
            rms_norm_eps=1e-6, rope_theta=10000.0)

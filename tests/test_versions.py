@@ -12,9 +12,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version as Reference
 
 from conftest import REPO
-
-sys.path.insert(0, str(REPO / "remote_payloads"))
-import versions  # noqa: E402
+from kimi_eagle_host import versions
 
 VERSIONS = ["0.15.9", "0.16", "0.16.0", "0.16.0rc1", "0.16.0rc2+cu130", "0.16.0+cu130", "0.16.0.dev3", "0.16.0a1",
             "0.16.0b2", "0.16.0.post1", "0.16.1", "0.16.1.dev0", "0.17.0rc1", "0.17.0", "0.17", "0.18.0.dev0+g1234",
@@ -49,11 +47,11 @@ def test_what_the_issue_names():
 def test_host_scripts_compare_through_it():
     """No loose tuple comparison is left in the host scripts' version decisions; the ops scripts still run on a
     bare interpreter (-I -S: no site-packages, so no packaging)."""
-    for path in (REPO / "remote_payloads").rglob("*.py"):
+    for path in (REPO / "kimi_eagle_host").rglob("*.py"):
         text = path.read_text()
         assert "def vtuple" not in text and "def parse_version" not in text and "def version_key" not in text, path
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import versions; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kimi_eagle_host import versions; "
             "print(versions.satisfies('0.16.0rc1', '>=0.16'))")
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(REPO / "remote_payloads")],
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(REPO)],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

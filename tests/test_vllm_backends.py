@@ -30,7 +30,7 @@ from vllm_envs import env_python
 # Engine loads take minutes on 2 shared cores; the module fixtures run inside the first test that needs them.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
-PAYLOADS = REPO / "remote_payloads"
+PAYLOADS = REPO / "kimi_eagle_host"
 SAMPLE = PAYLOADS / "sample_data" / "chat.jsonl"
 N_LAYERS = 6
 LAYER_IDS = [1, 2, 4, N_LAYERS]      # vLLM convention; id N (last layer's output, pre-norm) included
@@ -45,7 +45,7 @@ HOST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PA
 def build_model(py: Path, out: Path, kind: str) -> Path:
     """A tiny random model written by the env's own transformers (4.57 for vLLM 0.16: the Hub weight layout).
     head_dim 32: vLLM's CPU attention kernels start there."""
-    subprocess.run([str(py), str(PAYLOADS / "pipeline" / "tiny_model.py"), "--out", str(out), "--kind", kind,
+    subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline.tiny_model", "--out", str(out), "--kind", kind,
                     "--layers", str(N_LAYERS), "--hidden", "64", "--heads", "2"],
                    check=True, capture_output=True, timeout=600)
     return out

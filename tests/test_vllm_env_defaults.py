@@ -1,11 +1,8 @@
 """vLLM engine environment on hosts without flashinfer (seen on the H200: vLLM 0.25.1's sampler
 imports flashinfer's backend at engine start-up unless VLLM_USE_FLASHINFER_SAMPLER=0)."""
 import importlib.util
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payloads"))
-import vllm_compat  # noqa: E402
+from kimi_eagle_host import vllm_compat
 
 
 def test_without_flashinfer_the_sampler_flag_is_off(monkeypatch):

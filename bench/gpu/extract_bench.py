@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
+sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host, here and in the steps this bench starts
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def measured_matmul_tflops(torch) -> float:
@@ -47,8 +49,8 @@ def main():
     a = ap.parse_args()
 
     import torch
-    from prepared_data import PreparedDataset
-    from model_layers import default_layer_ids, resolve_decoder_stack
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
+    from kimi_eagle_host.target.model_layers import default_layer_ids, resolve_decoder_stack
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +58,7 @@ def main():
     # Run twice and keep the second: a fresh VM's RAM grows on first touch, which slows only the first
     # run's pinned buffers and output pages (seen: 47k vs 107k tokens/s on the same data).
     for _ in range(2):
-        res = subprocess.run([sys.executable, str(ROOT / "remote_payloads" / "pipeline" / "extract.py"), "--model", a.model,
+        res = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.extract", "--model", a.model,
                               "--prepared-dir", a.prepared, "--out", str(out / "ours"), "--batch-size", str(a.batch_size),
                               "--seq-len", str(a.seq_len), "--device", "cuda", "--dtype", "bfloat16", "--overwrite",
                               "--writers", str(a.writers)],
@@ -94,7 +96,7 @@ def main():
     naive_s = time.perf_counter() - t0
 
     # The forward alone (same hooks, same batches, nothing copied out): the ceiling the I/O leaves us below.
-    from hf_target import HiddenStateCapture
+    from kimi_eagle_host.target.hf_target import HiddenStateCapture
 
     order = sorted(range(len(ds)), key=lambda i: -lengths[i])
     capture = HiddenStateCapture(layers, ids)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Real-GPU check of remote_payloads/ops/stop_gpu_holders.py, for a machine with an NVIDIA GPU.
+# Real-GPU check of kimi_eagle_host/ops/gpu_reset.py (the host half of gpu-reset), for a machine with an NVIDIA GPU.
 #
 #   1. record nvidia-smi's baseline memory on GPU $GPU;
 #   2. start an "ours" holder (own session, pgid recorded in a fake runs dir, like a job)
 #      and a "foreign" holder (not recorded), each allocating GiB with torch;
-#   3. stop_gpu_holders.py (default mode): ours must die, foreign must live, memory = baseline + foreign;
-#   4. stop_gpu_holders.py --all: foreign must die, memory back to baseline;
+#   3. gpu_reset (default mode): ours must die, foreign must live, memory = baseline + foreign;
+#   4. gpu_reset --all: foreign must die, memory back to baseline;
 #   5. write $OUT/gpu_reset_h200.json and .txt, with the time from each command to verified free memory.
 #
-# Safety: it signals only processes it started. Every stop_gpu_holders.py call carries
+# Safety: it signals only processes it started. Every gpu_reset call carries
 # --only-pids <our two holders>, so other GPU users on the machine are never touched even
 # with --all, and the cleanup trap kills only its own holders.
 #
@@ -28,7 +28,9 @@ GRACE="${GRACE:-10}"
 TIMEOUT="${TIMEOUT:-60}"
 TOL_MIB="${TOL_MIB:-256}"
 SMI="${NVIDIA_SMI:-$(command -v nvidia-smi || echo /usr/local/nvidia/bin/nvidia-smi)}"
-RESET="$ROOT/remote_payloads/ops/stop_gpu_holders.py"
+# Run as a host runs it: a module of the checkout's kimi_eagle_host.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+RESET=(-m kimi_eagle_host.ops.gpu_reset)
 
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -112,7 +114,7 @@ GUARD="$OURS,$FOREIGN"
 # ---- phase 1: default mode, only ours ----------------------------------------------
 T1=$(now)
 set +e
-"$PY" "$RESET" --runs-dir "$RUNS" --only-pids "$GUARD" --nvidia-smi "$SMI" \
+"$PY" "${RESET[@]}" --runs-dir "$RUNS" --only-pids "$GUARD" --nvidia-smi "$SMI" \
   --grace "$GRACE" --timeout "$TIMEOUT" > "$OUT/reset_ours.json" 2> "$OUT/reset_ours.stderr"
 RC1=$?
 set -e
@@ -126,7 +128,7 @@ log "phase 1: rc=$RC1 command ${CMD1_S}s, memory verified free after ${FREE1_S}s
 # ---- phase 2: --all (still restricted to our own holders by --only-pids) -----------
 T2=$(now)
 set +e
-"$PY" "$RESET" --all --runs-dir "$RUNS" --only-pids "$GUARD" --nvidia-smi "$SMI" \
+"$PY" "${RESET[@]}" --all --runs-dir "$RUNS" --only-pids "$GUARD" --nvidia-smi "$SMI" \
   --grace "$GRACE" --timeout "$TIMEOUT" > "$OUT/reset_all.json" 2> "$OUT/reset_all.stderr"
 RC2=$?
 set -e

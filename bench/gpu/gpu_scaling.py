@@ -27,8 +27,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
-PAY = ROOT / "remote_payloads"
+PAY = ROOT / "kimi_eagle_host"
 sys.path.insert(0, str(ROOT))
+# The steps run as `python -m kimi_eagle_host...`, as on a host: every process this bench starts finds the package.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 PY = sys.executable
 OUT = Path(os.environ.get("OUT") or ROOT / "out").resolve()
@@ -42,8 +44,9 @@ REPORT = {"sizes": S, "phases": {}}
 T0 = time.time()
 
 
-def payload(rel: str) -> str:
-    return str(PAY / rel)
+def payload(rel: str) -> list[str]:
+    """How the host's Python runs the host package's `rel` (e.g. "pipeline/train.py"): -m and its module."""
+    return ["-m", "kimi_eagle_host." + rel.removesuffix(".py").replace("/", ".")]
 
 
 def log(msg: str) -> None:
@@ -123,16 +126,16 @@ def setup() -> dict:
     model = WORK / "model"
     t = time.time()
     if not (model / "config.json").is_file():
-        rc, doc, _ = run([PY, payload("pipeline/tiny_model.py"), "--kind", "llama", "--hidden", S["HIDDEN"],
+        rc, doc, _ = run([PY, *payload("pipeline/tiny_model.py"), "--kind", "llama", "--hidden", S["HIDDEN"],
                           "--layers", S["LAYERS"], "--vocab", S["VOCAB"], "--heads", 16, "--dtype", "bf16",
                           "--out", model], name="build model", timeout=300)
         assert rc == 0, "model build failed (see the log)"
     run([PY, ROOT / "bench" / "make_chat_dataset.py", "--rows", S["ROWS"], "--words", S["WORDS"],
          "--out", WORK / "chat.jsonl"], name="dataset")
-    rc, prep, _ = run([PY, payload("pipeline/prepare.py"), "--model", model, "--dataset", WORK / "chat.jsonl",
+    rc, prep, _ = run([PY, *payload("pipeline/prepare.py"), "--model", model, "--dataset", WORK / "chat.jsonl",
                        "--output-dir", WORK, "--seq-len", S["SEQ"]], name="prepare")
     assert rc == 0, "prepare failed"
-    rc, voc, _ = run([PY, payload("pipeline/vocab.py"), "--model", model, "--output-dir", WORK,
+    rc, voc, _ = run([PY, *payload("pipeline/vocab.py"), "--model", model, "--output-dir", WORK,
                       "--draft-vocab-size", S["DRAFT_VOCAB"]], name="vocab")
     assert rc == 0, "vocab failed"
     import torch
@@ -147,8 +150,8 @@ def setup() -> dict:
 def extract_run(label: str, n: int) -> dict:
     out = SHM / f"hs_{label}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [PY, payload("pipeline/launch.py"), *NPROC[n], "--gpus-per-replica", "auto", "--",
-           payload("pipeline/extract.py"), "--model", WORK / "model", "--prepared-dir", WORK / "prepared",
+    cmd = [PY, *payload("pipeline/launch.py"), *NPROC[n], "--gpus-per-replica", "auto", "--",
+           *payload("pipeline/extract.py"), "--model", WORK / "model", "--prepared-dir", WORK / "prepared",
            "--out", out, "--batch-size", S["XBATCH"], "--seq-len", S["SEQ"], "--writers", S["WRITERS"]]
     rc, doc, secs = run(cmd, env=visible(n), name=f"extract {label} ({n} GPU)", timeout=300)
     assert rc == 0 and doc and doc.get("ok"), f"extract {label} failed: {doc}"
@@ -209,12 +212,12 @@ def step_rate(doc: dict) -> float | None:
 def training() -> dict:
     d = train_dir("train")
     half = S["TSTEPS"] // 2
-    base = [payload("pipeline/train.py"), "--model", WORK / "model", "--output-dir", d, "--batch-size", S["TBATCH"],
+    base = [*payload("pipeline/train.py"), "--model", WORK / "model", "--output-dir", d, "--batch-size", S["TBATCH"],
             "--ttt-steps", 3, "--epochs", 100, "--max-steps", S["TSTEPS"], "--log-every", 1, "--save-every", 1000]
-    rc, a, _ = run([PY, payload("pipeline/launch.py"), *NPROC[2], "--", *base, "--stop-at-step", half],
+    rc, a, _ = run([PY, *payload("pipeline/launch.py"), *NPROC[2], "--", *base, "--stop-at-step", half],
                    env=visible(2), name="train 2 GPUs, steps 1..half", timeout=300)
     assert rc == 0 and a and a.get("ok"), f"2-GPU training failed: {a}"
-    rc, b, _ = run([PY, payload("pipeline/launch.py"), *NPROC[1], "--", *base, "--resume"],
+    rc, b, _ = run([PY, *payload("pipeline/launch.py"), *NPROC[1], "--", *base, "--resume"],
                    env=visible(1), name="train 1 GPU, resumed", timeout=300)
     assert rc == 0 and b and b.get("ok"), f"1-GPU resumed training failed: {b}"
     r2, r1 = step_rate(a), step_rate(b)
@@ -236,8 +239,7 @@ def training() -> dict:
 
 def job_processes(job_id: str) -> list[int]:
     """Pids still carrying the job's id: jobctl's own search for a job's processes outside its group."""
-    sys.path.insert(0, str(PAY / "ops"))
-    import jobctl
+    from kimi_eagle_host.ops import jobs as jobctl
 
     return jobctl.group_members(-1, job_id)
 
@@ -277,13 +279,13 @@ def stop_phase() -> dict:
     host_dir = WORK / "jobhost"
     shutil.rmtree(host_dir, ignore_errors=True)
     (host_dir / ".kimi-eagle").mkdir(parents=True)
-    shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads" / "kimi_eagle_host", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
     job_id = jobs.new_job_id("train")
     host, rel, text = render_train_job(host_dir, d, job_id)
     (host_dir / rel).parent.mkdir(parents=True)
     (host_dir / rel).write_text(text)
-    jobctl = [PY, payload("ops/jobctl.py"), "--runs-dir", host_dir / "runs"]
+    jobctl = [PY, *payload("ops/jobs.py"), "--runs-dir", host_dir / "runs"]
     base_mem = gpu_memory_used()
     rc, started, _ = run([*jobctl, "start", "--job-id", job_id, "--step", "train", "--host", host.name,
                           "--workdir", host_dir, "--gpu"], name="job start")
@@ -333,7 +335,7 @@ def stop_phase() -> dict:
 def fsdp() -> dict:
     """The same training with FSDP2 on 2 GPUs (what --parallel auto picks for a draft too big for one GPU)."""
     d = train_dir("train_fsdp")
-    rc, a, _ = run([PY, payload("pipeline/launch.py"), *NPROC[2], "--", payload("pipeline/train.py"), "--model",
+    rc, a, _ = run([PY, *payload("pipeline/launch.py"), *NPROC[2], "--", *payload("pipeline/train.py"), "--model",
                     WORK / "model", "--output-dir", d, "--batch-size", S["TBATCH"], "--ttt-steps", 3, "--epochs", 100,
                     "--max-steps", S["TSTEPS"], "--stop-at-step", S["TSTEPS"] // 2, "--log-every", 1,
                     "--save-every", 1000, "--parallel", "fsdp"], env=visible(2), name="train 2 GPUs FSDP", timeout=300)

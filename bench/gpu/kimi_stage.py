@@ -127,8 +127,8 @@ def run_step(name, *extra, preflight=False, gpu=True, timeout=1500):
 
 def host_info() -> dict:
     """The device and the installed vLLM, as the host's interpreter sees them (with the carried sites)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT / "remote_payloads")])}
-    code = ("import json, torch; from vllm_compat import vllm_install; i = vllm_install() or {}; "
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT)])}
+    code = ("import json, torch; from kimi_eagle_host.vllm_compat import vllm_install; i = vllm_install() or {}; "
             "print(json.dumps({'vllm': i.get('version'), 'vllm_dist': i.get('dist'), 'torch': torch.__version__, "
             "'gpus': torch.cuda.device_count(), "
             "'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}))")
@@ -138,9 +138,8 @@ def host_info() -> dict:
 
 def eagle3_serving(model: Path) -> tuple[bool, str | None]:
     """eval's own answer, asked of the host's interpreter: can its vLLM serve an EAGLE-3 draft for this target?"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT / "remote_payloads" / "pipeline"),
-                                                                str(ROOT / "remote_payloads")])}
-    code = ("import json, sys; from eval import target_text_config, vllm_support; "
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITES + [str(ROOT)])}
+    code = ("import json, sys; from kimi_eagle_host.pipeline.eval import target_text_config, vllm_support; "
             "print(json.dumps(vllm_support(target_text_config(sys.argv[1])[0])))")
     p = subprocess.run([PY, "-c", code, str(model)], capture_output=True, text=True, env=env, timeout=600)
     if p.returncode:
@@ -204,7 +203,7 @@ def main():
   draft_vocab_size: {K['DRAFT_VOCAB']}
   epochs: 1
   lr: 0.0003
-  eval_prompts: "{ROOT / 'remote_payloads' / 'sample_data' / 'prompts_eval.jsonl'}"
+  eval_prompts: "{ROOT / 'kimi_eagle_host' / 'sample_data' / 'prompts_eval.jsonl'}"
   eval_num_prompts: {K['EVAL_PROMPTS']}
   eval_max_tokens: {K['EVAL_TOKENS']}
 """)
@@ -220,7 +219,7 @@ def main():
         rc, o, e, secs = cli("--json", "upload", str(data), "--host", "h200", "--to", "data")
         record("upload_dataset", rc == 0, seconds=secs, bytes=data.stat().st_size)
 
-        ok, res, secs, why = run_step("exec", PY, ".kimi-eagle/payloads/pipeline/tiny_model.py", "--kind", "kimi",
+        ok, res, secs, why = run_step("exec", PY, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "kimi",
                                       "--preset", K["PRESET"], "--layers", K["LAYERS"], "--dtype", "bf16",
                                       "--device", K["DEVICE"], "--out", str(model), gpu=False)
         cfg = json.loads((model / "config.json").read_text()) if (model / "config.json").exists() else {}

@@ -26,8 +26,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payloads"))
-from step_runtime import sha256_file as sha256  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's kimi_eagle_host
+from kimi_eagle_host.step_runtime import sha256_file as sha256  # noqa: E402
 
 # Never loaded on a Hopper GPU for a Llama target in bf16: FlashAttention 2 (Hopper takes FA3,
 # vllm/v1/attention/backends/fa_utils.py), the opt-in Rust frontend binary, the Blackwell-only sparse FMHA

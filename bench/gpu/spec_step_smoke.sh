@@ -10,6 +10,8 @@
 # the trainer's one-line refusal.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# The steps run as modules of this checkout's kimi_eagle_host, as on a host.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 OUT=${OUT:-./out}
 W=${SPEC_SMOKE_WORK:-/tmp/spec-smoke}
@@ -20,7 +22,7 @@ if [ -d .specwhl ] && [ "${SPEC_SMOKE_INSTALL:-1}" = 1 ]; then   # 0: the wheels
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" .specwhl/*.whl >>"$log" 2>&1 || exit 1
   export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-P=remote_payloads/pipeline
+P=kimi_eagle_host.pipeline
 m="$W/model" o="$W/out" DEV=${SPEC_SMOKE_DEVICE:-cuda}   # cpu: a rehearsal up to the trainer's refusal
 step() {  # name, then the command; its last JSON line is its result
   local name=$1; shift
@@ -34,12 +36,12 @@ step() {  # name, then the command; its last JSON line is its result
   return $rc
 }
 rm -f "$W/steps.jsonl"
-step model "$PY" $P/tiny_model.py --out "$m" --kind llama --hidden 256 --layers 8 --vocab 1024 --dtype bf16 &&
-step prepare "$PY" $P/prepare.py --model "$m" --dataset remote_payloads/sample_data/chat.jsonl --output-dir "$o" \
+step model "$PY" -m $P.tiny_model --out "$m" --kind llama --hidden 256 --layers 8 --vocab 1024 --dtype bf16 &&
+step prepare "$PY" -m $P.prepare --model "$m" --dataset kimi_eagle_host/sample_data/chat.jsonl --output-dir "$o" \
   --seq-len 256 &&
-step extract "$PY" $P/extract.py --model "$m" --output-dir "$o" --backend hf --seq-len 256 --device "$DEV" &&
-step vocab "$PY" $P/vocab.py --model "$m" --output-dir "$o" --draft-vocab-size 256 &&
-step train_speculators "$PY" $P/train.py --trainer speculators --model "$m" --output-dir "$o" --max-steps "${SPEC_SMOKE_STEPS:-20}" \
+step extract "$PY" -m $P.extract --model "$m" --output-dir "$o" --backend hf --seq-len 256 --device "$DEV" &&
+step vocab "$PY" -m $P.vocab --model "$m" --output-dir "$o" --draft-vocab-size 256 &&
+step train_speculators "$PY" -m $P.train --trainer speculators --model "$m" --output-dir "$o" --max-steps "${SPEC_SMOKE_STEPS:-20}" \
   --epochs 100 --device "$DEV" --log-every 5
 rc=$?
 "$PY" - "$W/steps.jsonl" "$OUT/spec_step.json" "$rc" <<'EOF'

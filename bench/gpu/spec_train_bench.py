@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for sub in ("remote_payloads/pipeline", "remote_payloads"):
-    sys.path.insert(0, str(ROOT / sub))
+sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host
 
 
 def write_spec_data(pipeline: Path, dest: Path, seq_len: int) -> int:
@@ -37,7 +36,7 @@ def write_spec_data(pipeline: Path, dest: Path, seq_len: int) -> int:
 
     import pyarrow as pa
     from datasets import Dataset
-    from prepared_data import PreparedDataset
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
 
     ds = PreparedDataset(str(pipeline / "prepared"))
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}

@@ -6,13 +6,15 @@
 # About 4.5 minutes on the 2-GPU H200 machine with warm compile caches (a cold first step compiles ~2 min):  PYTHON=/opt/torch/.venv/bin/python3 OUT=./out bash bench/gpu/trainer_cuda_check.sh
 # Writes $OUT/{one,half,half_resume,ddp,resume,fsdp}.json (each run's JSON answer) and .log; prints a summary.
 cd "$(dirname "$0")/../.."
+# The steps run as modules of this checkout's kimi_eagle_host, as on a host.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
 export OUT=${OUT:-./out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH=$PATH:/usr/local/nvidia/bin
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 D=/dev/shm/kimi-eagle-trainer-check; rm -rf $D
 $PY bench/gpu/random_train_inputs.py $D 40 || exit 1
-TR="remote_payloads/pipeline/train.py --model $D/target --tokens-per-step 16384 --epochs 100 --log-every 5 --save-every 1000"
+TR="-m kimi_eagle_host.pipeline.train --model $D/target --tokens-per-step 16384 --epochs 100 --log-every 5 --save-every 1000"
 copy() { rm -rf $D/$1; mkdir -p $D/$1; ln -s $D/out/hidden_states $D/$1/hidden_states; ln -s $D/out/vocab $D/$1/vocab; }
 copy one; CUDA_VISIBLE_DEVICES=0 timeout 300 $PY $TR --output-dir $D/one --max-steps 20 > $OUT/one.json 2> $OUT/one.log; echo "one rc=$?"
 copy half; CUDA_VISIBLE_DEVICES=0 timeout 240 $PY $TR --output-dir $D/half --max-steps 20 --stop-at-step 10 > $OUT/half.json 2> $OUT/half.log; echo "half rc=$?"

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for sub in ("remote_payloads/pipeline", "remote_payloads"):
-    sys.path.insert(0, str(ROOT / sub))
+sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host
 
 
 def main() -> None:
@@ -37,7 +36,7 @@ def main() -> None:
     t0 = time.time()
     from vllm import LLM, SamplingParams
     import vllm
-    from prepared_data import PreparedDataset
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
 
     import_s = time.time() - t0
     ds = PreparedDataset(a.prepared)

@@ -1,0 +1,45 @@
+"""The prepared dataset, as the prepare step writes it and extract (and the benchmarks) read it:
+
+  <output-dir>/prepared/shard_00000.safetensors  input_ids int64 [sum T], loss_mask uint8 [sum T],
+                                                 offsets int64 [n+1], source_line int64 [n]
+  <output-dir>/prepared/manifest.json            format, count, shards, ... (written last)
+
+Sample index i (extract's hs_{i}.safetensors) is the position in this dataset.
+"""
+import json
+import os
+
+from kimi_eagle_host.step_runtime import BadInput
+
+FORMAT = "kimi-eagle-prepared/1"
+
+
+class PreparedDataset:
+    """Random access to prepared samples: ds[i] -> (input_ids int64 ndarray, loss_mask uint8 ndarray)."""
+
+    def __init__(self, prepared_dir):
+        path = os.path.join(prepared_dir, "manifest.json")
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: not found (run the prepare step first)")
+        with open(path) as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != FORMAT:
+            raise BadInput(f"{path}: field 'format' is {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        from safetensors.numpy import load_file
+
+        self.ids, self.masks, self.lines = [], [], []
+        for shard in self.manifest["shards"]:
+            t = load_file(os.path.join(prepared_dir, shard["file"]))
+            off = t["offsets"]
+            for j in range(len(off) - 1):
+                self.ids.append(t["input_ids"][off[j]:off[j + 1]])
+                self.masks.append(t["loss_mask"][off[j]:off[j + 1]])
+            self.lines.extend(int(x) for x in t["source_line"])
+        if len(self.ids) != self.manifest["count"]:
+            raise BadInput(f"{path}: field 'count' is {self.manifest['count']} but the shards hold {len(self.ids)} samples")
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i], self.masks[i]

@@ -1,0 +1,1 @@
+"""What eval uses: the transformers speculative engine and the report chart."""

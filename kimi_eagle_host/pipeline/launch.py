@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Start a pipeline step as one process, or as torchrun workers (one per GPU, or per group of GPUs).
+
+    launch.py [--gpus N] [--nproc-per-node N|auto] [--gpus-per-replica N|auto]
+              [--nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V]
+               [--max-restarts N]] -- -m STEP_MODULE [STEP ARGS...]
+
+The job script runs every multi-GPU-capable step through this wrapper (stdlib only, so it costs no
+import time). It decides how many processes the step gets on this host, then *replaces itself* (exec)
+with either `python -m STEP ARGS` or `python -m torch.distributed.run ... -m STEP ARGS`, so the job's
+process group, signals and exit code are the step's or torchrun's own.
+
+- GPUs: those CUDA_VISIBLE_DEVICES names when set, else the ones `nvidia-smi` lists, else none. --gpus N
+  (the inventory's `gpus:`) takes the first N of them and narrows CUDA_VISIBLE_DEVICES to those.
+- --gpus-per-replica (extract): GPUs one model copy is spread over. auto = the smallest count whose
+  memory holds the step's --model weights with 25% headroom (its safetensors size); 1 when unknown.
+- --nproc-per-node: auto = GPUs // gpus-per-replica (at least 1; 1 on a host without GPUs). A number
+  forces it (on CPU too: gloo workers, e.g. for tests).
+- One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
+  two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
+- A step that cannot use ranks runs as one process whatever is asked: extract with --backend vllm (vLLM
+  spreads over the GPUs itself). So does a step started inside a torchrun worker (RANK set): the outer
+  torchrun already owns the ranks.
+
+--print prints the decision as JSON instead of running (for tests and `render`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+from kimi_eagle_host.gpus import find_nvidia_smi
+from kimi_eagle_host.model_size import stored_weight_bytes
+
+HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
+
+
+class LaunchError(ValueError):
+    """Bad flags for this host (exit 2, one line naming the flag)."""
+
+
+def visible_gpus(environ=None) -> list[int]:
+    """GPU memory sizes in bytes (or 0 when unknown), one entry per GPU this process may use."""
+    env = os.environ if environ is None else environ
+    sizes = _nvidia_smi_sizes()
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        names = [n.strip() for n in cvd.split(",") if n.strip()]
+        if not names or names[0].startswith("-"):
+            return []
+        # Sizes by index when the names are indices; UUIDs keep an unknown size.
+        return [sizes[int(n)] if n.isdigit() and int(n) < len(sizes) else 0 for n in names]
+    return sizes
+
+
+def _nvidia_smi_sizes() -> list[int]:
+    exe = find_nvidia_smi()
+    if not exe:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    sizes = []
+    for line in out.splitlines():
+        line = line.strip()
+        if line:
+            sizes.append(int(float(line)) * 2**20 if line.replace(".", "").isdigit() else 0)
+    return sizes
+
+
+def model_bytes(model: str | None) -> int | None:
+    """Size of a local model's weights as stored, None if unknown (not a local folder, no safetensors)."""
+    if not model or not os.path.isdir(model):
+        return None
+    return stored_weight_bytes(model)[0] or None
+
+
+def replica_size(setting: str, gpus: list[int], model: str | None) -> int:
+    if setting != "auto":
+        return int(setting)
+    need = model_bytes(model)
+    if not gpus or need is None or not all(gpus):
+        return 1
+    per_gpu = min(gpus)
+    return max(1, math.ceil(need * HEADROOM / per_gpu))
+
+
+def step_flags(argv: list[str]) -> argparse.Namespace:
+    """The step's own --model and --backend (argparse rules: the last value wins)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--backend")
+    return p.parse_known_args(argv)[0]
+
+
+def decide(a, environ=None) -> dict:
+    env = os.environ if environ is None else environ
+    # The step: `-m MODULE ARGS` (how kimi-eagle starts steps), or a script path `SCRIPT ARGS`.
+    n = 2 if a.command[0] in ("-m", "--module") else 1
+    script, step_args = a.command[:n], a.command[n:]
+    if len(script) < n:
+        raise LaunchError("-m needs the step's module after it")
+    flags = step_flags(step_args)
+    gpus = visible_gpus(env)
+    set_env = {}
+    if a.gpus is not None:
+        if a.gpus > len(gpus):
+            raise LaunchError(f"--gpus {a.gpus} (the inventory's gpus:) but this host shows {len(gpus)} GPU(s)")
+        names = [n.strip() for n in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()] or \
+            [str(i) for i in range(len(gpus))]
+        set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
+        gpus = gpus[:a.gpus]
+    single_reason = None
+    if flags.backend == "vllm":
+        single_reason = "--backend vllm: vLLM spreads over the GPUs itself"
+    elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
+        # ranks; starting another one here would nest process groups.
+        single_reason = "already a torchrun worker (RANK is set)"
+    per_replica = replica_size(a.gpus_per_replica, gpus, flags.model)
+    if per_replica < 1:
+        raise LaunchError(f"--gpus-per-replica must be >= 1, got {per_replica}")
+    if a.nproc_per_node == "auto":
+        nproc = max(1, len(gpus) // per_replica) if gpus else 1
+    else:
+        nproc = int(a.nproc_per_node)
+        if nproc < 1:
+            raise LaunchError(f"--nproc-per-node must be >= 1, got {nproc}")
+        if gpus and nproc * per_replica > len(gpus):
+            raise LaunchError(f"{nproc} processes x {per_replica} GPUs each need {nproc * per_replica} "
+                             f"GPUs; this host shows {len(gpus)}")
+    if single_reason:
+        nproc, nnodes = 1, 1
+    else:
+        nnodes = a.nnodes
+    cmd = [sys.executable]
+    if nproc == 1 and nnodes == 1:
+        cmd += [*script, *step_args]
+        mode = "single"
+    else:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        if nnodes == 1:
+            cmd += ["--standalone"]
+            mode = "torchrun"
+        else:
+            if not a.rdzv_endpoint:
+                raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+            # No --node-rank: c10d gives node ranks in the rendezvous (is_host=true in --rdzv-conf marks the store).
+            cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", a.rdzv_endpoint, "--rdzv-id", a.rdzv_id or "kimi-eagle"]
+            cmd += [x for conf in a.rdzv_conf for x in ("--rdzv-conf", conf)]
+            mode = "torchrun-multinode"
+        if a.max_restarts is not None:
+            cmd += ["--max-restarts", str(a.max_restarts)]
+        cmd += [*script, *step_args]  # torchrun takes -m MODULE too: each worker runs the step as a module
+        if "OMP_NUM_THREADS" not in env:
+            # torchrun would give every worker 1 thread; give each its share of the cores instead (batch
+            # assembly and tensor copies on the CPU), like the one process it replaces had all of them.
+            set_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return {"mode": mode, "nproc_per_node": nproc, "nnodes": nnodes, "gpus": len(gpus),
+            "gpus_per_replica": per_replica, "reason": single_reason, "env": set_env, "argv": cmd}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=None, help="use the first N visible GPUs (default: all)")
+    ap.add_argument("--nproc-per-node", default="auto", help="processes on this host, or auto (default)")
+    ap.add_argument("--gpus-per-replica", default="1", help="GPUs per process (extract: auto sizes by the model)")
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--rdzv-endpoint", default=None)
+    ap.add_argument("--rdzv-id", default=None)
+    ap.add_argument("--rdzv-conf", action="append", default=[], help="passed to torchrun (e.g. is_host=true)")
+    ap.add_argument("--max-restarts", type=int, default=None)
+    ap.add_argument("--print", action="store_true", help="print the decision as JSON, run nothing")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- -m STEP_MODULE [ARGS...] (or a script path)")
+    a = ap.parse_args(argv)
+    if a.command and a.command[0] == "--":
+        a.command = a.command[1:]
+    if not a.command:
+        ap.error("give the step after --, e.g. launch -- -m kimi_eagle_host.pipeline.train --model M --output-dir OUT")
+    for name in ("nproc_per_node", "gpus_per_replica"):
+        v = getattr(a, name)
+        if v != "auto" and not v.isdigit():
+            ap.error(f"--{name.replace('_', '-')}: a number or auto, got {v!r}")
+    try:
+        d = decide(a)
+    except LaunchError as e:
+        print(f"launch.py: {e}", file=sys.stderr)
+        return 2
+    if a.print:
+        print(json.dumps(d))
+        return 0
+    print(f"==> kimi-eagle: {d['mode']}: {d['nproc_per_node']} process(es) per node x {d['nnodes']} node(s), "
+          f"{d['gpus_per_replica']} GPU(s) each ({d['gpus']} visible)" + (f"; {d['reason']}" if d["reason"] else ""),
+          file=sys.stderr, flush=True)
+    os.environ.update(d["env"])
+    os.execv(d["argv"][0], d["argv"])
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Pipeline step 1: chat JSONL → token ids + assistant-only loss masks, ready for hidden-state extraction.
+
+--dataset is a chat JSONL file or a dataset name (`sharegpt`: see data_sources.py, which records where it came
+from). Input rows (one JSON object per line, blank lines ignored), either shape:
+  ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
+  OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": ...}]}]}
+
+Each row is rendered with the target tokenizer's chat template (trust_remote_code) and tokenized; the loss
+mask is 1 exactly on the tokens the template emits for assistant messages (their content and the template's
+end-of-turn marker), found by rendering the conversation incrementally: the text between
+render(messages[:k], add_generation_prompt=True) and render(messages[:k+1]) is assistant message k.
+
+Output under <output-dir>/prepared/ (every file written atomically, manifest.json last):
+  shard_00000.safetensors  input_ids int64 [sum T], loss_mask uint8 [sum T], offsets int64 [n+1],
+                           source_line int64 [n]   (sample j of the shard = input_ids[offsets[j]:offsets[j+1]])
+  token_freq.npy           int64 [vocab_size], counts of loss-masked target tokens
+  manifest.json            count, model, seq_len, source + sha256, shards, token totals, bad rows
+Sample index i (used by extract's hs_{i}.safetensors) is the position in this prepared dataset.
+
+stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input
+(with --on-bad-row fail, the first malformed row is reported as FILE:LINE: what is wrong).
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+from kimi_eagle_host.data.prepared_data import FORMAT
+from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,
+                                          run_step)
+
+SHARE_GPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "assistant": "assistant", "system": "system"}
+OPENAI_ROLES = {"system", "user", "assistant"}
+
+
+class BadRow(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# rows → messages
+
+def _text_of(content, where):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts; only text makes sense for a text-only target
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRow(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': str}}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRow(f"{where}: expected a string, got {type(content).__name__ if content is not None else 'null'}")
+
+
+def normalize_row(row):
+    """Return [{'role', 'content'}] for either input shape, or raise BadRow naming the offending field."""
+    if not isinstance(row, dict):
+        raise BadRow(f"row is a JSON {type(row).__name__}, expected an object with 'conversations' or 'messages'")
+    if "conversations" in row:
+        key, role_key, text_key = "conversations", "from", "value"
+    elif "messages" in row:
+        key, role_key, text_key = "messages", "role", "content"
+    else:
+        raise BadRow("row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        raise BadRow(f"'{key}' must be a non-empty list")
+    messages = []
+    for j, turn in enumerate(turns):
+        where = f"{key}[{j}]"
+        if not isinstance(turn, dict):
+            raise BadRow(f"{where}: expected an object, got {type(turn).__name__}")
+        if role_key not in turn:
+            raise BadRow(f"{where}: missing field '{role_key}'")
+        if text_key not in turn:
+            raise BadRow(f"{where}: missing field '{text_key}'")
+        raw_role = turn[role_key]
+        if key == "conversations":
+            role = SHARE_GPT_ROLES.get(raw_role) if isinstance(raw_role, str) else None
+            allowed = "human/gpt/system"
+        else:
+            role = raw_role if raw_role in OPENAI_ROLES else None
+            allowed = "system/user/assistant"
+        if role is None:
+            raise BadRow(f"{where}.{role_key}: {raw_role!r} is not supported (expected {allowed})")
+        messages.append({"role": role, "content": _text_of(turn[text_key], f"{where}.{text_key}")})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow(f"'{key}' has no assistant turn (nothing to train on)")
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------------
+# messages → token ids + loss mask
+
+def _render(tok, messages, add_generation_prompt):
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tok, messages):
+    """Render the conversation; return (text, [(start, end)) character spans of assistant output]."""
+    try:
+        full = _render(tok, messages, False)
+    except Exception as e:  # templates raise on e.g. non-alternating roles
+        raise BadRow(f"chat template failed: {type(e).__name__}: {e}") from None
+    spans, cursor = [], 0
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        span = None
+        try:
+            prefix = _render(tok, messages[:k], True)
+            upto = _render(tok, messages[:k + 1], False)
+            if upto.startswith(prefix) and full.startswith(upto) and len(prefix) >= cursor:
+                span = (len(prefix), len(upto))
+        except Exception:
+            span = None  # e.g. templates that refuse an empty/partial conversation: use the fallback below
+        if span is None:
+            # Templates that rewrite earlier turns (e.g. drop old reasoning) are not incremental; locate the
+            # message text itself after the previous span and include a directly following eos marker.
+            pos = full.find(m["content"], cursor) if m["content"] else -1
+            if pos < 0:
+                raise BadRow(f"cannot locate assistant message {k} in the rendered chat template")
+            end = pos + len(m["content"])
+            eos = getattr(tok, "eos_token", None)
+            if eos and full.startswith(eos, end):
+                end += len(eos)
+            span = (pos, end)
+        spans.append(span)
+        cursor = span[1]
+    return full, spans
+
+
+def tokenize_with_mask(tok, messages):
+    import numpy as np
+
+    text, spans = assistant_char_spans(tok, messages)
+    if getattr(tok, "is_fast", False):
+        # One tokenization of the whole text (identical to what the model sees); a token is trained on when
+        # it starts inside an assistant span.
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for a, b in spans:
+            mask |= ((starts >= a) & (starts < b)).astype(np.uint8)
+        return ids, mask
+    # Slow tokenizers (e.g. tiktoken-based remote code) have no offsets: encode segment by segment.
+    # Span boundaries sit at role markers, so this matches whole-text tokenization in practice.
+    ids, mask, pos = [], [], 0
+    for a, b in spans:
+        for seg, m in ((text[pos:a], 0), (text[a:b], 1)):
+            if seg:
+                seg_ids = tok.encode(seg, add_special_tokens=False)
+                ids += seg_ids
+                mask += [m] * len(seg_ids)
+        pos = b
+    if text[pos:]:
+        seg_ids = tok.encode(text[pos:], add_special_tokens=False)
+        ids += seg_ids
+        mask += [0] * len(seg_ids)
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def target_vocab_size(model, tok):
+    """Rows of the target's embedding (config vocab_size), never less than the tokenizer's id range."""
+    n = len(tok)
+    try:
+        from kimi_eagle_host.target.model_layers import local_text_config_dict, text_config
+
+        local = local_text_config_dict(model)
+        if local and local.get("vocab_size"):
+            return max(n, int(local["vocab_size"]))
+        from transformers import AutoConfig
+
+        n = max(n, int(text_config(AutoConfig.from_pretrained(model, trust_remote_code=True)).vocab_size))
+    except Exception as e:  # tokenizer-only dirs are fine for prepare
+        log(f"[prepare] note: could not read vocab_size from the model config ({e}); using len(tokenizer)={n}")
+    return n
+
+
+def write_shards(out_dir, samples, shard_size):
+    import numpy as np
+    from safetensors.numpy import save
+
+    shards = []
+    for k, start in enumerate(range(0, len(samples), shard_size)):
+        chunk = samples[start:start + shard_size]
+        lengths = [len(ids) for ids, _, _ in chunk]
+        tensors = {
+            "input_ids": np.concatenate([ids for ids, _, _ in chunk]).astype(np.int64),
+            "loss_mask": np.concatenate([m for _, m, _ in chunk]).astype(np.uint8),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "source_line": np.asarray([line for _, _, line in chunk], dtype=np.int64),
+        }
+        name = f"shard_{k:05d}.safetensors"
+        atomic_write(os.path.join(out_dir, name), save(tensors, metadata={"start": str(start)}))
+        shards.append({"file": name, "start": start, "count": len(chunk)})
+    return shards
+
+
+def run(args):
+    import numpy as np
+
+    from kimi_eagle_host.data.data_sources import resolve
+
+    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
+    if args.seq_len <= 0:
+        raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
+    if args.shard_size <= 0:
+        raise BadInput(f"--shard-size must be positive, got {args.shard_size}")
+    out_dir = args.out or os.path.join(args.output_dir, "prepared")
+
+    # Pass 1, structure only (no transformers import, so a bad file fails in a fraction of a second).
+    # Nothing is written before both passes succeed: with --on-bad-row fail, the output dir is untouched.
+    rows, bad, dropped = [], [], 0
+
+    def bad_row(lineno, err):
+        msg = f"{args.dataset}:{lineno}: {err}"
+        if args.on_bad_row == "fail":
+            raise BadInput(msg + " (use --on-bad-row skip to skip such rows)")
+        log(f"[prepare] skipping {msg}")
+        bad.append({"line": lineno, "error": str(err)})
+
+    with open(args.dataset, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadRow(f"not valid UTF-8 ({e})") from None
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise BadRow(f"invalid JSON ({e})") from None
+                rows.append((lineno, normalize_row(row)))
+            except BadRow as e:
+                bad_row(lineno, e)
+
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    except Exception as e:
+        raise BadInput(f"{args.model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    if not getattr(tok, "chat_template", None):
+        raise BadInput(f"{args.model}: the tokenizer has no chat_template")
+
+    # Pass 2: chat template + tokenization (a template may still reject a row, e.g. non-alternating roles).
+    samples = []
+    for lineno, messages in progress(rows, total=len(rows), desc="prepare"):
+        try:
+            ids, mask = tokenize_with_mask(tok, messages)
+        except BadRow as e:
+            bad_row(lineno, e)
+            continue
+        ids, mask = ids[:args.seq_len], mask[:args.seq_len]
+        if not mask.any():  # everything trainable was truncated away
+            dropped += 1
+            continue
+        samples.append((ids, mask, lineno))
+        if args.max_samples and len(samples) >= args.max_samples:
+            break
+    if not samples:
+        raise BadInput(f"{args.dataset}: no usable samples ({len(bad)} bad rows, {dropped} without assistant tokens "
+                       f"after truncation to {args.seq_len})")
+
+    bad.sort(key=lambda b: b["line"])
+    vocab = target_vocab_size(args.model, tok)
+    freq = np.zeros(vocab, dtype=np.int64)
+    for ids, mask, _ in samples:
+        np.add.at(freq, ids[mask.astype(bool)], 1)
+
+    os.makedirs(out_dir, exist_ok=True)
+    old = {n for n in os.listdir(out_dir) if n.startswith("shard_") and n.endswith(".safetensors")}
+    shards = write_shards(out_dir, samples, args.shard_size)
+    atomic_save_npy(os.path.join(out_dir, "token_freq.npy"), freq)
+    manifest = {
+        "format": FORMAT,
+        "count": len(samples),
+        "model": args.model,
+        "tokenizer_class": type(tok).__name__,
+        "chat_template_sha256": hashlib.sha256(tok.chat_template.encode("utf-8")).hexdigest(),
+        "seq_len": args.seq_len,
+        "source": os.path.abspath(args.dataset),
+        "source_sha256": provenance["sha256"],
+        "dataset": provenance,
+        "vocab_size": vocab,
+        "tokens": int(sum(len(s[0]) for s in samples)),
+        "loss_tokens": int(freq.sum()),
+        "bad_rows": bad[:1000],
+        "skipped_bad_rows": len(bad),
+        "dropped_no_loss_tokens": dropped,
+        "shards": shards,
+        "token_freq": "token_freq.npy",
+    }
+    atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
+    for name in old - {s["file"] for s in shards}:  # leftovers of an earlier, larger run
+        os.unlink(os.path.join(out_dir, name))
+    log(f"[prepare] {len(samples)} samples, {manifest['tokens']} tokens ({manifest['loss_tokens']} trained), "
+        f"{len(bad)} bad rows skipped → {out_dir}")
+    return {"ok": True, "step": "prepare", "out_dir": os.path.abspath(out_dir), "count": len(samples),
+            "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"], "vocab_size": vocab,
+            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="target model dir or id (its tokenizer + chat template are used)")
+    ap.add_argument("--dataset", required=True, help="chat JSONL file")
+    ap.add_argument("--output-dir", default=".", help="pipeline root; writes <output-dir>/prepared/")
+    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/prepared")
+    ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
+    ap.add_argument("--on-bad-row", choices=["fail", "skip"], default="fail",
+                    help="fail (exit 2 naming FILE:LINE) or skip malformed rows (default: fail)")
+    ap.add_argument("--shard-size", type=int, default=10000, help="samples per shard file")
+    ap.add_argument("--max-samples", type=int, default=0, help="stop after this many samples (0 = all)")
+    args = ap.parse_args(argv)
+    return run_step("prepare", run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

