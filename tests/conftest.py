@@ -15,7 +15,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from levels import UNIT, level_of  # noqa: E402
 from sshd import Sshd  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test `unit`, `integration` or `e2e` from tests/levels.py (tests/test_levels.py fails for a test
+    file that has no level there). A unit test that would start the sshd stops the run, naming it."""
+    for item in items:
+        markers = {m.name for m in item.iter_markers()}
+        level = level_of(Path(str(item.fspath)).name, getattr(item, "originalname", item.name), markers)
+        if level is None:
+            continue
+        if level == UNIT and "sshd" in item.fixturenames:
+            raise pytest.UsageError(f"{item.nodeid}: tests/levels.py says unit, but it starts the sshd")
+        item.add_marker(getattr(pytest.mark, level))
 
 
 @pytest.fixture(scope="session")
