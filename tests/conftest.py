@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from levels import UNIT, level_of  # noqa: E402
+# Fixtures of several modules, defined here once: a session-scoped fixture that modules import by name is set up
+# again in each of them (pytest keeps one per definition site).
+from fixtures_speculators import golden_installs, install  # noqa: E402,F401
 from sshd import Sshd  # noqa: E402
 
 
