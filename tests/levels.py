@@ -101,6 +101,11 @@ EXCEPTIONS = {
 }
 
 
+# Tests this table calls unit that start the sshd (filled at collection by conftest.py; tests/test_levels.py fails
+# while it is not empty).
+MISFILED: list[str] = []
+
+
 def level_of(file_name: str, test_name: str, markers: set[str]) -> str | None:
     """The level of test `test_name` (its function's name) of tests/`file_name`; None for a file not in FILES."""
     if markers & set(E2E_MARKERS):

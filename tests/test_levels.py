@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from levels import E2E, E2E_MARKERS, EXCEPTIONS, FILES, LEVELS, UNIT, level_of
+from levels import E2E, E2E_MARKERS, EXCEPTIONS, FILES, LEVELS, MISFILED, UNIT, level_of
 
 TESTS = Path(__file__).resolve().parent
 
@@ -34,3 +34,7 @@ def test_the_slow_tiers_are_end_to_end_wherever_they_are():
 
 def test_collected_tests_carry_their_level(request):
     assert request.node.get_closest_marker(UNIT) is not None
+
+
+def test_no_unit_test_starts_the_sshd():
+    assert not MISFILED, f"these start the sshd: give them `integration` in tests/levels.py's EXCEPTIONS: {MISFILED}"

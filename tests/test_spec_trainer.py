@@ -19,7 +19,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from test_train import REPO, TRAIN, make_pipeline, speculators_site, trained  # noqa: F401  (fixtures)
+from test_train import REPO, TRAIN, make_pipeline
 
 import spec_trainer  # noqa: E402  (on sys.path through test_train)
 
