@@ -136,7 +136,9 @@ HostFolder = Annotated[str, BeforeValidator(_host_folder)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # protected_namespaces: pydantic < 2.10 warns on stderr for fields named model_* (model_source), which would
+    # break bad input's one line
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
 class Pipeline(_Strict):

@@ -19,12 +19,47 @@ sys.path.insert(0, str(REPO))  # this checkout's kimi_eagle and kimi_eagle_host,
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 HOST_PACKAGE = REPO / "kimi_eagle_host"
 
+from levels import INTEGRATION, MISFILED, UNIT, level_of  # noqa: E402
+# Fixtures of several modules, defined here once: a session-scoped fixture that modules import by name is set up
+# again in each of them (pytest keeps one per definition site).
+from fixtures_speculators import golden_installs, install  # noqa: E402,F401
 from sshd import Sshd  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """One full training run on the plain target (test_train.train_once), read by test_train and test_spec_trainer."""
+    from test_train import train_once
+
+    return train_once(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def speculators_site(tmp_path_factory):
+    """speculators 0.9.0 in a throwaway --target dir (test_train.install_speculators_09)."""
+    from test_train import install_speculators_09
+
+    return install_speculators_09(tmp_path_factory)
 
 
 def host_cmd(module: str, *args, python=None) -> list[str]:
     """Run a module of the host package as a host does: `python -m kimi_eagle_host.<module> ARGS`."""
     return [str(python or sys.executable), "-m", f"kimi_eagle_host.{module}", *map(str, args)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test `unit`, `integration` or `e2e` from tests/levels.py (tests/test_levels.py fails for a test
+    file that has no level there). A test the table calls unit but that starts the sshd runs as integration, so the
+    unit run stays fast, and tests/test_levels.py names it (levels.MISFILED)."""
+    for item in items:
+        markers = {m.name for m in item.iter_markers()}
+        level = level_of(Path(str(item.fspath)).name, getattr(item, "originalname", item.name), markers)
+        if level is None:
+            continue
+        if level == UNIT and "sshd" in item.fixturenames:
+            MISFILED.append(item.nodeid)
+            level = INTEGRATION
+        item.add_marker(getattr(pytest.mark, level))
 
 
 @pytest.fixture(scope="session")

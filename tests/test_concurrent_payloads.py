@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import REPO
-from fixtures_speculators import TARGETS, golden_installs, install, tree_hashes  # noqa: F401  (fixtures used by name)
+from fixtures_speculators import TARGETS, tree_hashes
 from test_deploy_patch import _env_for
 
 

@@ -13,9 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, make_env
-from fixtures_speculators import (  # noqa: F401  (fixtures are used by name)
-    PATCH_DIR, TARGETS, golden_installs, install, tree_hashes,
-)
+from fixtures_speculators import PATCH_DIR, TARGETS, tree_hashes
 
 SETS = {"0.3.0": "speculators-0.3.0-vllm-0.16", "0.4.0": "speculators-0.4.0"}
 

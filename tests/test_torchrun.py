@@ -302,12 +302,30 @@ def processes(*files: str):
         yield (int(name), stat[stat.rindex(")") + 2:].split(), *extra)
 
 
-def compiling_in_group(pgid: int) -> bool:
-    """Whether g++ compiles one of torch.compile's kernels (`<hash>.main.cpp` under the Inductor cache; the
-    compiles before those are probes of the CPU's vector ISA, whose failure Inductor tolerates) in process
-    group `pgid`."""
-    return any(int(fields[2]) == pgid and any(a.endswith(b".main.cpp") for a in cmdline.split(b"\0"))
-               for _, fields, cmdline in processes("cmdline"))
+def held_compiler(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A g++ for torch.compile (CXX) that, for one of torch.compile's kernels (`<hash>.main.cpp` under the Inductor
+    cache; the compiles before those are probes of the CPU's vector ISA, whose failure Inductor tolerates), leaves
+    a mark and waits for a release file (at most 120 s) before it becomes the real g++: a signal sent once the mark
+    is there lands while a compiler runs, however fast or loaded the box. Python, not sh: dash unblocks every
+    signal at start, and what is tested is that the compiler inherits the trainer's blocked SIGTERM.
+    Returns (the compiler, the mark, the release file)."""
+    mark, release = tmp_path / "compiling", tmp_path / "compile-on"
+    tool = tmp_path / "bin" / "g++"   # its name says gcc to Inductor, which picks its flags by it
+    tool.parent.mkdir()
+    tool.write_text(f"""#!{sys.executable}
+import os, sys, time
+if any(a.endswith(".main.cpp") for a in sys.argv[1:]):
+    with open({str(mark)!r} + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace({str(mark)!r} + ".part", {str(mark)!r})
+    deadline = time.monotonic() + 120
+    while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+        time.sleep(0.02)
+gxx = {shutil.which("g++") or "g++"!r}
+os.execv(gxx, [gxx, *sys.argv[1:]])
+""")
+    tool.chmod(0o755)
+    return tool, mark, release
 
 
 def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, tmp_path):
@@ -317,15 +335,20 @@ def test_a_stop_while_the_step_compiles_still_saves_a_checkpoint(train_inputs, t
     out = fresh_out(train_inputs, "stop-compiling")
     cmd = [sys.executable, "-m", "kimi_eagle_host.pipeline.train", "--model", str(train_inputs["target"]),
            "--output-dir", str(out), *map(str, TRAIN_ARGS), "--epochs", "50", "--compile", "on"]
-    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}   # cold: the first step compiles
+    compiler, compiling, release = held_compiler(tmp_path)
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),   # cold: the first step compiles
+           "CXX": str(compiler)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=env)
     try:
-        deadline = time.time() + 240
-        while not compiling_in_group(proc.pid) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert proc.poll() is None and compiling_in_group(proc.pid), "no compiler seen in the job's group"
+        deadline = time.monotonic() + 240
+        while not compiling.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)   # the mark stays: no compile can start and end between two looks
+        assert proc.poll() is None and compiling.exists(), "no compiler seen in the job's group"
+        compiler_pid = int(compiling.read_text())
+        assert os.getpgid(compiler_pid) == proc.pid   # the compiler runs in the group the stop signals
         os.killpg(proc.pid, signal.SIGTERM)  # what `kimi-eagle stop` does
+        release.touch()   # the compiler goes on, unless the signal ended it
         stdout, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -133,9 +133,9 @@ def read_export(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((exp / "config.json").read_text()), load_file(str(exp / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One full training run on the plain target, shared by the learning/export tests."""
+def train_once(tmp_path_factory):
+    """One full training run on the plain target, shared by the learning/export tests (the session fixture
+    `trained`, tests/conftest.py)."""
     root = tmp_path_factory.mktemp("trained")
     p = make_pipeline(root)
     rc, doc = run_train(p, "--epochs", "25", "--save-every", "40")
@@ -380,9 +380,8 @@ SPEC_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="session")
-def speculators_site(tmp_path_factory):
-    """speculators 0.9.0 (+ loguru, which its weight loader imports, and hs-connectors, which its train config
+def install_speculators_09(tmp_path_factory):
+    """The session fixture `speculators_site` (tests/conftest.py): speculators 0.9.0 (+ loguru, which its weight loader imports, and hs-connectors, which its train config
     reads) in a throwaway --target dir."""
     site = tmp_path_factory.mktemp("spec09")
     pkgs = []
