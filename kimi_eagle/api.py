@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import interrupts
 from .errors import ConfigError, KimiEagleError
 from .parallel import HostOutcome, each_host
 
@@ -283,10 +284,11 @@ class Controller:
         except BaseException:
             session.close()
             raise
-        if not keep_session:
-            session.close()
-            session = None
-        return Started(h.name, job, session)
+        with interrupts.naming_job(h.name, job.id, step):  # started and recorded: a Ctrl-C from here names it
+            if not keep_session:
+                session.close()
+                session = None
+            return Started(h.name, job, session)
 
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
                       notify: Notify) -> None:
@@ -381,17 +383,19 @@ class Controller:
 
     def stop(self, job_id: str, host: str | None = None, grace: float = 10.0) -> Stopped:
         """SIGTERM to the job's whole process group (Slurm: scancel --signal=TERM), SIGKILL after `grace`."""
-        from . import backend
+        from . import backend, jobs
         from .host import HostSession
 
+        jobs.check_grace(grace)
         h = self.job_host(job_id, host)
         with HostSession(h) as session:
             return Stopped(h.name, job_id, backend.for_host(h).stop(session, job_id, grace))
 
     def stop_group(self, group_job, grace: float = 10.0) -> list[HostOutcome]:
         """Every member's job, in parallel (HostOutcome values: Stopped)."""
-        from . import groupjobs
+        from . import groupjobs, jobs
 
+        jobs.check_grace(grace)
         g = self.group_job(group_job)
         members = {m.host: m.job_id for m in g.members}
         outcomes = groupjobs.stop(self.inventory, g, grace)

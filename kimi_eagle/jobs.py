@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import pipeline, render, job_layout
+from . import interrupts, pipeline, render, job_layout
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import RUNS, HostSession
 from .shell import join
@@ -18,8 +18,9 @@ from .shell import join
 # What `logs --follow` and `status` exit with, by job state (documented in the README).
 # `pending`: queued by a scheduler (Slurm), not started yet.
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "pending": EXIT_RUNNING,
-              "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED}
-TERMINAL = {"succeeded", "failed", "stopped", "lost"}
+              "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED,
+              "unreadable": EXIT_FAILED}  # its meta.json is not readable JSON: shown with its id, others unaffected
+TERMINAL = {"succeeded", "failed", "stopped", "lost", "unreadable"}
 
 
 class LockHeld(KimiEagleError):
@@ -75,6 +76,16 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+MAX_GRACE_S = 3600.0  # ops/jobctl.py's bound: a stop waits at most an hour between SIGTERM and SIGKILL
+
+
+def check_grace(grace: float) -> float:
+    """`stop --grace`: finite seconds from 0 to an hour, else a ConfigError (nan, inf, 1e308 would never end)."""
+    if not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_GRACE_S:  # false for nan as well
+        raise ConfigError(f"--grace {grace}: seconds between SIGTERM and SIGKILL, from 0 to {MAX_GRACE_S:g}")
+    return float(grace)
+
+
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
                shape: job_layout.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
@@ -124,24 +135,51 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
     record = {f"{RUNS}/{job_id}/{name}": t for name, t in pipeline.output_record(step, session).items()}
-    session.upload_scripts({rel: text, **record})
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):
         args.append("--gpu")
-    code, data = _jobctl(session, args)
-    if not data.get("started"):
-        held = data.get("held_by") or {}
-        if held:
-            session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
-            raise _lock_held(session, held)
-        raise CommandError(f"{session.name}: job did not start: {data}")
-    remember(job_id, session.name)
-    return Job.from_host(session.name, data)
+    # From the job's folder to its id in jobs.json, Ctrl-C waits: before jobctl's start it cancels the start and
+    # removes the folder; after, the job is recorded and named (exit 130). Never a job running untracked.
+    with interrupts.deferred() as interrupted:
+        try:
+            session.upload_scripts({rel: text, **record})
+        except BaseException:
+            _remove_job_dir(session, job_id)
+            raise
+        if interrupted:
+            _remove_job_dir(session, job_id)
+            raise KeyboardInterrupt
+        code, data = _jobctl(session, args)
+        if not data.get("started"):
+            _remove_job_dir(session, job_id)
+            held = data.get("held_by") or {}
+            if held:
+                raise _lock_held(session, held)
+            raise CommandError(f"{session.name}: job did not start: {data}")
+        remember(job_id, session.name)
+    job = Job.from_host(session.name, data)
+    if interrupted:
+        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+    return job
+
+
+def _remove_job_dir(session: HostSession, job_id: str) -> None:
+    """The folder of a job that did not start (best effort: a dropped connection leaves it, never a job)."""
+    try:
+        session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
+    except Exception:  # noqa: BLE001 - the start's own error is the one to report
+        pass
 
 
 def _lock_held(session: HostSession, held: dict) -> LockHeld:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at", 0)))
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at") or 0))
+    workdir = held.get("workdir")
+    if held.get("other_workdir"):
+        # The GPUs are the machine's: a job of another workdir (another inventory entry) holds them.
+        return LockHeld(f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) of "
+                        f"workdir {workdir} on this machine is running; stop it first, from the inventory entry "
+                        f"that started it")
     return LockHeld(
         f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
         f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"

@@ -190,7 +190,7 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
                                 *(b.rel for b in result.found)])
     if data.get("busy"):
         b = data["busy"][0]
-        raise _busy(session, run, b["id"], b.get("step"), b["state"])
+        raise _busy(session, run, b["id"], b.get("step"), b["state"], b.get("workdir") if b.get("other_workdir") else None)
     if not data.get("ok"):
         raise CommandError(f"{session.name}: clean_run.py: {data.get('error') or data}")
     result.removed = data["removed"]
@@ -198,6 +198,11 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
     return result
 
 
-def _busy(session: HostSession, run: RunDir, job_id: str, step, state: str) -> CommandError:
+def _busy(session: HostSession, run: RunDir, job_id: str, step, state: str, workdir: str | None = None) -> CommandError:
+    if workdir:
+        # a job of another workdir (another inventory entry) on the same machine: its claim is the machine's
+        return CommandError(f"{session.name}: job {job_id} ({step}) of workdir {workdir} on this machine is {state} "
+                            f"on {run.path}; nothing was removed. Wait for it, or stop it from the inventory entry "
+                            f"that started it")
     return CommandError(f"{session.name}: job {job_id} ({step}) is {state} on {run.path}; nothing was removed. "
                         f"Wait for it, or stop it: kimi-eagle stop {job_id} --host {session.name}")

@@ -18,6 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sshd import Sshd  # noqa: E402
 
 
+def pytest_configure(config):
+    # The machine's claims and GPU lock (ops/machine_claims.py) live per user, in ~/.cache; a test session keeps
+    # its own, so that it neither sees nor blocks another session's jobs. Local hosts and the CLI inherit it;
+    # the sshd sets the same for its sessions (tests/sshd.py).
+    import tempfile
+
+    os.environ.setdefault("KIMI_EAGLE_MACHINE_DIR", tempfile.mkdtemp(prefix="kimi-eagle-machine-"))
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     server = Sshd(tmp_path_factory.mktemp("sshd")).start()
