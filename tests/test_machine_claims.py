@@ -147,3 +147,14 @@ def test_one_unreadable_job_record_hides_no_other_job(tmp_path, sshd):
     assert states["20260101-000000-exec-bad1"] == states["20260101-000000-exec-bad2"] == "unreadable"
     r = env.cli("status", "20260101-000000-exec-bad1", "--host", "gpu")
     assert "Traceback" not in r.stderr and "unreadable" in r.stdout + r.stderr, (r.stdout, r.stderr)
+
+
+def test_flags_that_move_a_steps_outputs_are_refused_after_the_double_dash(tmp_path, sshd):
+    """The job records its output folder (clean and pull rely on it): a flag that would send the outputs elsewhere,
+    unrecorded, is one line and nothing reaches the host."""
+    env = make_env(tmp_path, sshd, extra=PIPELINE)
+    for flags in (["--output-dir", str(tmp_path / "out2")], [f"--output-dir={tmp_path / 'out2'}"],
+                  ["--out", str(tmp_path / "hs")], ["--output", str(tmp_path / "out2")]):
+        line = one_line_usage_error(env.cli("run", "prepare", "--host", "gpu", "--no-preflight", "--", *flags))
+        assert flags[0] in line and "output_dir" in line, line
+    assert not (env.workdir / "runs").exists()
