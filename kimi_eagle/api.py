@@ -33,6 +33,14 @@ def _quiet(text: str, style: str | None = None) -> None:
     pass
 
 
+# `logs --tail N`: more lines than any log holds means all of them; the host's `tail` refuses numbers past 2**64.
+MAX_TAIL_LINES = 10**15
+
+
+def _lines(tail: int | None) -> int | None:
+    return None if tail is None else min(int(tail), MAX_TAIL_LINES)
+
+
 @dataclass
 class HostRow:
     name: str
@@ -338,6 +346,7 @@ class Controller:
         from . import backend
 
         h = self.job_host(job_id, host)
+        tail = _lines(tail)
         result = backend.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
                                             follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
         return Followed(result.job, result.reconnects)
@@ -349,7 +358,7 @@ class Controller:
         from . import groupjobs
 
         g = self.group_job(group_job)
-        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=tail, on_reconnect=on_reconnect,
+        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=_lines(tail), on_reconnect=on_reconnect,
                                    hosts=hosts)
         errors = {h: r for h, r in results.items() if isinstance(r, Exception)}
         return self.group_status(g), errors

@@ -158,3 +158,11 @@ def test_flags_that_move_a_steps_outputs_are_refused_after_the_double_dash(tmp_p
         line = one_line_usage_error(env.cli("run", "prepare", "--host", "gpu", "--no-preflight", "--", *flags))
         assert flags[0] in line and "output_dir" in line, line
     assert not (env.workdir / "runs").exists()
+
+
+def test_logs_tail_past_what_the_host_counts_means_every_line(tmp_path, sshd):
+    env = make_env(tmp_path, sshd)
+    job = start(env, "gpu", "bash", "-c", "echo one; echo two")
+    assert wait_state(env, job["id"], "gpu", {"succeeded"})["state"] == "succeeded"
+    r = env.cli("logs", job["id"], "--host", "gpu", "--tail", "99999999999999999999999")
+    assert r.code == 0 and "one" in r.stdout and "two" in r.stdout and "Traceback" not in r.stderr, (r.stdout, r.stderr)
