@@ -264,9 +264,15 @@ class Controller:
         inv = self.inventory
         if host:
             return inv.one(host)
-        remembered = jobs.host_of(job_id)
-        if remembered and remembered in inv.hosts:
-            return inv.hosts[remembered]
+        record = jobs.recorded(job_id)
+        if record:
+            named = inv.hosts.get(record["host"])
+            if named is not None and (not record["where"] or jobs.host_identity(named) == record["where"]):
+                return named
+            # started here through another inventory (file) whose entry for the same machine has another name
+            same = [h for h in inv.hosts.values() if record["where"] and jobs.host_identity(h) == record["where"]]
+            if len(same) == 1:
+                return same[0]
         if len(inv.hosts) == 1:
             return next(iter(inv.hosts.values()))
         raise ConfigError(f"job {job_id}: not started from this machine; name its host with --host")

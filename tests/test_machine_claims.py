@@ -166,3 +166,33 @@ def test_logs_tail_past_what_the_host_counts_means_every_line(tmp_path, sshd):
     assert wait_state(env, job["id"], "gpu", {"succeeded"})["state"] == "succeeded"
     r = env.cli("logs", job["id"], "--host", "gpu", "--tail", "99999999999999999999999")
     assert r.code == 0 and "one" in r.stdout and "two" in r.stdout and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_a_job_started_through_another_inventory_file_is_found_by_this_one(tmp_path, sshd):
+    """Two inventory files name the same machine and workdir differently (`gpu` here, `blackwell` there): a job
+    started through the other is this machine's job, found without --host, by logs and clean alike."""
+    env = make_env(tmp_path, sshd, extra=PIPELINE)
+    other = tmp_path / "other-inventory.yaml"
+    other.write_text(env.inventory.read_text().replace("\n  gpu:\n", "\n  blackwell:\n", 1))
+    cli_env = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([PY, "-m", "kimi_eagle", "--inventory", str(other), "--json", "run", "vocab", "--host",
+                        "blackwell", "--detach", "--no-preflight", "--no-gpu", "--", "--help"],
+                       env=cli_env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    job = json.loads(p.stdout)["id"]
+    r = env.cli("logs", job, "--follow")
+    assert r.code == 0 and "not started from this machine" not in r.stderr, r.stderr
+    r = env.cli("clean", job, "--dry-run")
+    assert r.code == 0 and "not started from this machine" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_jobs_started_from_several_terminals_at_once_all_stay_recorded(tmp_path):
+    """Real concurrent processes recording jobs in this machine's index (jobs.json): none is lost."""
+    code = ("import sys\nfrom kimi_eagle import jobs\n"
+            "for i in range(25):\n    jobs.remember(f'{sys.argv[1]}-{i}', 'gpu')\n")
+    cli_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([PY, "-c", code, f"t{n}"], env=cli_env) for n in range(6)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    index = json.loads((tmp_path / "kimi-eagle" / "jobs.json").read_text())
+    missing = [f"t{n}-{i}" for n in range(6) for i in range(25) if f"t{n}-{i}" not in index]
+    assert not missing, missing
