@@ -24,7 +24,17 @@ def pytest_configure(config):
     # the sshd sets the same for its sessions (tests/sshd.py).
     import tempfile
 
-    os.environ.setdefault("KIMI_EAGLE_MACHINE_DIR", tempfile.mkdtemp(prefix="kimi-eagle-machine-"))
+    if "KIMI_EAGLE_MACHINE_DIR" not in os.environ:
+        config._kimi_eagle_machine_dir = os.environ["KIMI_EAGLE_MACHINE_DIR"] = tempfile.mkdtemp(
+            prefix="kimi-eagle-machine-")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    made = getattr(config, "_kimi_eagle_machine_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
