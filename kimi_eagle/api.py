@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import interrupts
 from .errors import ConfigError, KimiEagleError
 from .parallel import HostOutcome, each_host
 
@@ -30,6 +31,14 @@ Notify = Callable[[str, Optional[str]], None]
 
 def _quiet(text: str, style: str | None = None) -> None:
     pass
+
+
+# `logs --tail N`: more lines than any log holds means all of them; the host's `tail` refuses numbers past 2**64.
+MAX_TAIL_LINES = 10**15
+
+
+def _lines(tail: int | None) -> int | None:
+    return None if tail is None else min(int(tail), MAX_TAIL_LINES)
 
 
 @dataclass
@@ -256,9 +265,15 @@ class Controller:
         inv = self.inventory
         if host:
             return inv.one(host)
-        remembered = jobs.host_of(job_id)
-        if remembered and remembered in inv.hosts:
-            return inv.hosts[remembered]
+        record = jobs.recorded(job_id)
+        if record:
+            named = inv.hosts.get(record["host"])
+            if named is not None and (not record["where"] or jobs.host_identity(named) == record["where"]):
+                return named
+            # started here through another inventory (file) whose entry for the same machine has another name
+            same = [h for h in inv.hosts.values() if record["where"] and jobs.host_identity(h) == record["where"]]
+            if len(same) == 1:
+                return same[0]
         if len(inv.hosts) == 1:
             return next(iter(inv.hosts.values()))
         raise ConfigError(f"job {job_id}: not started from this machine; name its host with --host")
@@ -284,10 +299,11 @@ class Controller:
         except BaseException:
             session.close()
             raise
-        if not keep_session:
-            session.close()
-            session = None
-        return Started(h.name, job, session)
+        with interrupts.naming_job(h.name, job.id, step):  # started and recorded: a Ctrl-C from here names it
+            if not keep_session:
+                session.close()
+                session = None
+            return Started(h.name, job, session)
 
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
                       notify: Notify) -> None:
@@ -337,6 +353,7 @@ class Controller:
         from . import backend
 
         h = self.job_host(job_id, host)
+        tail = _lines(tail)
         result = backend.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
                                             follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
         return Followed(result.job, result.reconnects)
@@ -348,7 +365,7 @@ class Controller:
         from . import groupjobs
 
         g = self.group_job(group_job)
-        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=tail, on_reconnect=on_reconnect,
+        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=_lines(tail), on_reconnect=on_reconnect,
                                    hosts=hosts)
         errors = {h: r for h, r in results.items() if isinstance(r, Exception)}
         return self.group_status(g), errors
@@ -382,17 +399,19 @@ class Controller:
 
     def stop(self, job_id: str, host: str | None = None, grace: float = 10.0) -> Stopped:
         """SIGTERM to the job's whole process group (Slurm: scancel --signal=TERM), SIGKILL after `grace`."""
-        from . import backend
+        from . import backend, jobs
         from .host import HostSession
 
+        jobs.check_grace(grace)
         h = self.job_host(job_id, host)
         with HostSession(h) as session:
             return Stopped(h.name, job_id, backend.for_host(h).stop(session, job_id, grace))
 
     def stop_group(self, group_job, grace: float = 10.0) -> list[HostOutcome]:
         """Every member's job, in parallel (HostOutcome values: Stopped)."""
-        from . import groupjobs
+        from . import groupjobs, jobs
 
+        jobs.check_grace(grace)
         g = self.group_job(group_job)
         members = {m.host: m.job_id for m in g.members}
         outcomes = groupjobs.stop(self.inventory, g, grace)

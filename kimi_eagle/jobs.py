@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import pipeline, render, job_layout
+from . import interrupts, pipeline, render, job_layout
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import PAYLOADS, RUNS, HostSession
 from .shell import join
@@ -18,8 +18,9 @@ from .shell import join
 # What `logs --follow` and `status` exit with, by job state (documented in the README).
 # `pending`: queued by a scheduler (Slurm), not started yet.
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "pending": EXIT_RUNNING,
-              "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED}
-TERMINAL = {"succeeded", "failed", "stopped", "lost"}
+              "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED,
+              "unreadable": EXIT_FAILED}  # its meta.json is not readable JSON: shown with its id, others unaffected
+TERMINAL = {"succeeded", "failed", "stopped", "lost", "unreadable"}
 
 
 class LockHeld(KimiEagleError):
@@ -75,6 +76,16 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+MAX_GRACE_S = 3600.0  # ops/jobs.py's bound: a stop waits at most an hour between SIGTERM and SIGKILL
+
+
+def check_grace(grace: float) -> float:
+    """`stop --grace`: finite seconds from 0 to an hour, else a ConfigError (nan, inf, 1e308 would never end)."""
+    if not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_GRACE_S:  # false for nan as well
+        raise ConfigError(f"--grace {grace}: seconds between SIGTERM and SIGKILL, from 0 to {MAX_GRACE_S:g}")
+    return float(grace)
+
+
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
                shape: job_layout.Shape | None = None) -> tuple[str, str]:
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
@@ -125,24 +136,51 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
     session.deploy_payloads()
     record = {f"{RUNS}/{job_id}/{name}": t for name, t in pipeline.output_record(step, session).items()}
-    session.upload_scripts({rel: text, **record})
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):
         args.append("--gpu")
-    code, data = _jobctl(session, args)
-    if not data.get("started"):
-        held = data.get("held_by") or {}
-        if held:
-            session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
-            raise _lock_held(session, held)
-        raise CommandError(f"{session.name}: job did not start: {data}")
-    remember(job_id, session.name)
-    return Job.from_host(session.name, data)
+    # From the job's folder to its id in jobs.json, Ctrl-C waits: before jobctl's start it cancels the start and
+    # removes the folder; after, the job is recorded and named (exit 130). Never a job running untracked.
+    with interrupts.deferred() as interrupted:
+        try:
+            session.upload_scripts({rel: text, **record})
+        except BaseException:
+            _remove_job_dir(session, job_id)
+            raise
+        if interrupted:
+            _remove_job_dir(session, job_id)
+            raise KeyboardInterrupt
+        code, data = _jobctl(session, args)
+        if not data.get("started"):
+            _remove_job_dir(session, job_id)
+            held = data.get("held_by") or {}
+            if held:
+                raise _lock_held(session, held)
+            raise CommandError(f"{session.name}: job did not start: {data}")
+        remember(job_id, session.name, host_identity(session.host))
+    job = Job.from_host(session.name, data)
+    if interrupted:
+        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+    return job
+
+
+def _remove_job_dir(session: HostSession, job_id: str) -> None:
+    """The folder of a job that did not start (best effort: a dropped connection leaves it, never a job)."""
+    try:
+        session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))
+    except Exception:  # noqa: BLE001 - the start's own error is the one to report
+        pass
 
 
 def _lock_held(session: HostSession, held: dict) -> LockHeld:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at", 0)))
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at") or 0))
+    workdir = held.get("workdir")
+    if held.get("other_workdir"):
+        # The GPUs are the machine's: a job of another workdir (another inventory entry) holds them.
+        return LockHeld(f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) of "
+                        f"workdir {workdir} on this machine is running; stop it first, from the inventory entry "
+                        f"that started it")
     return LockHeld(
         f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
         f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"
@@ -180,21 +218,48 @@ def _index_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "kimi-eagle" / "jobs.json"
 
 
-def remember(job_id: str, host: str) -> None:
-    p = _index_path()
+def host_identity(host) -> dict:
+    """What names one machine and workdir whatever an inventory calls it: another inventory file's entry for the
+    same place finds the jobs started through this one."""
+    return {"transport": host.transport, "address": host.address, "port": host.port, "user": host.user,
+            "workdir": host.workdir}
+
+
+def _read_index(p: Path) -> dict:
     try:
         index = json.loads(p.read_text()) if p.exists() else {}
     except (OSError, ValueError):
         index = {}
-    index[job_id] = host
+    return index if isinstance(index, dict) else {}
+
+
+def remember(job_id: str, host: str, identity: dict | None = None) -> None:
+    """Record the job's host (and where that host is). Under a lock: two terminals starting jobs at once both
+    stay recorded (a read-modify-write without it lost one)."""
+    import fcntl
+
+    p = _index_path()
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dict(list(index.items())[-500:])))
-    os.replace(tmp, p)
+    with open(p.with_name(p.name + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = _read_index(p)
+        index.pop(job_id, None)
+        index[job_id] = {"host": host, "where": identity} if identity else host
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dict(list(index.items())[-500:])))
+        os.replace(tmp, p)
+
+
+def recorded(job_id: str) -> dict | None:
+    """{"host": name, "where": host_identity or None} of a job started from this machine, else None."""
+    value = _read_index(_index_path()).get(job_id)
+    if isinstance(value, str):
+        return {"host": value, "where": None}
+    if isinstance(value, dict) and isinstance(value.get("host"), str):
+        return {"host": value["host"], "where": value.get("where")}
+    return None
 
 
 def host_of(job_id: str) -> str | None:
-    try:
-        return json.loads(_index_path().read_text()).get(job_id)
-    except (OSError, ValueError):
-        return None
+    record = recorded(job_id)
+    return record["host"] if record else None

@@ -91,6 +91,7 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
         model = str(expand(pipeline.model))
         steps.append(Step("model", [*module_argv("pipeline.models"), "--source", pipeline.model_source, "--out", model],
                           unless_exists=f"{model}/config.json"))
+    refuse_output_flags(step, extra)
     step_flags.validate(names[0], extra)  # a typo is refused here, before anything is rendered or uploaded
     for n in names:
         argv = [*module_argv(f"pipeline.{n}"), *step_args(n, pipeline),
@@ -99,6 +100,15 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
             argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
     return steps
+
+
+def refuse_output_flags(step: str, extra: list[str]) -> None:
+    """A step's outputs go where the job records them (output_dir): `clean` and `pull` find them by that record.
+    `--output-dir`/`--out` after `--` (or an abbreviation argparse would take) would move them unrecorded."""
+    moved = [a for a in extra if a.split("=", 1)[0].startswith("--out")]
+    if moved:
+        raise ConfigError(f"`run {step} -- {moved[0]}`: the output folder is a setting, not a step flag; set "
+                          "output_dir=DIR (an override or `output_dir:` in the recipe), so that the job records it")
 
 
 def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]:

@@ -25,17 +25,32 @@ KEPT = ("draft/export", "eval", "runs", "tracking")  # what `pull` brings back, 
 BULKY = ("hidden_states", "draft/checkpoints")  # what `clean` removes: terabytes at Kimi's size
 JOB_FILES = ("log", "meta.json", "exit_code", "headline")  # a job's own record, from <workdir>/runs/<job>/
 
-# Lists what `pull` takes: [host path, local path, size]. Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
+# Outputs that one job writes for the whole folder, and the file in them that names the job (train's
+# training_info.json, eval's report.json): `pull JOB` takes them only when JOB wrote them.
+OWNED = {"draft/export": "training_info.json", "eval": "report.json"}
+
+# Lists what `pull` takes: {"files": [[host path, local path, size]], "skipped": [[folder, writer or null]]}.
+# Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
 _LIST = r"""
 import json, os, sys
 root, runs, job = sys.argv[1], sys.argv[2], sys.argv[3]
-subs, job_files = sys.argv[4].split(","), sys.argv[5].split(",")
-out = []
+subs, job_files, owned = sys.argv[4].split(","), sys.argv[5].split(","), json.loads(sys.argv[6])
+out, skipped = [], []
 def add(path, rel):
     if os.path.isfile(path) and not os.path.basename(path).startswith("."):
         out.append([path, rel, os.path.getsize(path)])
+def writer(s):
+    try:
+        with open(os.path.join(root, s, owned[s]), "rb") as f:
+            found = json.loads(f.read().decode())
+        return found.get("job_id") if isinstance(found, dict) else None
+    except (OSError, ValueError):
+        return None
 for s in subs:
     base = os.path.join(root, s)
+    if job and s in owned and os.path.isdir(base) and writer(s) != job:
+        skipped.append([s, writer(s)])
+        continue
     for d, dirs, files in os.walk(base):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
         for f in sorted(files):
@@ -50,7 +65,7 @@ for j in ids:
     if mine or j == job:
         for name in job_files:
             add(os.path.join(runs, j, name), os.path.join("logs", j, name))
-print(json.dumps(out))
+print(json.dumps({"files": out, "skipped": skipped}))
 """
 
 
@@ -128,11 +143,13 @@ def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
     """Copy the run's export, reports, recorded settings, tensorboard events and job logs into `dest`."""
     subs = ["draft/export", "eval"]
     subs += [f"runs/{run.job_id}", f"tracking/{run.job_id}"] if run.job_id else ["runs", "tracking"]
-    files = _json_of(session, _LIST, [run.path, session.path(RUNS), run.job_id or "", ",".join(subs), ",".join(JOB_FILES)],
-                     "listing the run's files")
-    if not files:
+    listed = _json_of(session, _LIST, [run.path, session.path(RUNS), run.job_id or "", ",".join(subs),
+                                       ",".join(JOB_FILES), json.dumps(OWNED)], "listing the run's files")
+    if not listed["files"]:
         raise CommandError(f"{session.name}:{run.path}: nothing to pull (no export, report or log there yet)")
-    return sync.fetch(session.transport, [tuple(f) for f in files], dest)
+    report = sync.fetch(session.transport, [tuple(f) for f in listed["files"]], dest)
+    report.skipped = [tuple(s) for s in listed["skipped"]]
+    return report
 
 
 def measure(session: HostSession, run: RunDir) -> list[Bulky]:
@@ -150,7 +167,7 @@ def _clean_run(session: HostSession, args: list[str]) -> dict:
     try:
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        raise CommandError(f"{session.name}: clean_run.py failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
+        raise CommandError(f"{session.name}: ops.clean failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
                            result=res) from None
 
 
@@ -190,14 +207,19 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
                                 *(b.rel for b in result.found)])
     if data.get("busy"):
         b = data["busy"][0]
-        raise _busy(session, run, b["id"], b.get("step"), b["state"])
+        raise _busy(session, run, b["id"], b.get("step"), b["state"], b.get("workdir") if b.get("other_workdir") else None)
     if not data.get("ok"):
-        raise CommandError(f"{session.name}: clean_run.py: {data.get('error') or data}")
+        raise CommandError(f"{session.name}: ops.clean: {data.get('error') or data}")
     result.removed = data["removed"]
     result.gone_before = [b.rel for b in result.found if b.rel not in {f[0] for f in data["found"]}]
     return result
 
 
-def _busy(session: HostSession, run: RunDir, job_id: str, step, state: str) -> CommandError:
+def _busy(session: HostSession, run: RunDir, job_id: str, step, state: str, workdir: str | None = None) -> CommandError:
+    if workdir:
+        # a job of another workdir (another inventory entry) on the same machine: its claim is the machine's
+        return CommandError(f"{session.name}: job {job_id} ({step}) of workdir {workdir} on this machine is {state} "
+                            f"on {run.path}; nothing was removed. Wait for it, or stop it from the inventory entry "
+                            f"that started it")
     return CommandError(f"{session.name}: job {job_id} ({step}) is {state} on {run.path}; nothing was removed. "
                         f"Wait for it, or stop it: kimi-eagle stop {job_id} --host {session.name}")

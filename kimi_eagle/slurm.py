@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from . import pipeline, render, job_layout, sync
 from .errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from .host import PAYLOADS, RUNS, HostSession
-from .jobs import Job, check_job_id, new_job_id, remember
+from .jobs import Job, check_job_id, host_identity, new_job_id, remember
 from .shell import join, quote
 
 # squeue states in which a task still holds or waits for resources.
@@ -156,7 +156,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     if res.exited != 0:
         raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
                            result=res)
-    remember(job_id, session.name)
+    remember(job_id, session.name, host_identity(session.host))
     return status(session, job_id)[0]
 
 

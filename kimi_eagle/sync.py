@@ -368,6 +368,7 @@ class FetchReport:
     changed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     bytes_received: int = 0
+    skipped: list = field(default_factory=list)  # (folder, the job that wrote it or None): not this job's output
 
     def rows(self):
         return [(p, "changed") for p in self.changed] + [(p, "unchanged") for p in self.unchanged]

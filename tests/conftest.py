@@ -26,6 +26,25 @@ from fixtures_speculators import golden_installs, install  # noqa: E402,F401
 from sshd import Sshd  # noqa: E402
 
 
+def pytest_configure(config):
+    # The machine's claims and GPU lock (ops/machine_claims.py) live per user, in ~/.cache; a test session keeps
+    # its own, so that it neither sees nor blocks another session's jobs. Local hosts and the CLI inherit it;
+    # the sshd sets the same for its sessions (tests/sshd.py).
+    import tempfile
+
+    if "KIMI_EAGLE_MACHINE_DIR" not in os.environ:
+        config._kimi_eagle_machine_dir = os.environ["KIMI_EAGLE_MACHINE_DIR"] = tempfile.mkdtemp(
+            prefix="kimi-eagle-machine-")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    made = getattr(config, "_kimi_eagle_machine_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """One full training run on the plain target (test_train.train_once), read by test_train and test_spec_trainer."""

@@ -47,6 +47,7 @@ FILES = {
     "test_levels.py": UNIT,
     "test_logview.py": UNIT,
     "test_loopback_host.py": INTEGRATION,
+    "test_machine_claims.py": INTEGRATION,
     "test_packaging.py": INTEGRATION,
     "test_patch_engine.py": INTEGRATION,   # real speculators wheels installed with pip
     "test_pipeline_data.py": INTEGRATION,
@@ -61,6 +62,7 @@ FILES = {
     "test_render_and_upload.py": INTEGRATION,
     "test_render_extras.py": UNIT,
     "test_report_plot.py": UNIT,
+    "test_start_interrupt.py": INTEGRATION,
     "test_slurm.py": E2E,
     "test_slurm_inventory.py": UNIT,
     "test_slurm_truth.py": E2E,

@@ -54,6 +54,8 @@ LogLevel ERROR
 MaxSessions 50
 MaxStartups 50:30:100
 Subsystem sftp internal-sftp
+# This test session's machine registry (claims, GPU lock), not the real user's: see ops/machine_claims.py
+SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine
 {extra}
 """
         )

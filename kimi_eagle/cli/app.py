@@ -98,6 +98,12 @@ def _global_flags_first(argv: List[str]) -> List[str]:
     return ["--json"] + [a for a in argv[:end] if a != "--json"] + argv[end:]
 
 
+def _say_started(interrupt) -> None:
+    """Ctrl-C that came while a job was starting, after it started (interrupts.StartInterrupted): name the job."""
+    if getattr(interrupt, "message", None):
+        console_ui().error(interrupt.message)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = _global_flags_first(list(sys.argv[1:] if argv is None else argv))
     state.argv = argv
@@ -106,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     except KimiEagleError as e:
         console_ui().error(str(e))
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        _say_started(e)
         sys.exit(130)
     except Exception as e:
         kind = _click_kind(e)
@@ -121,6 +128,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             console_ui().error("aborted")
             sys.exit(EXIT_FAILED)
         if kind == "exit":
+            _say_started(e.__cause__)  # typer turns Ctrl-C into Exit(130)
             sys.exit(e.exit_code)
         if kind == "click":
             console_ui().error(e.format_message())

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from .. import interrupts
 from ..errors import EXIT_RUNNING, ConfigError
 from ..parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
@@ -116,21 +117,30 @@ def run(
         return _run_group(step, group, extra, shard_by=shard_by, mode=mode, detach=detach, reset_gpus=reset_gpus,
                           no_preflight=no_preflight, gpu=gpu)
     ui = console_ui()
-    started = state.api.run(step, host, extra, reset_gpus=reset_gpus, preflight=not no_preflight, gpu=gpu,
-                            notify=_notifier(ui), keep_session=not detach)
-    job = started.job
+    try:
+        started = state.api.run(step, host, extra, reset_gpus=reset_gpus, preflight=not no_preflight, gpu=gpu,
+                                notify=_notifier(ui), keep_session=not detach)
+        job = started.job
+        with interrupts.naming_job(started.host, job.id, step):  # a Ctrl-C before the id is shown still names it
+            _show_started(ui, started.host, job, step, detach)
+    except interrupts.StartInterrupted as e:  # the job started and is recorded: say which, exit as interrupted
+        ui.error(e.message)
+        raise typer.Exit(130) from None
+    if detach:
+        return
+    _follow_and_exit(job.id, started.host, follow=True, tail=None, session=started.session)
+
+
+def _show_started(ui, host: str, job, step: str, detach: bool) -> None:
     if state.json and detach:
         ui.emit_json(job.as_dict())
     elif state.json:
         ui.emit_json_line({"started": job.as_dict()})  # the first record of the followed run's JSON Lines
     else:
         where = f"Slurm job {job.extra['slurm_job_id']}, " if job.extra.get("slurm_job_id") else ""
-        ui.note(f"[{started.host}] started job {job.id} ({step}), {where}log {job.log}")
-    if detach:
-        if not state.json:
-            ui.line(job.id)
-        return
-    _follow_and_exit(job.id, started.host, follow=True, tail=None, session=started.session)
+        ui.note(f"[{host}] started job {job.id} ({step}), {where}log {job.log}")
+    if detach and not state.json:
+        ui.line(job.id)
 
 
 def _notifier(ui):

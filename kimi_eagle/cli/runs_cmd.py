@@ -30,9 +30,13 @@ def pull(
     ui = console_ui()
     if state.json:
         return ui.emit_json({"host": h, "run": run.path, "to": str(dest), "changed": report.changed,
-                             "unchanged": report.unchanged, "bytes_received": report.bytes_received})
+                             "unchanged": report.unchanged, "bytes_received": report.bytes_received,
+                             "skipped": [{"folder": f, "written_by": w} for f, w in report.skipped]})
     for path, status in report.rows():
         ui.line(f"[{h}] {status:9} {dest / path}")
+    for folder, writer in report.skipped:
+        ui.line(f"[{h}] skipped   {run.path}/{folder}: written by {f'job {writer}' if writer else 'no recorded job'}, "
+                f"not by {job_id} (pull that job, or the folder with --run)", style="yellow")
     ui.line(f"[{h}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
             f"{len(report.unchanged)} unchanged", style="green")
     if (dest / "tracking").is_dir():

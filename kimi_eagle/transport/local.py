@@ -22,6 +22,9 @@ class LocalTransport(Transport):
             capture_output=True,
             timeout=timeout,
             cwd=self.abspath("~"),
+            # Like a command over SSH, out of the terminal's reach: Ctrl-C is the controller's to handle (a job's
+            # start finishes or is undone, see jobs.start); it never kills jobctl between a start and its answer.
+            start_new_session=True,
         )
         return proc.returncode, proc.stdout, proc.stderr
 

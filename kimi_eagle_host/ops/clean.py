@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Remove a run's bulky folders (`kimi-eagle clean`), never while a job that uses them runs. Stdlib only.
 
-The check and the removal happen under flock(<runs>/.lock), the lock ops/jobs.py holds while it starts a job, and
-every pipeline job's output folder is recorded (<runs>/<job>/output_dir) before its start: a job either started
-before the check (it is seen, and nothing is removed) or starts after the removal. Two cleans at once take turns;
+The check and the removal happen under flock(<runs>/.lock) and the machine's lock (ops/machine_claims.py), the
+locks ops/jobs.py holds while it starts a job, and every pipeline job's output folder is recorded
+(<runs>/<job>/output_dir, then in its machine claim) before its start: a job of any workdir on this machine
+either started before the check (it is seen, and nothing is removed) or starts after the removal. Two cleans at once take turns;
 the second finds what is left. A folder is renamed aside first (no reader sees half of it), then deleted.
 
   python -m kimi_eagle_host.ops.clean --runs-dir R --root OUT [--ended JOB,JOB] REL ...
@@ -25,7 +26,8 @@ import shutil
 import sys
 
 
-from kimi_eagle_host.ops.jobs import job_state, read
+from kimi_eagle_host.ops import machine_claims
+from kimi_eagle_host.ops.jobs import job_state, live_claims, read, read_meta
 
 
 def users(runs: str, root: str, ended: set) -> list[dict]:
@@ -37,7 +39,7 @@ def users(runs: str, root: str, ended: set) -> list[dict]:
         recorded = (read(os.path.join(d, "output_dir")) or "").strip()
         if not recorded or os.path.realpath(recorded) != root or name in ended:
             continue
-        meta = json.loads(read(os.path.join(d, "meta.json"), "{}") or "{}")
+        meta = read_meta(d) or {}
         if os.path.exists(os.path.join(d, "slurm_job_id")) or meta.get("scheduler") == "slurm":
             done = any(n.startswith("exit_code") for n in os.listdir(d)) or os.path.exists(os.path.join(d, "stopped"))
             if not done:
@@ -49,6 +51,20 @@ def users(runs: str, root: str, ended: set) -> list[dict]:
         if st["state"] == "running":
             busy.append({"id": name, "step": st["step"], "state": "running"})
     return busy
+
+
+def machine_users(root: str, runs: str, seen: list) -> list[dict]:
+    """Live jobs of any workdir on this machine (the machine's claims) whose output folder is `root`, holds it,
+    or lies under it; those of this runs dir already in `seen` are not repeated."""
+    known = {os.path.realpath(os.path.join(runs, b["id"])) for b in seen}
+
+    def output_dir(claim):  # recorded at the start, or by the job itself since (an exec running provenance.py)
+        return claim.get("output_dir") or (read(os.path.join(claim["run_dir"], "output_dir")) or "").strip()
+
+    return [{"id": c["job_id"], "step": c.get("step"), "state": "running", "workdir": c.get("workdir"),
+             "other_workdir": os.path.realpath(os.path.dirname(c["run_dir"])) != os.path.realpath(runs)}
+            for c in live_claims(where=lambda c: machine_claims.overlaps(output_dir(c), root))
+            if os.path.realpath(c["run_dir"]) not in known]
 
 
 def measure(root: str, rels) -> list:
@@ -99,9 +115,12 @@ def main(argv=None) -> int:
         print(json.dumps({"ok": True, "found": measure(root, a.rels)}))
         return 0
     os.makedirs(runs, exist_ok=True)
-    with open(os.path.join(runs, ".lock"), "a+") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # ops/jobs.py's start holds it too: no job starts between the check and the removal
+    # Both locks ops/jobs.py's start holds, in its order: no job of any workdir on this machine starts between the
+    # check and the removal.
+    with open(os.path.join(runs, ".lock"), "a+") as lockf, machine_claims.locked():
+        fcntl.flock(lockf, fcntl.LOCK_EX)
         busy = users(runs, root, set(filter(None, a.ended.split(","))))
+        busy += machine_users(root, runs, busy)
         if busy:
             print(json.dumps({"ok": False, "busy": busy, "found": measure(root, a.rels), "removed": []}))
             return 1

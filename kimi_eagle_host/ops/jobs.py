@@ -8,8 +8,10 @@ job.sh records its own exit code with a trap, so the code is there even when no 
 connected. The state is derived from those files plus the live process (pid + command marker + boot
 id), so it is right after the controller was away, the host rebooted, or a pid was reused.
 
-The per-host GPU lock is <runs>/gpu.lock (JSON: job_id, step, started_at, pid, pgid), taken under
-flock(<runs>/.lock); a lock whose process is gone is stale and is taken over.
+The GPU lock and the claims on output folders belong to the machine, not to a workdir (ops/machine_claims.py):
+every job registers its claim at start, under flock(<runs>/.lock) and the machine's lock, so two inventory
+entries or workdirs on one machine see each other's jobs. A GPU job holds the machine's GPUs while its processes
+live; <runs>/gpu.lock (JSON: job_id, step, started_at, pid, pgid) is only this workdir's note of it.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from kimi_eagle_host.ops import machine_claims
 from kimi_eagle_host.step_runtime import atomic_write as write_atomic
 
 EXIT_HELD = 3
@@ -110,18 +113,55 @@ def group_members(pgid, job_id=None, run_dir=None):
     return found
 
 
+def read_meta(run_dir):
+    """meta.json as a dict: {} when absent, None when it is there but unreadable (bad JSON, not UTF-8)."""
+    try:
+        with open(os.path.join(run_dir, "meta.json"), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        return None
+    try:
+        meta = json.loads(raw.decode())
+    except ValueError:  # UnicodeDecodeError is one
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def unreadable_state(run_dir):
+    """One job whose record cannot be read: shown with its id, never hiding the others."""
+    name = os.path.basename(run_dir)
+    return {"id": name, "step": None, "host": None, "state": "unreadable", "exit_code": None, "pid": None,
+            "pgid": None, "started_at": None, "ended_at": None, "runtime_s": None, "run_dir": run_dir,
+            "log": os.path.join(run_dir, "log"), "log_size": 0, "gpu": False, "headline": None,
+            "error": f"{os.path.join(run_dir, 'meta.json')}: not readable JSON"}
+
+
+def processes_live(pid, meta, run_dir):
+    """Whether anything of the job still runs: its shell, or a member (or escapee) of its process group."""
+    if process_matches(pid, meta.get("marker", "\0")):
+        return True
+    return bool(pid) and bool(group_members(meta.get("pgid") or pid, meta.get("job_id"), run_dir))
+
+
 def job_state(run_dir):
-    meta = json.loads(read(os.path.join(run_dir, "meta.json"), "{}") or "{}")
+    meta = read_meta(run_dir)
+    if meta is None:
+        return unreadable_state(run_dir)
     pid = int((read(os.path.join(run_dir, "pid")) or "0").strip() or 0)
     code = read(os.path.join(run_dir, "exit_code"))
     code = int(code.strip()) if code and code.strip().lstrip("-").isdigit() else None
     stopped = os.path.exists(os.path.join(run_dir, "stopped"))
+    same_boot = not meta.get("boot_id") or meta.get("boot_id") == boot_id()
     ended_at = None
     if stopped:
-        state = "stopped"
+        # The marker is written before the signals; a stop cut short (Ctrl-C, a dropped connection, a job that
+        # ignores SIGTERM) leaves it behind while the processes live on: they decide, the marker never does.
+        state = "running" if same_boot and processes_live(pid, meta, run_dir) else "stopped"
     elif code is not None:
         state = "succeeded" if code == 0 else "failed"
-    elif meta.get("boot_id") and meta.get("boot_id") != boot_id():
+    elif not same_boot:
         state = "lost"  # the host rebooted under the job
     elif process_matches(pid, meta.get("marker", "\0")):
         state = "running"
@@ -133,7 +173,7 @@ def job_state(run_dir):
         state = "running"
     else:
         state = "lost"  # died without recording and nothing of its group is left, or the pid was reused
-    for name in ("exit_code", "stopped"):
+    for name in ("exit_code", "stopped") if state != "running" else ():
         p = os.path.join(run_dir, name)
         if os.path.exists(p):
             ended_at = os.path.getmtime(p)
@@ -159,19 +199,40 @@ def job_state(run_dir):
     }
 
 
-def lock_holder(runs):
-    """The running job that holds the GPU lock, or None (a stale lock counts as free)."""
-    raw = read(os.path.join(runs, "gpu.lock"))
-    if not raw:
-        return None
-    try:
-        lock = json.loads(raw)
-    except ValueError:
-        return None
-    run_dir = os.path.join(runs, lock.get("job_id", ""))
-    if os.path.isdir(run_dir) and job_state(run_dir)["state"] == "running":
-        return lock
+def claim_alive(claim):
+    """Whether a claim's job still has processes (the claim's own record when its run dir was removed)."""
+    if claim.get("boot_id") and claim.get("boot_id") != boot_id():
+        return False
+    run_dir = claim["run_dir"]
+    if os.path.isfile(os.path.join(run_dir, "meta.json")):
+        state = job_state(run_dir)["state"]
+        if state != "unreadable":
+            return state == "running"
+    pgid = claim.get("pgid")
+    return bool(pgid) and bool(group_members(pgid, claim.get("job_id"), run_dir))
+
+
+def live_claims(prune=False, where=None):
+    return machine_claims.live(claim_alive, prune=prune, where=where)
+
+
+def lock_holder(runs, claims=None):
+    """The running GPU job on this machine (any workdir) as {job_id, step, started_at, pid, pgid, workdir,
+    other_workdir}, or None."""
+    for claim in live_claims(where=lambda c: c.get("gpu")) if claims is None else claims:
+        if claim.get("gpu"):
+            held = {k: claim.get(k) for k in ("job_id", "step", "started_at", "pid", "pgid", "workdir")}
+            held["other_workdir"] = not same_dir(os.path.dirname(claim["run_dir"]), runs)
+            return held
     return None
+
+
+def _claim(meta, run_dir, workdir, pid=None):
+    return {"job_id": meta["job_id"], "step": meta["step"], "gpu": meta["gpu"], "started_at": meta["started_at"],
+            "boot_id": meta["boot_id"], "run_dir": os.path.realpath(run_dir), "workdir": os.path.realpath(workdir),
+            # recorded before the start (ops/provenance.py); a job that records none claims no output folder
+            "output_dir": (read(os.path.join(run_dir, "output_dir")) or "").strip() or None,
+            "pid": pid, "pgid": pid}
 
 
 def cmd_start(a):
@@ -181,13 +242,14 @@ def cmd_start(a):
     if not os.path.isfile(script):
         print(f"jobctl: {script}: job script missing", file=sys.stderr)
         return 2
-    with open(os.path.join(runs, ".lock"), "a+") as lockf:
+    # This workdir's lock, then the machine's (ops/clean.py takes them in the same order): no job of any workdir
+    # starts between another caller's look at the claims and what it does about them.
+    with open(os.path.join(runs, ".lock"), "a+") as lockf, machine_claims.locked():
         fcntl.flock(lockf, fcntl.LOCK_EX)
-        if a.gpu:
-            holder = lock_holder(runs)
-            if holder:
-                print(json.dumps({"started": False, "held_by": holder}))
-                return EXIT_HELD
+        holder = lock_holder(runs, live_claims(prune=True)) if a.gpu else None
+        if holder:
+            print(json.dumps({"started": False, "held_by": holder}))
+            return EXIT_HELD
         meta = {
             "job_id": a.job_id,
             "step": a.step,
@@ -199,6 +261,7 @@ def cmd_start(a):
             "gpu": a.gpu,
         }
         write_atomic(os.path.join(run_dir, "meta.json"), json.dumps(meta, indent=1))
+        machine_claims.register(_claim(meta, run_dir, a.workdir))  # before the process: never an unclaimed job
         log = open(os.path.join(run_dir, "log"), "ab")
         # A new session and process group: no SSH hang-up, Ctrl-C or controller death reaches it.
         proc = subprocess.Popen(
@@ -210,6 +273,7 @@ def cmd_start(a):
         write_atomic(os.path.join(run_dir, "pgid"), f"{proc.pid}\n")
         meta["pgid"] = proc.pid
         write_atomic(os.path.join(run_dir, "meta.json"), json.dumps(meta, indent=1))
+        machine_claims.register(_claim(meta, run_dir, a.workdir, proc.pid))
         if a.gpu:
             lock = {k: meta[k] for k in ("job_id", "step", "started_at")}
             lock.update(pid=proc.pid, pgid=proc.pid)
@@ -229,7 +293,7 @@ def cmd_status(a):
     else:
         names = sorted(n for n in os.listdir(runs) if os.path.isfile(os.path.join(runs, n, "meta.json"))) if os.path.isdir(runs) else []
         jobs = [job_state(os.path.join(runs, n)) for n in names]
-    print(json.dumps({"jobs": jobs, "lock": lock_holder(runs) if os.path.isdir(runs) else None}))
+    print(json.dumps({"jobs": jobs, "lock": lock_holder(runs)}))
     return 0
 
 
@@ -274,10 +338,10 @@ def cmd_stop(a):
         while time.time() < deadline and group_members(pgid, a.job, run_dir):
             time.sleep(0.05)
     remaining = group_members(pgid, a.job, run_dir)
-    if not os.path.exists(os.path.join(run_dir, "exit_code")):
+    if not remaining and not os.path.exists(os.path.join(run_dir, "exit_code")):
         write_atomic(os.path.join(run_dir, "exit_code"), "137\n" if sent["KILL"] else "143\n")
     lock = read(os.path.join(runs, "gpu.lock"))
-    if lock and f'"{a.job}"' in lock:
+    if not remaining and lock and f'"{a.job}"' in lock:
         try:
             os.unlink(os.path.join(runs, "gpu.lock"))
         except FileNotFoundError:
@@ -286,6 +350,20 @@ def cmd_stop(a):
            "elapsed_s": round(time.time() - t0, 2), **job_state(run_dir)}
     print(json.dumps(out))
     return 0 if not remaining else 1
+
+
+MAX_GRACE_S = 3600.0  # a stop waits at most an hour for a clean exit; a longer wait is a typo, not a plan
+
+
+def grace_seconds(text):
+    """--grace: a finite number of seconds in [0, MAX_GRACE_S] (nan, inf and 1e308 would wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_GRACE_S:  # false for nan too
+        raise argparse.ArgumentTypeError(f"--grace {text}: seconds from 0 to {MAX_GRACE_S:g}")
+    return value
 
 
 def main(argv=None):
@@ -303,7 +381,7 @@ def main(argv=None):
     st.add_argument("--job")
     sp = sub.add_parser("stop")
     sp.add_argument("--job", required=True)
-    sp.add_argument("--grace", type=float, default=10.0)
+    sp.add_argument("--grace", type=grace_seconds, default=10.0)
     a = ap.parse_args(argv)
     job = a.job_id if a.cmd == "start" else a.job
     if job is not None and not JOB_ID.fullmatch(job):

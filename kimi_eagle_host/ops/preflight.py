@@ -746,7 +746,25 @@ def _pgid_alive(pgid) -> bool:
         return False
 
 
+def machine_gpu_holder(args) -> dict | None:
+    """The GPU check of the machine's claims (ops/machine_claims.py): another job, of any workdir, holding them."""
+    from kimi_eagle_host.ops.jobs import lock_holder
+
+    held = lock_holder(args.runs_dir or "/")
+    if not held or (args.job_id and held.get("job_id") == args.job_id):
+        return None
+    started = held.get("started_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else started
+    return check("gpu_lock", "fail" if args.step in GPU_STEPS else "warn",
+                 f"this machine's GPUs are held by job {held.get('job_id')} (step {held.get('step')}, started {when}, "
+                 f"workdir {held.get('workdir')}), still running",
+                 f"wait for job {held.get('job_id')} to finish, or stop it from the inventory entry that started it")
+
+
 def check_lock(args) -> dict:
+    machine = machine_gpu_holder(args)
+    if machine:
+        return machine
     runs = args.runs_dir
     if not runs:
         return check("gpu_lock", "warn", "no --runs-dir: cannot see the controller's GPU lock",

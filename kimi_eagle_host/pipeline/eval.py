@@ -571,6 +571,7 @@ def run(args):
         rep["headline"] += "; WARNING: " + "; ".join(warnings)
         for w in warnings:
             log(f"eval: warning: {w}")
+    rep["job_id"] = os.environ.get("KIMI_EAGLE_JOB_ID")  # which job wrote it: `pull JOB` takes it only for that job
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(os.path.join(out_dir, "report.json"), rep)
     from kimi_eagle_host.evaluation.report_plot import render_report

@@ -686,7 +686,9 @@ def train(args) -> dict:
             cfg = export_speculators(export_dir, plain, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
             atomic_write_json(os.path.join(export_dir, "training_info.json"),
                               {"data_config": dc, "meta": meta, "final": history[-1] if history else None,
-                               "heldout": evals[-1] if evals else None})
+                               "heldout": evals[-1] if evals else None,
+                               # which job wrote this export: `pull JOB` takes it only for that job
+                               "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
             result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
             log(f"exported {export_dir}")
         result["export_dir"] = export_dir
