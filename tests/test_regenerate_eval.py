@@ -175,6 +175,8 @@ def export_untrained_draft(tmp_path, model):
                    "loss_mask": torch.ones(T, dtype=torch.long)}, str(hs / f"hs_{i}.safetensors"))
     (hs / "data_config.json").write_text(json.dumps({"layer_ids": ids, "num_layers": N, "hidden_size": H,
                                                       "layer_convention": "vllm"}))
+    from hs_manifest import write_manifest
+    write_manifest(str(hs), 2)
     import numpy as np
     (out / "vocab").mkdir()
     K = 64

@@ -6,6 +6,7 @@
 
 Sample index i (extract's hs_{i}.safetensors) is the position in this dataset.
 """
+import hashlib
 import json
 import os
 import sys
@@ -16,6 +17,15 @@ from step_runtime import BadInput  # noqa: E402
 FORMAT = "kimi-eagle-prepared/1"
 
 
+def manifest_digest(prepared_dir):
+    """sha256 of <prepared_dir>/manifest.json (the identity extract records), None where there is none."""
+    path = os.path.join(prepared_dir, "manifest.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 class PreparedDataset:
     """Random access to prepared samples: ds[i] -> (input_ids int64 ndarray, loss_mask uint8 ndarray)."""
 
@@ -23,8 +33,11 @@ class PreparedDataset:
         path = os.path.join(prepared_dir, "manifest.json")
         if not os.path.isfile(path):
             raise BadInput(f"{path}: not found (run the prepare step first)")
-        with open(path) as f:
-            self.manifest = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        # The data's identity: the manifest names every shard with its sha256 (prepare writes it last).
+        self.digest = hashlib.sha256(raw).hexdigest()
+        self.manifest = json.loads(raw)
         if self.manifest.get("format") != FORMAT:
             raise BadInput(f"{path}: field 'format' is {self.manifest.get('format')!r}, expected {FORMAT!r}")
         from safetensors.numpy import load_file

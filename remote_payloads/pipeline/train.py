@@ -40,7 +40,10 @@ from torch import nn
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the payload root: step_runtime
 from draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators, load_target_config,  # noqa: E402
                          load_target_tensors)
-from hidden_state_files import check_sample_headers, list_samples  # noqa: E402
+from hidden_state_files import check_sample_headers  # noqa: E402
+import hs_manifest  # noqa: E402  (the samples of one extraction, never a folder listing)
+from prepared_data import manifest_digest  # noqa: E402
+from vocab import check_built_from  # noqa: E402
 from step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity, progress_line,  # noqa: E402
                           settings_changed)
 from tracker import open_tracker, tracking_dir, wanted  # noqa: E402
@@ -340,9 +343,10 @@ def train(args) -> dict:
         raise BadInput(f"{dc_path}: layer_ids {layer_ids} are not in increasing order: vLLM feeds the draft its "
                        f"aux layers in layer order; re-extract (extract sorts them)")
     aux_ids = layer_ids[:-1]
-    files = list_samples(hs_dir)
-    if not files:
-        raise BadInput(f"{hs_dir}: no hs_*.safetensors samples")
+    # Exactly the samples of this extraction, and only if they come from the prepared data at hand (when the
+    # folder has one: hidden states copied alone to a training host carry their own manifest).
+    files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
+    check_built_from(vocab_dir, dc.get("prepared_sha256"))
     lengths = check_sample_headers(files, len(layer_ids), H)
     n_tokens = sum(lengths)
 
