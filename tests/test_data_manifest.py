@@ -41,9 +41,9 @@ def test_a_second_run_with_fewer_samples_trains_on_its_own_samples_only(tmp_path
     assert second.code == 0, (second.stdout[-3000:], second.stderr[-3000:])
     n_second = json.loads((out / "prepared" / "manifest.json").read_text())["count"]
     assert n_second < n_first   # shorter samples: the ones without an assistant token after 32 are dropped
+    assert f"train: {n_second} samples" in second.stdout, re.findall(r"train: \d+ samples", second.stdout)
     # extract says it starts clean, and why (the prepared data and the truncation changed)
     assert re.search(r"\[extract\] starting clean in \S+: removed \d+ samples .*seq_len 64 -> 32", second.stdout)
-    assert f"train: {n_second} samples" in second.stdout, second.stdout[-3000:]
     assert hs_indices(out / "hidden_states") == list(range(n_second))   # nothing of the first run is left
 
 
