@@ -30,7 +30,7 @@ def hs_indices(hs_dir) -> list[int]:
 
 def test_a_second_run_with_fewer_samples_trains_on_its_own_samples_only(tmp_path):
     env = make_env(tmp_path, None, extra=TINY_PIPELINE)
-    common = ("--host", "local", "--no-preflight", "--no-gpu", "steps.train.max_steps=1")
+    common = ("--host", "local", "--no-preflight", "--no-gpu", "draft_vocab_size=64", "steps.train.max_steps=1")
     first = env.cli("run", "all", *common, timeout=1200)
     assert first.code == 0, (first.stdout[-3000:], first.stderr[-3000:])
     out = tmp_path / "localwork" / "out"

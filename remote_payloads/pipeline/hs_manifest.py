@@ -65,7 +65,10 @@ def _leftovers(hs_dir: str) -> list[str]:
 
 
 def _describe(old: dict, new: dict, keys) -> str:
-    return ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    def short(v):   # a digest's first 12 digits say enough
+        return v[:12] if isinstance(v, str) and len(v) == 64 else v
+
+    return ", ".join(f"{k} {short(old.get(k))!r} -> {short(new.get(k))!r}" for k in keys)
 
 
 def begin(hs_dir: str, data_config: dict, overwrite: bool = False) -> str:
@@ -79,8 +82,10 @@ def begin(hs_dir: str, data_config: dict, overwrite: bool = False) -> str:
                 with open(cfg_path) as f:
                     old = json.load(f)
             except ValueError:
+                old = {}
+            if not isinstance(old, dict):
                 old = {}   # torn or foreign: nothing in this folder can be vouched for
-        changed = changed_settings(old, data_config) if isinstance(old, dict) else ["data_config"]
+        changed = changed_settings(old, data_config) if old is not None else []
         leftovers = _leftovers(hs_dir)
         if old is not None and not changed:
             for key in ("model_class", "decoder_path"):  # learnt from the loaded model by an earlier run
@@ -96,8 +101,7 @@ def begin(hs_dir: str, data_config: dict, overwrite: bool = False) -> str:
         if old is None and not samples:
             return f"starting a new extraction in {hs_dir}"
         why = (_describe(old, data_config, changed) if old is not None else "no data_config.json recorded them")
-        return (f"starting clean in {hs_dir}: removed {len(samples)} samples of an earlier extraction "
-                       f"({why})")
+        return f"starting clean in {hs_dir}: removed {len(samples)} samples of an earlier extraction ({why})"
 
 
 def record_shard(hs_dir: str, data_config: dict, lo: int, hi: int, rewrite_config: bool) -> str:

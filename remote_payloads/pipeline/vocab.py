@@ -80,8 +80,11 @@ def replaces(out_dir, prepared_sha256):
     path = os.path.join(out_dir, "vocab_info.json")
     if not os.path.isfile(path):
         return f"new vocabulary in {out_dir}"
-    with open(path) as f:
-        before = json.load(f).get("prepared_sha256")
+    try:
+        with open(path) as f:
+            before = json.load(f).get("prepared_sha256")
+    except (OSError, ValueError, AttributeError):
+        before = None
     same = before is not None and before == prepared_sha256
     return f"rebuilding {out_dir} from {'the same' if same else 'other'} prepared data"
 
@@ -94,8 +97,11 @@ def check_built_from(vocab_dir, prepared_sha256):
     path = os.path.join(vocab_dir, "vocab_info.json")
     if not prepared_sha256 or not os.path.isfile(path):
         return
-    with open(path) as f:
-        built_from = json.load(f).get("prepared_sha256")
+    try:
+        with open(path) as f:
+            built_from = json.load(f).get("prepared_sha256")
+    except (OSError, ValueError, AttributeError) as e:
+        raise BadInput(f"{path}: unreadable ({type(e).__name__}); run vocab again") from None
     if built_from and built_from != prepared_sha256:
         raise BadInput(f"{path}: the vocabulary was counted from other prepared data (sha256 {built_from[:12]}) "
                        f"than the hidden states were extracted from ({prepared_sha256[:12]}); run vocab again")
