@@ -25,6 +25,7 @@ FILES = {
     "test_cli_usage.py": UNIT,
     "test_concurrent_payloads.py": INTEGRATION,
     "test_config_bounds.py": UNIT,
+    "test_data_manifest.py": INTEGRATION,
     "test_data_sources.py": UNIT,
     "test_deploy_patch.py": INTEGRATION,
     "test_engine_memory_gpu.py": INTEGRATION,

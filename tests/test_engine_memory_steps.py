@@ -78,6 +78,8 @@ def v32(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                                for i in range(2)))
     cfg = json.loads((model / "config.json").read_text())
+    # a model that states a context as long as the one asked for: the engine's memory, not the model, refuses it
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": HUGE_CONTEXT}))
     draft = root / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({

@@ -321,7 +321,7 @@ def test_step_inputs_and_manifest_tokens(env):
     # train needs extract's and vocab's outputs.
     rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
     assert rc == 1
-    assert_failed(checks, "inputs", "data_config.json", "d2t.npy", "extract and vocab step(s) first")
+    assert_failed(checks, "inputs", "hidden_states/manifest.json", "d2t.npy", "extract and vocab step(s) first")
     assert checks["gpu"]["status"] == "pass"  # train does not need the full model on the GPU
 
 

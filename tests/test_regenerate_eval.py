@@ -173,6 +173,8 @@ def export_untrained_draft(tmp_path, model):
                    "loss_mask": torch.ones(T, dtype=torch.long)}, str(hs / f"hs_{i}.safetensors"))
     (hs / "data_config.json").write_text(json.dumps({"layer_ids": ids, "num_layers": N, "hidden_size": H,
                                                       "layer_convention": "vllm"}))
+    from kimi_eagle_host.data.hs_manifest import write_manifest
+    write_manifest(str(hs), 2)
     import numpy as np
     (out / "vocab").mkdir()
     K = 64
@@ -505,3 +507,67 @@ def test_a_second_eval_takes_the_targets_answers_from_the_first(tmp_path, tiny_l
     build_tiny_llama(tmp_path, out=model, seed=1)   # rebuilt in place with other weights: another target
     assert not ev("f")[0]["baseline"]["reused"]
     assert len(list(base.glob("*.json"))) == 3   # a, c, f: d re-recorded a's, e reused it
+
+
+# ---------------------------------------------------------------------------------------------- context length
+
+def with_positions(tmp_path, model, positions):
+    """A weightless copy of `model` whose config states `positions` (loading the model would fail)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    d = weightless_copy(tmp_path, model)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    return d
+
+
+@pytest.mark.parametrize("step", ["regenerate", "eval"])
+def test_a_context_longer_than_the_model_is_one_line_before_any_model_loads(tmp_path, tiny_llama, step):
+    """Issue 35 #14: --max-model-len 2048 on a target of 1,024 positions: vLLM dies at engine start with a
+    validation traceback. Refused here in one line naming the flag and the model's limit, exit 2."""
+    model = with_positions(tmp_path, tiny_llama, 1024)
+    prompts = chat_file(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
+    common = ("--model", model, "--engine", "hf", "--max-model-len", 2048, "--output-dir", tmp_path / "o")
+    if step == "regenerate":
+        code, out, err = payload("regenerate.py", *common, "--dataset", prompts)
+    else:
+        code, out, err = payload("eval.py", *common, "--prompts", prompts, "--draft", draft_dir(tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--max-model-len 2048: more than the model's 1024 positions (max_position_embeddings" in err
+    assert out["error"] in err and not (tmp_path / "o" / "eval").exists()
+    assert not list((tmp_path / "o").rglob("*.jsonl"))
+
+
+def test_the_default_context_is_what_the_prompts_need_within_the_model(tmp_path, tiny_llama):
+    from kimi_eagle_host.data.prompts import TokenBudget, read_conversations
+    from kimi_eagle_host.engine import context_length
+    from kimi_eagle_host.step_runtime import BadInput
+    from transformers import AutoTokenizer
+
+    prompts = chat_file(tmp_path / "p.jsonl", [
+        {"messages": [{"role": "user", "content": "Short?"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 40},
+                      {"role": "user", "content": "And again?"}]}])
+    convs = read_conversations(str(prompts), 0, label=str(prompts))
+    budget = TokenBudget(AutoTokenizer.from_pretrained(str(tiny_llama)), None, 16)
+    need = [context_length.conversation_need(c, budget) for c in convs]
+    # the long two-turn conversation needs its texts, the template's tokens and two answers of 16
+    assert need[1] > budget.count(["word " * 40])[0] + 2 * 16 and need[0] < need[1]
+    roomy, tight = with_positions(tmp_path / "a", tiny_llama, 4096), with_positions(tmp_path / "b", tiny_llama, 64)
+    assert context_length.resolve(None, str(roomy), convs, budget) == need[1] < 4096
+    assert context_length.resolve(None, str(tight), convs, budget) == 64   # capped by the model
+    assert context_length.resolve(None, str(roomy), convs, budget, max_turns=1) < need[1]
+    assert context_length.resolve(64, str(tight), convs, budget) == 64
+    with pytest.raises(BadInput, match=r"^--max-model-len 65: more than the model's 64 positions"):
+        context_length.resolve(65, str(tight), convs, budget)
+    # a wrapper (Kimi-K2.5 style) states it in its text config
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    (wrapped / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 100}}))
+    assert context_length.model_positions(str(wrapped)) == (100, "max_position_embeddings")
+
+    # the step records the context it used when none is given (the run key holds it)
+    code, out, err = payload("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir",
+                             tmp_path / "o", "--engine", "hf", "--max-tokens", 16, "--chunk-size", 2)
+    assert code == 0, err
+    settings = json.loads((tmp_path / "o" / "regenerated" / "manifest.json").read_text())["settings"]
+    assert settings["max_model_len"] == need[1]

@@ -161,7 +161,10 @@ def test_torchrun_extract_equals_one_process_and_validates_all(prepared):
     cfg1 = json.loads((root / "one" / "hidden_states" / "data_config.json").read_text())
     cfg2 = json.loads((root / "two" / "hidden_states" / "data_config.json").read_text())
     assert {k: v for k, v in cfg1.items() if k != "prepared_dir"} == {k: v for k, v in cfg2.items() if k != "prepared_dir"}
-    assert not [p for p in (root / "two" / "hidden_states").iterdir() if p.name.startswith(".")]
+    # no temp file left (the manifests' lock file stays: removing a lock file races its next holder)
+    assert not [p for p in (root / "two" / "hidden_states").iterdir() if p.name.startswith(".")
+                and p.name != ".manifest.lock"]
+    assert json.loads((root / "two" / "hidden_states" / "manifest.json").read_text())["count"] == 20
 
     # --validate over all ranks finds a bad sample whichever rank owns it.
     bad = root / "two" / "hidden_states" / "hs_7.safetensors"

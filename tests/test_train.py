@@ -34,6 +34,7 @@ SEQ, SAMPLES = 24, 16
 
 from kimi_eagle_host.pipeline import train as tr
 from kimi_eagle_host.draft import draft_model as dm  # noqa: E402  (the model and export; train.py holds the loop)
+from kimi_eagle_host.data.hs_manifest import write_manifest  # noqa: E402
 # The models here are tiny: extra intra-op threads only add overhead (and contention with other suites).
 torch.set_num_threads(1)
 
@@ -112,6 +113,7 @@ def make_pipeline(root: Path, wrapper: bool = False) -> dict:
     (hs_dir / "data_config.json").write_text(json.dumps({
         "model": str(root / "target"), "layer_ids": LAYER_IDS, "num_layers": N, "hidden_size": H,
         "layer_convention": "vllm: id i = input of layer i; id N = last layer output before final norm"}))
+    write_manifest(str(hs_dir), SAMPLES)   # what extract writes last: train reads exactly these samples
     return {"target": root / "target", "out": root / "out", "d2t": d2t, "t2d": t2d, "sd": sd}
 
 
@@ -324,6 +326,7 @@ def test_full_vocab_and_two_aux_layers_export(tmp_path):
         save_file(t, str(f))
     dc = hs_dir / "data_config.json"
     dc.write_text(json.dumps({**json.loads(dc.read_text()), "layer_ids": LAYER_IDS[1:]}))
+    write_manifest(str(hs_dir), SAMPLES)   # another extraction: its own manifest
     rc, doc = run_train(p, "--max-steps", "2")
     assert rc == 0, doc
     cfg, tensors = read_export(p["out"])

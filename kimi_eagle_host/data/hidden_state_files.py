@@ -6,6 +6,8 @@ connector, the trainer):
                                                   L = len(layer ids)
   <output-dir>/hidden_states/data_config.json     model, layer ids + convention, num layers, hidden size, dtype,
                                                   backend, versions (extract writes it; FORMAT names the layout)
+  <output-dir>/hidden_states/manifest*.json       which samples belong to the extraction (hs_manifest.py): readers
+                                                  take that list, never a listing of the folder
 
 Every sample is written to tmp_path(...) and os.replace()d, so a file that exists is complete; a failed write
 in a vLLM worker leaves error_path(...) with the reason instead.
@@ -40,16 +42,6 @@ def tmp_path(path):
 def error_path(path):
     folder, name = os.path.split(path)
     return os.path.join(folder, "." + name.replace(".safetensors", ".error"))
-
-
-def list_samples(hs_dir: str) -> list[str]:
-    """The sample files of a hidden_states folder, in sample order (hs_2 before hs_10)."""
-    keyed = []
-    for name in os.listdir(hs_dir) if os.path.isdir(hs_dir) else []:
-        m = SAMPLE_RE.match(name)
-        if m:
-            keyed.append((int(m.group(1)), os.path.join(hs_dir, name)))
-    return [p for _, p in sorted(keyed)]
 
 
 def check_sample_headers(files, num_ids: int, hidden: int) -> list[int]:

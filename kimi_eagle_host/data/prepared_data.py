@@ -6,12 +6,22 @@
 
 Sample index i (extract's hs_{i}.safetensors) is the position in this dataset.
 """
+import hashlib
 import json
 import os
 
 from kimi_eagle_host.step_runtime import BadInput
 
 FORMAT = "kimi-eagle-prepared/1"
+
+
+def manifest_digest(prepared_dir):
+    """sha256 of <prepared_dir>/manifest.json (the identity extract records), None where there is none."""
+    path = os.path.join(prepared_dir, "manifest.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 class PreparedDataset:
@@ -21,8 +31,11 @@ class PreparedDataset:
         path = os.path.join(prepared_dir, "manifest.json")
         if not os.path.isfile(path):
             raise BadInput(f"{path}: not found (run the prepare step first)")
-        with open(path) as f:
-            self.manifest = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        # The data's identity: the manifest names every shard with its sha256 (prepare writes it last).
+        self.digest = hashlib.sha256(raw).hexdigest()
+        self.manifest = json.loads(raw)
         if self.manifest.get("format") != FORMAT:
             raise BadInput(f"{path}: field 'format' is {self.manifest.get('format')!r}, expected {FORMAT!r}")
         from safetensors.numpy import load_file
@@ -43,3 +56,19 @@ class PreparedDataset:
 
     def __getitem__(self, i):
         return self.ids[i], self.masks[i]
+
+
+def check_vocab_built_from(vocab_dir, prepared_sha256):
+    """Refuse a vocabulary counted from other prepared data than the hidden states were extracted from (either
+    side unknown: nothing to compare)."""
+    path = os.path.join(vocab_dir, "vocab_info.json")
+    if not prepared_sha256 or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            built_from = json.load(f).get("prepared_sha256")
+    except (OSError, ValueError, AttributeError) as e:
+        raise BadInput(f"{path}: unreadable ({type(e).__name__}); run vocab again") from None
+    if built_from and built_from != prepared_sha256:
+        raise BadInput(f"{path}: the vocabulary was counted from other prepared data (sha256 {built_from[:12]}) "
+                       f"than the hidden states were extracted from ({prepared_sha256[:12]}); run vocab again")

@@ -638,7 +638,7 @@ def check_dataset(args, ctx: dict) -> dict:
 STEP_INPUTS = {  # see docs/CONTRACTS.md, "Pipeline directory layout"
     "extract": [("prepared/manifest.json", "prepare")],
     "vocab": [("prepared/token_freq.npy", "prepare")],
-    "train": [("hidden_states/data_config.json", "extract"), ("vocab/d2t.npy", "vocab"),
+    "train": [("hidden_states/manifest.json", "extract"), ("vocab/d2t.npy", "vocab"),
               ("vocab/t2d.npy", "vocab")],
     "eval": [("draft/export/config.json", "train")],
 }

@@ -42,6 +42,7 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           stdout_for_result_only)
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of, text_only_engine_kwargs
+from kimi_eagle_host.engine import context_length
 
 HEADLINE_PREFIX = "eval: "
 
@@ -245,7 +246,8 @@ ENGINE_FLAGS = ("max_model_len", "max_batch", "batch_sizes")
 def engine_load(args):
     """(tokens per sequence, sequences at once) of this step's vLLM engines: the acceptance pass sends --max-batch
     prompts per call and the timing the largest of --batch-sizes, each within --max-model-len."""
-    return int(args.max_model_len), max(int(args.max_batch), *parse_batch_sizes(str(args.batch_sizes)))
+    return (int(args.max_model_len or context_length.PREFLIGHT_CONTEXT),
+            max(int(args.max_batch), *parse_batch_sizes(str(args.batch_sizes))))
 
 
 class VllmRunner:
@@ -505,7 +507,10 @@ def run(args):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    budget = TokenBudget(tok, args.max_model_len, args.max_tokens)
+    budget = TokenBudget(tok, None, args.max_tokens)
+    # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
+    args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
+                                                               args.max_turns)
     convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
     k = args.num_speculative_tokens
     engine, why, engine_env = args.engine, None, {}
@@ -634,7 +639,9 @@ def build_parser():
                     help="hf engine (auto: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--threads", type=int, default=0, help="hf engine: torch threads (0 = torch's default)")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype (default bfloat16)")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="context the turns must fit (both engines)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context the turns must fit (both engines); default: what the longest conversation "
+                         "needs, at most the model's max_position_embeddings")
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm engine: skip graph capture (default on: faster start for short evals)")

@@ -39,13 +39,13 @@ from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError,
                                                  local_text_config_dict, parse_layer_ids, resolve_decoder_stack,
                                                  text_config)
 from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model
-from kimi_eagle_host.data.hidden_state_files import (COMPAT_KEYS, FORMAT, LAYOUT, check_sample, clean_stale_tmp,
+from kimi_eagle_host.data.hidden_state_files import (FORMAT, LAYOUT, check_sample, clean_stale_tmp,
                                                      sample_path, tmp_path, write_safetensors)
 from kimi_eagle_host.data.prepared_data import PreparedDataset
-from kimi_eagle_host.step_runtime import (BadInput, atomic_write_json, log, model_fingerprint, model_identity,
-                                          progress, settings_changed)
+from kimi_eagle_host.step_runtime import (BadInput, log, model_fingerprint, model_identity, progress)
 from kimi_eagle_host.training import distributed as dist_  # (ranks of a torchrun launch)
 from kimi_eagle_host.engine import extract_vllm
+from kimi_eagle_host.data import hs_manifest
 
 # Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
 SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
@@ -376,29 +376,16 @@ def run(args):
         "seq_len": args.seq_len,
         "count": len(ds),
         "prepared_dir": os.path.abspath(prepared_dir),
+        "prepared_sha256": ds.digest,   # the prepared data's identity: other data starts the folder clean
         "versions": package_versions(),
     }
 
-    os.makedirs(out_dir, exist_ok=True)
-    cfg_path = os.path.join(out_dir, "data_config.json")
-    # Every rank checks the existing config (the same answer everywhere, so a mismatch exits every rank);
-    # rank 0 alone cleans and writes, the others wait for it.
-    if os.path.isfile(cfg_path) and not args.overwrite:
-        with open(cfg_path) as f:
-            old = json.load(f)
-        diff = settings_changed(old, data_config, COMPAT_KEYS)
-        if diff:
-            raise BadInput(f"{cfg_path}: existing samples were extracted with a different "
-                           + ", ".join(f"{k} ({old.get(k)!r} vs now {data_config[k]!r})" for k in diff)
-                           + "; use another --output-dir or pass --overwrite")
-        for key in ("model_class", "decoder_path"):  # learnt from the loaded model by an earlier run
-            if key in old:
-                data_config[key] = old[key]
+    # The torchrun main process continues the folder's extraction or starts it clean (under the folder's lock,
+    # so that shards of one job starting together agree), and says which; the others wait for it.
     if w.main:
+        how = hs_manifest.begin(out_dir, data_config, args.overwrite)
+        log(f"[extract] {how}")
         clean_stale_tmp(out_dir, lo, hi)
-        # Written before any sample (so a killed run can still be checked for compatibility on resume) and
-        # again at the end with what only the loaded model knows (decoder path, model class).
-        atomic_write_json(cfg_path, data_config)
     dist_.barrier()
 
     # Resume: skip samples whose file is already valid (unless --overwrite).
@@ -436,8 +423,8 @@ def run(args):
                           if todo else {}})
     for part in parts:
         data_config.update(part["learnt"])
-    if w.main and (any(part["written"] for part in parts) or not os.path.isfile(cfg_path)):
-        atomic_write_json(cfg_path, data_config)
+    if w.main:
+        log(f"[extract] {hs_manifest.record_shard(out_dir, data_config, lo, hi, any(p['written'] for p in parts))}")
     if w.distributed:
         log(f"[extract] process {w.rank}/{w.size}: wrote {written}, {tokens} tokens")
         written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))

@@ -29,7 +29,7 @@ import sys
 
 from kimi_eagle_host.data.prepared_data import FORMAT
 from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,
-                                          run_step)
+                                          run_step, sha256_file)
 
 SHARE_GPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                    "assistant": "assistant", "system": "system"}
@@ -199,9 +199,23 @@ def write_shards(out_dir, samples, shard_size):
             "source_line": np.asarray([line for _, _, line in chunk], dtype=np.int64),
         }
         name = f"shard_{k:05d}.safetensors"
-        atomic_write(os.path.join(out_dir, name), save(tensors, metadata={"start": str(start)}))
-        shards.append({"file": name, "start": start, "count": len(chunk)})
+        raw = save(tensors, metadata={"start": str(start)})
+        atomic_write(os.path.join(out_dir, name), raw)
+        # the manifest names each shard's content: its digest is the prepared data's identity (extract, train)
+        shards.append({"file": name, "start": start, "count": len(chunk), "sha256": hashlib.sha256(raw).hexdigest()})
     return shards
+
+
+def replaced(out_dir):
+    """One line: prepare always starts clean; what it replaces (extract and vocab start clean after it when the
+    data differs: they know it by the manifest's sha256)."""
+    path = os.path.join(out_dir, "manifest.json")
+    try:
+        with open(path) as f:
+            before = json.load(f).get("count")
+    except (OSError, ValueError):
+        return f"new prepared data in {out_dir}"
+    return f"starting clean in {out_dir}: replaces the prepared data of an earlier run ({before} samples)"
 
 
 def run(args):
@@ -279,6 +293,7 @@ def run(args):
         np.add.at(freq, ids[mask.astype(bool)], 1)
 
     os.makedirs(out_dir, exist_ok=True)
+    log(f"[prepare] {replaced(out_dir)}")
     old = {n for n in os.listdir(out_dir) if n.startswith("shard_") and n.endswith(".safetensors")}
     shards = write_shards(out_dir, samples, args.shard_size)
     atomic_save_npy(os.path.join(out_dir, "token_freq.npy"), freq)
@@ -300,6 +315,7 @@ def run(args):
         "dropped_no_loss_tokens": dropped,
         "shards": shards,
         "token_freq": "token_freq.npy",
+        "token_freq_sha256": sha256_file(os.path.join(out_dir, "token_freq.npy")),
     }
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
     for name in old - {s["file"] for s in shards}:  # leftovers of an earlier, larger run

@@ -40,6 +40,7 @@ from kimi_eagle_host.step_runtime import (BadInput, atomic_write, atomic_write_j
                                           model_fingerprint, model_identity, progress_line, run_step,
                                           stdout_for_result_only)
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
+from kimi_eagle_host.engine import context_length
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
 KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
@@ -70,7 +71,7 @@ ENGINE_FLAGS = ("max_model_len", "chunk_size")
 def engine_load(args):
     """(tokens per sequence, sequences at once) of this step's vLLM engine: a round answers one turn of every
     conversation of a chunk in one call, each within --max-model-len."""
-    return int(args.max_model_len), int(args.chunk_size)
+    return int(args.max_model_len or context_length.PREFLIGHT_CONTEXT), int(args.chunk_size)
 
 
 class VllmGenerator:
@@ -298,7 +299,10 @@ def run(args):
         tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{args.model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-    budget = TokenBudget(tok, args.max_model_len, args.max_tokens)
+    budget = TokenBudget(tok, None, args.max_tokens)
+    # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
+    args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
+                                                               args.max_turns)
     convs, dropped_long = check_lengths(convs, budget, args.dataset, args.long_prompts)
 
     engine, engine_env = pick_engine(args.engine)
@@ -381,7 +385,9 @@ def build_parser():
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="hf engine")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="hf engine")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="context the answers must fit (both engines)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context the answers must fit (both engines); default: what the longest conversation "
+                         "needs, at most the model's max_position_embeddings")
     ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True, help="vllm engine")
     return ap

@@ -39,7 +39,9 @@ from torch import nn
 
 from kimi_eagle_host.draft.draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators,
                                                load_target_config, load_target_tensors)
-from kimi_eagle_host.data.hidden_state_files import check_sample_headers, list_samples
+from kimi_eagle_host.data.hidden_state_files import check_sample_headers
+from kimi_eagle_host.data import hs_manifest  # (the samples of one extraction, never a folder listing)
+from kimi_eagle_host.data.prepared_data import check_vocab_built_from, manifest_digest
 from kimi_eagle_host.step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity,
                                           progress_line, settings_changed)
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
@@ -339,9 +341,10 @@ def train(args) -> dict:
         raise BadInput(f"{dc_path}: layer_ids {layer_ids} are not in increasing order: vLLM feeds the draft its "
                        f"aux layers in layer order; re-extract (extract sorts them)")
     aux_ids = layer_ids[:-1]
-    files = list_samples(hs_dir)
-    if not files:
-        raise BadInput(f"{hs_dir}: no hs_*.safetensors samples")
+    # Exactly the samples of this extraction, and only if they come from the prepared data at hand (when the
+    # folder has one: hidden states copied alone to a training host carry their own manifest).
+    files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
+    check_vocab_built_from(vocab_dir, dc.get("prepared_sha256"))
     lengths = check_sample_headers(files, len(layer_ids), H)
     n_tokens = sum(lengths)
 

@@ -72,10 +72,33 @@ def model_vocab_size(model):
     return int(v)
 
 
+def replaces(out_dir, prepared_sha256):
+    """One line: what this vocabulary replaces (it is always built whole from the counts)."""
+    import json
+
+    path = os.path.join(out_dir, "vocab_info.json")
+    if not os.path.isfile(path):
+        return f"new vocabulary in {out_dir}"
+    try:
+        with open(path) as f:
+            before = json.load(f).get("prepared_sha256")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    same = before is not None and before == prepared_sha256
+    return f"rebuilding {out_dir} from {'the same' if same else 'other'} prepared data"
+
+
+
 def run(args):
     import numpy as np
 
-    freq_path = args.token_freq or os.path.join(args.output_dir, "prepared", "token_freq.npy")
+    from kimi_eagle_host.data.prepared_data import manifest_digest
+
+    prepared_dir = os.path.join(args.output_dir, "prepared")
+    freq_path = args.token_freq or os.path.join(prepared_dir, "token_freq.npy")
+    # The prepared data the counts belong to (train refuses hidden states of other data); unknown for a
+    # frequency file given by --token-freq.
+    prepared_sha256 = None if args.token_freq else manifest_digest(prepared_dir)
     out_dir = args.out or os.path.join(args.output_dir, "vocab")
     freq = load_freq(freq_path)
     target_vocab = model_vocab_size(args.model) if args.model else len(freq)
@@ -84,6 +107,7 @@ def run(args):
     freq = np.pad(freq, (0, target_vocab - len(freq)))  # ids the tokenizer never produces count 0
     d2t, t2d = select_draft_vocab(freq, args.draft_vocab_size)
 
+    log(f"[vocab] {replaces(out_dir, prepared_sha256)}")
     os.makedirs(out_dir, exist_ok=True)
     atomic_save_npy(os.path.join(out_dir, "d2t.npy"), d2t)
     atomic_save_npy(os.path.join(out_dir, "t2d.npy"), t2d)
@@ -92,7 +116,7 @@ def run(args):
     covered = int(freq[t2d].sum())
     info = {"draft_vocab_size": int(args.draft_vocab_size), "target_vocab_size": int(target_vocab),
             "token_freq": os.path.abspath(freq_path), "distinct_tokens_seen": seen,
-            "loss_tokens": total, "coverage": covered / total if total else None}
+            "loss_tokens": total, "coverage": covered / total if total else None, "prepared_sha256": prepared_sha256}
     atomic_write_json(os.path.join(out_dir, "vocab_info.json"), info)
     if seen < args.draft_vocab_size:
         log(f"[vocab] note: only {seen} distinct tokens were seen; the rest of the draft vocab is filled "
