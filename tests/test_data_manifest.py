@@ -1,6 +1,6 @@
 """A step reads exactly what its run produced: extract's manifests, not a listing of hidden_states/.
 
-Issue 35 #2: `run all`, then `run all seq_len=32` in the same folder trained on 80 samples — the second run's
+Found by a probe: `run all`, then `run all seq_len=32` in the same folder trained on 80 samples — the second run's
 47 and 33 files left by the first. Here: the same through the product (local transport), and the steps
 directly for the finer cases (shards writing one folder, a resume that continues, a changed setting or changed
 prepared data that starts clean, train refusing hidden states or a vocabulary of other prepared data).

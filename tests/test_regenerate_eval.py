@@ -522,7 +522,7 @@ def with_positions(tmp_path, model, positions):
 
 @pytest.mark.parametrize("step", ["regenerate", "eval"])
 def test_a_context_longer_than_the_model_is_one_line_before_any_model_loads(tmp_path, tiny_llama, step):
-    """Issue 35 #14: --max-model-len 2048 on a target of 1,024 positions: vLLM dies at engine start with a
+    """--max-model-len 2048 on a target of 1,024 positions: vLLM dies at engine start with a
     validation traceback. Refused here in one line naming the flag and the model's limit, exit 2."""
     model = with_positions(tmp_path, tiny_llama, 1024)
     prompts = chat_file(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
