@@ -80,7 +80,7 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = job_layout.apply(pipeline.plan_for_host(step, host, extra), step, shape)
+    steps = job_layout.apply(pipeline.plan_for_host(step, host, extra, job_id), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,
@@ -96,6 +96,13 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
         steps=steps,
     )
     return f"{run_rel}/job.sh", text
+
+
+def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
+              shape: job_layout.Shape | None = None) -> dict[str, str]:
+    """What a direct job uploads, rendered once: its script and its settings.json (relative to the workdir)."""
+    rel, text = render_job(session, step, extra, job_id, shape)
+    return {rel: text, **pipeline.settings_file(step, session.host, extra, job_id)}
 
 
 def _under(workdir: str, rel: str) -> str:
@@ -118,14 +125,16 @@ def takes_gpu(step: str, gpu: bool | None) -> bool:
 
 
 def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
-          shape: job_layout.Shape | None = None, job_id: str | None = None) -> Job:
-    """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
+          shape: job_layout.Shape | None = None, job_id: str | None = None, files: dict[str, str] | None = None) -> Job:
+    """Upload the job script and start it detached. Refuses while another GPU job holds the lock.
+    `files`: the job as job_files rendered it for `job_id` (api.run renders once, before connecting)."""
     extra = list(extra or [])
     job_id = check_job_id(job_id or new_job_id(step))
-    rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
+    if files is None:
+        files = job_files(session, step, extra, job_id, shape)  # before touching the host: bad input changes nothing
     session.deploy_payloads()
     record = {f"{RUNS}/{job_id}/{name}": t for name, t in pipeline.output_record(step, session).items()}
-    session.upload_scripts({rel: text, **record})
+    session.upload_scripts({**files, **record})
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):
