@@ -500,8 +500,8 @@ def parse_flags(step: str, argv: list[str]) -> dict:
 def build_parser(step: str, description: str | None = None) -> argparse.ArgumentParser:
     """`step`'s argparse, every flag from the table, each value checked by `check` (so a step refuses what the
     controller refuses, in the same words), plus `--settings FILE` for step_runtime.parse_step_args. The steps
-    build theirs this way once they import this package (kimi_eagle_host); until then tests/test_step_flags.py
-    holds their own argparse equal to the table."""
+    still declare their own argparse (their help texts, the defaults of settings left unset here);
+    tests/test_step_flags.py holds each one equal to this table (flags, types, choices, defaults)."""
     p = argparse.ArgumentParser(prog=f"{step}.py", description=description)
     p.add_argument("--settings", default=None, help="a job's settings.json: this step's section gives the defaults")
     for key, s in BY_STEP[step].items():
