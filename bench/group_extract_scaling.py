@@ -76,7 +76,7 @@ pipeline:
   tiny_model: kimi
   model: "{{workdir}}/models/tiny"
   dataset: {json.dumps(str(data))}
-  backend: hf
+  engine: hf
   seq_len: {a.seq_len}
   batch_size: 4
 """)

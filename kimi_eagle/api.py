@@ -284,18 +284,20 @@ class Controller:
         """Start `step` (a pipeline step, `all`, or `exec` with the command in `extra`) as a detached job.
         The input is validated before any connection; then our stale GPU holders (reset_gpus), the scheduler and
         the step's preflight are checked on the host, and nothing starts if one fails."""
-        from . import backend
+        from . import backend, jobs
         from .host import HostSession
         from .render_targets import Offline
 
         extra = list(extra or [])
         h = self.inventory.one(host)
         be = backend.for_host(h)
-        be.render(HostSession(h, transport=Offline(h)), step, extra)  # validate before connecting
+        job_id = jobs.new_job_id(step)
+        # Rendered once, before connecting: bad input is refused here, and this is what starts.
+        files = be.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
         session = HostSession(h)
         try:
             self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu, notify=notify)
-            job = be.start(session, step, extra, gpu=gpu)
+            job = be.start(session, step, extra, gpu=gpu, job_id=job_id, files=files)
         except BaseException:
             session.close()
             raise

@@ -16,12 +16,14 @@ class Backend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def render(self, session, step: str, extra: list[str], shape: job_layout.Shape | None = None) -> dict[str, str]:
-        """The scripts `start` would upload, {path relative to the workdir: text}; validates the input."""
+    def render(self, session, step: str, extra: list[str], shape: job_layout.Shape | None = None,
+               job_id: str = "JOB-ID") -> dict[str, str]:
+        """The files `start` would upload for `job_id`, {path relative to the workdir: text}; validates the input."""
 
     @abc.abstractmethod
     def start(self, session, step: str, extra: list[str], *, gpu: bool | None = None, shape: job_layout.Shape | None = None,
-              job_id: str | None = None) -> jobs.Job: ...
+              job_id: str | None = None, files: dict[str, str] | None = None) -> jobs.Job:
+        """Start the job; `files`: what render gave for this job_id (rendered once), where the backend can use it."""
 
     @abc.abstractmethod
     def status(self, session, job_id: str | None = None) -> list[jobs.Job]: ...
@@ -43,12 +45,11 @@ class Direct(Backend):
 
     name = "direct"
 
-    def render(self, session, step, extra, shape=None):
-        rel, text = jobs.render_job(session, step, extra, shape=shape)
-        return {rel: text}
+    def render(self, session, step, extra, shape=None, job_id="JOB-ID"):
+        return jobs.job_files(session, step, extra, job_id, shape)
 
-    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None):
-        return jobs.start(session, step, extra, gpu=gpu, shape=shape, job_id=job_id)
+    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None, files=None):
+        return jobs.start(session, step, extra, gpu=gpu, shape=shape, job_id=job_id, files=files)
 
     def status(self, session, job_id=None):
         return jobs.status(session, job_id)
@@ -67,21 +68,27 @@ class Slurm(Backend):
 
     name = "slurm"
 
-    def render(self, session, step, extra, shape=None):
+    def render(self, session, step, extra, shape=None, job_id="JOB-ID"):
+        self._unshaped(session, shape)
+        from . import slurm
+
+        return slurm.job_files(session, step, extra, job_id)
+
+    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None, files=None):
+        # `files` is not taken: a Slurm job's script holds the host's absolute paths, so it is rendered (once)
+        # with the connected session.
+        self._unshaped(session, shape)
+        from . import slurm
+
+        return slurm.start(session, step, extra, job_id=job_id)
+
+    @staticmethod
+    def _unshaped(session, shape) -> None:
         if shape is not None and (shape.ranks or shape.torchrun):
             from .errors import ConfigError
 
             raise ConfigError(f"{session.name}: a Slurm host shapes its own jobs (slurm.shards, slurm.nodes); "
                               "it cannot be part of a --group run")
-        from . import slurm
-
-        return slurm.job_files(session, step, extra)
-
-    def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None):
-        from . import slurm
-
-        self.render(session, step, extra, shape)
-        return slurm.start(session, step, extra, job_id=job_id)
 
     def status(self, session, job_id=None):
         from . import slurm

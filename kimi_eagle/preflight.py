@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kimi_eagle_host import settings
+
 from .errors import KimiEagleError
 from .host import RUNS, HostSession, expand
 from .pipeline import chain
@@ -33,17 +35,20 @@ class PreflightFailed(KimiEagleError):
 
 
 def preflight_args(session: HostSession, step: str, extra: list[str] | None = None) -> list[str]:
+    """preflight_checks.py's flags: the settings the schema marks as read by preflight, from the job's resolved
+    settings, and the steps this job runs with their own sections."""
     p = session.host.pipeline
-    args = ["--step", step, "--backend", p.backend, "--tp-size", str(p.tp_size), "--seq-len", str(p.seq_len),
-            "--output-dir", str(expand(p.output_dir)), "--runs-dir", RUNS]
-    # A tiny demo model (or one from a package) is built by the job itself, so it cannot be checked before.
-    if p.model and not p.tiny_model and not p.model_source:
-        args += ["--model", str(expand(p.model))]
+    section = settings.step_section("preflight", p.model_dump())
     # With regenerate, `dataset` holds the prompts and prepare reads what regenerate writes.
-    if p.dataset and (step in ("regenerate", "all") or (step == "prepare" and not p.regenerate)):
-        args += ["--dataset", str(expand(p.dataset))]
-    if p.layer_ids:
-        args += ["--layer-ids", ",".join(map(str, p.layer_ids))]
+    if not (step in ("regenerate", "all") or (step == "prepare" and not p.regenerate)):
+        section.pop("dataset", None)
+    if not p.model:
+        section.pop("model", None)
+    section = {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
+    args = ["--step", step, *settings.section_to_argv("preflight", section), "--runs-dir", RUNS]
+    # A model the job builds (the tiny demo, one from a package): the host checks it can be built.
+    if p.tiny_model or p.model_source:
+        args += ["--model-source", "tiny" if p.tiny_model else p.model_source]
     # The steps this job runs and their recipe settings: the host sizes the vLLM engine of each one that starts
     # one (regenerate, eval) as that step will.
     steps = chain(p) if step == "all" else [step]

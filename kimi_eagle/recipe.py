@@ -10,11 +10,16 @@ the recipe, the overrides. Every mistake is one line naming the file (or the ove
 from __future__ import annotations
 
 
+import sys
+
 import yaml
-from pydantic import ValidationError
+
+from kimi_eagle_host import settings
 
 from .errors import ConfigError
-from .inventory import PipelineOverride, describe_error, line_of, read_config_text, read_yaml, refuse_duplicate_keys
+from pydantic import model_validator
+
+from .inventory import PipelineOverride, _checked_section, check_settings, line_of, read_config_text, read_yaml, refuse_duplicate_keys
 
 COMMAND_LINE = "<command line>"
 
@@ -24,32 +29,49 @@ class Recipe(PipelineOverride):
 
     description: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, value):
+        return _checked_section(value, recipe=True)
+
 
 def load(path: str | None, overrides: list[str] | None = None) -> Recipe | None:
-    """The recipe at `path` with `overrides` applied and validated; None when neither is given."""
+    """The recipe at `path` with `overrides` applied, each checked by the settings schema; None when neither."""
     overrides = list(overrides or [])
     if not path and not overrides:
         return None
-    raw, node, shown = {}, None, COMMAND_LINE
+    raw: dict = {}
     if path:
-        shown = str(path)
-        raw, node = _parse(read_config_text(path, "recipe"), shown)
-    given: dict[tuple, str] = {}
+        text_raw, node = _parse(read_config_text(path, "recipe"), str(path))
+        raw = check_settings(text_raw, str(path), node, (), recipe=True)
     for o in overrides:
         keys, value = _override(o)
-        _set(raw, keys, value, o)
-        given[keys] = o
+        one: dict = {}
+        _set(one, keys, value, o)
+        raw = _merge(raw, _checked_override(one, o, path))
+    return Recipe.model_validate(raw)
+
+
+def _checked_override(one: dict, text: str, path: str | None) -> dict:
+    where = f" (recipe {path})" if path else ""
     try:
-        return Recipe.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(str(k) for k in err["loc"])
-        for keys, o in given.items():
-            if loc[: len(keys)] == keys or keys[: len(loc)] == loc:
-                message = describe_error("", None, err).lstrip(": ")
-                where = f" (recipe {shown})" if path else ""
-                raise ConfigError(f"override {o}: {message}{where}") from None
-        raise ConfigError(describe_error(shown, node, err)) from None
+        for old in settings.renamed(one):
+            print(f"override {text}: {old} is renamed to {settings.RENAMED[old]}; read as "
+                  f"{settings.RENAMED[old]}", file=sys.stderr)
+        return settings.check_section(one, recipe=True)
+    except settings.SettingError as e:
+        raise ConfigError(f"override {text}: field {'.'.join(e.path)}: {e.message}{where}") from None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on `base`, the per-step settings key by key (steps.train.lr=… keeps the recipe's other train keys)."""
+    merged = {**base, **{k: v for k, v in over.items() if k != "steps"}}
+    steps = {s: dict(v) for s, v in (base.get("steps") or {}).items()}
+    for step, section in (over.get("steps") or {}).items():
+        steps[step] = {**steps.get(step, {}), **section}
+    if steps:
+        merged["steps"] = steps
+    return merged
 
 
 def _parse(text: str, shown: str):
@@ -99,5 +121,10 @@ def resolved_yaml(pipeline, *, source: str | None, host: str) -> str:
     """What a run actually used, written next to its outputs: every setting, and where it came from."""
     head = [f"# the settings this run used on host {host}",
             f"# recipe: {source or '(none: the inventory pipeline section)'}"]
-    body = yaml.safe_dump(pipeline.model_dump(), sort_keys=False, default_flow_style=None)
+    body = yaml.safe_dump(resolved(pipeline), sort_keys=False, default_flow_style=None)
     return "\n".join(head) + "\n" + body
+
+
+def resolved(pipeline) -> dict:
+    """Every setting a run uses, as plain data (the pipeline's settings and the per-step ones)."""
+    return pipeline.model_dump()

@@ -65,7 +65,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     slurm = host.slurm
     run_rel = f"{RUNS}/{job_id}"
     run_dir = session.path(run_rel)
-    steps = pipeline.plan_for_host(step, host, extra)
+    steps = pipeline.plan_for_host(step, host, extra, job_id)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
     torchrun = step in job_layout.DISTRIBUTED and slurm.nodes > 1
@@ -92,6 +92,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     meta = {"job_id": job_id, "step": step, "host": host.name, "args": extra, "scheduler": "slurm",
             "tasks": len(tasks), "nodes": slurm.nodes if torchrun else 1, "submitted_at": time.time()}
     files[f"{run_rel}/meta.json"] = json.dumps(meta)
+    files.update(pipeline.settings_file(step, host, extra, job_id))
     return files
 
 

@@ -17,10 +17,16 @@ INVENTORY_PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n 
 
 
 def _train_line(e, tmp_path, *args) -> str:
+    """train's command line as it runs: the job's line, with its section of the job's settings.json as flags."""
+    from kimi_eagle_host.settings import section_to_argv
+
     out = tmp_path / "r"
     r = e.cli("render", "job", "train", "--host", "local", "--out", str(out), *args)
     assert r.code == 0, (r.stdout, r.stderr)
-    return next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "kimi_eagle_host.pipeline.train" in ln)
+    line = next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "kimi_eagle_host.pipeline.train" in ln)
+    assert "--settings runs/JOB-ID/settings.json" in line, line
+    section = json.loads(next(out.rglob("settings.json")).read_text())["steps"]["train"]
+    return line + " " + " ".join(section_to_argv("train", section)) + " "
 
 
 def test_a_recipe_and_overrides_set_the_run_and_the_last_word_wins(tmp_path):
@@ -29,7 +35,7 @@ def test_a_recipe_and_overrides_set_the_run_and_the_last_word_wins(tmp_path):
     recipe.write_text("epochs: 4\nlr: 0.02\nsteps:\n  train: {warmup_steps: 5, resume: true}\n")
     assert "--epochs 1 " in _train_line(e, tmp_path)  # the inventory's pipeline section, as before
     line = _train_line(e, tmp_path, "-c", str(recipe))
-    assert "--epochs 4 " in line and "--lr 0.02 " in line and "--warmup-steps 5 --resume" in line, line
+    assert "--epochs 4 " in line and "--lr 0.02 " in line and "--warmup-steps 5 " in line and "--resume " in line, line
     line = _train_line(e, tmp_path, "--recipe", str(recipe), "epochs=7", "steps.train.warmup_steps=9", "report_to=none")
     assert "--epochs 7 " in line and "--warmup-steps 9" in line and "--report-to none" in line, line
     # Overrides alone, without a recipe file, over the inventory's settings.
@@ -62,17 +68,17 @@ def test_without_a_batch_size_the_steps_own_defaults_apply(tmp_path):
     out = tmp_path / "all"
     r = e.cli("render", "job", "all", "--host", "local", "--out", str(out), "-c", str(recipe))
     assert r.code == 0, (r.stdout, r.stderr)
-    script = next(out.rglob("job.sh")).read_text()
-    lines = [ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.train" in ln or "kimi_eagle_host.pipeline.extract" in ln]
-    assert len(lines) == 2 and not any("--batch-size" in ln for ln in lines), lines
+    sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
+    assert "epochs" in sections["train"] and "seq_len" in sections["extract"], sections
+    assert "batch_size" not in sections["train"] and "batch_size" not in sections["extract"], sections
     assert "--batch-size 5 " in _train_line(e, tmp_path, "-c", str(recipe), "batch_size=5") + " "
 
 
 MISTAKES = {
-    "unknown key in the file": ("epochs: 2\nepcohs: 3\n", [], r"^error: \S*r\.yaml:2: field epcohs: unknown key$"),
+    "unknown key in the file": ("epochs: 2\nepcohs: 3\n", [], r"^error: \S*r\.yaml:2: field epcohs: unknown key \(did you mean epochs\?\)$"),
     "wrong type in the file": ("epochs: many\n", [], r"^error: \S*r\.yaml:1: field epochs: .*many"),
-    "a step flag the step lacks": ("steps:\n  train: {epcohs: 3}\n", [], r"r\.yaml:1: field steps: .*train: unknown flag --epcohs"),
-    "unknown key in an override": ("epochs: 2\n", ["epcohs=3"], r"^error: override epcohs=3: field epcohs: unknown key \(recipe \S*r\.yaml\)$"),
+    "a step flag the step lacks": ("steps:\n  train: {epcohs: 3}\n", [], r"r\.yaml:2: field steps\.train\.epcohs: train has no such setting \(did you mean epochs\?\)"),
+    "unknown key in an override": ("epochs: 2\n", ["epcohs=3"], r"^error: override epcohs=3: field epcohs: unknown key \(did you mean epochs\?\) \(recipe \S*r\.yaml\)$"),
     "wrong type in an override": ("", ["batch_size=big"], r"^error: override batch_size=big: field batch_size: .*big"),
     "not KEY=VALUE": ("", ["epochs"], r"^error: kimi-eagle run: unexpected argument 'epochs'"),
     "a pipeline: section": ("pipeline:\n  epochs: 2\n", [], r"r\.yaml:1: a recipe holds the pipeline settings themselves"),
@@ -112,9 +118,11 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     if name == "kimi-k2.5-8gpu":
         extract = next(ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.extract" in ln)
-        for flag in ("--backend vllm", "--tp-size 8", "--layer-ids 2,30,58,61", "--model /models/Kimi-K2.5"):
-            assert flag in extract, extract
-        assert "--draft-vocab-size 32000" in script
+        assert "--settings runs/JOB-ID/settings.json" in extract, extract
+        sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
+        want = {"backend": "vllm", "tp_size": 8, "layer_ids": [2, 30, 58, 61], "model": "/models/Kimi-K2.5"}
+        assert {k: sections["extract"].get(k) for k in want} == want, sections["extract"]
+        assert sections["vocab"]["draft_vocab_size"] == 32000
     else:
         assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source smollm2" in script
 

@@ -99,6 +99,14 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     # vLLM spreads over the GPUs itself: one process, whatever is asked.
     d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--backend", "hf", "--backend", "vllm", env=env)
     assert d["mode"] == "single" and "vllm" in d["reason"]
+    # The same from the job's settings.json (what a job's extract reads), and a flag given wins over it.
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"steps": {"extract": {"backend": "vllm", "model": str(model)}}}))
+    d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--settings", settings, env=env)
+    assert d["mode"] == "single" and "vllm" in d["reason"]
+    d = decide("--gpus-per-replica", "auto", "--", "pipeline/extract.py", "--settings", settings, "--backend", "hf",
+               env=env)
+    assert (d["mode"], d["gpus_per_replica"], d["nproc_per_node"]) == ("torchrun", 2, 2), d
     # Inside a torchrun worker (a launcher put torchrun in front): never a torchrun of its own.
     d = decide("--", "pipeline/train.py", env={**env, "RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "x"})
     assert d["mode"] == "single" and d["argv"][1:] == ["pipeline/train.py"]

@@ -77,7 +77,7 @@ def main():
   model: "{{workdir}}/models/llama-1b"
   dataset: "{{workdir}}/data/chat.jsonl"
   output_dir: "{{workdir}}/out"
-  backend: hf
+  engine: hf
   seq_len: {E['SEQ']}
   batch_size: {E['BATCH']}
   draft_vocab_size: {min(8192, E['VOCAB'] // 2)}

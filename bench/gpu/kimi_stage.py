@@ -195,7 +195,7 @@ def main():
   model: "{{workdir}}/models/kimi"
   dataset: "{{workdir}}/data/chat.jsonl"
   output_dir: "{out}"
-  backend: vllm
+  engine: vllm
   layer_ids: [{K['LAYER_IDS']}]
   seq_len: {K['SEQ']}
   batch_size: 8

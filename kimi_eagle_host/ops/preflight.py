@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import shutil
@@ -821,6 +822,23 @@ def check_serving(args, ctx: dict) -> dict:
                  "(>= 0.18 for Kimi/DeepSeek; >= 0.25 for a draft with other than 3 aux layers)")
 
 
+def model_source_checks(args) -> list[dict]:
+    """A model the job builds before its steps (--model-source), when it is not there yet: whether it can be built."""
+    if not args.model_source or os.path.isfile(os.path.join(args.model, "config.json")):
+        return []
+    if args.model_source == "tiny":
+        return [check("model", "pass", f"{args.model}: a tiny random model the job builds first")]
+    from kimi_eagle_host.pipeline.models import SOURCES, locate
+    from kimi_eagle_host.step_runtime import BadInput
+
+    try:
+        weights = locate(args.model_source)
+    except BadInput as e:
+        return [check("model", "fail", f"{args.model} does not exist yet and cannot be built: "
+                      f"{str(e).removeprefix('--source ')}", SOURCES[args.model_source][2])]
+    return [check("model", "pass", f"{args.model}: built by the job from {weights}")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="preflight_checks.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
@@ -830,7 +848,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None)
     p.add_argument("--output-dir", default=None)
     p.add_argument("--layer-ids", default=None, help="comma list; default [2, N//2, N-3, N]")
-    p.add_argument("--backend", choices=["hf", "vllm"], default="vllm")
+    # The extraction engine (the setting `engine`); its default is the schema's (kimi_eagle_host/settings.py).
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--model-source", default=None,
+                   help="the job builds --model first: tiny (a random demo model) or a pipeline/models.py source")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--max-samples", type=int, default=None, help="rows the pipeline will use (default: all)")
@@ -854,8 +875,8 @@ def run_checks(args) -> dict:
     ctx: dict = {"layer_ids_arg": args.layer_ids_parsed}
     checks = [check_python()]
     # No --model: the controller omits it for a tiny demo model that the job itself builds.
-    model_checks = load_model_config(args.model, ctx) if args.model else [
-        check("model", "pass", "no --model given: not checked (a model the job builds itself)")]
+    model_checks = model_source_checks(args) or load_model_config(args.model, ctx) if args.model else [
+        check("model", "pass", "no --model given: not checked")]
     checks += check_versions(args, ctx)  # after the config, so compat can see model_type
     pc = check_patch(args, ctx)
     if pc:

@@ -37,6 +37,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
                                           stdout_for_result_only)
@@ -657,7 +658,7 @@ def build_parser():
 
 
 def main(argv=None):
-    return run_step("eval", run, build_parser().parse_args(argv))
+    return run_step("eval", run, parse_step_args(build_parser(), "eval", argv))
 
 
 if __name__ == "__main__":

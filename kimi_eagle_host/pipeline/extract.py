@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError,
                                                  local_text_config_dict, parse_layer_ids, resolve_decoder_stack,
                                                  text_config)
@@ -451,7 +452,7 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--tp-size", type=int, default=1, help="vllm: tensor parallel size (hf spreads over all visible GPUs)")
     ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="auto = bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--rank", type=int, default=0, help="this worker's rank (contiguous index ranges)")
@@ -462,7 +463,7 @@ def main(argv=None):
     ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer threads")
     ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 4),
                     help="writer threads (saving overlaps the forward passes; default min(16, cores))")
-    args = ap.parse_args(argv)
+    args = parse_step_args(ap, "extract", argv)
     if not args.validate and not args.model:
         ap.error("--model is required (except with --validate)")
     return dist_.run_step_then_leave("extract", run, args, refused=(LayerResolutionError,))

@@ -91,12 +91,23 @@ def replica_size(setting: str, gpus: list[int], model: str | None) -> int:
     return max(1, math.ceil(need * HEADROOM / per_gpu))
 
 
-def step_flags(argv: list[str]) -> argparse.Namespace:
-    """The step's own --model and --backend (argparse rules: the last value wins)."""
+def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
+    """The step's own --model and --backend (argparse rules: the last value wins), from its section of the job's
+    settings.json (--settings) where not given as flags."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--backend")
-    return p.parse_known_args(argv)[0]
+    p.add_argument("--settings")
+    flags = p.parse_known_args(argv)[0]
+    if flags.settings:
+        try:
+            with open(flags.settings, encoding="utf-8") as f:
+                section = json.load(f).get("steps", {}).get(step, {})
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"--settings {flags.settings}: {e}") from None
+        flags.model = flags.model or section.get("model")
+        flags.backend = flags.backend or section.get("backend")
+    return flags
 
 
 def decide(a, environ=None) -> dict:
@@ -106,7 +117,8 @@ def decide(a, environ=None) -> dict:
     script, step_args = a.command[:n], a.command[n:]
     if len(script) < n:
         raise LaunchError("-m needs the step's module after it")
-    flags = step_flags(step_args)
+    step = script[-1].rsplit(".", 1)[-1] if n == 2 else os.path.basename(script[0]).removesuffix(".py")
+    flags = step_flags(step_args, step)
     gpus = visible_gpus(env)
     set_env = {}
     if a.gpus is not None:

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.data.prepared_data import FORMAT
 from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,
                                           run_step, sha256_file)
@@ -338,7 +339,7 @@ def main(argv=None):
                     help="fail (exit 2 naming FILE:LINE) or skip malformed rows (default: fail)")
     ap.add_argument("--shard-size", type=int, default=10000, help="samples per shard file")
     ap.add_argument("--max-samples", type=int, default=0, help="stop after this many samples (0 = all)")
-    args = ap.parse_args(argv)
+    args = parse_step_args(ap, "prepare", argv)
     return run_step("prepare", run, args)
 
 

@@ -36,6 +36,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, atomic_write, atomic_write_json, files_digest, log, package_dir,
                                           model_fingerprint, model_identity, progress_line, run_step,
                                           stdout_for_result_only)
@@ -394,7 +395,7 @@ def build_parser():
 
 
 def main(argv=None):
-    return run_step("regenerate", run, build_parser().parse_args(argv))
+    return run_step("regenerate", run, parse_step_args(build_parser(), "regenerate", argv))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.draft.draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators,
                                                load_target_config, load_target_tensors)
 from kimi_eagle_host.data.hidden_state_files import check_sample_headers
@@ -751,7 +752,7 @@ def make_optimizer(model, args, device):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_step_args(build_parser(), "train", argv)
     # Our loop compiles in processes of the job's group; speculators' trainer is stopped by the signal itself.
     spared = dist_.sparing_children() if args.trainer == "ours" else contextlib.nullcontext()
     with spared:

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import BadInput, atomic_save_npy, atomic_write_json, log, run_step
 
 
@@ -133,7 +134,7 @@ def main(argv=None):
     ap.add_argument("--token-freq", default=None, help="frequency file instead of <output-dir>/prepared/token_freq.npy")
     ap.add_argument("--out", default=None, help="write here instead of <output-dir>/vocab")
     ap.add_argument("--draft-vocab-size", type=int, default=32000)
-    args = ap.parse_args(argv)
+    args = parse_step_args(ap, "vocab", argv)
     return run_step("vocab", run, args)
 
 
