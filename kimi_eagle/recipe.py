@@ -95,8 +95,11 @@ def _override(text: str) -> tuple[tuple, object]:
     if not sep or not all(keys):
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. epochs=3 or steps.train.warmup_steps=100")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
+        # the same bounded reader as the files: `lr=[[[[…` is one line, not a RecursionError
+        parsed = read_yaml(value, f"override {key.strip()}")[0] if value.strip() else ""
+    except ConfigError as e:
+        if "YAML syntax error" not in str(e):
+            raise
         parsed = value  # `{workdir}/models/x` is a path, not a YAML mapping
     return keys, value if isinstance(parsed, dict) else parsed
 
