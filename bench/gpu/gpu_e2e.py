@@ -113,7 +113,7 @@ def main():
 
     # 4. A ~1B-parameter random model (bf16), built on the host by a detached job.
     _, out, _, _ = cli("--json", "run", "exec", "--host", "h200", "--detach", "--no-gpu", "--", PY,
-                       ".kimi-eagle/payloads/pipeline/tiny_model.py", "--kind", "llama", "--hidden", str(E["HIDDEN"]),
+                       "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--hidden", str(E["HIDDEN"]),
                        "--layers", str(E["LAYERS"]), "--vocab", str(E["VOCAB"]), "--heads", str(max(1, E["HIDDEN"] // 128)),
                        "--dtype", "bf16", "--out", "models/llama-1b")
     job = json.loads(out)["id"]
@@ -157,7 +157,9 @@ def main():
     follower = subprocess.Popen([PY, "-m", "kimi_eagle", "logs", job["id"], "--follow"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     log_path = Path(job["log"])
-    while time.perf_counter() - t0 < 600 and "step extract" not in (log_path.read_text(errors="replace") if log_path.exists() else ""):
+    # (a job that ends before its extract, e.g. a failed prepare, ends the wait too: the follower has returned)
+    while time.perf_counter() - t0 < 600 and follower.poll() is None and \
+            "step extract" not in (log_path.read_text(errors="replace") if log_path.exists() else ""):
         time.sleep(0.2)
     dropped_at = round(time.perf_counter() - t0, 1)
     sshd.restart()  # every SSH connection dies; the job must not notice, the follower must resume
