@@ -152,7 +152,7 @@ def main():
     _, out, _, _ = cli("--json", "run", "all", "--host", "h200", "--detach", "--no-preflight")
     job = json.loads(out)
     env = {**os.environ, "KIMI_EAGLE_INVENTORY": str(TMP / "inventory.yaml"), "NO_COLOR": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TMP / "ctl-site"), str(ROOT)]))}
     t0 = time.perf_counter()
     follower = subprocess.Popen([PY, "-m", "kimi_eagle", "logs", job["id"], "--follow"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
