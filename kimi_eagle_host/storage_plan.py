@@ -23,6 +23,7 @@ import json
 import math
 import os
 
+from kimi_eagle_host.data.hidden_state_files import SAMPLE_RE
 from kimi_eagle_host.model_size import DTYPE_BYTES, compute_parameters
 
 # What a sample file holds per token besides its hidden states: token_ids int64 + loss_mask int64
@@ -77,6 +78,16 @@ def prepared_data(output_dir: str | None) -> dict | None:
         return None
 
 
+def already_stored(output_dir: str | None) -> int:
+    """Bytes of the sample files an earlier extract left in <output_dir>/hidden_states: a resume writes only the
+    rest, and those bytes are no longer free."""
+    try:
+        with os.scandir(os.path.join(output_dir or "", "hidden_states")) as entries:
+            return sum(e.stat().st_size for e in entries if SAMPLE_RE.match(e.name))
+    except OSError:
+        return 0
+
+
 def free_bytes(path: str) -> int | None:
     try:
         st = os.statvfs(path)
@@ -95,17 +106,17 @@ def size(n: float) -> str:
 
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
          seq_len: int, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", shm_free: int | None = None,
-         free_note: str = "") -> dict:
+         free_note: str = "", stored: int = 0) -> dict:
     """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
     `keep_free` bytes left over), what online holds instead, and the hours each way. `data` is prepared_data()'s
     answer or an estimate of the same shape ({tokens, samples, source, estimate}); `free_note` says where
-    `disk_free` came from when not from the file system. Everything the check prints is
-    in "summary" (one line) and "lines"."""
+    `disk_free` came from when not from the file system; `stored` the bytes already written (already_stored()).
+    Everything the check prints is in "summary" (one line) and "lines"."""
     hidden = int(text_config["hidden_size"])
     per = bytes_per_token(hidden, len(layer_ids), dtype)
     tokens, samples = int(data["tokens"]), int(data["samples"])
     offline = tokens * per["total"] + samples * FILE_HEADER_BYTES
-    needed = int(offline * (1 + FIT_MARGIN)) + keep_free
+    needed = int(max(0, offline - stored) * (1 + FIT_MARGIN)) + keep_free
     buffer = min(tokens, BUFFER_SEQUENCES * seq_len) * per["total"]
     gpus = max(1, gpus)
     params = compute_parameters(text_config)
@@ -116,7 +127,8 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
     p = {"hidden_size": hidden, "layer_ids": list(layer_ids), "dtype": dtype,
          "bytes_per_token": per["total"], "hidden_state_bytes_per_token": per["hidden_states"],
          "tokens": tokens, "samples": samples, "data_from": data["source"], "estimate": bool(data["estimate"]),
-         "offline_bytes": offline, "offline_needs_free": needed, "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note,
+         "offline_bytes": offline, "already_stored_bytes": stored, "offline_needs_free": needed,
+         "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note,
          "offline_fits": fits, "shm_free": shm_free,
          "offline_fits_shm": None if shm_free is None else shm_free >= needed,
          "online_buffer_bytes": buffer, "gpus": gpus, "epochs": epochs,
@@ -151,7 +163,8 @@ def details(p: dict) -> list[str]:
         f"= {p['bytes_per_token']:,} B",
         f"data: {p['tokens']:,} tokens in {p['samples']:,} samples "
         + (f"(an estimate: {p['data_from']})" if p["estimate"] else f"({p['data_from']})"),
-        f"disk: offline needs {size(p['offline_needs_free'])} free (+{FIT_MARGIN:.0%} and the kept margin); "
+        f"disk: offline needs {size(p['offline_needs_free'])} free (+{FIT_MARGIN:.0%} and the kept margin"
+        + (f"; {size(p['already_stored_bytes'])} already written" if p["already_stored_bytes"] else "") + "); "
         f"{p['disk_path']} has {size(p['disk_free'])}{shm}",
         f"time (estimate from one-H200 figures, {gpus}): extraction ~{p['extract_hours']:.1f} h at "
         f"~{p['extract_tokens_per_s']:,} tokens/s ({p['compute_parameters'] / 1e9:.1f} B parameters per token); "

@@ -56,6 +56,24 @@ def test_the_tiny_targets_prepared_hidden_states_fit_offline(tmp_path):
     assert checks["disk"]["status"] == "pass" and "see the storage check" in checks["disk"]["detail"]
 
 
+def test_a_resume_needs_room_only_for_the_samples_not_yet_written(tmp_path):
+    """After extract wrote every sample, its files fill the disk they were planned against: re-running (a resume,
+    `run all` again) must not fail for want of room it already used."""
+    w = tiny_world(tmp_path, manifest={"count": 100, "tokens": 20_000})
+    tight = ("--layer-ids", "1,2,3,4", "--min-free-disk-gib", "0", "--assume-free-disk-bytes", str(10**6))
+    rc, checks = host_preflight(w, "extract", *tight)
+    assert rc == 1 and checks["storage"]["status"] == "fail"       # 10.6 MB to write, 1 MB free
+    hs = w["out"] / "hidden_states"
+    hs.mkdir()
+    for i in range(95):                                           # 95 of the 100 samples written (~10.1 MB)
+        (hs / f"hs_{i}.safetensors").write_bytes(b"\0" * 105_856)
+    (hs / "data_config.json").write_text("{}")
+    rc, checks = host_preflight(w, "extract", *tight)
+    storage = checks["storage"]
+    assert storage["status"] == "pass" and storage["plan"]["already_stored_bytes"] == 95 * 105_856, storage
+    assert "10.1 MB already written" in "\n".join(storage["plan"]["lines"])
+
+
 def test_before_prepare_the_plan_is_an_estimate_from_the_dataset_and_says_so(tmp_path):
     w = tiny_world(tmp_path, rows=300)                          # 796 characters a row: ~200 tokens (chars/4)
     rc, checks = host_preflight(w, "all", "--dataset", str(w["data"]), "--layer-ids", "1,2,3,4")

@@ -746,7 +746,7 @@ def check_storage(args, ctx: dict) -> dict:
     plan = storage_plan.plan(text, ids, data, disk_path=str(where), disk_free=free,
                              keep_free=int(args.min_free_disk_gib * (1 << 30)), seq_len=args.seq_len,
                              gpus=len(gpus or []), epochs=args.epochs, shm_free=storage_plan.free_bytes(storage_plan.SHM),
-                             free_note=src)
+                             free_note=src, stored=storage_plan.already_stored(args.output_dir))
     short = plan["offline_needs_free"] - free
     fix = (f"`hidden_states: online` is not available yet: use less data (--max-samples, a shorter "
            f"seq_len), free {storage_plan.size(short)} under {where}, or choose an output_dir with room")
