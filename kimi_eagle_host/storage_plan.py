@@ -104,6 +104,11 @@ def size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def count(n: int) -> str:
+    """A parameter count as model cards say it: 31.7 B, 135.0 M."""
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
          seq_len: int, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", shm_free: int | None = None,
          free_note: str = "", stored: int = 0) -> dict:
@@ -145,8 +150,8 @@ def summary(p: dict) -> str:
     verdict = "offline fits" if p["offline_fits"] else "offline does not fit"
     return (f"offline needs {est}{size(p['offline_bytes'])} of hidden states ({p['bytes_per_token']:,} B/token x "
             f"{est}{p['tokens']:,} tokens in {p['samples']:,} samples), {size(p['disk_free'])} free on "
-            f"{p['disk_path']}{p['free_note']}: {verdict}; online stores none (a ~{size(p['online_buffer_bytes'])} buffer in "
-            f"memory) but runs extraction again every epoch")
+            f"{p['disk_path']}{p['free_note']}: {verdict}; online stores none "
+            f"(a ~{size(p['online_buffer_bytes'])} buffer in memory) but runs extraction again every epoch")
 
 
 def details(p: dict) -> list[str]:
@@ -167,7 +172,7 @@ def details(p: dict) -> list[str]:
         + (f"; {size(p['already_stored_bytes'])} already written" if p["already_stored_bytes"] else "") + "); "
         f"{p['disk_path']} has {size(p['disk_free'])}{shm}",
         f"time (estimate from one-H200 figures, {gpus}): extraction ~{p['extract_hours']:.1f} h at "
-        f"~{p['extract_tokens_per_s']:,} tokens/s ({p['compute_parameters'] / 1e9:.1f} B parameters per token); "
+        f"~{p['extract_tokens_per_s']:,} tokens/s ({count(p['compute_parameters'])} parameters per token); "
         f"training ~{p['train_hours_per_epoch']:.1f} h per epoch at ~{p['train_tokens_per_s']:,} tokens/s",
         f"{epochs}: offline ~{p['offline_hours']:.1f} h (extract once, train from the files); online "
         f"~{p['online_hours']:.1f} h co-located (extraction recomputed every epoch; less where engine and trainer "

@@ -655,14 +655,12 @@ def check_inputs(args, ctx: dict) -> dict | None:
         steps = sorted({s for _, s in missing})
         return check("inputs", "fail", f"step {args.step} reads {', '.join(str(root / r) for r, _ in missing)}: missing",
                      f"run the {' and '.join(steps)} step(s) first with the same --output-dir")
-    manifest = root / "prepared" / "manifest.json"
     if args.step == "extract":
-        try:
-            ctx["tokens"] = int(json.loads(manifest.read_text())["tokens"])
-            ctx["tokens_from"] = f"{manifest} tokens"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return check("inputs", "warn", f"{manifest}: no token count ({exc})",
+        prepared = storage_plan.prepared_data(args.output_dir)
+        if not prepared:
+            return check("inputs", "warn", f"{root / 'prepared' / 'manifest.json'}: no token or sample count",
                          "re-run the prepare step")
+        ctx["tokens"] = prepared["tokens"]
     return check("inputs", "pass", f"step {args.step} inputs present under {root}")
 
 
@@ -745,8 +743,9 @@ def check_storage(args, ctx: dict) -> dict:
     gpus, _ = query_gpus(args.smi_path)
     plan = storage_plan.plan(text, ids, data, disk_path=str(where), disk_free=free,
                              keep_free=int(args.min_free_disk_gib * (1 << 30)), seq_len=args.seq_len,
-                             gpus=len(gpus or []), epochs=args.epochs, shm_free=storage_plan.free_bytes(storage_plan.SHM),
-                             free_note=src, stored=storage_plan.already_stored(args.output_dir))
+                             gpus=len(gpus or []), epochs=args.epochs, free_note=src,
+                             shm_free=storage_plan.free_bytes(storage_plan.SHM),
+                             stored=storage_plan.already_stored(args.output_dir))
     short = plan["offline_needs_free"] - free
     fix = (f"`hidden_states: online` is not available yet: use less data (--max-samples, a shorter "
            f"seq_len), free {storage_plan.size(short)} under {where}, or choose an output_dir with room")
