@@ -133,3 +133,14 @@ def kv_bytes_per_token(t: dict, tp: int = 1, dtype_bytes: int = 2) -> int:
     head_dim = t.get("head_dim") or t["hidden_size"] // heads
     kv_heads = t.get("num_key_value_heads") or heads
     return n * 2 * max(1, kv_heads // max(1, tp)) * head_dim * dtype_bytes
+
+
+def compute_parameters(t: dict) -> int:
+    """Parameters one token's forward multiplies through: all but the embedding lookup, with an MoE layer's routed
+    experts at the share a token reaches (num_experts_per_tok of n_routed_experts). What a target's tokens/s
+    scales with once its matmuls are large enough to be compute-bound."""
+    parts = parameters(t)
+    routed = t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts") or 0
+    per_token = t.get("num_experts_per_tok") or routed
+    share = min(1.0, per_token / routed) if routed else 1.0
+    return int(sum(parts.values()) - parts["embed"] - parts["routed_experts"] * (1 - share))

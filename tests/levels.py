@@ -70,6 +70,7 @@ FILES = {
     "test_spec_trainer.py": INTEGRATION,
     "test_step_batches.py": INTEGRATION,
     "test_step_flags.py": UNIT,
+    "test_storage_plan.py": INTEGRATION,   # preflight's storage check: host script and `kimi-eagle preflight`
     "test_template_safety.py": UNIT,
     "test_torchrun.py": INTEGRATION,
     "test_tracking.py": INTEGRATION,

@@ -1,4 +1,4 @@
-"""Preflight at Kimi-K2.5's real size, from its config alone (no weights anywhere): the hidden-state disk estimate,
+"""Preflight at Kimi-K2.5's real size, from its config alone (no weights anywhere): the hidden states' storage plan,
 GPU memory for the model at tensor parallelism 8 (INT4 routed experts as the Hub checkpoint stores them), and the
 parameter count of an MLA + MoE model. The GPUs are an nvidia-smi stand-in listing eight H200s (no GPU here)."""
 
@@ -61,14 +61,29 @@ def test_the_real_config_counts_a_trillion_parameters_and_595_gb_as_stored():
     assert model_size.kv_bytes_per_token(cfg["text_config"], tp=8) == 61 * 576 * 2
 
 
-def test_hidden_states_need_56_kib_per_token_against_free_disk(kimi):
-    need = 100_000_000 * 4 * 7168 * 2
-    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(need + 20 * GIB))
-    assert checks["disk"]["status"] == "pass" and "56.0 KiB/token" in checks["disk"]["detail"], checks["disk"]
+def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
+    """The storage plan at the scale of TorchSpec's Kimi-K2.5 draft: 600,000 samples of 10,000 tokens on average
+    (6 B tokens), the default 4 captured layers of hidden 7168 in bf16."""
+    samples, avg_len = 600_000, 10_000
+    (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": samples, "tokens": samples * avg_len}))
+    assert 4 * 7168 * 2 == 57_344
+    # + an int64 token id and loss-mask entry per token, and each sample file's safetensors header
+    offline = samples * avg_len * (57_344 + 16) + samples * 256
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(400 * 10**12))
+    storage = checks["storage"]
+    assert storage["status"] == "pass" and "offline fits" in storage["detail"], storage
+    assert storage["plan"]["hidden_state_bytes_per_token"] == 57_344 and storage["plan"]["offline_bytes"] == offline
+    assert storage["detail"].startswith("offline needs 344.2 TB of hidden states (57,360 B/token x 6,000,000,000 "
+                                        "tokens in 600,000 samples)"), storage["detail"]
     assert "[2, 30, 58, 61]" in checks["layer_ids"]["detail"]
-    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(need // 2))
-    assert rc == 1 and checks["disk"]["status"] == "fail", checks["disk"]
-    assert "5340.58 GiB" in checks["disk"]["detail"] and "--max-samples" in checks["disk"]["fix"]
+    # A 2.1 TB disk: the run would fill it. One failing check, one line naming both figures.
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000))
+    storage = checks["storage"]
+    assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
+    assert "offline needs 344.2 TB" in storage["detail"] and "2.1 TB free on" in storage["detail"]
+    assert "offline does not fit" in storage["detail"] and "online stores none" in storage["detail"]
+    assert "online` is not available yet" in storage["fix"] and "--max-samples" in storage["fix"]
+    assert [n for n, c in checks.items() if c["status"] == "fail"] == ["storage"]   # not the disk check too
 
 
 def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):

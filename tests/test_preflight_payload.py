@@ -144,9 +144,12 @@ def test_a_default_the_extract_step_would_refuse_fails_preflight_in_its_words(en
 def test_too_little_disk(env):
     rc, _, checks = run(env, "--assume-free-disk-bytes", "1000", "--min-free-disk-gib", "0")
     assert rc == 1
-    c = assert_failed(checks, "disk", "--assume-free-disk-bytes override", "--output-dir")
-    # hidden 64 x 4 layer ids x 2 bytes = 0.5 KiB per token
-    assert "0.5 KiB/token" in c["detail"]
+    # the hidden states would not fit: hidden 64 x 4 layer ids x 2 bytes + int64 token id and loss mask per token
+    c = assert_failed(checks, "storage", "--assume-free-disk-bytes override", "output_dir", "offline does not fit")
+    assert "528 B/token" in c["detail"]
+    assert checks["disk"]["status"] == "pass"     # 0 GiB to keep: the margin alone is met
+    rc, _, checks = run(env, "--assume-free-disk-bytes", "1000", "--min-free-disk-gib", "1")
+    assert_failed(checks, "disk", "--assume-free-disk-bytes override", "--output-dir", "margin 1 GiB")
 
 
 def test_missing_model_path(env):
@@ -312,12 +315,12 @@ def test_compat_table_lookup():
 
 
 def test_step_inputs_and_manifest_tokens(env):
-    # extract sizes the hidden states from prepare's token count: 1e6 x 64 x 4 x 2 B = 488 MiB.
+    # extract sizes the hidden states from prepare's counts: 1e6 tokens x (64 x 4 x 2 B + 16 B) + 3 file headers.
     rc, doc, checks = run(env, "--min-free-disk-gib", "0", "--assume-free-disk-bytes", str(400 << 20),
                           step="extract")
     assert checks["inputs"]["status"] == "pass"
     assert doc["estimated_tokens"] == 1_000_000
-    assert_failed(checks, "disk", "0.48 GiB")
+    assert_failed(checks, "storage", "offline needs 528.0 MB", "in 3 samples", "419.4 MB free")
     # train needs extract's and vocab's outputs.
     rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
     assert rc == 1

@@ -41,6 +41,8 @@ def preflight(
                 continue
             for c in o.value.checks:
                 ui.line(f"[{o.host}] {ICON[c['status']]}  {c['name']}: {c['detail']}", style=STYLE[c["status"]])
+                for line in (c.get("plan") or {}).get("lines", []):  # the storage plan's figures, under its verdict
+                    ui.line(f"[{o.host}]       {line}")
                 if c["status"] != "pass" and c.get("fix"):
                     ui.line(f"[{o.host}]       fix: {c['fix']}")
             ui.line(f"[{o.host}] preflight {'passed' if o.value.ok else 'FAILED'}", style="green" if o.value.ok else "red")

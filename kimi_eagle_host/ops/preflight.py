@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from kimi_eagle_host import storage_plan
 from kimi_eagle_host.gpus import find_nvidia_smi
 from kimi_eagle_host.model_size import kv_bytes_per_token, stored_weight_bytes, weight_bytes
 from kimi_eagle_host.step_runtime import host_runs_dir
@@ -628,7 +629,7 @@ def check_dataset(args, ctx: dict) -> dict:
     if args.max_samples:
         total_rows = min(total_rows, args.max_samples)
     avg = sample_tokens / rows_seen
-    ctx["tokens"] = int(avg * total_rows)
+    ctx["tokens"], ctx["rows"] = int(avg * total_rows), total_rows
     how = "tokenizer.json" if counter else f"chars/{CHARS_PER_TOKEN}"
     return check("dataset", "pass", f"{path}: {total_rows} rows, first {rows_seen} parse; "
                  f"~{avg:.0f} tokens/row ({how}, capped at seq_len {args.seq_len}) -> ~{ctx['tokens']} tokens")
@@ -655,14 +656,12 @@ def check_inputs(args, ctx: dict) -> dict | None:
         steps = sorted({s for _, s in missing})
         return check("inputs", "fail", f"step {args.step} reads {', '.join(str(root / r) for r, _ in missing)}: missing",
                      f"run the {' and '.join(steps)} step(s) first with the same --output-dir")
-    manifest = root / "prepared" / "manifest.json"
     if args.step == "extract":
-        try:
-            ctx["tokens"] = int(json.loads(manifest.read_text())["tokens"])
-            ctx["tokens_from"] = f"{manifest} tokens"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return check("inputs", "warn", f"{manifest}: no token count ({exc})",
+        prepared = storage_plan.prepared_data(args.output_dir)
+        if not prepared:
+            return check("inputs", "warn", f"{root / 'prepared' / 'manifest.json'}: no token or sample count",
                          "re-run the prepare step")
+        ctx["tokens"] = prepared["tokens"]
     return check("inputs", "pass", f"step {args.step} inputs present under {root}")
 
 
@@ -695,32 +694,65 @@ def _existing_parent(p: Path) -> Path:
     return p
 
 
-def check_disk(args, ctx: dict) -> dict:
-    if not args.output_dir:
-        return check("disk", "fail", "no --output-dir given", "set pipeline.output_dir in the inventory")
+def free_disk(args) -> tuple[Path, int, str]:
+    """(the output folder's nearest existing folder, its free bytes, how they were found)."""
     where = _existing_parent(Path(args.output_dir))
     if args.assume_free_disk_bytes is not None:
-        free, src = args.assume_free_disk_bytes, " (--assume-free-disk-bytes override)"
-    else:
-        free, src = shutil.disk_usage(where).free, ""
+        return where, args.assume_free_disk_bytes, " (--assume-free-disk-bytes override)"
+    return where, shutil.disk_usage(where).free, ""
+
+
+def check_disk(args, ctx: dict) -> dict:
+    """The margin every step keeps free; the hidden states' volume is the storage check's."""
+    if not args.output_dir:
+        return check("disk", "fail", "no --output-dir given", "set pipeline.output_dir in the inventory")
+    where, free, src = free_disk(args)
     gib = 1 << 30
-    margin = args.min_free_disk_gib * gib
-    need, what = 0, "no hidden states for this step"
-    if args.step in ("extract", "all"):
-        h, ids, tokens = ctx.get("hidden_size"), ctx.get("layer_ids"), ctx.get("tokens")
-        if h and ids and tokens is not None:
-            per_tok = h * len(ids) * 2  # bf16
-            need = tokens * per_tok
-            what = (f"hidden states ~{tokens} tokens x {h} x {len(ids)} layers x 2 B "
-                    f"= {per_tok / 1024:.1f} KiB/token -> {need / gib:.2f} GiB")
-        else:
-            what = "hidden-state volume unknown (model or dataset check failed)"
+    what = "hidden states: see the storage check" if args.step in ("extract", "all") else \
+        "no hidden states for this step"
     detail = f"{where}: {free / gib:.2f} GiB free{src}; {what}; margin {args.min_free_disk_gib:g} GiB"
-    if free < need + margin:
-        return check("disk", "fail", detail,
-                     f"free {(need + margin - free) / gib:.2f} GiB under {where}, choose another --output-dir, "
-                     "or use fewer samples (--max-samples) / a shorter --seq-len")
+    if free < args.min_free_disk_gib * gib:
+        return check("disk", "fail", detail, f"free {(args.min_free_disk_gib * gib - free) / gib:.2f} GiB under "
+                     f"{where}, or choose another --output-dir")
     return check("disk", "pass", detail)
+
+
+def planned_data(args, ctx: dict) -> dict | None:
+    """What extract will read: the prepared manifest's counts once prepare has run, else an estimate from the
+    dataset check (its rows x their average length capped at seq_len; rows x seq_len when regenerate writes the
+    answers first), else None."""
+    data = storage_plan.prepared_data(args.output_dir)
+    if data or not ctx.get("rows"):
+        return data
+    if "regenerate" in args.step_settings_parsed:
+        return {"tokens": ctx["rows"] * args.seq_len, "samples": ctx["rows"], "estimate": True,
+                "source": f"{ctx['rows']:,} prompts x seq_len {args.seq_len}, answers not generated yet"}
+    return {"tokens": ctx["tokens"], "samples": ctx["rows"], "estimate": True,
+            "source": f"{args.dataset}: {ctx['rows']:,} rows x their average length, capped at seq_len {args.seq_len}; "
+                      "prepare has not run"}
+
+
+def check_storage(args, ctx: dict) -> dict:
+    """The planner (storage_plan.py): do this run's hidden states fit as files, and what would online cost."""
+    text, ids = ctx.get("text_config"), ctx.get("layer_ids")
+    data = planned_data(args, ctx) if args.output_dir else None
+    if not text or not ids or not data:
+        unknown = "the model's config and layer ids" if not text or not ids else \
+            "the data's size (run prepare first, or give a dataset file)"
+        return check("storage", "pass", f"not planned: {unknown} unknown here")
+    where, free, src = free_disk(args)
+    gpus, _ = query_gpus(args.smi_path)
+    plan = storage_plan.plan(text, ids, data, disk_path=str(where), disk_free=free,
+                             keep_free=int(args.min_free_disk_gib * (1 << 30)), seq_len=args.seq_len,
+                             gpus=len(gpus or []), epochs=args.epochs, free_note=src,
+                             shm_free=storage_plan.free_bytes(storage_plan.SHM),
+                             stored=storage_plan.already_stored(args.output_dir))
+    short = plan["offline_needs_free"] - free
+    fix = (f"`hidden_states: online` is not available yet: use less data (--max-samples, a shorter "
+           f"seq_len), free {storage_plan.size(short)} under {where}, or choose an output_dir with room")
+    result = check("storage", "pass" if plan["offline_fits"] else "fail", plan["summary"], fix)
+    result["plan"] = plan
+    return result
 
 
 # ---- GPU lock -------------------------------------------------------------------
@@ -861,6 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvidia-smi", default=None, help="nvidia-smi binary (default: PATH, /usr/local/nvidia/bin)")
     p.add_argument("--min-free-disk-gib", type=float, default=10.0,
                    help="free disk to keep beyond the estimate (default 10)")
+    p.add_argument("--epochs", type=float, default=1, help="training epochs, for the storage plan's hours (default 1)")
     p.add_argument("--step-settings", default=None,
                    help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
                         "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")
@@ -897,6 +930,8 @@ def run_checks(args) -> dict:
     inputs = check_inputs(args, ctx)
     if inputs:
         checks.append(inputs)
+    if args.step in ("extract", "all"):
+        checks.append(check_storage(args, ctx))
     checks.append(check_disk(args, ctx))
     checks.append(check_lock(args))
     return {"ok": all(c["status"] != "fail" for c in checks), "step": args.step, "backend": args.backend,

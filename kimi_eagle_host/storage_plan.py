@@ -1,0 +1,180 @@
+"""Whether a run's hidden states fit on the host as files (offline), and what streaming them would cost instead
+(online): preflight's `storage` check. Stdlib only, from the target's config (no weights), the captured layer ids
+and the prepared data's size.
+
+Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_files.py): per token L layers x
+hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
+safetensors header. Online (the `hidden_states: online` mode, not built yet) stores none of it: a bounded
+in-memory buffer holds one engine batch, and every epoch runs the target again.
+
+Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a rough rule:
+- extraction (vLLM native): 153.6 k tokens/s at a 1.06 B target, 37.4 k at 7.2 B; between them log-linear in the
+  parameters a token multiplies through (model_size.compute_parameters: MoE experts at their routed share); above
+  7.2 B the forward is compute-bound (53.7 % of peak there), so tokens/s falls as 1 / parameters; below 1.06 B it
+  stays at the 1 B figure (small matmuls and writing the files bound it, not FLOPs);
+- training (our trainer): 255 k tokens/s with a hidden-2048 draft, falling as 1 / hidden^2 above it (the draft's
+  matmuls are hidden x hidden); not faster below it;
+- both per GPU, times the GPUs visible (at least one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from kimi_eagle_host.data.hidden_state_files import SAMPLE_RE
+from kimi_eagle_host.model_size import DTYPE_BYTES, compute_parameters
+
+# What a sample file holds per token besides its hidden states: token_ids int64 + loss_mask int64
+# (hidden_state_files.LAYOUT); and the safetensors header of its three tensors (~230 B, rounded up).
+TOKEN_ID_BYTES, LOSS_MASK_BYTES = 8, 8
+FILE_HEADER_BYTES = 256
+# Offline must leave this share of the estimate free on top of the step's own margin (--min-free-disk-gib):
+# token counts estimated from a dataset's first rows, file-system blocks.
+FIT_MARGIN = 0.05
+# Online keeps one engine batch in memory: extract's engine holds 64 prompts at once (extract_vllm.extract_native).
+BUFFER_SEQUENCES = 64
+SHM = "/dev/shm"
+
+# docs/benchmarks.md, one H200: (parameters a token multiplies through, tokens/s) of vLLM-native extraction.
+EXTRACT_ANCHORS = ((1.06e9, 153_600.0), (7.2e9, 37_400.0))
+TRAIN_TOKENS_PER_S, TRAIN_HIDDEN = 255_000.0, 2048
+
+
+def bytes_per_token(hidden: int, layers: int, dtype: str = "bfloat16") -> dict:
+    """What one token costs on disk offline: {"hidden_states": L x hidden x dtype bytes, "ids_and_mask", "total"}."""
+    states = layers * hidden * DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 2)
+    return {"hidden_states": states, "ids_and_mask": TOKEN_ID_BYTES + LOSS_MASK_BYTES,
+            "total": states + TOKEN_ID_BYTES + LOSS_MASK_BYTES}
+
+
+def extract_tokens_per_s(params: int) -> float:
+    """One H200's vLLM-native extraction tokens/s for a target of `params` (compute_parameters), by the rule above."""
+    (p1, r1), (p8, r8) = EXTRACT_ANCHORS
+    if params <= p1:
+        return r1
+    if params >= p8:
+        return r8 * p8 / params
+    slope = math.log(r8 / r1) / math.log(p8 / p1)
+    return r1 * (params / p1) ** slope
+
+
+def train_tokens_per_s(hidden: int) -> float:
+    """One H200's training tokens/s for a draft of the target's hidden size, by the rule above."""
+    return TRAIN_TOKENS_PER_S * min(1.0, (TRAIN_HIDDEN / hidden) ** 2)
+
+
+def prepared_data(output_dir: str | None) -> dict | None:
+    """{tokens, samples, source} from <output_dir>/prepared/manifest.json once prepare has run, else None."""
+    if not output_dir:
+        return None
+    path = os.path.join(output_dir, "prepared", "manifest.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return {"tokens": int(doc["tokens"]), "samples": int(doc["count"]), "source": path, "estimate": False}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def already_stored(output_dir: str | None) -> int:
+    """Bytes of the sample files an earlier extract left in <output_dir>/hidden_states: a resume writes only the
+    rest, and those bytes are no longer free."""
+    try:
+        with os.scandir(os.path.join(output_dir or "", "hidden_states")) as entries:
+            return sum(e.stat().st_size for e in entries if SAMPLE_RE.match(e.name))
+    except OSError:
+        return 0
+
+
+def free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def size(n: float) -> str:
+    """Bytes as people read disk sizes (decimal units): 344.2 TB, 16.1 GB, 920 kB."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def count(n: int) -> str:
+    """A parameter count as model cards say it: 31.7 B, 135.0 M."""
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
+         seq_len: int, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", shm_free: int | None = None,
+         free_note: str = "", stored: int = 0) -> dict:
+    """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
+    `keep_free` bytes left over), what online holds instead, and the hours each way. `data` is prepared_data()'s
+    answer or an estimate of the same shape ({tokens, samples, source, estimate}); `free_note` says where
+    `disk_free` came from when not from the file system; `stored` the bytes already written (already_stored()).
+    Everything the check prints is in "summary" (one line) and "lines"."""
+    hidden = int(text_config["hidden_size"])
+    per = bytes_per_token(hidden, len(layer_ids), dtype)
+    tokens, samples = int(data["tokens"]), int(data["samples"])
+    offline = tokens * per["total"] + samples * FILE_HEADER_BYTES
+    needed = int(max(0, offline - stored) * (1 + FIT_MARGIN)) + keep_free
+    buffer = min(tokens, BUFFER_SEQUENCES * seq_len) * per["total"]
+    gpus = max(1, gpus)
+    params = compute_parameters(text_config)
+    extract_rate = extract_tokens_per_s(params) * gpus
+    train_rate = train_tokens_per_s(hidden) * gpus
+    extract_h, train_h = tokens / extract_rate / 3600, tokens / train_rate / 3600
+    fits = disk_free >= needed
+    p = {"hidden_size": hidden, "layer_ids": list(layer_ids), "dtype": dtype,
+         "bytes_per_token": per["total"], "hidden_state_bytes_per_token": per["hidden_states"],
+         "tokens": tokens, "samples": samples, "data_from": data["source"], "estimate": bool(data["estimate"]),
+         "offline_bytes": offline, "already_stored_bytes": stored, "offline_needs_free": needed,
+         "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note,
+         "offline_fits": fits, "shm_free": shm_free,
+         "offline_fits_shm": None if shm_free is None else shm_free >= needed,
+         "online_buffer_bytes": buffer, "gpus": gpus, "epochs": epochs,
+         "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
+         "train_tokens_per_s": round(train_rate), "extract_hours": extract_h, "train_hours_per_epoch": train_h,
+         "offline_hours": extract_h + epochs * train_h, "online_hours": epochs * (extract_h + train_h)}
+    p["summary"] = summary(p)
+    p["lines"] = details(p)
+    return p
+
+
+def summary(p: dict) -> str:
+    est = "~" if p["estimate"] else ""
+    verdict = "offline fits" if p["offline_fits"] else "offline does not fit"
+    return (f"offline needs {est}{size(p['offline_bytes'])} of hidden states ({p['bytes_per_token']:,} B/token x "
+            f"{est}{p['tokens']:,} tokens in {p['samples']:,} samples), {size(p['disk_free'])} free on "
+            f"{p['disk_path']}{p['free_note']}: {verdict}; online stores none "
+            f"(a ~{size(p['online_buffer_bytes'])} buffer in memory) but runs extraction again every epoch")
+
+
+def details(p: dict) -> list[str]:
+    """The plan's figures, one line each, for the printed block under the check."""
+    n = len(p["layer_ids"])
+    states = p["hidden_state_bytes_per_token"]
+    shm = "" if p["shm_free"] is None else f"; {SHM} {size(p['shm_free'])} free" + (
+        " (it would fit there)" if p["offline_fits_shm"] and p["disk_path"] != SHM else "")
+    gpus = f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
+    epochs = f"{p['epochs']:g} epoch{'' if p['epochs'] == 1 else 's'}"
+    return [
+        f"per token: {n} layers {p['layer_ids']} x hidden {p['hidden_size']} x {states // (n * p['hidden_size'])} B "
+        f"({p['dtype']}) = {states:,} B, + token id and loss mask {p['bytes_per_token'] - states} B "
+        f"= {p['bytes_per_token']:,} B",
+        f"data: {p['tokens']:,} tokens in {p['samples']:,} samples "
+        + (f"(an estimate: {p['data_from']})" if p["estimate"] else f"({p['data_from']})"),
+        f"disk: offline needs {size(p['offline_needs_free'])} free (+{FIT_MARGIN:.0%} and the kept margin"
+        + (f"; {size(p['already_stored_bytes'])} already written" if p["already_stored_bytes"] else "") + "); "
+        f"{p['disk_path']} has {size(p['disk_free'])}{shm}",
+        f"time (estimate from one-H200 figures, {gpus}): extraction ~{p['extract_hours']:.1f} h at "
+        f"~{p['extract_tokens_per_s']:,} tokens/s ({count(p['compute_parameters'])} parameters per token); "
+        f"training ~{p['train_hours_per_epoch']:.1f} h per epoch at ~{p['train_tokens_per_s']:,} tokens/s",
+        f"{epochs}: offline ~{p['offline_hours']:.1f} h (extract once, train from the files); online "
+        f"~{p['online_hours']:.1f} h co-located (extraction recomputed every epoch; less where engine and trainer "
+        f"overlap on separate GPUs)",
+    ]
