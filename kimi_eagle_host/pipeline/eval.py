@@ -37,6 +37,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host.draft import parity
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
                                           stdout_for_result_only)
@@ -494,7 +495,10 @@ def run(args):
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
-    check_draft(args.draft, args.model)
+    _, tc = check_draft(args.draft, args.model)
+    own = args.draft == os.path.abspath(os.path.join(args.output_dir, "draft", "export"))   # this run's vocab/ maps
+    parity.check_export(args.draft, tc, None, os.path.join(args.output_dir, "vocab") if own else None,
+                        min(args.max_model_len, parity.serving_context(tc)), exc=BadInput)
     wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
     named = is_source_name(args.prompts)
     path, prov = resolve(args.prompts, "--prompts")
