@@ -39,9 +39,9 @@ class Step:
     branches: list["Step"] = field(default_factory=list)  # run at once instead of argv; the step fails if one does
 
 
-def step_args(step: str, pipeline) -> list[str]:
+def step_args(step: str, pipeline, entries=None) -> list[str]:
     args: list[str] = []
-    for entry in FLAGS[step]:
+    for entry in FLAGS[step] if entries is None else entries:
         key, flag = entry if isinstance(entry, tuple) else (entry, entry)
         value = getattr(pipeline, key)
         if step == "prepare" and key == "dataset" and pipeline.regenerate:
@@ -98,7 +98,18 @@ def plan(step: str, pipeline, extra: list[str] | None = None) -> list[Step]:
         if n in TORCHRUN_STEPS:
             argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
+    if step == "all":   # a run whose export vLLM cannot serve does not end as succeeded (eval --smoke)
+        if "eval" in names:
+            steps[-1].argv.append("--smoke")
+        else:
+            steps.append(Step("smoke", [*module_argv("pipeline.eval"), *smoke_args(pipeline), "--smoke"]))
     return steps
+
+
+def smoke_args(pipeline) -> list[str]:
+    """eval's flags without held-out prompts (its served smoke test alone), with the recipe's eval flags."""
+    plain = [entry for entry in FLAGS["eval"] if not isinstance(entry, tuple)]
+    return [*step_args("eval", pipeline, plain), *step_flags.mapping_to_argv("eval", pipeline.steps.get("eval") or {})]
 
 
 def plan_for_host(step: str, host, extra: list[str] | None = None) -> list[Step]:

@@ -92,7 +92,7 @@ STEP_FLAGS: dict[str, dict[str, Flag]] = {
         "--device": DEVICE, "--dtype": DTYPE, "--threads": INT, "--vllm-dtype": TEXT, "--max-model-len": INT,
         "--tp-size": INT, "--enforce-eager": TOGGLE, "--report-to": REPORT_TO, "--tracking-dir": TEXT,
         "--max-turns": INT, "--batch-sizes": TEXT, "--timing-prompts": INT, "--max-batch": INT,
-        "--reuse-baseline": TOGGLE, "--baseline-dir": TEXT,
+        "--reuse-baseline": TOGGLE, "--baseline-dir": TEXT, "--smoke": SWITCH,
     },
 }
 

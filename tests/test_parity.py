@@ -151,3 +151,32 @@ def test_eval_refuses_unservable_export_before_loading(export_copy, tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "max_position_embeddings" in lines[0], r.stderr[-2000:]
     assert not (out / "eval").exists()
+
+
+# ------------------------------------------------------------------------------------------ served smoke test
+
+def test_smoke_refuses_an_export_vllm_accepts_nothing_of():
+    from kimi_eagle_host.pipeline.eval import smoke_verdict
+    from kimi_eagle_host.step_runtime import Refused
+
+    with pytest.raises(Refused, match=r"accepted none of its 12 drafted tokens") as e:
+        smoke_verdict({"drafts": 12, "accepted": 0}, "vLLM 0.32.0")
+    assert "\n" not in str(e.value)
+    assert smoke_verdict({"drafts": 12, "accepted": 5}, "vLLM 0.32.0")["served_smoke"] == "passed"
+
+
+def test_smoke_without_a_serving_vllm_is_recorded_as_skipped(export_copy):
+    """This interpreter has no vLLM: the smoke test cannot run, and says so instead of passing."""
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("this interpreter has vLLM")
+    except ImportError:
+        pass
+    target, out = export_copy
+    r = subprocess.run(host_cmd("pipeline.eval", "--model", target, "--output-dir", out, "--smoke"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["served_smoke"].startswith("skipped (vLLM is not importable"), doc
+    assert json.loads((out / "eval" / "smoke.json").read_text())["served_smoke"] == doc["served_smoke"]

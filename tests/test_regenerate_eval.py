@@ -48,9 +48,9 @@ def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
 """)
     assert r.code == 0, r.stderr
     job = "\n".join(p.read_text() for p in files)
-    steps = [s for s in re.findall(r"pipeline/(\w+)\.py", job) if s != "launch"]
+    steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
     assert steps == ["models", "regenerate", "prepare", "extract", "vocab", "train", "eval"], steps
-    lines = {s: next(line for line in job.splitlines() if f"pipeline/{s}.py" in line) for s in steps}
+    lines = {s: next(line for line in job.splitlines() if f"kimi_eagle_host.pipeline.{s} " in line) for s in steps}
     assert "--source smollm2" in lines["models"] and "/m/smollm2" in lines["models"]
     assert "prompts_train.jsonl" in lines["regenerate"] and "--temperature 0.5" in lines["regenerate"]
     assert "--max-tokens 99" in lines["regenerate"] and "--max-prompts 40" in lines["regenerate"]
@@ -58,13 +58,17 @@ def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
     assert "/o/regenerated/chat.jsonl" in lines["prepare"] and "prompts_train" not in lines["prepare"]
     assert "prompts_eval.jsonl" in lines["eval"] and "--num-prompts 7" in lines["eval"]
     assert "--num-speculative-tokens 4" in lines["eval"]
+    assert lines["eval"].rstrip().endswith("--smoke")   # the served smoke test: accepted tokens or a failed run
 
 
-def test_run_all_without_regenerate_or_eval_is_the_four_steps(tmp_path):
+def test_run_all_without_regenerate_or_eval_is_the_four_steps_and_the_smoke_test(tmp_path):
     r, files = render_all(tmp_path, "pipeline:\n  model: /m\n  dataset: /d.jsonl\n")
     assert r.code == 0, r.stderr
-    steps = [s for s in re.findall(r"pipeline/(\w+)\.py", "\n".join(p.read_text() for p in files)) if s != "launch"]
-    assert steps == ["prepare", "extract", "vocab", "train"]
+    job = "\n".join(p.read_text() for p in files)
+    steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
+    assert steps == ["prepare", "extract", "vocab", "train", "eval"]
+    smoke = next(line for line in job.splitlines() if "kimi_eagle_host.pipeline.eval " in line)
+    assert "--smoke" in smoke and "--prompts" not in smoke and "--model /m" in smoke
 
 
 def test_two_model_builders_are_refused(tmp_path):
