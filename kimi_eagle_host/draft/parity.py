@@ -16,6 +16,7 @@ import os
 import sys
 
 from kimi_eagle_host.step_runtime import BadInput, Refused, run_step
+from kimi_eagle_host.target.model_layers import engine_default_aux_ids
 from kimi_eagle_host.vllm_compat import text_config_of
 
 # What vLLM's model runner does (0.16 and 0.32 alike): the draft config's eagle_aux_hidden_state_layer_ids when
@@ -27,8 +28,7 @@ def engine_aux_ids(draft_config: dict, num_layers: int) -> tuple[list[int], str]
     ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
     if ids:
         return sorted({int(i) for i in ids}), "its eagle_aux_hidden_state_layer_ids"
-    n = int(num_layers)
-    return sorted({2, n // 2, n - 3}), "vLLM's default: the config has no eagle_aux_hidden_state_layer_ids"
+    return sorted(set(engine_default_aux_ids(num_layers))), "vLLM's default: the config has no eagle_aux_hidden_state_layer_ids"
 
 
 def aux_ids_problem(draft_config: dict, num_layers: int, extracted: list[int], where: str) -> str | None:
