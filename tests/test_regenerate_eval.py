@@ -89,7 +89,8 @@ def draft_dir(tmp_path, **changes):
     cfg = {"speculators_model_type": "eagle3", "draft_vocab_size": 128,
            "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
            "transformer_layer_config": {"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
-                                        "intermediate_size": 128}}
+                                        "intermediate_size": 128, "max_position_embeddings": 4096,
+                                        "rope_theta": 10000.0}}
     nan = changes.pop("nan_weights", False)
     for k, v in changes.items():
         if k in ("hidden_size", "vocab_size"):
@@ -102,7 +103,10 @@ def draft_dir(tmp_path, **changes):
 
     fc = torch.zeros(64, 3 * 64)
     fc[1, 2] = float("nan") if nan else 0.0
-    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64)}, str(d / "model.safetensors"))
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:128] = True   # draft token i = target token i
+    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64), "d2t": torch.zeros(128, dtype=torch.int64),
+               "t2d": t2d}, str(d / "model.safetensors"))
     return d
 
 

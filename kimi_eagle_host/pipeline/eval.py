@@ -493,6 +493,16 @@ def smoke_verdict(counters, engine_name) -> dict:
     return {"served_smoke": "passed", "smoke_drafts": counters["drafts"], "smoke_accepted": counters["accepted"]}
 
 
+def full_eval_smoke(m, meta, why):
+    """(--smoke's record, the Refused to raise once the report is written) of a full eval's measurement."""
+    if meta["engine"] != "vllm":
+        return {"served_smoke": f"skipped ({why or 'the transformers engine was asked for'})"}, None
+    try:
+        return smoke_verdict(total_counters(m), meta["engine_name"]), None
+    except Refused as e:
+        return {"served_smoke": f"failed ({e})"}, e
+
+
 def served_smoke(args, out_dir) -> dict:
     """--smoke without --prompts: vLLM loads target + export and answers a few bundled prompts with the draft;
     skipped (saying why) where the host's vLLM cannot serve EAGLE-3 for this target."""
@@ -617,9 +627,8 @@ def run(args):
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
     warnings = drafting_problems(m, meta["engine_name"])
     rep = summarize(m, k, convs, meta, batch_sizes)
-    if args.smoke:
-        rep.update(smoke_verdict(total_counters(m), meta["engine_name"]) if engine == "vllm" else
-                   {"served_smoke": f"skipped ({why or 'the transformers engine was asked for'})"})
+    smoke, smoke_failed = full_eval_smoke(m, meta, why) if args.smoke else ({}, None)
+    rep.update(smoke)
     if warnings:
         rep["warnings"] = warnings
         rep["headline"] += "; WARNING: " + "; ".join(warnings)
@@ -644,6 +653,8 @@ def run(args):
                         **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
     log(HEADLINE_PREFIX + rep["headline"])
     job_headline(HEADLINE_PREFIX + rep["headline"])
+    if smoke_failed:
+        raise smoke_failed
     return rep
 
 
