@@ -112,7 +112,24 @@ def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str
         if n in TORCHRUN_STEPS:
             argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
         steps.append(Step(n, argv))
+    if step == "all":   # a run whose export vLLM cannot serve does not end as succeeded (eval --smoke)
+        if "eval" in names:
+            steps[-1].argv.append("--smoke")
+        else:
+            steps.append(smoke_step(pipeline))
     return steps
+
+
+# eval's settings that belong to its held-out prompts: the smoke test alone serves its own few prompts.
+HELD_OUT_KEYS = ("prompts", "num_prompts", "max_tokens")
+
+
+def smoke_step(pipeline) -> Step:
+    """eval's served smoke test alone, for a run with no held-out prompts: eval's section without them."""
+    resolved = pipeline.model_dump()
+    section = {k: v for k, v in settings.step_section("eval", resolved).items() if k not in HELD_OUT_KEYS}
+    section = {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
+    return Step("smoke", [*module_argv("pipeline.eval"), *settings.section_to_argv("eval", section), "--smoke"])
 
 
 def refuse_output_flags(step: str, extra: list[str]) -> None:

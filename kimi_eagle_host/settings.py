@@ -209,6 +209,7 @@ STEP_SETTINGS = [
     _step("eval", "threads", "int", 0, "hf engine: torch threads (0 = torch's default)", minimum=0),
     _step("eval", "reuse_baseline", "toggle", True, "reuse the target's answers from an earlier eval"),
     _step("eval", "baseline_dir", "text", None, "where those runs are recorded", nonempty=True),
+    _step("eval", "smoke", "switch", False, "serve the export in vLLM on a few prompts; no accepted token fails the step"),
 ]
 SETTINGS: dict[str, Setting] = {s.name: s for s in PIPELINE_SETTINGS}
 # Flag aliases a step also accepts: step -> {alias: the flag it stands for}.

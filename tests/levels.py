@@ -50,6 +50,7 @@ FILES = {
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
     "test_packaging.py": INTEGRATION,
+    "test_parity.py": INTEGRATION,
     "test_patch_engine.py": INTEGRATION,   # real speculators wheels installed with pip
     "test_pipeline_data.py": INTEGRATION,
     "test_preflight_cli.py": INTEGRATION,

@@ -84,11 +84,16 @@ def v32(tmp_path_factory):
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({
         "speculators_model_type": "eagle3", "draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-        "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"]}}))
+        "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+                                     "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": 10000.0}}))
     import torch   # weights eval reads (and checks finite) before it sizes its engine; never loaded as a model
     from safetensors.torch import save_file
 
-    save_file({"fc.weight": torch.zeros(cfg["hidden_size"], 3 * cfg["hidden_size"])}, str(draft / "model.safetensors"))
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[:64] = True   # what eval's parity check reads: draft token i = target token i
+    save_file({"fc.weight": torch.zeros(cfg["hidden_size"], 3 * cfg["hidden_size"]),
+               "lm_head.weight": torch.zeros(64, cfg["hidden_size"]), "d2t": torch.zeros(64, dtype=torch.int64),
+               "t2d": t2d}, str(draft / "model.safetensors"))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     return {"py": py, "model": model, "prompts": prompts, "draft": draft, "env": env}
 

@@ -50,7 +50,7 @@ def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
     job = "\n".join(p.read_text() for p in files)
     steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
     assert steps == ["models", "regenerate", "prepare", "extract", "vocab", "train", "eval"], steps
-    lines = {s: next(line for line in job.splitlines() if f"kimi_eagle_host.pipeline.{s}" in line) for s in steps}
+    lines = {s: next(line for line in job.splitlines() if f"kimi_eagle_host.pipeline.{s} " in line) for s in steps}
     assert "--source smollm2" in lines["models"] and "/m/smollm2" in lines["models"]
     # Each step reads its section of the job's settings.json.
     sections = json.loads(next((tmp_path / "r").rglob("settings.json")).read_text())["steps"]
@@ -62,13 +62,17 @@ def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
     assert prepare["dataset"] == "/o/regenerated/chat.jsonl"
     assert evaluate["prompts"].endswith("prompts_eval.jsonl") and evaluate["num_prompts"] == 7
     assert evaluate["num_speculative_tokens"] == 4
+    assert lines["eval"].rstrip().endswith("--smoke")   # the served smoke test: accepted tokens or a failed run
 
 
-def test_run_all_without_regenerate_or_eval_is_the_four_steps(tmp_path):
+def test_run_all_without_regenerate_or_eval_is_the_four_steps_and_the_smoke_test(tmp_path):
     r, files = render_all(tmp_path, "pipeline:\n  model: /m\n  dataset: /d.jsonl\n")
     assert r.code == 0, r.stderr
-    steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", "\n".join(p.read_text() for p in files)) if s != "launch"]
-    assert steps == ["prepare", "extract", "vocab", "train"]
+    job = "\n".join(p.read_text() for p in files)
+    steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
+    assert steps == ["prepare", "extract", "vocab", "train", "eval"]
+    smoke = next(line for line in job.splitlines() if "kimi_eagle_host.pipeline.eval " in line)
+    assert "--smoke" in smoke and "--prompts" not in smoke and "--model /m" in smoke
 
 
 def test_two_model_builders_are_refused(tmp_path):
@@ -89,7 +93,8 @@ def draft_dir(tmp_path, **changes):
     cfg = {"speculators_model_type": "eagle3", "draft_vocab_size": 128,
            "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
            "transformer_layer_config": {"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
-                                        "intermediate_size": 128}}
+                                        "intermediate_size": 128, "max_position_embeddings": 4096,
+                                        "rope_theta": 10000.0}}
     nan = changes.pop("nan_weights", False)
     for k, v in changes.items():
         if k in ("hidden_size", "vocab_size"):
@@ -102,7 +107,10 @@ def draft_dir(tmp_path, **changes):
 
     fc = torch.zeros(64, 3 * 64)
     fc[1, 2] = float("nan") if nan else 0.0
-    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64)}, str(d / "model.safetensors"))
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:128] = True   # draft token i = target token i
+    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64), "d2t": torch.zeros(128, dtype=torch.int64),
+               "t2d": t2d}, str(d / "model.safetensors"))
     return d
 
 

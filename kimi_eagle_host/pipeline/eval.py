@@ -37,6 +37,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host.draft import parity
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
@@ -412,8 +413,7 @@ def drafting_problems(m, engine_name) -> list[str]:
     attached but counted no drafts at all: an acceptance length of 1.00 would then be reported for a draft that
     never ran (a vLLM whose spec-decode counters are named otherwise, a speculative config it ignored). Returns
     warnings for what was measured but is worth a look: drafts made and none accepted."""
-    drafts = sum(c["drafts"] for c in m["groups"].values())
-    accepted = sum(c["accepted"] for c in m["groups"].values())
+    drafts, accepted = total_counters(m)["drafts"], total_counters(m)["accepted"]
     # Each turn's first token comes from the prefill, with nothing to verify; every later step drafts.
     if drafts == 0 and m["output_tokens"] > m["turns"]:
         raise Refused(f"{engine_name} decoded {m['output_tokens']} tokens in {m['turns']} turns with the draft "
@@ -427,6 +427,10 @@ def drafting_problems(m, engine_name) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------------
 # the report
+
+def total_counters(m) -> dict:
+    return {key: sum(c[key] for c in m["groups"].values()) for key in ("drafts", "accepted")}
+
 
 def acceptance(c):
     drafts = max(c["drafts"], 1)
@@ -478,6 +482,56 @@ def summarize(m, k, convs, meta, batch_sizes):
 
 # ----------------------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------------------------
+# the served smoke test (--smoke): a run whose export vLLM cannot serve does not end as succeeded
+
+SMOKE_PROMPTS = 4
+
+
+def smoke_verdict(counters, engine_name) -> dict:
+    """The smoke record of a vLLM pass with the draft attached: Refused unless it accepted draft tokens."""
+    if not counters["accepted"]:
+        raise Refused(f"served smoke test: {engine_name} served the draft but accepted none of its "
+                      f"{counters['drafts']} drafted tokens: the export cannot be served (see the parity checks)")
+    return {"served_smoke": "passed", "smoke_drafts": counters["drafts"], "smoke_accepted": counters["accepted"]}
+
+
+def full_eval_smoke(m, meta, why):
+    """(--smoke's record, the Refused to raise once the report is written) of a full eval's measurement."""
+    if meta["engine"] != "vllm":
+        return {"served_smoke": f"skipped ({why or 'the transformers engine was asked for'})"}, None
+    try:
+        return smoke_verdict(total_counters(m), meta["engine_name"]), None
+    except Refused as e:
+        return {"served_smoke": f"failed ({e})"}, e
+
+
+def served_smoke(args, out_dir) -> dict:
+    """--smoke without --prompts: vLLM loads target + export and answers a few bundled prompts with the draft;
+    skipped (saying why) where the host's vLLM cannot serve EAGLE-3 for this target."""
+    from kimi_eagle_host.data.prompts import read_conversations
+
+    engine_env = engine_env_defaults()  # before vLLM is imported
+    ok, info = vllm_support(target_text_config(args.model)[0])
+    if not ok:
+        rec = {"served_smoke": f"skipped ({info})"}
+    else:
+        stdout_for_result_only()
+        path = os.path.join(package_dir(), "sample_data", "prompts_eval.jsonl")
+        chats = [c.messages([]) for c in read_conversations(path, 0, label=path)[:SMOKE_PROMPTS]]
+        runner = VllmRunner(args, args.num_speculative_tokens,
+                            size_engine("eval", args.model, args.tp_size, *engine_load(args)))
+        try:
+            _, counters = runner(chats)
+        finally:
+            runner.close()
+        rec = {**smoke_verdict(counters, f"vLLM {info}"), "smoke_prompts": len(chats)}
+    log(f"eval: served_smoke: {rec['served_smoke']}")
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "smoke.json"), {**rec, "draft": args.draft})
+    return {"ok": True, "step": "eval", **rec, "draft": args.draft, "engine_env": engine_env}
+
+
 def parse_batch_sizes(text):
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -497,7 +551,14 @@ def run(args):
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
-    check_draft(args.draft, args.model)
+    _, tc = check_draft(args.draft, args.model)
+    own = args.draft == os.path.abspath(os.path.join(args.output_dir, "draft", "export"))   # this run's vocab/ maps
+    parity.check_export(args.draft, tc, None, os.path.join(args.output_dir, "vocab") if own else None,
+                        min(args.max_model_len, parity.serving_context(tc)), exc=BadInput)
+    if not args.prompts:
+        if not args.smoke:
+            raise BadInput("--prompts: required (or --smoke alone: the served smoke test on bundled prompts)")
+        return served_smoke(args, out_dir)
     wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
     named = is_source_name(args.prompts)
     path, prov = resolve(args.prompts, "--prompts")
@@ -572,6 +633,8 @@ def run(args):
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
     warnings = drafting_problems(m, meta["engine_name"])
     rep = summarize(m, k, convs, meta, batch_sizes)
+    smoke, smoke_failed = full_eval_smoke(m, meta, why) if args.smoke else ({}, None)
+    rep.update(smoke)
     if warnings:
         rep["warnings"] = warnings
         rep["headline"] += "; WARNING: " + "; ".join(warnings)
@@ -597,6 +660,8 @@ def run(args):
                         **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
     log(HEADLINE_PREFIX + rep["headline"])
     job_headline(HEADLINE_PREFIX + rep["headline"])
+    if smoke_failed:
+        raise smoke_failed
     return rep
 
 
@@ -623,7 +688,10 @@ def build_parser():
     ap.add_argument("--output-dir", default=".", help="pipeline root: reads draft/export, writes eval/")
     ap.add_argument("--draft", default=None, help="draft export folder (default <output-dir>/draft/export)")
     ap.add_argument("--out", default=None, help="write here instead of <output-dir>/eval")
-    ap.add_argument("--prompts", required=True, help="held-out prompts: chat JSONL, or a benchmark name (mt-bench)")
+    ap.add_argument("--prompts", default=None, help="held-out prompts: chat JSONL, or a benchmark name (mt-bench)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="served smoke test: fail unless vLLM accepts draft tokens (skipped, saying why, where the "
+                         "host's vLLM cannot serve EAGLE-3); alone (no --prompts) on a few bundled prompts")
     ap.add_argument("--num-prompts", type=int, default=0,
                     help="use N prompts, round-robin over categories when the rows have them (0 = all)")
     ap.add_argument("--max-turns", type=int, default=0, help="answer at most N turns per prompt (0 = all)")

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_eagle_host.draft import parity
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.draft.draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators,
                                                load_target_config, load_target_tensors)
@@ -355,13 +356,6 @@ def train(args) -> dict:
     d2t = torch.from_numpy(np.load(os.path.join(vocab_dir, "d2t.npy")).astype(np.int64))
     t2d = torch.from_numpy(np.load(os.path.join(vocab_dir, "t2d.npy")).astype(bool))
     K = d2t.shape[0]
-    draft_to_target = d2t + torch.arange(K)
-    if int(t2d.sum()) != K or not bool(t2d[draft_to_target].all()):
-        raise BadInput(f"{vocab_dir}: d2t.npy/t2d.npy disagree (t2d has {int(t2d.sum())} true, d2t {K} ids)")
-    # t2d's true positions in order are the draft ids' targets (both are built sorted by target id);
-    # if not, rows of the target lm_head would land on the wrong draft ids.
-    if not torch.equal(torch.nonzero(t2d).squeeze(1), draft_to_target):
-        raise BadInput(f"{vocab_dir}/d2t.npy: draft ids must map to increasing target ids")
 
     tcfg, archs = load_target_config(args.model)
     if tcfg["hidden_size"] != H:
@@ -371,10 +365,17 @@ def train(args) -> dict:
     if t2d.shape[0] != tcfg["vocab_size"]:
         raise BadInput(f"{vocab_dir}/t2d.npy: length {t2d.shape[0]} != target vocab_size {tcfg['vocab_size']}")
     c = draft_layer_config(tcfg, args)
+    parity.check_before_training(tcfg, c, aux_ids, dc_path, d2t.numpy(), t2d.numpy(), vocab_dir)
+    # t2d's true positions in order are the draft ids' targets (both are built sorted by target id);
+    # if not, rows of the target lm_head would land on the wrong draft ids.
+    draft_to_target = d2t + torch.arange(K)
+    if not torch.equal(torch.nonzero(t2d).squeeze(1), draft_to_target):
+        raise BadInput(f"{vocab_dir}/d2t.npy: draft ids must map to increasing target ids")
 
     if args.trainer == "speculators":   # same inputs, checked above; its own process group and loop
         result = spec_trainer.train(args, out=out, files=files, aux_ids=aux_ids, d2t=d2t.numpy(), t2d=t2d.numpy(),
                                     hidden=H, lengths=lengths, log=log)
+        parity.check_export(result["export_dir"], tcfg, aux_ids, vocab_dir)
         return result, 0
 
     # --- device / dtype / ranks ------------------------------------------------------------------
@@ -694,6 +695,7 @@ def train(args) -> dict:
                                # which job wrote this export: `pull JOB` takes it only for that job
                                "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
             result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
+            parity.check_export(export_dir, tcfg, aux_ids, vocab_dir)   # as vLLM will read it: else not a success
             log(f"exported {export_dir}")
         result["export_dir"] = export_dir
         dist_.barrier()

@@ -114,12 +114,18 @@ def text_config(config):
     return config
 
 
+def engine_default_aux_ids(num_layers):
+    """vLLM's aux layers for a draft whose config names none: (2, N//2, N-3), as vLLM computes them (unchecked)."""
+    n = int(num_layers)
+    return [2, n // 2, n - 3]
+
+
 def default_layer_ids(num_layers):
     """[2, N//2, N-3, N]: three aux features for the draft + the verifier's last hidden state."""
     n = int(num_layers)
     if n < 4:
         raise LayerIdError(f"default layer ids need at least 4 decoder layers, model has {n}; pass --layer-ids")
-    ids = [2, n // 2, n - 3, n]
+    ids = [*engine_default_aux_ids(n), n]
     if len(set(ids)) != len(ids):
         raise LayerIdError(f"default layer ids {ids} collide for a {n}-layer model; pass --layer-ids")
     return ids
