@@ -65,6 +65,7 @@ FILES = {
     "test_render_extras.py": UNIT,
     "test_report_plot.py": UNIT,
     "test_start_interrupt.py": INTEGRATION,
+    "test_settings.py": INTEGRATION,
     "test_slurm.py": E2E,
     "test_slurm_inventory.py": UNIT,
     "test_slurm_truth.py": E2E,

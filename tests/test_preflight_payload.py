@@ -378,8 +378,7 @@ def test_gpu_lock_of_another_workdir_on_this_machine_fails_a_gpu_step(env, tmp_p
     fails a GPU step's preflight here, naming the job and its workdir, though this workdir has no gpu.lock."""
     import time
 
-    preflight_module()  # puts the payload root on sys.path
-    from ops import machine_claims
+    from kimi_eagle_host.ops import machine_claims
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     other = tmp_path / "otherwork"

@@ -860,7 +860,7 @@ def model_source_checks(args) -> list[dict]:
         return []
     if args.model_source == "tiny":
         return [check("model", "pass", f"{args.model}: a tiny random model the job builds first")]
-    from kimi_eagle_host.pipeline.models import SOURCES, locate
+    from kimi_eagle_host.target.model_sources import SOURCES, locate
     from kimi_eagle_host.step_runtime import BadInput
 
     try:

