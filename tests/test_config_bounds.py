@@ -5,6 +5,8 @@ is one line naming the file, exit 2, in seconds, and nothing is done; ordinary a
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -86,4 +88,4 @@ hosts:
     out = tmp_path / "out"
     r = env.cli("render", "job", "train", "--host", "local", "--out", str(out))
     assert r.code == 0, r.stderr
-    assert "--epochs 5 " in next(out.rglob("job.sh")).read_text()
+    assert json.loads(next(out.rglob("settings.json")).read_text())["steps"]["train"]["epochs"] == 5
