@@ -423,8 +423,10 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(dest))
                 os.replace(tmp, dest)
         finally:
-            stream.close()
-            tmp.unlink(missing_ok=True)
+            try:
+                stream.close()  # may raise itself on a connection that just dropped: the temporary file goes anyway
+            finally:
+                tmp.unlink(missing_ok=True)
         report.changed.append(rel)
         report.bytes_received += size
     return report

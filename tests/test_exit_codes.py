@@ -105,7 +105,9 @@ def test_a_connection_lost_during_pull_is_exit_5_and_leaves_no_partial_file(tmp_
         f.write(os.urandom(1 << 20) * 1500)  # 1.5 GB: longer on the wire than the test takes to cut it
     dest = tmp_path / "here"
     env = {**os.environ, "HOME": str(e.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-    pull = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "pull", job, "--to", str(dest)],
+    # the folder by name: `pull JOB` leaves out an export that JOB did not write (this one was made by hand)
+    pull = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "pull", "--host", "gpu",
+                             "--run", str(e.workdir / "out"), "--to", str(dest)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
