@@ -116,11 +116,11 @@ def record(name, ok, **fields):
     return ok
 
 
-def run_step(name, *extra, preflight=False, gpu=True, timeout=1500):
+def run_step(name, *extra, preflight=False, gpu=True, timeout=1500, overrides=()):
     """`kimi-eagle run <step>` followed to the end; its result JSON, or a recorded refusal."""
     flags = [] if preflight else ["--no-preflight"]
     rc, out, err, secs = cli("--json", "run", name, "--host", "h200", *flags, *([] if gpu else ["--no-gpu"]),
-                             "--", *extra, timeout=timeout)
+                             *overrides, "--", *extra, timeout=timeout)
     res = step_result(out + err, name)
     return rc == 0, res, secs, (None if rc == 0 else reason(out, err))
 
@@ -262,8 +262,10 @@ def main():
 
         ok, res, secs, why = run_step("extract")
         vllm_ok = record("extract_vllm_tp1", ok, seconds=secs, result=res, error=why)
-        hf_dir = WORK / "hs_hf"
-        ok, res, secs, why = run_step("extract", "--backend", "hf", "--dtype", "float32", "--out", str(hf_dir))
+        # another output folder (its own job's record, which clean respects) reading the same prepared samples
+        hf_dir = WORK / "hs_hf" / "hidden_states"
+        ok, res, secs, why = run_step("extract", "--backend", "hf", "--dtype", "float32",
+                                      "--prepared-dir", str(out / "prepared"), overrides=[f"output_dir={hf_dir.parent}"])
         hf_ok = record("extract_hf", ok, seconds=secs, result=res, error=why)
         if vllm_ok and hf_ok:
             agree = rel_err_per_layer(out / "hidden_states", hf_dir)
@@ -296,8 +298,9 @@ def main():
                                               "speedup", "identical_completions", "headline")})
 
         if vllm_ok and (info.get("gpus") or 0) >= 2:
-            tp2 = WORK / "hs_tp2"
-            ok, res, secs, why = run_step("extract", "--tp-size", "2", "--out", str(tp2))
+            tp2 = WORK / "hs_tp2" / "hidden_states"
+            ok, res, secs, why = run_step("extract", "--tp-size", "2", "--prepared-dir", str(out / "prepared"),
+                                          overrides=[f"output_dir={tp2.parent}"])
             tp1 = report["steps"]["extract_vllm_tp1"].get("result") or {}
             fields = {}
             if ok:
