@@ -85,7 +85,8 @@ def v32(tmp_path_factory):
     (draft / "config.json").write_text(json.dumps({
         "speculators_model_type": "eagle3", "draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
-                                     "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": 10000.0}}))
+                                     # as an export of this target has it (train copies it): parity passes
+                                     "max_position_embeddings": HUGE_CONTEXT, "rope_theta": 10000.0}}))
     import torch   # weights eval reads (and checks finite) before it sizes its engine; never loaded as a model
     from safetensors.torch import save_file
 
