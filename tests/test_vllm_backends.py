@@ -72,8 +72,9 @@ def host_env(tmp_path, sshd, py: Path, model: Path, out_dir: Path, site: Path | 
     return e
 
 
-def run_step(e, step, *extra, timeout=1500):
-    r = e.cli("--json", "run", step, "--host", "gpu", "--no-gpu", "--no-preflight", "--", *extra, timeout=timeout)
+def run_step(e, step, *extra, timeout=1500, overrides=()):
+    r = e.cli("--json", "run", step, "--host", "gpu", "--no-gpu", "--no-preflight", *overrides, "--", *extra,
+              timeout=timeout)
     assert r.code == 0, f"{step} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -194,8 +195,10 @@ def extract_speculators(v16, hf16, tmp_path_factory, sshd, version, kind, batch_
     assert f"speculators {version} + vllm 0.16.0: patch set" in checks["compat"]["detail"], checks["compat"]
     assert checks["patch"]["status"] == "pass", checks["patch"]
     assert checks["gpu"]["status"] == "warn" and "CPU build" in checks["gpu"]["detail"]
-    out = tmp / "hs"
-    r = run_step(e, "extract", "--out", str(out), "--batch-size", str(batch_size))
+    # a folder of its own (the job records it) reading the hf run's prepared samples
+    out = tmp / "hs" / "hidden_states"
+    r = run_step(e, "extract", "--prepared-dir", str(hf16[kind] / "prepared"), "--batch-size", str(batch_size),
+                 overrides=[f"output_dir={out.parent}"])
     assert_progress_with_tokens_per_s(r.stdout, SAMPLES)
     assert "speculators 0.3.0 (patched)" in r.stdout or version != "0.3.0", r.stdout[-3000:]
     cfg = json.loads((out / "data_config.json").read_text())
@@ -261,14 +264,15 @@ def v32(tmp_path_factory, sshd):
     e = host_env(tmp, sshd, py, model, tmp / "out", kv_space=False)
     assert "VLLM_CPU_KVCACHE_SPACE" not in e.inventory.read_text()
     run_step(e, "prepare", "--max-samples", str(SAMPLES))
-    run_step(e, "extract", "--backend", "hf", "--dtype", "float32", "--out", str(tmp / "hf"))
+    run_step(e, "extract", "--backend", "hf", "--dtype", "float32", "--prepared-dir", str(tmp / "out" / "prepared"),
+             overrides=[f"output_dir={tmp / 'hf'}"])
     r = e.cli("--json", "preflight", "extract", "--host", "gpu")
     (doc,) = r.json()
     assert r.code == 0 and doc["ok"], json.dumps(doc["checks"], indent=1)
     checks = {c["name"]: c for c in doc["checks"]}
     assert "native extract_hidden_states" in checks["compat"]["detail"] and "patch" not in checks
     r = run_step(e, "extract")
-    return {"py": py, "env": e, "model": model, "out": tmp / "out", "hf": tmp / "hf", "result": r.stdout,
+    return {"py": py, "env": e, "model": model, "out": tmp / "out", "hf": tmp / "hf" / "hidden_states", "result": r.stdout,
             "preflight": checks}
 
 
