@@ -55,6 +55,14 @@ class Setting:
     pipeline: bool = True  # a top-level key; False: set under steps.<step>.
     required: bool = False  # `run` needs it set (not empty)
     nonempty: bool = False  # text that, when given, must not be empty
+    needed_by: tuple = ()  # steps that refuse to start without it (a flag or their settings.json section gives it)
+    # step -> the default that step takes when the pipeline leaves the setting unset (a step run by hand, or an
+    # unset pipeline value such as batch_size), where it differs from `default`
+    step_defaults: dict = field(default_factory=dict)
+    internal: bool = False  # set by kimi-eagle itself (a shard's --rank): a flag of the step, never a setting
+
+    def default_for(self, step: str):
+        return self.step_defaults.get(step, self.default)
 
     def flag(self, step: str) -> str:
         """The step's command-line flag: --name-with-dashes."""
@@ -82,18 +90,20 @@ _TORCH = ("extract", "train")
 _PF = "preflight"
 _ENGINE_STEPS = ("regenerate", "eval")
 PIPELINE_SETTINGS = [
-    _s("model", "text", None, "target model folder (may use {workdir})", (*STEPS, _PF), required=True, nonempty=True),
+    _s("model", "text", None, "target model folder (may use {workdir})", (*STEPS, _PF), required=True, nonempty=True,
+       needed_by=("regenerate", "prepare", "train", "eval")),
     _s("dataset", "text", None, "training conversations (chat JSONL or a dataset name); with regenerate, the prompts",
-       ("regenerate", "prepare", _PF), required=True, nonempty=True),
-    _s("output_dir", "text", "{workdir}/out", "pipeline root: every step reads and writes under it", (*STEPS, _PF),
-       nonempty=True),
+       ("regenerate", "prepare", _PF), required=True, nonempty=True, needed_by=("regenerate", "prepare")),
+    _s("output_dir", "text", "{workdir}/out", "pipeline root: every step reads and writes under it (a step run by hand: "
+       "the current folder)", (*STEPS, _PF), nonempty=True, needed_by=("train",),
+       step_defaults={s: "." for s in STEPS if s != "train"}),
     _s("layer_ids", "ints", None, "target layers whose hidden states train the draft (vLLM convention; "
        "default 2,N//2,N-3,N)", ("extract", _PF)),
     _s("engine", "choice", "hf", "extraction engine: hf (transformers, any host) or vllm (where installed)",
        (("extract", "backend"), (_PF, "backend")), choices=("hf", "vllm")),
     _s("seq_len", "int", 2048, "tokens per sample (longer ones are cut)", ("prepare", "extract", _PF), positive=True),
     _s("batch_size", "int", None, "extract's samples per forward and train's rows per step (unset: each step's own)",
-       _TORCH, positive=True),
+       _TORCH, positive=True, step_defaults={"extract": 8}),
     _s("tp_size", "int", 1, "tensor-parallel size of vLLM engines", ("regenerate", "extract", "eval", _PF),
        positive=True),
     _s("draft_vocab_size", "int", 32000, "draft vocabulary (most frequent target tokens)", ("vocab",), positive=True),
@@ -113,10 +123,12 @@ PIPELINE_SETTINGS = [
     _s("regenerate", "bool", False, "answer `dataset`'s prompts with the target first (self-distillation)"),
     _s("temperature", "float", 0.0, "regenerate's sampling temperature (0 = greedy)", ("regenerate",), minimum=0),
     _s("max_tokens", "int", 256, "regenerate's answer length cap per turn", ("regenerate",), positive=True),
-    _s("max_prompts", "int", None, "regenerate the first N conversations (unset: all)", ("regenerate",), minimum=0),
+    _s("max_prompts", "int", None, "regenerate the first N conversations (unset: all)", ("regenerate",), minimum=0,
+       step_defaults={"regenerate": 0}),
     _s("eval_prompts", "text", None, "held-out prompts (chat JSONL or mt-bench); set, `run all` ends with eval",
        (("eval", "prompts"),), nonempty=True),
-    _s("eval_num_prompts", "int", None, "eval: use N prompts (unset: all)", (("eval", "num_prompts"),), minimum=0),
+    _s("eval_num_prompts", "int", None, "eval: use N prompts (unset: all)", (("eval", "num_prompts"),), minimum=0,
+       step_defaults={"eval": 0}),
     _s("eval_max_tokens", "int", 128, "eval: new tokens per turn", (("eval", "max_tokens"),), positive=True),
     _s("num_speculative_tokens", "int", 3, "eval: draft tokens per step", ("eval",), positive=True),
     _s("report_to", "trackers", "auto", "where train and eval send metrics: " + ", ".join(TRACKERS) + " (comma list)",
@@ -134,8 +146,10 @@ _ENGINE = dict(kind="choice", choices=("auto", "vllm", "hf"))
 STEP_SETTINGS = [
     *_per_step(("regenerate", "prepare", "extract", "vocab", "eval"), "out", "text", None,
                "write here instead of the step's folder under output_dir", nonempty=True),
-    *_per_step(("regenerate", "extract"), "rank", "int", 0, "this worker's shard", minimum=0),
-    *_per_step(("regenerate", "extract"), "world_size", "int", 1, "shards in all", positive=True),
+    *_per_step(("regenerate", "extract"), "rank", "int", 0, "this worker's shard", minimum=0,
+               internal=True),
+    *_per_step(("regenerate", "extract"), "world_size", "int", 1, "shards in all", positive=True,
+               internal=True),
     *_per_step(("regenerate", "extract", "train", "eval"), "device", default="auto", doc="where torch runs", **_DEVICE),
     *_per_step(_ENGINE_STEPS, "engine", default="auto", doc="vllm where the host has it, else transformers", **_ENGINE),
     *_per_step(_ENGINE_STEPS, "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
@@ -380,6 +394,8 @@ def check_steps(value) -> dict:
             if s is None:
                 raise SettingError(f"steps.{step}.{key}", f"{step} has no such setting" +
                                    _did_you_mean(key, BY_STEP[step]))
+            if s.internal:
+                raise SettingError(f"steps.{step}.{key}", f"is set by kimi-eagle for each {step} worker, not a setting")
             try:
                 out[step][key] = check(s, v, s.name if s.pipeline else f"steps.{step}.{key}")
             except SettingError as e:
@@ -501,21 +517,39 @@ def parse_flags(step: str, argv: list[str]) -> dict:
 # ---- the host side: argparse built from the table ---------------------------------------------------------------
 
 def build_parser(step: str, description: str | None = None) -> argparse.ArgumentParser:
-    """`step`'s argparse, every flag from the table, each value checked by `check` (so a step refuses what the
-    controller refuses, in the same words), plus `--settings FILE` for step_runtime.parse_step_args. The steps
-    still declare their own argparse (their help texts, the defaults of settings left unset here);
-    tests/test_step_flags.py holds each one equal to this table (flags, types, choices, defaults)."""
-    p = argparse.ArgumentParser(prog=f"{step}.py", description=description)
-    p.add_argument("--settings", default=None, help="a job's settings.json: this step's section gives the defaults")
+    """`step`'s argparse: every flag, help text, default, choice and range from the table, each value checked by
+    `check` (so a step refuses what the controller refuses, in the same words), plus `--settings FILE`
+    (step_runtime.parse_step_args reads it). The steps have no other parser."""
+    p = argparse.ArgumentParser(prog=f"python -m kimi_eagle_host.pipeline.{step}", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", default=None, metavar="FILE",
+                   help="a job's settings.json: its section for this step gives the values (flags given win)")
     for key, s in BY_STEP[step].items():
         flags = [s.flag(step)] + [a for a, f in ALIASES.get(step, {}).items() if f == s.flag(step)]
+        default = s.default_for(step)
+        helptext = _help(s, step, default)
         if s.kind == "switch":
-            p.add_argument(*flags, action="store_true", help=s.doc)
+            p.add_argument(*flags, action="store_true", help=helptext)
         elif s.kind == "toggle":
-            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=s.default, help=s.doc)
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=helptext)
         else:
-            p.add_argument(*flags, type=_argparse_type(key, s), default=s.default, help=s.doc)
+            p.add_argument(*flags, type=_argparse_type(key, s), default=default, required=step in s.needed_by,
+                           metavar=_metavar(s), help=helptext)
     return p
+
+
+def _help(s: Setting, step: str, default) -> str:
+    text = s.doc + (" (set by kimi-eagle)" if s.internal else "")
+    if s.takes_value and default is not None:
+        text += f" (default {shown(default)})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _metavar(s: Setting) -> str | None:
+    """What usage shows for the value: the choices, the shape of a list; else argparse's own (the flag's name)."""
+    if s.choices:
+        return "{" + ",".join(map(str, s.choices)) + "}"
+    return {"ints": "N,N,...", "trackers": "NAME[,NAME]", "count_or_auto": "N|auto"}.get(s.kind)
 
 
 def _argparse_type(key: str, s: Setting):
@@ -546,13 +580,22 @@ def _shown_range(s: Setting) -> str:
     return {"ints": "unique, ≥ 0", "trackers": ", ".join(TRACKERS), "count_or_auto": "> 0 or auto"}.get(s.kind, "")
 
 
+def _shown_reader(s: Setting, step: str) -> str:
+    """`extract (`--backend`, default 8)`: a reader, its flag where it differs from the name, its own default."""
+    notes = [f"`{s.flag(step)}`"] if s.reads[step] != s.name else []
+    notes += [f"default {json.dumps(s.step_defaults[step])}"] if step in s.step_defaults else []
+    notes += ["needs it"] if step in s.needed_by else []
+    return step + (f" ({', '.join(notes)})" if notes else "")
+
+
 def markdown_table() -> str:
     """docs/CONTRACTS.md's settings table (tests/test_settings.py checks the committed one equals this)."""
     rows = ["| setting | type | default | accepted | read by (flag) | meaning |", "|---|---|---|---|---|---|"]
     for s in PIPELINE_SETTINGS + STEP_SETTINGS:
         name = s.name if s.pipeline else f"steps.{next(iter(s.reads))}.{s.name}"
-        reads = ", ".join(f"{st}" + (f" (`{s.flag(st)}`)" if fl != s.name else "") for st, fl in s.reads.items())
-        rows.append(f"| `{name}` | {s.kind} | {_shown_default(s)} | {_shown_range(s)} | {reads or 'controller'} "
+        reads = ", ".join(_shown_reader(s, st) for st in s.reads)
+        name = f"`{name}`" + (" (set by kimi-eagle, not a setting)" if s.internal else "")
+        rows.append(f"| {name} | {s.kind} | {_shown_default(s)} | {_shown_range(s)} | {reads or 'controller'} "
                     f"| {s.doc.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 

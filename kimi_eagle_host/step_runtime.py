@@ -212,11 +212,14 @@ def emit(result, code: int) -> int:
     return code
 
 
-def parse_step_args(parser, step: str, argv=None):
-    """A step's arguments: its section of a job's settings.json (`--settings FILE`, written by the controller with
-    the job: kimi_eagle_host/settings.py) gives the values, and a flag given on the command line wins."""
-    parser.add_argument("--settings", default=None, metavar="FILE",
-                        help="a job's settings.json: its section for this step gives the values (flags given win)")
+def parse_step_args(step: str, argv=None, description: str | None = None, require=None):
+    """A step's arguments, by the parser the settings schema builds (kimi_eagle_host/settings.py): its section of a
+    job's settings.json (`--settings FILE`, written by the controller with the job) gives the values, checked as
+    any setting is, and a flag given on the command line wins. `require(args)` may name what is still missing
+    (usage error, exit 2)."""
+    from kimi_eagle_host import settings
+
+    parser = settings.build_parser(step, description)
     args = list(sys.argv[1:] if argv is None else argv)
     path = next((a.split("=", 1)[1] for a in args if a.startswith("--settings=")), None)
     if path is None and "--settings" in args[:-1]:
@@ -224,24 +227,22 @@ def parse_step_args(parser, step: str, argv=None):
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                section = json.load(f)["steps"][step]
+                section = dict(json.load(f)["steps"][step])
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--settings {path}: no settings for {step} there ({type(e).__name__}: {e})")
         for action in parser._actions:
             if action.dest in section:
-                value = section[action.dest]
+                try:
+                    action.default = settings.check(settings.BY_STEP[step][action.dest], section[action.dest],
+                                                    f"--settings {path}: {action.dest}")
+                except settings.SettingError as e:
+                    parser.error(str(e))
                 action.required = False
-                # argparse converts a string default with the flag's type, as if it had been typed.
-                action.default = value if isinstance(value, bool) or value is None else _as_typed(value)
-    return parser.parse_args(args)
-
-
-def _as_typed(value) -> str:
-    if isinstance(value, list):
-        return ",".join(map(_as_typed, value))
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    parsed = parser.parse_args(args)
+    missing = require(parsed) if require else None
+    if missing:
+        parser.error(missing)
+    return parsed
 
 
 def run_step(step: str, fn, args, refused=()) -> int:

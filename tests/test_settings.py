@@ -194,8 +194,19 @@ def test_a_parser_built_from_the_schema_refuses_what_the_controller_refuses():
     from kimi_eagle_host.settings import build_parser
 
     p = build_parser("train")
-    args = p.parse_args(["--model", "m", "--epochs", "0.5", "--no-export-embed-tokens", "--resume"])
+    args = p.parse_args(["--model", "m", "--output-dir", "o", "--epochs", "0.5", "--no-export-embed-tokens",
+                         "--resume"])
     assert (args.epochs, args.export_embed_tokens, args.resume, args.ttt_steps) == (0.5, False, True, 3)
     with pytest.raises(SystemExit):
         p.parse_args(["--ttt-steps", "9"])
-    assert build_parser("eval").parse_args(["-k", "5"]).num_speculative_tokens == 5
+    assert build_parser("eval").parse_args(["--model", "m", "-k", "5"]).num_speculative_tokens == 5
+
+
+def test_a_flag_kimi_eagle_sets_itself_is_not_a_recipe_setting():
+    """A shard's --rank/--world-size are the controller's to give: a recipe's steps.extract.rank would be silently
+    overridden on a sharded run, so it is refused, naming the key."""
+    from kimi_eagle_host.settings import SettingError, check_steps
+
+    with pytest.raises(SettingError, match=r"steps.extract.rank: is set by kimi-eagle for each extract worker"):
+        check_steps({"extract": {"rank": 1}})
+    assert check_steps({"extract": {"overwrite": True}}) == {"extract": {"overwrite": True}}

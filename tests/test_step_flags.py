@@ -1,5 +1,6 @@
-"""Step flags are known on the controller: the declared table equals each step's own argparse, and a typo or a
-value of the wrong type is one line naming the flag and the step, exit 2, before anything reaches the host."""
+"""Step flags are declared once, in kimi_eagle_host/settings.py: each step's argparse is built from it, a step run
+by hand refuses what the controller refuses in the same words, and a typo or a value of the wrong type given to
+the controller is one line naming the flag and the step, exit 2, before anything reaches the host."""
 
 from __future__ import annotations
 
@@ -12,74 +13,85 @@ import pytest
 from conftest import REPO, make_env
 
 # Runs each step's main() with argparse's parse_args replaced by a grab of the parser: the real parsers, read
-# without running a step.
+# without running a step, beside the one the settings schema builds for it.
 _READ_PARSERS = r"""
 import argparse, importlib, json, sys
+from kimi_eagle_host import settings
 class Got(BaseException):
     pass
 def grab(self, args=None, namespace=None):
     raise Got(self)
-argparse.ArgumentParser.parse_args = grab
+def described(parser):
+    return [[a.option_strings, a.dest, repr(a.default), a.required, a.help, getattr(a.type, "__name__", None),
+             type(a).__name__] for a in parser._actions]
+real_parse_args = argparse.ArgumentParser.parse_args
 out = {}
 for step in sys.argv[1:]:
+    module = importlib.import_module(f"kimi_eagle_host.pipeline.{step}")
+    argparse.ArgumentParser.parse_args = grab
     try:
-        importlib.import_module(f"kimi_eagle_host.pipeline.{step}").main([])
+        module.main([])
     except Got as g:
         parser = g.args[0]
-    flags = {}
-    for a in parser._actions:
-        if isinstance(a, argparse._HelpAction) or a.dest == "settings":
-            continue
-        default = a.default if isinstance(a.default, (int, float, str, bool, type(None))) else repr(a.default)
-        if isinstance(a, argparse.BooleanOptionalAction):
-            kind, opts = ["toggle", []], [o for o in a.option_strings if not o.startswith("--no-")]
-        elif isinstance(a, argparse._StoreTrueAction):
-            kind, opts = ["switch", []], a.option_strings
-        elif a.choices is not None:
-            kind, opts = ["choice", [str(c) for c in a.choices]], a.option_strings
-        else:
-            kind = [{int: "int", float: "float"}.get(a.type, "text"), []]
-            opts = a.option_strings
-        for o in opts:
-            flags[o] = kind + [default]
-    out[step] = flags
+    argparse.ArgumentParser.parse_args = real_parse_args
+    out[step] = {"step": described(parser), "schema": described(settings.build_parser(step, module.__doc__))}
 print(json.dumps(out))
 """
-# How the schema's kinds reach argparse: what is not a number, a choice or a switch is text the step parses.
-_AS_ARGPARSE = {"int": "int", "float": "float", "choice": "choice", "switch": "switch", "toggle": "toggle"}
 
 
-def _declared(step: str) -> dict:
-    """{flag: [kind, choices, default]} of `step` in kimi_eagle_host/settings.py."""
-    from kimi_eagle_host.settings import ALIASES, BY_STEP
-
-    flags = {}
-    for key, s in BY_STEP[step].items():
-        kind = [_AS_ARGPARSE.get(s.kind, "text"), [str(c) for c in s.choices]]
-        for flag in [s.flag(step), *[a for a, f in ALIASES.get(step, {}).items() if f == s.flag(step)]]:
-            flags[flag] = kind + [s.default]
-    return flags
-
-
-def test_the_schema_is_each_steps_own_argparse():
-    """Every flag of every step is in the settings schema with the step's type, choices and default (a setting
-    left unset by default lets the step decide): a flag added to a step without the schema fails here."""
+def test_every_step_parser_is_the_one_the_schema_builds():
+    """Each step parses its command line with the parser built from kimi_eagle_host/settings.py: the same flags,
+    help texts, defaults, requirements and value checks; a step has no argparse of its own to drift."""
     from kimi_eagle_host.settings import STEPS
 
-    res = subprocess.run([sys.executable, "-c", _READ_PARSERS, *STEPS],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _READ_PARSERS, *STEPS], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    actual = json.loads(res.stdout.strip().splitlines()[-1])
+    parsers = json.loads(res.stdout.strip().splitlines()[-1])
     for step in STEPS:
-        declared = _declared(step)
-        missing = sorted(set(actual[step]) - set(declared))
-        extra = sorted(set(declared) - set(actual[step]))
-        assert not missing and not extra, f"{step}: kimi_eagle_host/settings.py lacks {missing}, has unknown {extra}"
-        for f, (kind, choices, default) in actual[step].items():
-            want_kind, want_choices, want_default = declared[f]
-            assert [want_kind, want_choices] == [kind, choices], f"{step} {f}: schema {declared[f]}, step {kind} {choices}"
-            if want_default is not None and want_kind != "text":
-                assert want_default == default, f"{step} {f}: schema default {want_default!r}, the step's {default!r}"
+        assert parsers[step]["step"] == parsers[step]["schema"], f"{step}: its parser is not the schema's"
+
+
+# A value the controller refuses is refused by the step run by hand, in the same words, before it reads anything.
+REFUSED = {
+    "ttt_steps out of range": ("train", ["--ttt-steps", "9"], "--ttt-steps: expected an integer from 1 to 7 (got 9)"),
+    "duplicate layer ids": ("extract", ["--layer-ids", "2,2,30"], "layer 2 is listed twice"),
+    "batch size 0": ("extract", ["--batch-size", "0"], "--batch-size: expected an integer greater than 0 (got 0)"),
+    "unknown tracker": ("eval", ["--report-to", "tensorbored"], "'tensorbored' is not a tracker"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_step_run_by_hand_refuses_what_the_controller_refuses(tmp_path, case):
+    from conftest import host_cmd
+
+    step, flags, words = REFUSED[case]
+    out = tmp_path / "out"
+    r = subprocess.run(host_cmd(f"pipeline.{step}", "--model", tmp_path / "no-model", "--output-dir", out, *flags),
+                       capture_output=True, text=True, timeout=300, env=_host_env())
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert words in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not out.exists(), "the step wrote before refusing"
+
+
+def test_a_settings_file_value_is_checked_as_a_flag_is(tmp_path):
+    """A job's settings.json is read through the same checks: ttt_steps 9 there is refused naming the file."""
+    from conftest import host_cmd
+
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"pipeline": {}, "steps": {"train": {
+        "model": str(tmp_path / "m"), "output_dir": str(tmp_path / "out"), "ttt_steps": 9}}}))
+    r = subprocess.run(host_cmd("pipeline.train", "--settings", settings), capture_output=True, text=True,
+                       timeout=300, env=_host_env())
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert f"--settings {settings}: ttt_steps: expected an integer from 1 to 7 (got 9)" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _host_env() -> dict:
+    """This checkout's host package first on the path, as a host's PYTHONPATH names its payloads."""
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 TYPOS = {

@@ -219,10 +219,11 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
 def step_engine_load(step: str, settings: dict) -> tuple[int, int]:
     """(tokens per sequence, sequences at once) of `step`'s vLLM engine with these settings ({flag name: value}, as a
     recipe's `steps:` holds them) and the step's own defaults for the rest."""
+    from kimi_eagle_host.settings import BY_STEP
+
     module = _pipeline_module(f"pipeline.{step}")
-    defaults = module.build_parser()
     given = {str(k).replace("-", "_"): v for k, v in settings.items()}
-    return module.engine_load(argparse.Namespace(**{f: given.get(f, defaults.get_default(f))
+    return module.engine_load(argparse.Namespace(**{f: given.get(f, BY_STEP[step][f].default_for(step))
                                                     for f in module.ENGINE_FLAGS}))
 
 

@@ -32,7 +32,6 @@ import os
 import sys
 
 
-import argparse
 import hashlib
 import json
 import time
@@ -683,51 +682,8 @@ def device_name():
         return "cpu"
 
 
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="target model folder")
-    ap.add_argument("--output-dir", default=".", help="pipeline root: reads draft/export, writes eval/")
-    ap.add_argument("--draft", default=None, help="draft export folder (default <output-dir>/draft/export)")
-    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/eval")
-    ap.add_argument("--prompts", default=None, help="held-out prompts: chat JSONL, or a benchmark name (mt-bench)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="served smoke test: fail unless vLLM accepts draft tokens (skipped, saying why, where the "
-                         "host's vLLM cannot serve EAGLE-3); alone (no --prompts) on a few bundled prompts")
-    ap.add_argument("--num-prompts", type=int, default=0,
-                    help="use N prompts, round-robin over categories when the rows have them (0 = all)")
-    ap.add_argument("--max-turns", type=int, default=0, help="answer at most N turns per prompt (0 = all)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn (default 128)")
-    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens per step (default 3)")
-    ap.add_argument("--batch-sizes", default="1,16",
-                    help="tokens/s with and without the draft at these batch sizes (default 1,16)")
-    ap.add_argument("--timing-prompts", type=int, default=0,
-                    help="first turns decoded per batch size for tokens/s (default: twice the largest batch size)")
-    ap.add_argument("--max-batch", type=int, default=256, help="prompts per engine call in the acceptance pass")
-    ap.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="hf engine")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="hf engine (auto: bf16 on CUDA, fp32 on CPU)")
-    ap.add_argument("--threads", type=int, default=0, help="hf engine: torch threads (0 = torch's default)")
-    ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype (default bfloat16)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="context the turns must fit (both engines); default: what the longest conversation "
-                         "needs, at most the model's max_position_embeddings")
-    ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                    help="vllm engine: skip graph capture (default on: faster start for short evals)")
-    ap.add_argument("--reuse-baseline", action=argparse.BooleanOptionalAction, default=True,
-                    help="take the target's answers and tokens/s without the draft from an earlier eval of the same "
-                         "target, prompts and settings (default on: one engine start less per draft)")
-    ap.add_argument("--baseline-dir", default=None,
-                    help="where those runs are recorded (default <output-dir>/eval/baselines)")
-    ap.add_argument("--report-to", default="auto", help="figures to tensorboard, wandb, trackio, mlflow (comma list), "
-                    "none, or auto: tensorboard when installed (default)")
-    ap.add_argument("--tracking-dir", default=None, help="tensorboard's folder (default <output-dir>/tracking)")
-    return ap
-
-
 def main(argv=None):
-    return run_step("eval", run, parse_step_args(build_parser(), "eval", argv))
+    return run_step("eval", run, parse_step_args("eval", argv, __doc__))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ echo the input, shapes, finite values); exit 1 if bad.
 
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad usage/input.
 """
-import argparse
 import json
 import os
 import queue
@@ -442,30 +441,10 @@ def run(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=False, help="target model dir or id (trust_remote_code)")
-    ap.add_argument("--output-dir", default=".", help="pipeline root: reads prepared/, writes hidden_states/")
-    ap.add_argument("--prepared-dir", default=None, help="read prepared samples here instead of <output-dir>/prepared")
-    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/hidden_states")
-    ap.add_argument("--layer-ids", default=None, help="comma list, vLLM convention (default 2,N//2,N-3,N)")
-    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--tp-size", type=int, default=1, help="vllm: tensor parallel size (hf spreads over all visible GPUs)")
-    ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="auto = bfloat16 on GPU, float32 on CPU")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--rank", type=int, default=0, help="this worker's rank (contiguous index ranges)")
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--validate", action="store_true", help="only check the outputs of this rank's range")
-    ap.add_argument("--overwrite", action="store_true", help="re-extract everything, ignore an existing data_config")
-    ap.add_argument("--no-early-stop", action="store_true", help="run the full forward (incl. lm_head)")
-    ap.add_argument("--write-queue", type=int, default=16, help="max samples waiting for the writer threads")
-    ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 4),
-                    help="writer threads (saving overlaps the forward passes; default min(16, cores))")
-    args = parse_step_args(ap, "extract", argv)
-    if not args.validate and not args.model:
-        ap.error("--model is required (except with --validate)")
+    args = parse_step_args("extract", argv, __doc__,
+                           require=lambda a: None if a.validate or a.model else "--model is required (except with --validate)")
+    if args.writers is None:  # the schema's "unset: min(16, cores)"
+        args.writers = min(16, os.cpu_count() or 4)
     return dist_.run_step_then_leave("extract", run, args, refused=(LayerResolutionError,))
 
 

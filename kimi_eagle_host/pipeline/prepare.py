@@ -21,7 +21,6 @@ Sample index i (used by extract's hs_{i}.safetensors) is the position in this pr
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input
 (with --on-bad-row fail, the first malformed row is reported as FILE:LINE: what is wrong).
 """
-import argparse
 import hashlib
 import json
 import os
@@ -329,18 +328,7 @@ def run(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="target model dir or id (its tokenizer + chat template are used)")
-    ap.add_argument("--dataset", required=True, help="chat JSONL file")
-    ap.add_argument("--output-dir", default=".", help="pipeline root; writes <output-dir>/prepared/")
-    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/prepared")
-    ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
-    ap.add_argument("--on-bad-row", choices=["fail", "skip"], default="fail",
-                    help="fail (exit 2 naming FILE:LINE) or skip malformed rows (default: fail)")
-    ap.add_argument("--shard-size", type=int, default=10000, help="samples per shard file")
-    ap.add_argument("--max-samples", type=int, default=0, help="stop after this many samples (0 = all)")
-    args = parse_step_args(ap, "prepare", argv)
-    return run_step("prepare", run, args)
+    return run_step("prepare", run, parse_step_args("prepare", argv, __doc__))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import os
 import sys
 
 
-import argparse
 import hashlib
 import json
 import time
@@ -363,39 +362,8 @@ def run(args):
             "source": prov, "elapsed_s": round(time.time() - t0, 2)}
 
 
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="target model folder")
-    ap.add_argument("--dataset", required=True,
-                    help="prompts: chat JSONL (assistant turns are re-answered) or a dataset name (sharegpt)")
-    ap.add_argument("--output-dir", default=".", help="pipeline root: writes <output-dir>/regenerated/")
-    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/regenerated")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--max-tokens", type=int, default=256, help="answer length cap per turn in tokens (default 256)")
-    ap.add_argument("--max-prompts", type=int, default=0, help="use the first N conversations (0 = all)")
-    ap.add_argument("--max-turns", type=int, default=0, help="answer at most N user turns per conversation (0 = all)")
-    ap.add_argument("--long-prompts", choices=["auto", "fail", "skip"], default="auto",
-                    help="a first turn that does not fit the context: fail (exit 2) or skip it; auto = fail for "
-                         "a file, skip for a dataset name")
-    ap.add_argument("--chunk-size", type=int, default=64, help="conversations per resumable chunk (default 64)")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=16, help="hf engine: prompts per generate call")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="hf engine")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="hf engine")
-    ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="context the answers must fit (both engines); default: what the longest conversation "
-                         "needs, at most the model's max_position_embeddings")
-    ap.add_argument("--tp-size", type=int, default=1, help="vllm engine: tensor parallel size")
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True, help="vllm engine")
-    return ap
-
-
 def main(argv=None):
-    return run_step("regenerate", run, parse_step_args(build_parser(), "regenerate", argv))
+    return run_step("regenerate", run, parse_step_args("regenerate", argv, __doc__))
 
 
 if __name__ == "__main__":

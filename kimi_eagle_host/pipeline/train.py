@@ -23,7 +23,6 @@ world size. SIGTERM (kimi-eagle stop) ends the current step, saves a checkpoint 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -212,86 +211,6 @@ def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int, sharding: str =
 
 
 # ----------------------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train an EAGLE-3 draft head from <output-dir>/hidden_states + vocab and export it to "
-                    "<output-dir>/draft/export in speculators' Eagle3 format. JSON result on stdout.")
-    p.add_argument("--model", required=True, help="target model directory (config + safetensors)")
-    p.add_argument("--output-dir", required=True, help="pipeline root (reads hidden_states/, vocab/)")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the samples (default 1)")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="rows of --pack-len tokens per optimizer step over all ranks (each of N ranks takes 1/N "
-                        "of them); documents are packed into rows. Default: from --tokens-per-step")
-    p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="token budget of one optimizer step over all ranks (rows = budget // pack length); "
-                        "default: sized from the GPU's memory (CUDA), 1 row (CPU)")
-    p.add_argument("--pack-len", type=int, default=None,
-                   help="tokens per packed row (default: the longest document; a multiple of 128 on CUDA)")
-    p.add_argument("--loader-workers", type=int, default=None,
-                   help="threads reading batches ahead (default: up to 4 per GPU, 0 on CPU)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth, 1..7 (default 3)")
-    p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step k is decay**k")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="compute dtype (autocast); master weights stay fp32. auto: bf16 on CUDA, fp32 on CPU; "
-                        "also the export dtype")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint (saved by any number of ranks)")
-    p.add_argument("--parallel", choices=["auto", "ddp", "fsdp"], default="auto",
-                   help="under torchrun: ddp (a replica per rank) or fsdp (weights, gradients and optimizer "
-                        "state sharded); auto = fsdp when they would take > 60%% of one GPU")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="cap the total number of optimizer steps (defines the LR schedule length)")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="checkpoint and exit after this step without changing the schedule "
-                        "(time-boxing / preemption; finish later with --resume)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"], default="cosine",
-                   help="after warm-up: cosine to 10%%, linear to 0 (speculators), or constant")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
-                   help="muon: torch.optim.Muon on the weight matrices (torch >= 2.9; not with fsdp), AdamW on "
-                        "the rest; AdamW is fused on CUDA")
-    p.add_argument("--feature-noise", type=float, default=0.0,
-                   help="std of Gaussian noise added to the aux features while training (speculators uses 0.05)")
-    p.add_argument("--oov-positions", choices=["mask", "keep"], default="mask",
-                   help="mask: positions whose target top token has no draft id leave the loss (EAGLE, SpecForge)")
-    p.add_argument("--holdout-fraction", type=float, default=0.02,
-                   help="documents kept out of training to measure loss, accuracy and conditional acceptance per "
-                        "position (default 2%%; none below 50 documents)")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (and at the end)")
-    p.add_argument("--trainer", choices=["ours", "speculators"], default="ours",
-                   help="speculators: speculators' own trainer (speculators >= 0.8, CUDA) on the same inputs, its "
-                        "last checkpoint checked and published as the export")
-    p.add_argument("--attention", choices=["auto", "flex", "math"], default="auto",
-                   help="flex: flex_attention with a block mask (CUDA); math: the reference path (any device)")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile the decoder layer (auto: on CUDA)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=0.5, help="max grad norm, 0 = off (default 0.5)")
-    p.add_argument("--norm-before-residual", type=int, choices=[0, 1], default=1,
-                   help="speculators' norm_before_residual (default 1, speculators' training default)")
-    p.add_argument("--train-lm-head", action="store_true",
-                   help="also train the draft lm_head (speculators 0.9 keeps it frozen at target rows)")
-    p.add_argument("--draft-num-heads", type=int, default=None)
-    p.add_argument("--draft-num-kv-heads", type=int, default=None)
-    p.add_argument("--draft-intermediate-size", type=int, default=None)
-    p.add_argument("--export-embed-tokens", action=argparse.BooleanOptionalAction, default=True,
-                   help="include the (frozen, target) embed_tokens.weight in the export (default: yes)")
-    p.add_argument("--embed-key", default=None, help="exact tensor name of the target embedding")
-    p.add_argument("--norm-key", default=None, help="exact tensor name of the target final norm")
-    p.add_argument("--lm-head-key", default=None, help="exact tensor name of the target lm_head")
-    p.add_argument("--report-to", default="auto", help="metrics to tensorboard, wandb, trackio, mlflow (comma list), "
-                   "none, or auto: tensorboard when installed (default)")
-    p.add_argument("--tracking-dir", default=None, help="tensorboard's folder (default <output-dir>/tracking)")
-    return p
-
 
 def lr_at(step: int, total: int, args) -> float:
     """LR for optimizer step `step` (0-based): linear warmup, then cosine to 10%, linear to 0, or constant."""
@@ -754,7 +673,7 @@ def make_optimizer(model, args, device):
 
 
 def main(argv=None) -> int:
-    args = parse_step_args(build_parser(), "train", argv)
+    args = parse_step_args("train", argv, __doc__)
     # Our loop compiles in processes of the job's group; speculators' trainer is stopped by the signal itself.
     spared = dist_.sparing_children() if args.trainer == "ours" else contextlib.nullcontext()
     with spared:

@@ -10,7 +10,6 @@ so the result is deterministic. Target vocab size = the model config's vocab_siz
 
 stdout: one JSON summary. Exit 0 ok, 1 failure, 2 bad input (K too large, missing/invalid frequency file).
 """
-import argparse
 import os
 import sys
 
@@ -128,14 +127,7 @@ def run(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="target model (its config gives the target vocab size)")
-    ap.add_argument("--output-dir", default=".", help="pipeline root: reads prepared/token_freq.npy, writes vocab/")
-    ap.add_argument("--token-freq", default=None, help="frequency file instead of <output-dir>/prepared/token_freq.npy")
-    ap.add_argument("--out", default=None, help="write here instead of <output-dir>/vocab")
-    ap.add_argument("--draft-vocab-size", type=int, default=32000)
-    args = parse_step_args(ap, "vocab", argv)
-    return run_step("vocab", run, args)
+    return run_step("vocab", run, parse_step_args("vocab", argv, __doc__))
 
 
 if __name__ == "__main__":

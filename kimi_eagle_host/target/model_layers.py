@@ -132,13 +132,14 @@ def default_layer_ids(num_layers):
 
 
 def layer_id_list(text):
-    """The ids a --layer-ids value names, as given ('2,14,25,28' -> [2, 14, 25, 28]); None when there is no value
+    """The ids a --layer-ids value names, as given ('2,14,25,28' or [2, 14, 25, 28] -> [2, 14, 25, 28]); None when there is no value
     (the default applies). Anything but a comma list of integers is a LayerIdError. Checking them against a model
     is parse_layer_ids' part (preflight reads the list before it knows the model's depth)."""
     if text is None or str(text).strip() == "":
         return None
     ids = []
-    for raw in str(text).split(","):
+    # A list when the settings schema checked the flag (settings.build_parser), text from elsewhere.
+    for raw in map(str, text) if isinstance(text, (list, tuple)) else str(text).split(","):
         tok = raw.strip()
         try:
             ids.append(int(tok))
