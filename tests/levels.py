@@ -105,8 +105,9 @@ EXCEPTIONS = {
         "test_a_run_records_its_settings_and_versions_next_to_its_outputs",
         "test_the_serve_hint_uses_the_runs_k_also_when_followed_later")},
     "test_render_extras.py": {"test_a_finished_training_ends_with_where_what_and_next": INTEGRATION},
-    "test_step_flags.py": {"test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host": INTEGRATION,
-                           "test_the_schema_is_each_steps_own_argparse": INTEGRATION},   # imports the host steps
+    "test_step_flags.py": {name: INTEGRATION for name in (   # the sshd, or the host steps run or imported
+        "test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host", "test_every_step_parser_is_the_one_the_schema_builds",
+        "test_a_step_run_by_hand_refuses_what_the_controller_refuses", "test_a_settings_file_value_is_checked_as_a_flag_is")},
 }
 
 

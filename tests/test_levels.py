@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -38,3 +39,28 @@ def test_collected_tests_carry_their_level(request):
 
 def test_no_unit_test_starts_the_sshd():
     assert not MISFILED, f"these start the sshd: give them `integration` in tests/levels.py's EXCEPTIONS: {MISFILED}"
+
+
+def repeated_keys(source: str) -> list[str]:
+    """`line N: KEY` for each key a dict display (or a tuple of names a comprehension spreads) of `source` holds
+    twice: Python keeps the last silently, so a second row for one file would drop the first's exceptions."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = [k for k in node.keys if isinstance(k, ast.Constant)]
+        elif isinstance(node, ast.DictComp) and isinstance(node.generators[0].iter, (ast.Tuple, ast.List)):
+            keys = [k for k in node.generators[0].iter.elts if isinstance(k, ast.Constant)]
+        else:
+            continue
+        seen = set()
+        for k in keys:
+            if k.value in seen:
+                found.append(f"line {k.lineno}: {k.value}")
+            seen.add(k.value)
+    return found
+
+
+def test_levels_names_each_file_and_each_exception_once():
+    assert repeated_keys((TESTS / "levels.py").read_text()) == [], "tests/levels.py: a key given twice"
+    twice = 'E = {\n "a.py": {"t": 1},\n "b.py": {n: 1 for n in ("t", "u", "t")},\n "a.py": {"v": 1}}\n'
+    assert sorted(repeated_keys(twice)) == ["line 3: t", "line 4: a.py"]
