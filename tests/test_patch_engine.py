@@ -307,15 +307,20 @@ def test_patched_resolver_on_transformers_multimodal(install):
         assert isinstance(base.layers, nn.ModuleList) and len(base.layers) == n_layers
 
 
-@pytest.mark.parametrize("module", sorted(p.stem for p in (REPO / "kimi_eagle_host" / "ops").glob("*.py")
-                                           if p.stem != "__init__"))
+# The ops modules, and the ops packages by their entry point (ops/preflight/__main__.py) and their libraries.
+OPS = REPO / "kimi_eagle_host" / "ops"
+
+
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(OPS).with_suffix("")).replace("/", ".").removesuffix(".__main__")
+                                           for p in OPS.rglob("*.py") if p.stem != "__init__"))
 def test_ops_scripts_run_with_only_the_stdlib(module):
     """Ops payloads (and the step runtime they import) must run on a host without torch or numpy:
     `-S` hides every site-packages folder, and the environment names only this checkout (no user site, no other
     PYTHONPATH), so only the stdlib and the host package are importable."""
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO), "PYTHONNOUSERSITE": "1"}
     name = f"kimi_eagle_host.ops.{module}"
-    runnable = '__name__ == "__main__"' in (REPO / "kimi_eagle_host" / "ops" / f"{module}.py").read_text()
+    path = OPS / f"{module.replace('.', '/')}.py"
+    runnable = not path.exists() or '__name__ == "__main__"' in path.read_text()  # no such file: a package's __main__
     # a script answers --help; a library the ops import (machine_claims) is imported
     cmd = ["-m", name, "--help"] if runnable else ["-c", f"import {name}; print('usage: importable')"]
     r = subprocess.run([sys.executable, "-S", *cmd], capture_output=True, text=True, timeout=60, env=env, cwd="/")

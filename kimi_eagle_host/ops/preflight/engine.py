@@ -1,0 +1,55 @@
+"""What each vLLM engine of the job will hold: the steps' own sizing (vllm_compat.step_engine_memory)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kimi_eagle_host.ops.preflight.gpu import query_gpus
+from kimi_eagle_host.ops.preflight.model import _pipeline_module
+from kimi_eagle_host.ops.preflight.report import check
+from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_memory
+
+# Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
+# holds at once (engine_load), so preflight sizes it exactly as the step will.
+ENGINE_STEPS = ("regenerate", "eval")
+# extract's engine holds max(64, --batch-size) prompts of --seq-len + 1 tokens at once (extract_vllm.extract_native).
+EXTRACT_PROMPTS = 64
+
+
+def check_engine_memory(args, ctx: dict) -> list[dict]:
+    """What each vLLM engine of this job will take: the sizing the steps use (vllm_compat.step_engine_memory), from
+    the memory free now (the first GPU's, or the host's), one check per step that starts an engine."""
+    loads = {}
+    if args.engine == "vllm" and args.step in ("extract", "all") and ctx.get("vllm_path") == "native":
+        loads["extract"] = (args.seq_len + 1, EXTRACT_PROMPTS)
+    out = []
+    for step, settings in args.step_settings_parsed.items():
+        transformers = not ctx.get("vllm") or settings.get("engine") == "hf" or \
+            (step == "eval" and not ctx.get("serving_ok", True))  # eval falls back when vLLM cannot serve the draft
+        if step not in ENGINE_STEPS or transformers:
+            continue
+        try:
+            loads[step] = step_engine_load(step, settings)
+        except ValueError as e:  # the step would refuse this setting itself (exit 2)
+            out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
+    gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
+    free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
+    for step, (tokens, sequences) in loads.items():
+        try:
+            memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total)
+            out.append(check("engine-memory", "pass", f"{step}: {memory['says']}"))
+        except ValueError as e:
+            out.append(check("engine-memory", "fail", f"{step}: {e}",
+                             f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
+    return out
+
+
+def step_engine_load(step: str, settings: dict) -> tuple[int, int]:
+    """(tokens per sequence, sequences at once) of `step`'s vLLM engine with these settings ({flag name: value}, as a
+    recipe's `steps:` holds them) and the step's own defaults for the rest."""
+    from kimi_eagle_host.settings import BY_STEP
+
+    module = _pipeline_module(f"pipeline.{step}")
+    given = {str(k).replace("-", "_"): v for k, v in settings.items()}
+    return module.engine_load(argparse.Namespace(**{f: given.get(f, BY_STEP[step][f].default_for(step))
+                                                    for f in module.ENGINE_FLAGS}))

