@@ -99,3 +99,17 @@ def test_an_unknown_name_is_one_line(tmp_path):
     code, out, err = convert(tmp_path, "sharegpt4")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "'sharegpt4'" in err and "mt-bench" in err and "sharegpt" in err
+
+
+def test_a_gguf_model_source_without_its_reader_names_the_package(tmp_path, monkeypatch):
+    """`model_source: smollm2` converts a GGUF file; without the gguf package that is one line naming it (exit 2),
+    not a NameError from the step's own code."""
+    import importlib.util
+
+    from kimi_eagle_host.pipeline import models
+    from kimi_eagle_host.step_runtime import BadInput
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(BadInput, match="the Python package gguf is needed"):
+        models.convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "out"), "float32")

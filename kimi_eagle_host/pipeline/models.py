@@ -17,6 +17,7 @@ temporary name next to --out, then renamed), so a second call racing this one ne
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input (package missing, ...).
 """
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import tempfile
 
 from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, log, run_step, sha256_file
 from kimi_eagle_host.target.model_sources import SOURCES, locate
+
 
 def convert_gguf(gguf_path, out_dir, dtype_name):
     """Dequantize a GGUF checkpoint with transformers and write a plain safetensors HF folder."""
