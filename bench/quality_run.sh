@@ -39,7 +39,7 @@ $PY -m $P.regenerate --model "$M" --dataset "$OUT/sharegpt.jsonl" --output-dir "
     --max-model-len "${MAX_MODEL_LEN:-512}" --dtype "$DT" > "$OUT/regenerate.json" 2> "$OUT/regenerate.err"; lap regenerate
 $PY -m $P.prepare --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "$SEQ" \
     > "$OUT/prepare.json" 2> "$OUT/prepare.err"; lap prepare
-$PY -m $P.extract --model "$M" --output-dir "$OUT" --backend "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
+$PY -m $P.extract --model "$M" --output-dir "$OUT" --engine "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
     --dtype "$DT" > "$OUT/extract.json" 2> "$OUT/extract.err"; lap extract
 $PY -m $P.vocab --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
 $PY -m $P.train --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-4}" --lr "${LR:-3e-3}" \

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ PIPELINE_SETTINGS = [
     _s("layer_ids", "ints", None, "target layers whose hidden states train the draft (vLLM convention; "
        "default 2,N//2,N-3,N)", ("extract", _PF)),
     _s("engine", "choice", "hf", "extraction engine: hf (transformers, any host) or vllm (where installed)",
-       (("extract", "backend"), (_PF, "backend")), choices=("hf", "vllm")),
+       ("extract", _PF), choices=("hf", "vllm")),
     _s("seq_len", "int", 2048, "tokens per sample (longer ones are cut)", ("prepare", "extract", _PF), positive=True),
     _s("batch_size", "int", None, "extract's samples per forward and train's rows per step (unset: each step's own)",
        _TORCH, positive=True, step_defaults={"extract": 8}),
@@ -483,6 +484,7 @@ def parse_flags(step: str, argv: list[str]) -> dict:
             raise SettingError(f"step {step}", f"unexpected argument {token!r} (its settings are flags: --name value)")
         flag, eq, value = token.partition("=")
         flag = aliases.get(flag, flag)
+        flag = next((s.flag(step) for s in known.values() if flag in old_flags(step, s)), flag)  # the step says so
         if flag in ("-h", "--help"):
             i += 1
             continue
@@ -535,7 +537,27 @@ def build_parser(step: str, description: str | None = None) -> argparse.Argument
         else:
             p.add_argument(*flags, type=_argparse_type(key, s), default=default, required=step in s.needed_by,
                            metavar=_metavar(s), help=helptext)
+            for old in old_flags(step, s):
+                p.add_argument(old, dest=key, type=_argparse_type(key, s), action=RenamedFlag, new=flags[0],
+                               help=argparse.SUPPRESS)
     return p
+
+
+class RenamedFlag(argparse.Action):
+    """A flag's old name (RENAMED): it still sets the new flag's value, and says once on stderr what it is called now."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: {option_string} is now {self.new} (the old name still works)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def old_flags(step: str, s: Setting) -> list[str]:
+    """The old names of `s`'s flag in `step` (--backend for the pipeline's engine)."""
+    return ["--" + old.replace("_", "-") for old, new in RENAMED.items() if new == s.name and s.pipeline and step in s.reads]
 
 
 def _help(s: Setting, step: str, default) -> str:
@@ -581,7 +603,7 @@ def _shown_range(s: Setting) -> str:
 
 
 def _shown_reader(s: Setting, step: str) -> str:
-    """`extract (`--backend`, default 8)`: a reader, its flag where it differs from the name, its own default."""
+    """`eval (`--num-prompts`, default 0)`: a reader, its flag where it differs from the name, its own default."""
     notes = [f"`{s.flag(step)}`"] if s.reads[step] != s.name else []
     notes += [f"default {json.dumps(s.step_defaults[step])}"] if step in s.step_defaults else []
     notes += ["needs it"] if step in s.needed_by else []

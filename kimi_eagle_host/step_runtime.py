@@ -230,6 +230,11 @@ def parse_step_args(step: str, argv=None, description: str | None = None, requir
                 section = dict(json.load(f)["steps"][step])
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--settings {path}: no settings for {step} there ({type(e).__name__}: {e})")
+        try:  # a job rendered before a setting was renamed (backend -> engine) resumes with its old file
+            for old in settings.renamed(section):
+                log(f"--settings {path}: {old} is now {settings.RENAMED[old]}")
+        except settings.SettingError as e:
+            parser.error(f"--settings {path}: {e}")
         for action in parser._actions:
             if action.dest in section:
                 try:

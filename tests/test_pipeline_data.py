@@ -320,7 +320,7 @@ def test_extract_matches_reference_forward(models, pipeline, kind):
     ids_expected = [2, N_LAYERS // 2, N_LAYERS - 3, N_LAYERS]
     dc = json.load(open(os.path.join(hs_dir, "data_config.json")))
     assert dc["layer_ids"] == ids_expected and dc["num_layers"] == N_LAYERS and dc["hidden_size"] == 64
-    assert dc["dtype"] == "float32" and dc["backend"] == "hf" and "input of decoder layer i" in dc["layer_convention"]
+    assert dc["dtype"] == "float32" and dc["engine"] == "hf" and "input of decoder layer i" in dc["layer_convention"]
     assert dc["versions"]["transformers"] and dc["decoder_path"].endswith("layers")
     # sharding (llama runs as 2 ranks): the ranks together wrote every sample exactly once, nothing else
     ranks = pipeline[kind]["ranks"]

@@ -120,7 +120,7 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
         extract = next(ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.extract" in ln)
         assert "--settings runs/JOB-ID/settings.json" in extract, extract
         sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
-        want = {"backend": "vllm", "tp_size": 8, "layer_ids": [2, 30, 58, 61], "model": "/models/Kimi-K2.5"}
+        want = {"engine": "vllm", "tp_size": 8, "layer_ids": [2, 30, 58, 61], "model": "/models/Kimi-K2.5"}
         assert {k: sections["extract"].get(k) for k in want} == want, sections["extract"]
         assert sections["vocab"]["draft_vocab_size"] == 32000
     else:

@@ -132,11 +132,11 @@ def test_the_old_backend_key_still_works_with_one_line_naming_engine(tmp_path, l
     assert len(notes) == 1 and "renamed to engine" in notes[0], r.stderr
     assert re.search(r"inventory\.yaml:\d+: field pipeline\.backend", notes[0]), notes
     doc = json.loads(next(out.rglob("settings.json")).read_text())
-    assert doc["pipeline"]["engine"] == "vllm" and doc["steps"]["extract"]["backend"] == "vllm", doc
+    assert doc["pipeline"]["engine"] == "vllm" and doc["steps"]["extract"]["engine"] == "vllm", doc
     recipe = tmp_path / "r.yaml"
     recipe.write_text("backend: hf\n")
     doc = _rendered_settings(e, tmp_path, "extract", "--host", "far", "-c", str(recipe))
-    assert doc["steps"]["extract"]["backend"] == "hf"
+    assert doc["steps"]["extract"]["engine"] == "hf"
     e.inventory.write_text(e.inventory.read_text().replace("  backend: vllm\n", ""))
     both = tmp_path / "both.yaml"
     both.write_text("backend: hf\nengine: vllm\n")

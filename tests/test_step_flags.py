@@ -130,3 +130,34 @@ def test_flags_and_settings_that_are_right_pass(tmp_path):
     assert r.code == 0, r.stderr
     line = next(ln for ln in next(out.rglob("job.sh")).read_text().splitlines() if "kimi_eagle_host.pipeline.train" in ln)
     assert line.rstrip().endswith("--epochs=3 --resume --no-export-embed-tokens --lr 1e-3"), line
+
+
+@pytest.mark.parametrize("flag", ["--engine", "--backend"])
+def test_extract_and_preflight_call_the_engine_engine(tmp_path, flag):
+    """The extraction engine is `--engine` in extract and preflight, as the setting `engine` is; the old `--backend`
+    still works and says, in one line, what it is called now. Preflight's report names it `engine`."""
+    from conftest import host_cmd
+
+    r = subprocess.run(host_cmd("ops.preflight", "--step", "vocab", flag, "vllm", "--output-dir", tmp_path,
+                                "--min-free-disk-gib", "0.001"), capture_output=True, text=True, timeout=300,
+                       env=_host_env())
+    report = json.loads(r.stdout)
+    assert report["engine"] == "vllm" and "backend" not in report, report
+    notes = [ln for ln in r.stderr.splitlines() if "--backend" in ln]
+    assert notes == ([] if flag == "--engine" else
+                     ["preflight_checks.py: --backend is now --engine (the old name still works)"]), r.stderr
+    from kimi_eagle_host.settings import build_parser
+
+    assert build_parser("extract").parse_args(["--model", "m", flag, "vllm"]).engine == "vllm"
+
+
+def test_a_job_rendered_before_the_rename_keeps_its_engine(tmp_path, capsys):
+    """A job's settings.json written before `backend` became `engine` (a resume after the upgrade): extract still
+    reads the engine from it, with one line naming the new key."""
+    from kimi_eagle_host.step_runtime import parse_step_args
+
+    old = tmp_path / "settings.json"
+    old.write_text(json.dumps({"pipeline": {}, "steps": {"extract": {"backend": "vllm", "model": "/m"}}}))
+    args = parse_step_args("extract", ["--settings", str(old)])
+    assert (args.engine, args.model) == ("vllm", "/m")
+    assert f"--settings {old}: backend is now engine" in capsys.readouterr().err

@@ -202,7 +202,7 @@ def extract_speculators(v16, hf16, tmp_path_factory, sshd, version, kind, batch_
     assert_progress_with_tokens_per_s(r.stdout, SAMPLES)
     assert "speculators 0.3.0 (patched)" in r.stdout or version != "0.3.0", r.stdout[-3000:]
     cfg = json.loads((out / "data_config.json").read_text())
-    assert cfg["backend"] == "vllm-speculators" and cfg["layer_ids"] == LAYER_IDS
+    assert cfg["engine"] == "vllm-speculators" and cfg["layer_ids"] == LAYER_IDS
     assert cfg["speculators_layer_ids"] == [i - 1 for i in LAYER_IDS]   # their convention: output of layer j
     return out, e
 
@@ -279,7 +279,7 @@ def v32(tmp_path_factory, sshd):
 def test_native_extraction_matches_hf(v32):
     hs = v32["out"] / "hidden_states"
     cfg = json.loads((hs / "data_config.json").read_text())
-    assert cfg["backend"] == "vllm-native" and cfg["layer_ids"] == LAYER_IDS and cfg["dtype"] == "bfloat16"
+    assert cfg["engine"] == "vllm-native" and cfg["layer_ids"] == LAYER_IDS and cfg["dtype"] == "bfloat16"
     assert not list(hs.glob(".hs_*"))          # no temp files or error markers left
     assert_matches_hf(hs, v32["hf"])
 
@@ -293,7 +293,7 @@ def test_native_extraction_sizes_its_engine_from_free_memory(v32):
     assert mem["status"] == "pass" and "KV cache 1 GiB of host memory" in mem["detail"], mem
     assert "vLLM engine memory: KV cache 1 GiB of host memory" in v32["result"], v32["result"][-3000:]
     cfg = json.loads((v32["out"] / "hidden_states" / "data_config.json").read_text())
-    assert cfg["backend"] == "vllm-native" and cfg["count"] == SAMPLES
+    assert cfg["engine"] == "vllm-native" and cfg["count"] == SAMPLES
 
 
 def test_native_extraction_reports_its_progress_with_tokens_per_second(v32):

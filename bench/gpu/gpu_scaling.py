@@ -262,7 +262,7 @@ def render_train_job(host_dir: Path, d: Path, job_id: str):
     """(host, job script path relative to host_dir, its text): the job `kimi-eagle run train` would start."""
     from kimi_eagle import jobs
 
-    pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), backend="hf", seq_len=S["SEQ"],
+    pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), engine="hf", seq_len=S["SEQ"],
                  batch_size=S["TBATCH"], tp_size=1, draft_vocab_size=S["DRAFT_VOCAB"], epochs=1000, lr=1e-4,
                  ttt_steps=3, nproc_per_node=2 if CPU_REHEARSAL else None, steps={}, report_to="none")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -6,8 +6,8 @@ checkpoint: Kimi-K2.5's hidden 7168, vocabulary 163,840, MLA dims and 64 heads, 
 8 routed experts; ~4.3 B parameters, 8.7 GB in bf16), drawn on the GPU. Steps, each recorded with its result:
 
   hosts trust/check, upload, build the target, deploy-patch (--check then apply; `skipped` where the installed
-  speculators needs none), prepare, preflight extract (--backend vllm), extract --backend vllm (native
-  extract_hidden_states + our connector through the multimodal wrapper), the same samples with --backend hf (float32)
+  speculators needs none), prepare, preflight extract (--engine vllm), extract --engine vllm (native
+  extract_hidden_states + our connector through the multimodal wrapper), the same samples with --engine hf (float32)
   and their agreement per layer, vocab (163,840 -> 32,000), train (+ export), eval (vLLM serves the draft as EAGLE-3
   next to the target), and with two GPUs extract --tp-size 2 against --tp-size 1 (agreement, tokens/s of both).
 
@@ -264,7 +264,7 @@ def main():
         vllm_ok = record("extract_vllm_tp1", ok, seconds=secs, result=res, error=why)
         # another output folder (its own job's record, which clean respects) reading the same prepared samples
         hf_dir = WORK / "hs_hf" / "hidden_states"
-        ok, res, secs, why = run_step("extract", "--backend", "hf", "--dtype", "float32",
+        ok, res, secs, why = run_step("extract", "--engine", "hf", "--dtype", "float32",
                                       "--prepared-dir", str(out / "prepared"), overrides=[f"output_dir={hf_dir.parent}"])
         hf_ok = record("extract_hf", ok, seconds=secs, result=res, error=why)
         if vllm_ok and hf_ok:

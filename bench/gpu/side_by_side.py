@@ -341,7 +341,7 @@ def st_models(gpu):
 
 def extract_cmd(model: str, backend: str, out: Path, prepared: Path, shard=None, extra=()):
     cmd = [PY, *payload("extract.py"), "--model", model, "--prepared-dir", str(prepared), "--out", str(out),
-           "--backend", backend, "--batch-size", str(XBATCH), "--seq-len", str(SEQ), "--device", DEVICE,
+           "--engine", backend, "--batch-size", str(XBATCH), "--seq-len", str(SEQ), "--device", DEVICE,
            "--dtype", "bfloat16", "--overwrite", *extra]
     cmd += ["--writers", "16"]
     if backend == "vllm":  # requests per generate() call: let vLLM's scheduler batch many prompts
@@ -360,7 +360,7 @@ def extraction_result(stage, m, res_runs, prepared, shard=None):
     f = flops(m, ls) / secs / 1e12 if secs else None
     mm = results("matmul").get("bf16_matmul_tflops")
     return {"runs": [{k: x.get(k) for k in ("extract_tokens_per_s", "extract_seconds", "tokens_per_s", "seconds",
-                                           "tokens", "backend")} for x in res_runs],
+                                           "tokens", "engine")} for x in res_runs],
             "samples": len(ls), "tokens": sum(ls), "tokens_per_s": r.get("extract_tokens_per_s") or r.get("tokens_per_s"),
             "tflops": round(f, 1) if f else None, "fraction_of_989_peak": round(f / 989, 3) if f else None,
             "fraction_of_measured_matmul": round(f / mm, 3) if f and mm else None,
@@ -386,7 +386,7 @@ def st_vllm(stage, gpu, tag, m, shard=None):
     runs = [run(stage, extract_cmd(str(SHM / f"m{tag}"), "vllm", out, prepared, shard), gpu, sites=("site-vllm",),
                 timeout=480)]
     res = extraction_result(stage, m, runs, prepared, shard)
-    res["path"] = "extract --backend vllm (native, our connector)"
+    res["path"] = "extract --engine vllm (native, our connector)"
     ref = SHM / "p1b" / "hidden_states" if tag == "1b" else SHM / f"x{tag}_hf"
     res["agreement_with_hf"] = compare_states(ref, out, 4)
     return res
@@ -537,7 +537,7 @@ def prepare_extract_vocab(stage, gpu, pipe: Path) -> dict:
                                  str(pipe / "regenerated" / "chat.jsonl"), "--output-dir", str(pipe),
                                  "--seq-len", "2048"], None, timeout=300)
     res["extract"] = run(stage, [PY, *payload("extract.py"), "--model", str(SMOL), "--output-dir", str(pipe),
-                                 "--backend", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
+                                 "--engine", "hf", "--batch-size", "64", "--device", DEVICE, "--dtype", "bfloat16",
                                  "--writers", "16"], gpu, timeout=600)
     res["vocab"] = run(stage, [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
                                "--draft-vocab-size", os.environ.get("KE_SMOL_DRAFT_VOCAB", "8192")], None, timeout=120)

@@ -39,7 +39,7 @@ rm -f "$W/steps.jsonl"
 step model "$PY" -m $P.tiny_model --out "$m" --kind llama --hidden 256 --layers 8 --vocab 1024 --dtype bf16 &&
 step prepare "$PY" -m $P.prepare --model "$m" --dataset kimi_eagle_host/sample_data/chat.jsonl --output-dir "$o" \
   --seq-len 256 &&
-step extract "$PY" -m $P.extract --model "$m" --output-dir "$o" --backend hf --seq-len 256 --device "$DEV" &&
+step extract "$PY" -m $P.extract --model "$m" --output-dir "$o" --engine hf --seq-len 256 --device "$DEV" &&
 step vocab "$PY" -m $P.vocab --model "$m" --output-dir "$o" --draft-vocab-size 256 &&
 step train_speculators "$PY" -m $P.train --trainer speculators --model "$m" --output-dir "$o" --max-steps "${SPEC_SMOKE_STEPS:-20}" \
   --epochs 100 --device "$DEV" --log-every 5

@@ -1,11 +1,11 @@
-"""The hidden-state sample files, one place for everyone who writes or reads them (extract's hf backend, the vLLM
+"""The hidden-state sample files, one place for everyone who writes or reads them (extract's hf engine, the vLLM
 connector, the trainer):
 
   <output-dir>/hidden_states/hs_{i}.safetensors   token_ids int64 [T], hidden_states [T, L, H] (dtype of the
                                                   run), loss_mask int64 [T]; i = index in the prepared dataset,
                                                   L = len(layer ids)
   <output-dir>/hidden_states/data_config.json     model, layer ids + convention, num layers, hidden size, dtype,
-                                                  backend, versions (extract writes it; FORMAT names the layout)
+                                                  engine, versions (extract writes it; FORMAT names the layout)
   <output-dir>/hidden_states/manifest*.json       which samples belong to the extraction (hs_manifest.py): readers
                                                   take that list, never a listing of the folder
 

@@ -1,4 +1,4 @@
-"""`extract --backend vllm`: the two ways vLLM extracts hidden states, picked by the host's vLLM version
+"""`extract --engine vllm`: the two ways vLLM extracts hidden states, picked by the host's vLLM version
 (vllm_compat.extraction_path says which and why).
 
   speculators  vLLM <= 0.16: speculators' in-process VllmHiddenStatesGenerator (0.3.0 / 0.4.0) on an install
@@ -7,7 +7,7 @@
                connector (vllm_hs_connector.py), which writes each sample file itself, in the worker. Layer ids
                pass unchanged: vLLM's convention is ours (id i = input of layer i, id N = last layer's output).
 
-Both write the samples extract.py's hf backend writes (hs_{i}.safetensors), atomically; extract.py decides which
+Both write the samples extract.py's hf engine writes (hs_{i}.safetensors), atomically; extract.py decides which
 samples still need doing (resume) and records data_config.json.
 """
 import os
@@ -39,7 +39,7 @@ def choose_path():
         return "speculators", None, "vLLM is not installed"
     path, why = extraction_path(inst["version"], inst["dir"])
     if path is None:
-        raise Refused(f"--backend vllm: {why}")
+        raise Refused(f"--engine vllm: {why}")
     return path, inst, why
 
 
@@ -85,8 +85,8 @@ def check_speculators_patch():
     try:
         dist = metadata.distribution("speculators")
     except metadata.PackageNotFoundError:
-        raise Refused(f"--backend vllm: speculators is not installed for {sys.executable}; install speculators "
-                      f"0.3/0.4 and apply the kimi-eagle patch, or use --backend hf") from None
+        raise Refused(f"--engine vllm: speculators is not installed for {sys.executable}; install speculators "
+                      f"0.3/0.4 and apply the kimi-eagle patch, or use --engine hf") from None
     location = str(dist.locate_file(""))
     for f in dist.files or []:
         name = str(f).replace("\\", "/")
@@ -98,8 +98,8 @@ def check_speculators_patch():
                     return dist.version, location
         except OSError:
             continue
-    raise Refused(f"--backend vllm: speculators {dist.version} at {location} is not patched (no "
-                  f"'{KIMI_EAGLE_PATCH_MARKER}' marker in its files); apply the kimi-eagle patch first, or use --backend hf")
+    raise Refused(f"--engine vllm: speculators {dist.version} at {location} is not patched (no "
+                  f"'{KIMI_EAGLE_PATCH_MARKER}' marker in its files); apply the kimi-eagle patch first, or use --engine hf")
 
 
 def cpu_kv_cache_budget(torch, gen_module):
@@ -135,8 +135,8 @@ def extract_speculators(args, ds, todo, layer_ids, info, writer, spec_version):
 
     spec_ids = to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
     if at_least(spec_version, "0.5"):
-        raise Refused(f"--backend vllm: speculators {spec_version} has no in-process generator (it extracts through "
-                      f"a vLLM server); use speculators 0.3/0.4 with the kimi-eagle patch, or --backend hf")
+        raise Refused(f"--engine vllm: speculators {spec_version} has no in-process generator (it extracts through "
+                      f"a vLLM server); use speculators 0.3/0.4 with the kimi-eagle patch, or --engine hf")
     info.update(speculators_layer_ids=spec_ids)
     from speculators.data_generation import vllm_hidden_states_generator as gen_module
 

@@ -4,7 +4,7 @@
 Output under <output-dir>/hidden_states/ (speculators >= 0.5 layout):
   hs_{i}.safetensors  token_ids int64 [T], hidden_states [T, L, H] (dtype of the run), loss_mask int64 [T]
                       i = index in the prepared dataset; L = len(layer ids)
-  data_config.json    model, model class, layer ids + convention, num layers, hidden size, dtype, backend, versions
+  data_config.json    model, model class, layer ids + convention, num layers, hidden size, dtype, engine, versions
 
 Layer-id convention (vLLM serving): id i = INPUT of decoder layer i (residual stream before it), id N = OUTPUT
 of the last decoder layer BEFORE the final norm. Default [2, N//2, N-3, N].
@@ -147,9 +147,9 @@ class PinnedPool:
 
 
 # ----------------------------------------------------------------------------------------------------
-# hf backend
+# hf engine
 
-def resolve_device_dtype(device, dtype, backend="hf"):
+def resolve_device_dtype(device, dtype, engine="hf"):
     import torch
 
     if device == "auto":
@@ -158,7 +158,7 @@ def resolve_device_dtype(device, dtype, backend="hf"):
         raise BadInput("--device cuda: no CUDA device is visible")
     if dtype == "auto":
         # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
-        dtype = "bfloat16" if device == "cuda" or backend == "vllm" else "float32"
+        dtype = "bfloat16" if device == "cuda" or engine == "vllm" else "float32"
     return device, dtype
 
 
@@ -341,9 +341,9 @@ def run(args):
         return validate(args, ds, out_dir, lo, hi, mine)
 
     vllm_path = spec_version = None
-    if args.backend == "vllm":  # refuse before anything expensive
+    if args.engine == "vllm":  # refuse before anything expensive
         vllm_path, inst, why = extract_vllm.choose_path()
-        log(f"[extract] backend vllm: {why}")
+        log(f"[extract] engine vllm: {why}")
         if vllm_path == "speculators":
             spec_version, spec_location = extract_vllm.check_speculators_patch()
             log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
@@ -356,7 +356,7 @@ def run(args):
             extract_vllm.to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
     except LayerIdError as e:
         raise BadInput(str(e)) from None
-    device, dtype = resolve_device_dtype(args.device, args.dtype, args.backend)
+    device, dtype = resolve_device_dtype(args.device, args.dtype, args.engine)
     args.device = device
     data_config = {
         "format": FORMAT,
@@ -372,7 +372,7 @@ def run(args):
         "num_layers": info["num_layers"],
         "hidden_size": info["hidden_size"],
         "dtype": dtype,
-        "backend": args.backend if vllm_path is None else f"vllm-{vllm_path}",
+        "engine": args.engine if vllm_path is None else f"vllm-{vllm_path}",
         "seq_len": args.seq_len,
         "count": len(ds),
         "prepared_dir": os.path.abspath(prepared_dir),
@@ -406,7 +406,7 @@ def run(args):
     written = tokens = 0
     extract_s = None
     if todo:
-        if args.backend == "hf":
+        if args.engine == "hf":
             written, tokens = extract_hf(args, ds, todo, layer_ids, data_config, out_dir)
         elif vllm_path == "native":
             written, tokens = extract_vllm.extract_native(args, ds, todo, layer_ids, data_config, out_dir)
@@ -430,7 +430,7 @@ def run(args):
         written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))
         times = [part["extract_s"] for part in parts if part["extract_s"]]
         extract_s = max(times) if times else None  # the ranks ran side by side: the slowest is the wall time
-    return {"ok": True, "step": "extract", "backend": args.backend, "vllm_path": vllm_path,
+    return {"ok": True, "step": "extract", "engine": args.engine, "vllm_path": vllm_path,
             "out_dir": os.path.abspath(out_dir),
             "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,
             "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "dtype": dtype, "device": device,

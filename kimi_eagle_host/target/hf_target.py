@@ -1,5 +1,5 @@
 """The target model under transformers: loading it (trust_remote_code, multimodal wrappers, one or several GPUs)
-and capturing its hidden states at the layer ids (extract's hf backend, and eval's transformers engine)."""
+and capturing its hidden states at the layer ids (extract's hf engine, and eval's transformers engine)."""
 
 from kimi_eagle_host.step_runtime import log
 
@@ -96,7 +96,7 @@ def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
         max_memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}
         return cls.from_pretrained(model_path, device_map="auto", max_memory=max_memory, **kwargs).eval()
     if device == "cuda":
-        try:  # spreads a huge target over all visible GPUs (layer-wise; tp_size is a vllm-backend notion)
+        try:  # spreads a huge target over all visible GPUs (layer-wise; tp_size is a vllm-engine notion)
             return cls.from_pretrained(model_path, device_map="auto", **kwargs).eval()
         except ImportError as e:  # device_map needs accelerate; a single GPU works without it
             log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
