@@ -19,3 +19,22 @@ def find_nvidia_smi(given: str | None = None) -> str | None:
             return given if os.access(given, os.X_OK) else None
         return shutil.which(given)
     return shutil.which("nvidia-smi") or next((p for p in NVIDIA_SMI_FALLBACKS if os.access(p, os.X_OK)), None)
+
+
+def query_gpus(fields: str, nvidia_smi: str | None = None, timeout: float = 30,
+               units: bool = False) -> list[list[str]] | None:
+    """`nvidia-smi --query-gpu=FIELDS` as rows of stripped CSV cells (no header; "81559 MiB" with `units`, else
+    81559), one row a GPU; None when there is no nvidia-smi or it fails (to the callers: no GPU to tell about)."""
+    import subprocess
+
+    exe = find_nvidia_smi(nvidia_smi)
+    if not exe:
+        return None
+    try:
+        res = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader" + ("" if units else ",nounits")],
+                             capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if res.returncode != 0:
+        return None
+    return [[cell.strip() for cell in line.split(",")] for line in res.stdout.splitlines() if line.strip()]

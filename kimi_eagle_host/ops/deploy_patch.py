@@ -81,6 +81,12 @@ def _text(value, where: str) -> str:
     raise BadInput(f"{where}: must be a string or a list of strings")
 
 
+def _nonempty_list(value, label: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise BadInput(f"{label} must be a non-empty list")
+    return value
+
+
 def load_patch_set(path: Path) -> dict:
     where = str(path)
     try:
@@ -98,19 +104,13 @@ def load_patch_set(path: Path) -> dict:
         raise BadInput(f"{where}: field 'versions': {exc}") from None
     if "\n" in data["marker"]:
         raise BadInput(f"{where}: field 'marker' must be one line")
-    files = data.get("files")
-    if not isinstance(files, list) or not files:
-        raise BadInput(f"{where}: field 'files' must be a non-empty list")
-    for i, f in enumerate(files):
+    for i, f in enumerate(_nonempty_list(data.get("files"), f"{where}: field 'files'")):
         fw = f"{where}: files[{i}]"
         if not isinstance(f, dict) or not isinstance(f.get("path"), str) or not f["path"]:
             raise BadInput(f"{fw}.path must be a non-empty string")
         if Path(f["path"]).is_absolute() or ".." in Path(f["path"]).parts:
             raise BadInput(f"{fw}.path must be relative to the install location")
-        hunks = f.get("hunks")
-        if not isinstance(hunks, list) or not hunks:
-            raise BadInput(f"{fw}.hunks must be a non-empty list")
-        for j, h in enumerate(hunks):
+        for j, h in enumerate(_nonempty_list(f.get("hunks"), f"{fw}.hunks")):
             hw = f"{fw}.hunks[{j}]"
             if not isinstance(h, dict):
                 raise BadInput(f"{hw} must be an object")
@@ -290,18 +290,56 @@ def no_matching_set(sets: list[dict], mode: str) -> tuple[dict, int]:
 
 
 # ---------------------------------------------------------------- the run
+def listed(s: dict) -> dict:
+    """A patch set as --list shows it, with whether it matches the installed package."""
+    have = installed_version(s["package"])
+    return {"name": s["name"], "package": s["package"], "versions": s["versions"],
+            "description": s.get("description", ""), "file": s["_file"], "files": [f["path"] for f in s["files"]],
+            "installed": have, "matches_installed": have is not None and version_matches(have, s["versions"])}
+
+
+def write_set(targets: list, to_write: list, mode: str) -> list:
+    """Every patched file compiled first, then all of them swapped in (the originals kept on a first apply) or none:
+    the targets that failed."""
+    failed = []
+    fault = os.environ.get("KIMI_EAGLE_PATCH_FAULT", "")
+    with tempfile.TemporaryDirectory() as work:  # compile before touching anything
+        for t in to_write:
+            err = compile_check(t.wanted, t.rel, work)
+            if fault == "compile" and t is to_write[-1]:
+                err = "induced compile fault (KIMI_EAGLE_PATCH_FAULT=compile)"
+            if err:
+                t.set("failed", f"patched file does not compile: {err}")
+                failed.append(t)
+    if failed:
+        return failed
+    created = []
+    try:
+        if mode == "apply":
+            for t in to_write:
+                if t.pristine_path is None:  # first time: keep the original
+                    t.pristine_path = t.pristine_target()
+                    t.pristine_path.parent.mkdir(parents=True, exist_ok=True)
+                    write_atomic(t.pristine_path, t.pristine, 0o444)
+                    created.append(t.pristine_path)
+        swap_all(to_write, fault)
+    except OSError as exc:
+        for p in created:
+            p.unlink(missing_ok=True)
+        for t in to_write:
+            t.set("failed", f"swap failed, every file of the set restored: {exc}")
+        return to_write
+    if mode == "revert":
+        for t in targets:
+            forget_pristine(t)
+    return []
+
+
 def run(args) -> tuple[dict, int]:
     patch_dir = Path(args.patch_dir)
     sets = all_patch_sets(patch_dir)
     if args.list:
-        listing = []
-        for s in sets:
-            have = installed_version(s["package"])
-            listing.append({"name": s["name"], "package": s["package"], "versions": s["versions"],
-                            "description": s.get("description", ""), "file": s["_file"],
-                            "files": [f["path"] for f in s["files"]], "installed": have,
-                            "matches_installed": have is not None and version_matches(have, s["versions"])})
-        return {"patch_sets": listing, "ok": True}, 0
+        return {"patch_sets": [listed(s) for s in sets], "ok": True}, 0
 
     mode = "revert" if args.revert else "diff" if args.diff else "check" if args.check else "apply"
     if args.patch_set == "auto":
@@ -358,36 +396,7 @@ def run(args) -> tuple[dict, int]:
     to_write = [t for t in targets if t.result["status"] in ("changed", "reverted")]
 
     if mode in ("apply", "revert") and not failed and to_write:
-        fault = os.environ.get("KIMI_EAGLE_PATCH_FAULT", "")
-        with tempfile.TemporaryDirectory() as work:  # compile before touching anything
-            for t in to_write:
-                err = compile_check(t.wanted, t.rel, work)
-                if fault == "compile" and t is to_write[-1]:
-                    err = "induced compile fault (KIMI_EAGLE_PATCH_FAULT=compile)"
-                if err:
-                    t.set("failed", f"patched file does not compile: {err}")
-                    failed.append(t)
-        if not failed:
-            created = []
-            try:
-                if mode == "apply":
-                    for t in to_write:
-                        if t.pristine_path is None:  # first time: keep the original
-                            t.pristine_path = t.pristine_target()
-                            t.pristine_path.parent.mkdir(parents=True, exist_ok=True)
-                            write_atomic(t.pristine_path, t.pristine, 0o444)
-                            created.append(t.pristine_path)
-                swap_all(to_write, fault)
-            except OSError as exc:
-                for p in created:
-                    p.unlink(missing_ok=True)
-                for t in to_write:
-                    t.set("failed", f"swap failed, every file of the set restored: {exc}")
-                failed = to_write
-            else:
-                if mode == "revert":
-                    for t in targets:
-                        forget_pristine(t)
+        failed = write_set(targets, to_write, mode)
     if mode == "revert" and not failed:
         for t in targets:
             if t.result["status"] == "ok":

@@ -351,6 +351,141 @@ def _gpu_check(snap: SmiSnapshot, gpu: dict, targets: set[int], watched: set[int
                   "target_pids_listed": live_targets}
 
 
+def gather_holders(snap0, by_fuser: dict, job_pgids, runs_dir) -> tuple[list[dict], dict]:
+    """Every process holding a GPU (fuser or nvidia-smi), classified (ours, foreign, invisible); and nvidia-smi's
+    memory per pid and GPU."""
+    smi_mem: dict[int, dict[int, float]] = {}
+    smi_uuid: dict[int, set[str]] = {}
+    for a in snap0.apps:
+        smi_mem.setdefault(a["pid"], {})
+        smi_mem[a["pid"]][a["index"]] = smi_mem[a["pid"]].get(a["index"], 0.0) + a["mem"]
+        smi_uuid.setdefault(a["pid"], set()).add(a["uuid"])
+
+    holders: list[dict] = []
+    for pid in sorted(set(by_fuser) | set(smi_mem)):
+        stat = _read_stat(pid)
+        gpus = {i for i in by_fuser.get(pid, set()) if i is not None} | {
+            i for i in smi_mem.get(pid, {}) if i is not None}
+        mem = smi_mem.get(pid)
+        h = {"pid": pid, "user": None, "cmd": "", "gpu": sorted(gpus),
+             "gpu_uuid": sorted(smi_uuid.get(pid, ())),
+             "mem_mib": round(sum(mem.values()), 1) if mem else None,
+             "sources": [s for s, d in (("fuser", by_fuser), ("nvidia-smi", smi_mem)) if pid in d],
+             "pgid": None, "sid": None, "state": None, "job_id": None, "owner": "foreign",
+             "action": "keep", "planned": "keep", "result": None, "signal_sent": None,
+             "_start": None}
+        if stat is None:
+            h["owner"], h["action"], h["result"] = "invisible", "none", "not-visible"
+            holders.append(h)
+            continue
+        h["state"], h["_start"] = stat
+        h["user"], h["cmd"] = _user(pid), _cmdline(pid)
+        h["pgid"], h["sid"] = _pgid_sid(pid)
+        h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
+        h["job_running"] = job_running(h["job_run_dir"])
+        holders.append(h)
+    return holders, smi_mem
+
+
+def gpu_rows_of(snap0, threshold_mib: float) -> list[dict]:
+    """The report's row of each GPU before any signal."""
+    gpu_rows = []
+    for g in snap0.gpus:
+        listed = sum(a["mem"] for a in snap0.apps if a["index"] == g["index"])
+        unattributed = (g["used"] - listed) if g["used"] is not None else 0.0
+        gpu_rows.append({"index": g["index"], "uuid": g["uuid"], "name": g["name"],
+                         "mem_used_before": g["used"], "mem_used_after": None,
+                         "mem_total": g["total"], "unattributed_mib_before": unattributed,
+                         "baseline_mib": 0.0, "threshold_mib": threshold_mib,
+                         "checked": False, "free": None, "held_by": []})
+    return gpu_rows
+
+
+def plan_targets(holders: list[dict], problems: list, *, stop_all: bool, stale_only: bool, dry_run: bool,
+                 only_pids: set[int] | None, protected: set[int]) -> list[dict]:
+    """The holders to stop (each holder's action and planned say why or why not)."""
+    targets: list[dict] = []
+    for h in holders:
+        if h["owner"] == "invisible":
+            continue
+        wanted = stop_all or h["owner"] == "ours"
+        if wanted and stale_only and h.get("job_running"):
+            # --stale-only (`run --reset-gpus`): a running job's processes are never ours to stop here.
+            h.setdefault("errors", []).append(f"belongs to running job {h['job_id']}: kept")
+            continue
+        if wanted and h["pid"] in protected:
+            h["action"], h["result"] = "keep", "still-running"
+            h.setdefault("errors", []).append("protected pid (this script, its ancestors or init)")
+            continue
+        if wanted and only_pids is not None and h["pid"] not in only_pids:
+            h["action"] = "keep"
+            h.setdefault("errors", []).append("outside --only-pids: not signalled")
+            continue
+        if wanted:
+            h["action"] = "none" if dry_run else "stop"
+            h["planned"] = "stop"
+            if not dry_run:
+                targets.append(h)
+        if h["state"] == "D":
+            problems.append(f"pid {h['pid']} is in D state (uninterruptible I/O) before any signal")
+
+    return targets
+
+
+def stop_targets(targets: list[dict], grace: float) -> None:
+    """SIGTERM, up to `grace` seconds, then SIGKILL; their jobs marked stopped first."""
+    for run_dir in sorted({h["job_run_dir"] for h in targets if h.get("job_run_dir")}):
+        mark_stopped(run_dir)
+    for h in targets:
+        _signal(h, signal.SIGTERM)
+    deadline_term = time.monotonic() + grace
+    while time.monotonic() < deadline_term and not all(_gone(h["pid"], h["_start"]) for h in targets):
+        time.sleep(POLL_S)
+    for h in targets:
+        if not _gone(h["pid"], h["_start"]):
+            log(f"pid {h['pid']} survived SIGTERM for {grace}s: SIGKILL")
+            _signal(h, signal.SIGKILL)
+
+
+def verify_stopped(report: dict, holders: list[dict], targets: list[dict], smi, snap0, gpu_rows: list[dict],
+                   watched: set[int], timeout: float, t0: float):
+    """Wait until the targets are gone and their GPUs' memory is back (or `timeout`); each holder's result. The last
+    nvidia-smi snapshot."""
+    target_pids = {h["pid"] for h in targets}
+    deadline = time.monotonic() + timeout
+    snap = snap0
+    while True:
+        procs_gone = all(_gone(h["pid"], h["_start"]) for h in targets)
+        if procs_gone and "t_processes_gone_s" not in report:
+            report["t_processes_gone_s"] = round(time.monotonic() - t0, 3)
+        mem_free = True
+        if smi and procs_gone:
+            snap = query_smi(smi)
+            mem_free = all(_gpu_check(snap, g, target_pids, watched)[0] for g in gpu_rows)
+        if (procs_gone and mem_free) or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S if not procs_gone else 0.25)
+    if smi and not procs_gone:
+        snap = query_smi(smi)
+
+    for h in targets:
+        if _gone(h["pid"], h["_start"]):
+            h["result"] = "killed-after-term" if "SIGKILL" in (h["signal_sent"] or "") else "gone"
+        else:
+            st = _read_stat(h["pid"])
+            h["state"] = st[0] if st else h["state"]
+            h["result"] = "d-state" if h["state"] == "D" else "still-running"
+            report["problems"].append(
+                f"pid {h['pid']} ({h['owner']}, {h['cmd'][:80]!r}) is {h['result']} after "
+                f"{h['signal_sent'] or 'no signal'}"
+                + ("; D state: it waits on the kernel/driver and dies only when that I/O ends "
+                   "(a hung GPU may need a node reboot)" if h["result"] == "d-state" else ""))
+    for h in holders:
+        if h["result"] is None:
+            h["result"] = "gone" if _gone(h["pid"], h["_start"]) else "still-running"
+    return snap
+
+
 def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None = None,
               fuser: str | None = None, runs_dir: str | None = None, stop_all: bool = False,
               dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0,
@@ -391,78 +526,18 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     job_pgids = load_job_pgids(runs_dir)
     protected = _protected_pids()
 
-    smi_mem: dict[int, dict[int, float]] = {}
-    smi_uuid: dict[int, set[str]] = {}
-    for a in snap0.apps:
-        smi_mem.setdefault(a["pid"], {})
-        smi_mem[a["pid"]][a["index"]] = smi_mem[a["pid"]].get(a["index"], 0.0) + a["mem"]
-        smi_uuid.setdefault(a["pid"], set()).add(a["uuid"])
-
-    holders: list[dict] = []
-    for pid in sorted(set(by_fuser) | set(smi_mem)):
-        stat = _read_stat(pid)
-        gpus = {i for i in by_fuser.get(pid, set()) if i is not None} | {
-            i for i in smi_mem.get(pid, {}) if i is not None}
-        mem = smi_mem.get(pid)
-        h = {"pid": pid, "user": None, "cmd": "", "gpu": sorted(gpus),
-             "gpu_uuid": sorted(smi_uuid.get(pid, ())),
-             "mem_mib": round(sum(mem.values()), 1) if mem else None,
-             "sources": [s for s, d in (("fuser", by_fuser), ("nvidia-smi", smi_mem)) if pid in d],
-             "pgid": None, "sid": None, "state": None, "job_id": None, "owner": "foreign",
-             "action": "keep", "planned": "keep", "result": None, "signal_sent": None,
-             "_start": None}
-        if stat is None:
-            h["owner"], h["action"], h["result"] = "invisible", "none", "not-visible"
-            holders.append(h)
-            continue
-        h["state"], h["_start"] = stat
-        h["user"], h["cmd"] = _user(pid), _cmdline(pid)
-        h["pgid"], h["sid"] = _pgid_sid(pid)
-        h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
-        h["job_running"] = job_running(h["job_run_dir"])
-        holders.append(h)
+    holders, smi_mem = gather_holders(snap0, by_fuser, job_pgids, runs_dir)
     report["holders"] = holders
 
     # Baseline per GPU: memory that no listed process accounts for (driver, other
     # containers). It is only trusted when every target on that GPU was listed by
     # nvidia-smi; otherwise an unlisted target's memory would hide in it.
-    gpu_rows = []
-    for g in snap0.gpus:
-        listed = sum(a["mem"] for a in snap0.apps if a["index"] == g["index"])
-        unattributed = (g["used"] - listed) if g["used"] is not None else 0.0
-        gpu_rows.append({"index": g["index"], "uuid": g["uuid"], "name": g["name"],
-                         "mem_used_before": g["used"], "mem_used_after": None,
-                         "mem_total": g["total"], "unattributed_mib_before": unattributed,
-                         "baseline_mib": 0.0, "threshold_mib": threshold_mib,
-                         "checked": False, "free": None, "held_by": []})
+    gpu_rows = gpu_rows_of(snap0, threshold_mib)
     report["gpus"] = gpu_rows
 
     # ---- plan -------------------------------------------------------------------
-    targets: list[dict] = []
-    for h in holders:
-        if h["owner"] == "invisible":
-            continue
-        wanted = stop_all or h["owner"] == "ours"
-        if wanted and stale_only and h.get("job_running"):
-            # --stale-only (`run --reset-gpus`): a running job's processes are never ours to stop here.
-            h.setdefault("errors", []).append(f"belongs to running job {h['job_id']}: kept")
-            continue
-        if wanted and h["pid"] in protected:
-            h["action"], h["result"] = "keep", "still-running"
-            h.setdefault("errors", []).append("protected pid (this script, its ancestors or init)")
-            continue
-        if wanted and only_pids is not None and h["pid"] not in only_pids:
-            h["action"] = "keep"
-            h.setdefault("errors", []).append("outside --only-pids: not signalled")
-            continue
-        if wanted:
-            h["action"] = "none" if dry_run else "stop"
-            h["planned"] = "stop"
-            if not dry_run:
-                targets.append(h)
-        if h["state"] == "D":
-            report["problems"].append(f"pid {h['pid']} is in D state (uninterruptible I/O) before any signal")
-
+    targets = plan_targets(holders, report["problems"], stop_all=stop_all, stale_only=stale_only,
+                           dry_run=dry_run, only_pids=only_pids, protected=protected)
     target_pids = {h["pid"] for h in targets}
     # GPUs to verify: those a target was seen on; all of them when a target's GPU is unknown.
     watched: set[int] = set()
@@ -495,51 +570,11 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
 
     # ---- stop: SIGTERM, wait up to grace, SIGKILL ------------------------------
     # Mark the jobs we stop first, as `kimi-eagle stop` does: their exit (143) then reads "stopped", not "failed".
-    for run_dir in sorted({h["job_run_dir"] for h in targets if h.get("job_run_dir")}):
-        mark_stopped(run_dir)
-    for h in targets:
-        _signal(h, signal.SIGTERM)
-    deadline_term = time.monotonic() + grace
-    while time.monotonic() < deadline_term and not all(_gone(h["pid"], h["_start"]) for h in targets):
-        time.sleep(POLL_S)
-    for h in targets:
-        if not _gone(h["pid"], h["_start"]):
-            log(f"pid {h['pid']} survived SIGTERM for {grace}s: SIGKILL")
-            _signal(h, signal.SIGKILL)
+    stop_targets(targets, grace)
 
     # ---- verify: processes gone and memory back to baseline --------------------
     # The timeout runs after the signals, so a long --grace cannot eat the verify window.
-    deadline = time.monotonic() + timeout
-    snap = snap0
-    while True:
-        procs_gone = all(_gone(h["pid"], h["_start"]) for h in targets)
-        if procs_gone and "t_processes_gone_s" not in report:
-            report["t_processes_gone_s"] = round(time.monotonic() - t0, 3)
-        mem_free = True
-        if smi and procs_gone:
-            snap = query_smi(smi)
-            mem_free = all(_gpu_check(snap, g, target_pids, watched)[0] for g in gpu_rows)
-        if (procs_gone and mem_free) or time.monotonic() >= deadline:
-            break
-        time.sleep(POLL_S if not procs_gone else 0.25)
-    if smi and not procs_gone:
-        snap = query_smi(smi)
-
-    for h in targets:
-        if _gone(h["pid"], h["_start"]):
-            h["result"] = "killed-after-term" if "SIGKILL" in (h["signal_sent"] or "") else "gone"
-        else:
-            st = _read_stat(h["pid"])
-            h["state"] = st[0] if st else h["state"]
-            h["result"] = "d-state" if h["state"] == "D" else "still-running"
-            report["problems"].append(
-                f"pid {h['pid']} ({h['owner']}, {h['cmd'][:80]!r}) is {h['result']} after "
-                f"{h['signal_sent'] or 'no signal'}"
-                + ("; D state: it waits on the kernel/driver and dies only when that I/O ends "
-                   "(a hung GPU may need a node reboot)" if h["result"] == "d-state" else ""))
-    for h in holders:
-        if h["result"] is None:
-            h["result"] = "gone" if _gone(h["pid"], h["_start"]) else "still-running"
+    snap = verify_stopped(report, holders, targets, smi, snap0, gpu_rows, watched, timeout, t0)
     _finish(report, t0, snap, target_pids, watched)
     return report
 

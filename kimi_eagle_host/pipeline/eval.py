@@ -541,12 +541,54 @@ def parse_batch_sizes(text):
     return sizes
 
 
+def open_engine(args, engine: str, tok, engine_env: dict):
+    """(the report's engine fields, kk -> a runner drafting kk tokens) for the chosen engine (vllm or hf)."""
+    if engine == "vllm":
+        stdout_for_result_only()  # vLLM logs to stdout, also from its workers
+        memory = size_engine("eval", args.model, args.tp_size, *engine_load(args))
+        import vllm
+
+        meta = {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype,
+                "device": device_name(), "engine_env": engine_env, "engine_memory": memory["says"]}
+        meta["engine_name"] = f"vLLM {vllm.__version__} ({args.vllm_dtype}, {meta['device']})"
+        open_runner = lambda kk: VllmRunner(args, kk, memory)  # noqa: E731
+    else:
+        import torch
+
+        from kimi_eagle_host.evaluation.spec_hf import HFEngine
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        eng = HFEngine(args.model, args.draft, device, dtype)
+        eos = eos_ids_of(args.model, tok)
+        meta = {"engine": "hf", "device": device, "dtype": dtype}
+        import transformers
+
+        meta["engine_name"] = f"transformers {transformers.__version__} ({dtype}, {device_name() if device == 'cuda' else 'cpu'})"
+        open_runner = lambda kk: HFRunner(eng, tok, eos, kk, args.max_tokens)  # noqa: E731
+    return meta, open_runner
+
+
+def write_report(rep: dict, out_dir: str) -> None:
+    """report.json, and its chart (report.png, or report.txt on a host without matplotlib)."""
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "report.json"), rep)
+    from kimi_eagle_host.evaluation.report_plot import render_report
+
+    files = render_report(rep)
+    for name, data in files.items():
+        atomic_write(os.path.join(out_dir, name), data)
+    if "report.png" not in files and os.path.exists(os.path.join(out_dir, "report.png")):
+        os.unlink(os.path.join(out_dir, "report.png"))  # an older run's chart would not match this report
+        log("eval: no matplotlib on this host (pip install matplotlib): report.txt instead of report.png")
+
+
 def run(args):
     from kimi_eagle_host.data.data_sources import is_source_name, resolve
     from kimi_eagle_host.data.prompts import TokenBudget, check_lengths, read_conversations, spread_over_categories
 
-    if args.num_speculative_tokens < 1:
-        raise BadInput("--num-speculative-tokens: must be >= 1")
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
@@ -589,31 +631,7 @@ def run(args):
     timing_n = args.timing_prompts or 2 * max(batch_sizes)
     log(f"eval: {len(convs)} prompts ({sum(len(c.user_turns) for c in convs)} turns) from {args.prompts}, k={k}, "
         f"max {args.max_tokens} tokens, engine {engine}, batch sizes {batch_sizes} on {timing_n} prompts")
-    if engine == "vllm":
-        stdout_for_result_only()  # vLLM logs to stdout, also from its workers
-        memory = size_engine("eval", args.model, args.tp_size, *engine_load(args))
-        import vllm
-
-        meta = {"engine": "vllm", "vllm_version": vllm.__version__, "dtype": args.vllm_dtype,
-                "device": device_name(), "engine_env": engine_env, "engine_memory": memory["says"]}
-        meta["engine_name"] = f"vLLM {vllm.__version__} ({args.vllm_dtype}, {meta['device']})"
-        open_runner = lambda kk: VllmRunner(args, kk, memory)  # noqa: E731
-    else:
-        import torch
-
-        from kimi_eagle_host.evaluation.spec_hf import HFEngine
-
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        eng = HFEngine(args.model, args.draft, device, dtype)
-        eos = eos_ids_of(args.model, tok)
-        meta = {"engine": "hf", "device": device, "dtype": dtype}
-        import transformers
-
-        meta["engine_name"] = f"transformers {transformers.__version__} ({dtype}, {device_name() if device == 'cuda' else 'cpu'})"
-        open_runner = lambda kk: HFRunner(eng, tok, eos, kk, args.max_tokens)  # noqa: E731
+    meta, open_runner = open_engine(args, engine, tok, engine_env)
     settings = baseline_settings(args, prov, meta["engine_name"], batch_sizes, timing_n)
     bfile = baseline_file(args, settings)
     recorded = recorded_baseline(bfile, settings, len(convs)) if args.reuse_baseline else None
@@ -641,16 +659,7 @@ def run(args):
         for w in warnings:
             log(f"eval: warning: {w}")
     rep["job_id"] = os.environ.get("KIMI_EAGLE_JOB_ID")  # which job wrote it: `pull JOB` takes it only for that job
-    os.makedirs(out_dir, exist_ok=True)
-    atomic_write_json(os.path.join(out_dir, "report.json"), rep)
-    from kimi_eagle_host.evaluation.report_plot import render_report
-
-    files = render_report(rep)
-    for name, data in files.items():
-        atomic_write(os.path.join(out_dir, name), data)
-    if "report.png" not in files and os.path.exists(os.path.join(out_dir, "report.png")):
-        os.unlink(os.path.join(out_dir, "report.png"))  # an older run's chart would not match this report
-        log("eval: no matplotlib on this host (pip install matplotlib): report.txt instead of report.png")
+    write_report(rep, out_dir)
     rep["report"] = os.path.join(out_dir, "report.json")
     tps = rep["tokens_per_s"] or {}
     with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:

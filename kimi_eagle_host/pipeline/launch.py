@@ -18,7 +18,7 @@ process group, signals and exit code are the step's or torchrun's own.
   forces it (on CPU too: gloo workers, e.g. for tests).
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
-- A step that cannot use ranks runs as one process whatever is asked: extract with --backend vllm (vLLM
+- A step that cannot use ranks runs as one process whatever is asked: extract with --engine vllm (vLLM
   spreads over the GPUs itself). So does a step started inside a torchrun worker (RANK set): the outer
   torchrun already owns the ranks.
 
@@ -30,10 +30,9 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
-from kimi_eagle_host.gpus import find_nvidia_smi
+from kimi_eagle_host.gpus import query_gpus
 from kimi_eagle_host.model_size import stored_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
@@ -58,19 +57,9 @@ def visible_gpus(environ=None) -> list[int]:
 
 
 def _nvidia_smi_sizes() -> list[int]:
-    exe = find_nvidia_smi()
-    if not exe:
-        return []
-    try:
-        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
     sizes = []
-    for line in out.splitlines():
-        line = line.strip()
-        if line:
-            sizes.append(int(float(line)) * 2**20 if line.replace(".", "").isdigit() else 0)
+    for total, *_ in query_gpus("memory.total") or []:
+        sizes.append(int(float(total)) * 2**20 if total.replace(".", "").isdigit() else 0)
     return sizes
 
 
@@ -92,11 +81,12 @@ def replica_size(setting: str, gpus: list[int], model: str | None) -> int:
 
 
 def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
-    """The step's own --model and --backend (argparse rules: the last value wins), from its section of the job's
+    """The step's own --model and --engine (argparse rules: the last value wins), from its section of the job's
     settings.json (--settings) where not given as flags."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
-    p.add_argument("--backend")
+    p.add_argument("--engine")
+    p.add_argument("--backend", dest="engine")  # its old name (the step says so)
     p.add_argument("--settings")
     flags = p.parse_known_args(argv)[0]
     if flags.settings:
@@ -106,7 +96,7 @@ def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
         except (OSError, ValueError) as e:
             raise LaunchError(f"--settings {flags.settings}: {e}") from None
         flags.model = flags.model or section.get("model")
-        flags.backend = flags.backend or section.get("backend")
+        flags.engine = flags.engine or section.get("engine") or section.get("backend")  # a job rendered before
     return flags
 
 
@@ -129,8 +119,8 @@ def decide(a, environ=None) -> dict:
         set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
         gpus = gpus[:a.gpus]
     single_reason = None
-    if flags.backend == "vllm":
-        single_reason = "--backend vllm: vLLM spreads over the GPUs itself"
+    if flags.engine == "vllm":
+        single_reason = "--engine vllm: vLLM spreads over the GPUs itself"
     elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
         # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
         # ranks; starting another one here would nest process groups.

@@ -218,30 +218,11 @@ def replaced(out_dir):
     return f"starting clean in {out_dir}: replaces the prepared data of an earlier run ({before} samples)"
 
 
-def run(args):
-    import numpy as np
-
-    from kimi_eagle_host.data.data_sources import resolve
-
-    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
-    if args.seq_len <= 0:
-        raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
-    if args.shard_size <= 0:
-        raise BadInput(f"--shard-size must be positive, got {args.shard_size}")
-    out_dir = args.out or os.path.join(args.output_dir, "prepared")
-
-    # Pass 1, structure only (no transformers import, so a bad file fails in a fraction of a second).
-    # Nothing is written before both passes succeed: with --on-bad-row fail, the output dir is untouched.
-    rows, bad, dropped = [], [], 0
-
-    def bad_row(lineno, err):
-        msg = f"{args.dataset}:{lineno}: {err}"
-        if args.on_bad_row == "fail":
-            raise BadInput(msg + " (use --on-bad-row skip to skip such rows)")
-        log(f"[prepare] skipping {msg}")
-        bad.append({"line": lineno, "error": str(err)})
-
-    with open(args.dataset, "rb") as f:
+def read_rows(path: str, bad_row) -> list:
+    """(line number, messages) of each well-formed row of a chat JSONL file; `bad_row(lineno, error)` hears of the
+    others (and may raise)."""
+    rows = []
+    with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -257,6 +238,29 @@ def run(args):
                 rows.append((lineno, normalize_row(row)))
             except BadRow as e:
                 bad_row(lineno, e)
+    return rows
+
+
+def run(args):
+    import numpy as np
+
+    from kimi_eagle_host.data.data_sources import resolve
+
+    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
+    out_dir = args.out or os.path.join(args.output_dir, "prepared")
+
+    # Pass 1, structure only (no transformers import, so a bad file fails in a fraction of a second).
+    # Nothing is written before both passes succeed: with --on-bad-row fail, the output dir is untouched.
+    bad, dropped = [], 0
+
+    def bad_row(lineno, err):
+        msg = f"{args.dataset}:{lineno}: {err}"
+        if args.on_bad_row == "fail":
+            raise BadInput(msg + " (use --on-bad-row skip to skip such rows)")
+        log(f"[prepare] skipping {msg}")
+        bad.append({"line": lineno, "error": str(err)})
+
+    rows = read_rows(args.dataset, bad_row)
 
     from transformers import AutoTokenizer
 
