@@ -159,7 +159,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
         out.append(check("compat", "fail", f"backend vllm needs vllm and speculators; {lacking} not installed",
-                         f"install {lacking} on the host (see the compatibility table in preflight_checks.py), "
+                         f"install {lacking} on the host (see the compatibility table in kimi_eagle_host/ops/preflight.py), "
                          "or use --backend hf"))
         return out
     row = compat_row(spec_v, vllm_v)
@@ -296,7 +296,7 @@ def check_patch(args, ctx: dict) -> dict | None:
         detail += f"not applied to {', '.join(not_applied)}"
     if other:
         detail += ("; " if not_applied else "") + "; ".join(other)
-    fix = DEPLOY_FIX if not other else DEPLOY_FIX + " (other statuses: see `patch_engine.py --check` output)"
+    fix = DEPLOY_FIX if not other else DEPLOY_FIX + " (other statuses: see `kimi-eagle deploy-patch --check`)"
     return check("patch", "fail", detail, fix)
 
 
@@ -871,8 +871,12 @@ def model_source_checks(args) -> list[dict]:
     return [check("model", "pass", f"{args.model}: built by the job from {weights}")]
 
 
+# How the host runs this module (its name in usage and error lines).
+PROG = "python -m kimi_eagle_host.ops.preflight"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preflight_checks.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
                    default="all")
     p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
@@ -948,15 +952,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.layer_ids_parsed = layer_id_list(args.layer_ids)
     except ValueError:
-        print(f"preflight_checks.py: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
+        print(f"{PROG}: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
         return 2
     try:
         args.step_settings_parsed = parse_step_settings(args.step_settings, args.step)
     except ValueError as e:
-        print(f"preflight_checks.py: --step-settings: {e}", file=sys.stderr)
+        print(f"{PROG}: --step-settings: {e}", file=sys.stderr)
         return 2
     if args.tp_size < 1 or args.seq_len < 1:
-        print("preflight_checks.py: --tp-size and --seq-len must be >= 1", file=sys.stderr)
+        print(f"{PROG}: --tp-size and --seq-len must be >= 1", file=sys.stderr)
         return 2
     if args.runs_dir is None:
         args.runs_dir = default_runs_dir()
