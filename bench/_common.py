@@ -44,7 +44,7 @@ class Bench:
                 "-o", "StrictHostKeyChecking=yes", "-i", str(self.sshd.client_key), "-p", str(self.sshd.port), "root@127.0.0.1"]
 
     def host(self):
-        from kimi_eagle import inventory
+        from kimi_eagle.config import inventory
 
         return inventory.load(self.inventory).hosts["gpu"]
 

@@ -40,7 +40,7 @@ def main():
             "kimi-eagle hosts check gpu": timed(cli + ["hosts", "check", "gpu"], a.repeat, env),
         }
         # The library on one open connection: what each step of a command costs after connecting.
-        from kimi_eagle.host import HostSession
+        from kimi_eagle.hosts.session import HostSession
 
         with HostSession(b.host()) as s:
             s.transport.run("true")

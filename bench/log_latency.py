@@ -29,15 +29,15 @@ with open(path, "a", buffering=1) as f:
 
 
 def start_job(session, n, delay):
-    from kimi_eagle import jobs
+    from kimi_eagle.jobs import direct
 
-    return jobs.start(session, "exec", [sys.executable, "-c", WRITER, str(n), str(delay), "/dev/stdout"], gpu=False)
+    return direct.start(session, "exec", [sys.executable, "-c", WRITER, str(n), str(delay), "/dev/stdout"], gpu=False)
 
 
 def follow_kimi(b, n, delay):
-    """Latency per line and total time through kimi_eagle.logs.follow."""
-    from kimi_eagle import logs
-    from kimi_eagle.host import HostSession
+    """Latency per line and total time through kimi_eagle.jobs.log_stream.follow."""
+    from kimi_eagle.jobs import log_stream
+    from kimi_eagle.hosts.session import HostSession
 
     with HostSession(b.host()) as s:
         job = start_job(s, n, delay)
@@ -50,7 +50,7 @@ def follow_kimi(b, n, delay):
                 lat.append((now - float(parts[0])) * 1000)
                 arrivals.append(now)
 
-        logs.follow(b.host(), job.id, emit, session=s)
+        log_stream.follow(b.host(), job.id, emit, session=s)
         return lat, len(arrivals), arrivals[-1] - arrivals[0]
 
 

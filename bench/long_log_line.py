@@ -24,8 +24,8 @@ OLD_PROGRESS = re.compile(r"^(?P<desc>.*?):?\s*(?P<pct>\d{1,3})%(?:\s*Completed\
 def through_kimi(data: bytes) -> float:
     from rich.console import Console
 
-    from kimi_eagle.logs import LineSplitter
-    from kimi_eagle.logview import Printer
+    from kimi_eagle.jobs.log_stream import LineSplitter
+    from kimi_eagle.jobs.log_printer import Printer
 
     out = io.StringIO()
     splitter = LineSplitter(Printer("h", Console(file=out, force_terminal=False, width=200)))

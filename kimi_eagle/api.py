@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import interrupts
 from .errors import ConfigError, KimiEagleError
-from .parallel import HostOutcome, each_host
+from .hosts.parallel import HostOutcome, each_host
+from .jobs import interrupts
 
 # notify(text, style): progress worth telling a person (a preflight warning, a stale GPU holder stopped);
 # style is None, "yellow" or "red". The API itself never prints.
@@ -77,14 +77,14 @@ class Rendered:
 class Started:
     """A job started on one host. `session` stays open only when asked for (to follow the log on it)."""
     host: str
-    job: object                      # jobs.Job
+    job: object                      # job_info.Job
     session: object = None
 
 
 @dataclass
 class GroupStarted:
-    group_job: object                # groupjobs.GroupJob
-    outcomes: list                   # groupjobs.StartOutcome per host
+    group_job: object                # groups.GroupJob
+    outcomes: list                   # groups.StartOutcome per host
 
     @property
     def failed(self) -> bool:
@@ -93,9 +93,9 @@ class GroupStarted:
     @property
     def exit_code(self) -> int:
         """0 when every host started; 5 when every failed start was the connection's, else 1."""
-        from . import groupjobs
+        from .jobs import groups
 
-        return groupjobs.start_exit(self.outcomes)
+        return groups.start_exit(self.outcomes)
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Pulled:
 
 @dataclass
 class Followed:
-    job: object                      # jobs.Job, as it stands when the log ended (or now, without follow)
+    job: object                      # job_info.Job, as it stands when the log ended (or now, without follow)
     reconnects: int = 0
 
 
@@ -116,18 +116,18 @@ class Followed:
 class GroupStatus:
     group_job: object
     state: str
-    members: list                    # groupjobs.MemberState per host
+    members: list                    # groups.MemberState per host
 
     @property
     def exit_code(self) -> int:
-        from . import groupjobs
+        from .jobs import groups
 
-        return groupjobs.exit_code(self.state, self.members)
+        return groups.exit_code(self.state, self.members)
 
 
 @dataclass
 class JobList:
-    jobs: list                       # jobs.Job
+    jobs: list                       # job_info.Job
     errors: dict[str, KimiEagleError] = field(default_factory=dict)   # host -> why its jobs could not be listed
 
 
@@ -161,7 +161,7 @@ class Controller:
     @property
     def inventory(self):
         if self._inventory is None:
-            from . import inventory
+            from .config import inventory
 
             self._inventory = inventory.load(self._path)
         return self._inventory
@@ -175,21 +175,21 @@ class Controller:
 
     def check(self, target: str | None = None) -> list[HostOutcome]:
         """What each host has (Python, torch/CUDA, transformers, vllm, speculators, GPUs), probed in parallel."""
-        from . import hosts
+        from .hosts import probe
 
-        return hosts.check(self.inventory.select(target))
+        return probe.check(self.inventory.select(target))
 
     def offered_key(self, host: str) -> OfferedKey:
-        from . import hostkeys, hosts
+        from .hosts import hostkeys, trust
 
         h = self.inventory.one(host)
-        hostname, port, key = hosts.offered_key(h)
+        hostname, port, key = trust.offered_key(h)
         return OfferedKey(h.name, hostname, port, key, hostkeys.fingerprint(key))
 
     def trust(self, offered: OfferedKey, *, fingerprint: str | None = None, replace: str | None = None):
         """Record an offered key (hostkeys.Recorded: path, added, removed). With `fingerprint`, only that key;
         `replace` removes the recorded key it names (a changed key is refused otherwise)."""
-        from . import hosts
+        from .hosts import trust
 
         h = self.inventory.one(offered.host)
         if replace and not fingerprint:
@@ -197,21 +197,22 @@ class Controller:
         if fingerprint and fingerprint != offered.fingerprint:
             raise KimiEagleError(f"{h.name}: offered fingerprint {offered.fingerprint} does not match --fingerprint "
                                  f"{fingerprint}; nothing recorded")
-        return hosts.trust(h, offered.hostname, offered.port, offered.key, replace=replace)
+        return trust.trust(h, offered.hostname, offered.port, offered.key, replace=replace)
 
     # ------------------------------------------------------------------------------------------- files
     def render(self, what: str, step: str | None = None, host: str | None = None, extra: list[str] | None = None,
                out: str | Path | None = None) -> Rendered:
         """The files `what` would upload and run on `host`, without touching the network; written under `out`."""
-        from . import render as r, render_targets
+        from . import templating as r
+        from .operations import render
 
-        files = render_targets.files_for(what, step, self.inventory.one(host), list(extra or []))
+        files = render.files_for(what, step, self.inventory.one(host), list(extra or []))
         return Rendered(files, r.write(out, files) if out is not None else [])
 
     def upload(self, paths: list[str | Path], to: str, host: str | None = None,
                group: str | None = None) -> list[HostOutcome]:
         """Local files and folders to `to` on each host (HostOutcome values: sync.SyncReport)."""
-        from . import upload
+        from .operations import upload
 
         return upload.upload(self.inventory.select(host, group), [Path(p) for p in paths], to)
 
@@ -219,7 +220,7 @@ class Controller:
     def deploy_patch(self, host: str | None = None, group: str | None = None, patch_set: str = "auto",
                      mode: str = "apply") -> list[HostOutcome]:
         """mode: apply | check | diff | revert (HostOutcome values: deploy_patch.PatchResult)."""
-        from . import deploy_patch
+        from .operations import deploy_patch
 
         if mode not in ("apply", "check", "diff", "revert"):
             raise ConfigError(f"deploy-patch: unknown mode {mode!r} (choose from apply, check, diff, revert)")
@@ -228,8 +229,8 @@ class Controller:
     def preflight(self, step: str = "all", host: str | None = None, group: str | None = None,
                   extra: list[str] | None = None) -> list[HostOutcome]:
         """Every known failure of `step`, checked in seconds (HostOutcome values: preflight.PreflightResult)."""
-        from . import preflight
-        from .pipeline import STEPS
+        from .config.step_plan import STEPS
+        from .operations import preflight
 
         if step not in (*STEPS, "all"):
             raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all)")
@@ -242,7 +243,7 @@ class Controller:
         """Stop the GPU holders of each host (ours; every one with stop_all) and verify the memory is back
         (HostOutcome values: gpu_reset.ResetResult). `only_pids` {host: pids}: signal no process but these
         (what a person saw in a dry run and confirmed)."""
-        from . import gpu_reset
+        from .operations import gpu_reset
 
         gpu_reset.check_device_paths(device_paths or [])
         extra = [a for p in device_paths or [] for a in ("--device-path", p)]
@@ -259,19 +260,19 @@ class Controller:
     # -------------------------------------------------------------------------------------------- jobs
     def job_host(self, job_id: str, host: str | None = None):
         """The inventory host of a job: the one named, the one it was started on from here, or the only one."""
-        from . import jobs
+        from .jobs import job_info, local_index
 
-        jobs.check_job_id(job_id)
+        job_info.check_job_id(job_id)
         inv = self.inventory
         if host:
             return inv.one(host)
-        record = jobs.recorded(job_id)
+        record = local_index.recorded(job_id)
         if record:
             named = inv.hosts.get(record["host"])
-            if named is not None and (not record["where"] or jobs.host_identity(named) == record["where"]):
+            if named is not None and (not record["where"] or local_index.host_identity(named) == record["where"]):
                 return named
             # started here through another inventory (file) whose entry for the same machine has another name
-            same = [h for h in inv.hosts.values() if record["where"] and jobs.host_identity(h) == record["where"]]
+            same = [h for h in inv.hosts.values() if record["where"] and local_index.host_identity(h) == record["where"]]
             if len(same) == 1:
                 return same[0]
         if len(inv.hosts) == 1:
@@ -284,20 +285,20 @@ class Controller:
         """Start `step` (a pipeline step, `all`, or `exec` with the command in `extra`) as a detached job.
         The input is validated before any connection; then our stale GPU holders (reset_gpus), the scheduler and
         the step's preflight are checked on the host, and nothing starts if one fails."""
-        from . import backend, jobs
-        from .host import HostSession
-        from .render_targets import Offline
+        from .hosts.session import HostSession
+        from .hosts.transport.offline import Offline
+        from .jobs import job_info, scheduler
 
         extra = list(extra or [])
         h = self.inventory.one(host)
-        be = backend.for_host(h)
-        job_id = jobs.new_job_id(step)
+        sched = scheduler.for_host(h)
+        job_id = job_info.new_job_id(step)
         # Rendered once, before connecting: bad input is refused here, and this is what starts.
-        files = be.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
+        files = sched.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
         session = HostSession(h)
         try:
             self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu, notify=notify)
-            job = be.start(session, step, extra, gpu=gpu, job_id=job_id, files=files)
+            job = sched.start(session, step, extra, gpu=gpu, job_id=job_id, files=files)
         except BaseException:
             session.close()
             raise
@@ -310,23 +311,24 @@ class Controller:
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
                       notify: Notify) -> None:
         """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight."""
-        from . import backend
-        from .slurm import SlurmPreflightError
+        from .jobs import scheduler
+        from .jobs.slurm import SlurmPreflightError
 
         name = session.name
-        be = backend.for_host(session.host)
-        if reset_gpus and be.name == "direct":
-            from . import gpu_reset, jobs
+        sched = scheduler.for_host(session.host)
+        if reset_gpus and sched.name == "direct":
+            from .jobs import direct
+            from .operations import gpu_reset
 
             gpu_reset.reset_before_run(session, printer=lambda text: notify(f"[{name}] {text}", None),
-                                       wants_gpu=jobs.takes_gpu(step, gpu))
+                                       wants_gpu=direct.takes_gpu(step, gpu))
         if not preflight:
             return
-        problems = be.preflight(session, step)
+        problems = sched.preflight(session, step)
         if problems:
             raise SlurmPreflightError("; ".join(problems))
-        if step != "exec" and be.name == "direct":  # on Slurm the step runs on compute nodes, not on the login node
-            from . import preflight as pf
+        if step != "exec" and sched.name == "direct":  # on Slurm the step runs on compute nodes, not on the login node
+            from .operations import preflight as pf
 
             pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style))
 
@@ -335,28 +337,28 @@ class Controller:
                   notify: Notify = _quiet) -> GroupStarted:
         """`step` over the hosts of `group`: extraction shards (one job per host) or one multi-node torchrun job.
         Run again, it resumes: hosts whose part is done or running are left alone."""
-        from . import groupjobs
+        from .jobs import groups
 
-        g, outcomes = groupjobs.start(
+        g, outcomes = groups.start(
             self.inventory, group, step, list(extra or []), mode=mode, shard_by=shard_by, gpu=gpu,
             host_check=lambda s: self._before_start(s, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
                                                     notify=notify))
         return GroupStarted(g, outcomes)
 
     def is_group_job(self, job_id: str) -> bool:
-        from . import groupjobs
+        from .jobs import groups
 
-        return groupjobs.is_group_job(job_id)
+        return groups.is_group_job(job_id)
 
     def follow(self, job_id: str, printer_for, *, host: str | None = None, follow: bool = True,
                tail: int | None = None, on_reconnect=None, session=None) -> Followed:
         """A job's log, line by line, to printer_for(label)(stream, line); `follow` streams until the job ends and
         survives connection drops. KeyboardInterrupt leaves the job running."""
-        from . import backend
+        from .jobs import scheduler
 
         h = self.job_host(job_id, host)
         tail = _lines(tail)
-        result = backend.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
+        result = scheduler.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
                                             follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
         return Followed(result.job, result.reconnects)
 
@@ -364,59 +366,59 @@ class Controller:
                      on_reconnect=None, hosts=None) -> tuple[GroupStatus, dict]:
         """Every member's log, prefixed by host; returns the group's status after, and {host: error} of the logs
         that could not be read."""
-        from . import groupjobs
+        from .jobs import groups
 
         g = self.group_job(group_job)
-        results = groupjobs.follow(self.inventory, g, printer_for, follow=follow, tail=_lines(tail), on_reconnect=on_reconnect,
+        results = groups.follow(self.inventory, g, printer_for, follow=follow, tail=_lines(tail), on_reconnect=on_reconnect,
                                    hosts=hosts)
         errors = {h: r for h, r in results.items() if isinstance(r, Exception)}
         return self.group_status(g), errors
 
     def group_job(self, group_job):
-        """The group job record (groupjobs.GroupJob) of an id; a record is returned as it is."""
-        from . import groupjobs
+        """The group job record (groups.GroupJob) of an id; a record is returned as it is."""
+        from .jobs import groups
 
-        return groupjobs.GroupJob.load(group_job) if isinstance(group_job, str) else group_job
+        return groups.GroupJob.load(group_job) if isinstance(group_job, str) else group_job
 
     def group_status(self, group_job) -> GroupStatus:
-        from . import groupjobs
+        from .jobs import groups
 
         g = self.group_job(group_job)
-        state, rows = groupjobs.status(self.inventory, g)
+        state, rows = groups.status(self.inventory, g)
         return GroupStatus(g, state, rows)
 
     def status(self, job_id: str | None = None, host: str | None = None) -> JobList:
         """Jobs with their state, runtime and exit code: one job (an unknown one is bad input), or every job of
         the host, group or inventory."""
-        from . import backend
-        from .host import HostSession
+        from .hosts.session import HostSession
+        from .jobs import scheduler
 
         if job_id is not None:
             h = self.job_host(job_id, host)
             with HostSession(h) as session:
-                return JobList(backend.for_host(h).status(session, job_id))
-        outcomes = each_host(self.inventory.select(host), lambda s: backend.for_host(s.host).status(s, job_id))
+                return JobList(scheduler.for_host(h).status(session, job_id))
+        outcomes = each_host(self.inventory.select(host), lambda s: scheduler.for_host(s.host).status(s, job_id))
         return JobList([j for o in outcomes if o.ok for j in o.value],
                        {o.host: o.error for o in outcomes if not o.ok})
 
     def stop(self, job_id: str, host: str | None = None, grace: float = 10.0) -> Stopped:
         """SIGTERM to the job's whole process group (Slurm: scancel --signal=TERM), SIGKILL after `grace`."""
-        from . import backend, jobs
-        from .host import HostSession
+        from .hosts.session import HostSession
+        from .jobs import job_info, scheduler
 
-        jobs.check_grace(grace)
+        job_info.check_grace(grace)
         h = self.job_host(job_id, host)
         with HostSession(h) as session:
-            return Stopped(h.name, job_id, backend.for_host(h).stop(session, job_id, grace))
+            return Stopped(h.name, job_id, scheduler.for_host(h).stop(session, job_id, grace))
 
     def stop_group(self, group_job, grace: float = 10.0) -> list[HostOutcome]:
         """Every member's job, in parallel (HostOutcome values: Stopped)."""
-        from . import groupjobs, jobs
+        from .jobs import groups, job_info
 
-        jobs.check_grace(grace)
+        job_info.check_grace(grace)
         g = self.group_job(group_job)
         members = {m.host: m.job_id for m in g.members}
-        outcomes = groupjobs.stop(self.inventory, g, grace)
+        outcomes = groups.stop(self.inventory, g, grace)
         return [HostOutcome(o.host, Stopped(o.host, members[o.host], o.value) if o.ok else None, o.error)
                 for o in outcomes]
 
@@ -427,35 +429,36 @@ class Controller:
              to: str | Path | None = None) -> Pulled:
         """Copy a run's export, reports, recorded settings and versions, tensorboard events and job logs to `to`
         (default ./pulled/JOB or ./pulled/HOST/DIRNAME): sha256-verified, unchanged files skipped."""
-        from . import local_dest, runs
-        from .host import HostSession
+        from .hosts import local_dest
+        from .hosts.session import HostSession
+        from .operations import pull, runs
 
         h = self._run_host(job_id, host)
         with HostSession(h) as session:
             run = runs.locate(session, job_id, run_dir)
             dest = Path(to) if to else (Path("pulled") / job_id if job_id else Path("pulled") / h.name / Path(run.path).name)
             local_dest.prepare_folder(dest, "--to" if to else "pull into")
-            return Pulled(h.name, run, dest, runs.pull(session, run, dest))
+            return Pulled(h.name, run, dest, pull.pull(session, run, dest))
 
     def clean(self, job_id: str | None = None, host: str | None = None, run_dir: str | None = None, *,
               dry_run: bool = False, confirm=None):
-        """Remove a run's hidden states and checkpoints (runs.CleanResult); `confirm(result)` is asked with the sizes
+        """Remove a run's hidden states and checkpoints (clean.CleanResult); `confirm(result)` is asked with the sizes
         first. Refused while a job using the folder runs; the last check and the removal are atomic on the host."""
-        from . import runs
-        from .host import HostSession
+        from .hosts.session import HostSession
+        from .operations import clean, runs
 
         h = self._run_host(job_id, host)
         with HostSession(h) as session:
-            return runs.clean(session, runs.locate(session, job_id, run_dir), dry_run=dry_run, confirm=confirm)
+            return clean.clean(session, runs.locate(session, job_id, run_dir), dry_run=dry_run, confirm=confirm)
 
     def export(self, host: str, step: str, session=None, job_id: str | None = None):
-        """Where a finished pipeline's draft is and what to run next (results.Export), or None. With the job's id,
+        """Where a finished pipeline's draft is and what to run next (draft_export.Export), or None. With the job's id,
         the serving hint uses the settings that job recorded."""
-        from . import results
-        from .host import HostSession
+        from .hosts.session import HostSession
+        from .operations import draft_export
 
         s = session or HostSession(self.inventory.one(host))  # a closed session reconnects on use
         try:
-            return results.describe_export(s, step, job_id)
+            return draft_export.describe_export(s, step, job_id)
         finally:
             s.close()

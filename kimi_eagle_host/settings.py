@@ -1,7 +1,7 @@
 """Every setting of the pipeline, declared once: name, type, default, range or choices, one-line doc, and which
 steps read it (under which flag).
 
-Everything else is derived from this table: the inventory's `pipeline:` section and recipes (kimi_eagle/inventory.py,
+Everything else is derived from this table: the inventory's `pipeline:` section and recipes (kimi_eagle/config/inventory.py,
 recipe.py), `KEY=VALUE` and `steps.<step>.KEY=VALUE` overrides, the flags a person types after `--`, each job's
 `settings.json` (one section per step), the steps' argparse (`build_parser`) and the settings table of
 docs/CONTRACTS.md (`markdown_table`). A value is checked by one function, `check`, so it is refused with the same
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
-# Readers that are not steps: preflight checks a job's settings on the host before it starts (ops/preflight_checks.py).
+# Readers that are not steps: preflight checks a job's settings on the host before it starts (ops/preflight.py).
 READERS = (*STEPS, "preflight")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "none", "auto")
 # Highest training-time-test depth train.py supports: EAGLE-3's (pipeline/train.py refuses more).

@@ -72,7 +72,7 @@ class _Counted:
         pass
 
 
-# The machine-readable progress line `kimi-eagle logs` turns into a bar (kimi_eagle/logview.py parses it):
+# The machine-readable progress line `kimi-eagle logs` turns into a bar (kimi_eagle/jobs/log_printer.py parses it):
 #   @kimi-eagle-progress {"step": "train", "done": 40, "total": 100, "loss": 2.31, "acc": 0.41, "tok_s": 5400}
 PROGRESS_MARK = "@kimi-eagle-progress "
 

@@ -46,7 +46,7 @@ FILES = {
     "test_kimi_vllm.py": E2E,
     "test_layout.py": UNIT,
     "test_levels.py": UNIT,
-    "test_logview.py": UNIT,
+    "test_log_printer.py": UNIT,
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
     "test_packaging.py": INTEGRATION,

@@ -52,8 +52,8 @@ def test_concurrent_apply_and_revert_each_do_what_they_were_asked(tmp_path, sshd
 
 
 def test_payload_wrappers_carry_no_flags_and_are_named_by_content(env):
-    from kimi_eagle import inventory
-    from kimi_eagle.host import BIN, HostSession
+    from kimi_eagle.config import inventory
+    from kimi_eagle.hosts.session import BIN, HostSession
 
     h = inventory.load(env.inventory).hosts["gpu"]
     with HostSession(h) as s:

@@ -207,7 +207,8 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
 
 def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypatch, capsys):
     """Should the host's engine refuse the set (exit 2, no JSON), the CLI exits 2 with its one line."""
-    from kimi_eagle import cli, deploy_patch
+    from kimi_eagle import cli
+    from kimi_eagle.operations import deploy_patch
     from kimi_eagle.cli.context import state
 
     inv = tmp_path / "inventory.yaml"

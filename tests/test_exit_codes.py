@@ -129,8 +129,8 @@ def test_a_connection_lost_during_pull_is_exit_5_and_leaves_no_partial_file(tmp_
 def test_an_openssh_upload_refused_at_its_start_is_the_connections_failure(tmp_path):
     """Large files go through the OpenSSH client: its exit 255 for a refused connection is exit 5, not 1."""
     from kimi_eagle.errors import failure_exit
-    from kimi_eagle.inventory import load
-    from kimi_eagle.transport.ssh import SSHTransport
+    from kimi_eagle.config.inventory import load
+    from kimi_eagle.hosts.transport.ssh import SSHTransport
 
     e = make_env(tmp_path, None)
     e.write_inventory(f"""hosts:

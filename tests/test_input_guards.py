@@ -96,8 +96,8 @@ def test_a_host_named_like_an_option_is_refused(tmp_path):
 
 def test_openssh_gets_the_address_after_the_end_of_options(tmp_path):
     """Even an address that slipped past validation is a destination to ssh, never an option."""
-    from kimi_eagle.inventory import Host, Pipeline
-    from kimi_eagle.transport.ssh import SSHTransport
+    from kimi_eagle.config.inventory import Host, Pipeline
+    from kimi_eagle.hosts.transport.ssh import SSHTransport
 
     marker = tmp_path / "pwned"
     host = Host(name="h", address=f"-oProxyCommand=touch {marker}", port=None, user=None, identity_file=None,

@@ -158,7 +158,7 @@ def test_unknown_host_name(tmp_path):
 def test_example_inventory_is_valid():
     from pathlib import Path
 
-    from kimi_eagle import inventory
+    from kimi_eagle.config import inventory
 
     inv = inventory.load(Path(__file__).resolve().parents[1] / "inventory.example.yaml")
     assert {"blackwell-01", "local"} <= set(inv.hosts)
@@ -167,7 +167,7 @@ def test_example_inventory_is_valid():
 
 
 def test_embedded_default_has_a_local_host(tmp_path, monkeypatch):
-    from kimi_eagle import inventory
+    from kimi_eagle.config import inventory
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KIMI_EAGLE_INVENTORY", raising=False)

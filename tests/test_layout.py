@@ -23,7 +23,8 @@ def imports_of(path: Path, package: str) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module
-            out.add(mod)
+            if node.module or not node.level:  # `from . import x` imports the module x, not its package's code
+                out.add(mod)
             out |= {f"{mod}.{a.name}" for a in node.names}
     return out
 
@@ -130,3 +131,57 @@ def test_no_host_function_is_over_100_lines():
                 if where not in LONG_ALLOWED:
                     long.append(f"{where[0]}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, f"host functions over 100 lines: {long}"
+
+
+CONTROLLER = REPO / "kimi_eagle"
+# The controller's wings, each importing only the ones before it (and the shared modules at the top level):
+# a host and what runs on it never depend on how jobs or operations use them.
+WINGS = ("hosts", "config", "jobs", "operations")
+
+
+def controller_imports() -> dict[str, set[str]]:
+    """{module: the controller modules it imports (at any depth of the code: lazy imports count)}."""
+    modules = {}
+    for path in CONTROLLER.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = (path, name if path.name == "__init__.py" else name.rsplit(".", 1)[0])
+    graph = {}
+    for name, (path, package) in modules.items():
+        found = set()
+        for n in imports_of(path, package):
+            while n not in modules and "." in n:  # `from .x import name`: the module x
+                n = n.rsplit(".", 1)[0]
+            if n in modules and n != name:
+                found.add(n)
+        graph[name] = found
+    return graph
+
+
+def test_the_controller_has_no_import_circle():
+    graph = controller_imports()
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_a_wing_imports_only_the_wings_before_it():
+    def wing(m):
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 and parts[1] in WINGS else None
+
+    wrong = sorted(f"{a} imports {b}" for a, deps in controller_imports().items() for b in deps
+                   if wing(a) and wing(b) and WINGS.index(wing(b)) > WINGS.index(wing(a)))
+    assert not wrong, wrong

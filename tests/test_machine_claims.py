@@ -193,8 +193,8 @@ def test_a_job_started_through_another_inventory_file_is_found_by_this_one(tmp_p
 
 def test_jobs_started_from_several_terminals_at_once_all_stay_recorded(tmp_path):
     """Real concurrent processes recording jobs in this machine's index (jobs.json): none is lost."""
-    code = ("import sys\nfrom kimi_eagle import jobs\n"
-            "for i in range(25):\n    jobs.remember(f'{sys.argv[1]}-{i}', 'gpu')\n")
+    code = ("import sys\nfrom kimi_eagle.jobs import local_index\n"
+            "for i in range(25):\n    local_index.remember(f'{sys.argv[1]}-{i}', 'gpu')\n")
     cli_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([PY, "-c", code, f"t{n}"], env=cli_env) for n in range(6)]
     assert all(p.wait(timeout=120) == 0 for p in procs)

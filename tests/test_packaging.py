@@ -34,7 +34,7 @@ def test_wheel_works_from_any_directory(tmp_path):
     for needed in ("kimi_eagle/_data/templates/job.sh.j2", "kimi_eagle_host/__init__.py",
                    "kimi_eagle_host/pipeline/extract.py", "kimi_eagle_host/engine/vllm_hs_connector.py",
                    "kimi_eagle_host/patch_sets/speculators-0.3.0-vllm-0.16.json",
-                   "kimi_eagle_host/sample_data/chat.jsonl", "kimi_eagle/default_inventory.yaml",
+                   "kimi_eagle_host/sample_data/chat.jsonl", "kimi_eagle/config/default_inventory.yaml",
                    "kimi_eagle_host/settings.py"):
         assert needed in names, needed
     assert not [n for n in names if "remote_payloads" in n], names  # the folder of scripts it replaced

@@ -105,8 +105,8 @@ def test_a_real_regenerate_shows_tokens_per_second_in_its_bar_and_its_lines(tmp_
 def test_a_steps_own_line_replaces_its_tqdm_bar():
     from rich.console import Console
 
-    from kimi_eagle.logs import LineSplitter
-    from kimi_eagle.logview import Printer
+    from kimi_eagle.jobs.log_stream import LineSplitter
+    from kimi_eagle.jobs.log_printer import Printer
 
     out = io.StringIO()
     s = LineSplitter(Printer("h", Console(file=out, force_terminal=False, width=200)))

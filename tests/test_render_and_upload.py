@@ -37,7 +37,7 @@ def test_every_template_interpolation_goes_through_a_quoting_filter():
     import jinja2
     from jinja2 import nodes
 
-    from kimi_eagle.render import environment
+    from kimi_eagle.templating import environment
 
     allowed = {"sh", "sh_path", "sh_join", "sh_name", "comment", "sbatch"}  # `comment` only in comments: test_template_safety.py
     env = environment()
@@ -57,10 +57,10 @@ def test_every_template_interpolation_goes_through_a_quoting_filter():
 def test_unquoted_value_is_refused_at_render_time(tmp_path):
     import jinja2
 
-    from kimi_eagle import render
+    from kimi_eagle import templating
     from kimi_eagle.errors import ConfigError
 
-    env = render.environment().overlay(loader=jinja2.DictLoader({"bad.sh.j2": "echo {{ value }}\n"}))
+    env = templating.environment().overlay(loader=jinja2.DictLoader({"bad.sh.j2": "echo {{ value }}\n"}))
     with pytest.raises(ConfigError, match="without a quoting filter"):
         env.get_template("bad.sh.j2").render(value="x; rm -rf /")
 
@@ -76,8 +76,10 @@ def test_nul_byte_is_refused():
 @pytest.mark.parametrize("host", ["gpu", "local"])
 def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
     """Values in argv and env pass through a rendered script run on the host unchanged."""
-    from kimi_eagle import inventory, render, sync
-    from kimi_eagle.host import HostSession
+    from kimi_eagle.config import inventory
+    from kimi_eagle import templating
+    from kimi_eagle.hosts import sync
+    from kimi_eagle.hosts.session import HostSession
 
     inv = inventory.load(env.inventory)
     h = inv.hosts[host]
@@ -94,8 +96,8 @@ def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
         files = s.render_payload("echo", "echo", HOSTILE)
         s.upload_scripts(files)
         # Both ways in: the wrapper with the flags at run time (what run_payload does), and the rendered call.
-        res = s.transport.run(f"bash {render.sh_join([s.path(s.payload_wrapper('echo', 'echo')[0]), *HOSTILE])}", check=True)
-        via_call = s.transport.run(f"bash {render.quote(s.path('.kimi-eagle/bin/echo.sh'))}", check=True)
+        res = s.transport.run(f"bash {templating.sh_join([s.path(s.payload_wrapper('echo', 'echo')[0]), *HOSTILE])}", check=True)
+        via_call = s.transport.run(f"bash {templating.quote(s.path('.kimi-eagle/bin/echo.sh'))}", check=True)
     assert via_call.stdout == res.stdout
     got = json.loads(res.stdout)
     assert got["argv"] == HOSTILE

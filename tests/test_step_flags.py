@@ -145,7 +145,7 @@ def test_extract_and_preflight_call_the_engine_engine(tmp_path, flag):
     assert report["engine"] == "vllm" and "backend" not in report, report
     notes = [ln for ln in r.stderr.splitlines() if "--backend" in ln]
     assert notes == ([] if flag == "--engine" else
-                     ["preflight_checks.py: --backend is now --engine (the old name still works)"]), r.stderr
+                     ["python -m kimi_eagle_host.ops.preflight: --backend is now --engine (the old name still works)"]), r.stderr
     from kimi_eagle_host.settings import build_parser
 
     assert build_parser("extract").parse_args(["--model", "m", flag, "vllm"]).engine == "vllm"

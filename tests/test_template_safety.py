@@ -22,7 +22,7 @@ EVIL_NAMES = ["evil\ntouch {marker}\n", "evil\rtouch {marker}", "e\u2028touch {m
 
 def _interpolations(source: str):
     """(lineno, last filter or None, in a comment?) for each {{ }}; in a comment when its line, up to it, is one."""
-    from kimi_eagle.render import environment
+    from kimi_eagle.templating import environment
 
     env = environment()
     line_text, out, in_var, filters, prev = "", [], False, [], None
@@ -67,7 +67,7 @@ def test_scanner_catches_a_shell_quoted_value_in_a_comment():
 
 
 def test_comment_filter_keeps_every_value_on_one_line():
-    from kimi_eagle.render import comment
+    from kimi_eagle.templating import comment
 
     for name in EVIL_NAMES:
         text = str(comment(name.format(marker="/tmp/x")))
@@ -75,7 +75,7 @@ def test_comment_filter_keeps_every_value_on_one_line():
 
 
 def _host(tmp_path, name):
-    from kimi_eagle.inventory import Host, Pipeline
+    from kimi_eagle.config.inventory import Host, Pipeline
 
     return Host(name=name, address="127.0.0.1", port=None, user=None, identity_file=None, python=sys.executable,
                 workdir=str(tmp_path / "w"), env={}, transport="local", known_hosts=None, connect_timeout=5,
@@ -85,14 +85,14 @@ def _host(tmp_path, name):
 @pytest.mark.parametrize("evil", EVIL_NAMES)
 def test_a_host_name_with_a_newline_runs_nothing(tmp_path, evil):
     """Even past the inventory's own check (a Host built by a library caller), rendered scripts run nothing extra."""
-    from kimi_eagle import jobs
-    from kimi_eagle.host import HostSession
-    from kimi_eagle.render_targets import Offline
+    from kimi_eagle.jobs import direct
+    from kimi_eagle.hosts.session import HostSession
+    from kimi_eagle.hosts.transport.offline import Offline
 
     marker = tmp_path / "PWNED"
     h = _host(tmp_path, evil.format(marker=marker))
     session = HostSession(h, transport=Offline(h))
-    scripts = [*session.render_payload("probe", "ops.probe", ["x"]).values(), jobs.render_job(session, "exec", ["true"])[1]]
+    scripts = [*session.render_payload("probe", "ops.probe", ["x"]).values(), direct.render_job(session, "exec", ["true"])[1]]
     for text in scripts:
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
         # Only the comment lines: running the whole job would start work; the lines before `set` are the header.

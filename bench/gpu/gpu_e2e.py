@@ -167,8 +167,8 @@ def main():
     LOG.write(f"\n$ kimi-eagle logs {job['id']} --follow   # exit {follower.returncode}\n{fout}{ferr}")
     # Every log line exactly once: what the follower printed vs the log file split the same way
     # (progress-bar redraws excluded on both sides; the follower prints a finished bar as "k/n done").
-    from kimi_eagle.logs import LineSplitter
-    from kimi_eagle.logview import parse_progress
+    from kimi_eagle.jobs.log_stream import LineSplitter
+    from kimi_eagle.jobs.log_printer import parse_progress
 
     events = []
     splitter = LineSplitter(lambda kind, text: events.append((kind, text)))

@@ -5,7 +5,7 @@ another world size, and `stop` of a torchrun job leaving no process and no GPU m
 
 Everything goes through the same entry points a job uses: pipeline/launch.py decides one process or torchrun
 workers from the visible GPUs (CUDA_VISIBLE_DEVICES picks 1 or 2), the steps are the payloads themselves, and
-the stop phase renders the real job script (kimi_eagle.jobs.render_job, jinja2 only) and drives the host-side job
+the stop phase renders the real job script (kimi_eagle.jobs.direct.render_job, jinja2 only) and drives the host-side job
 control (ops/jobctl.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
 
 Writes $OUT/gpu_scaling.json after every phase (a timeout still leaves the phases done) and $OUT/gpu_scaling.log.
@@ -260,28 +260,28 @@ class Unset(SimpleNamespace):
 
 def render_train_job(host_dir: Path, d: Path, job_id: str):
     """(host, job script path relative to host_dir, its text): the job `kimi-eagle run train` would start."""
-    from kimi_eagle import jobs
+    from kimi_eagle.jobs import direct
 
     pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), engine="hf", seq_len=S["SEQ"],
                  batch_size=S["TBATCH"], tp_size=1, draft_vocab_size=S["DRAFT_VOCAB"], epochs=1000, lr=1e-4,
                  ttt_steps=3, nproc_per_node=2 if CPU_REHEARSAL else None, steps={}, report_to="none")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     host = Unset(name="gpu-scaling", workdir=str(host_dir), env=env, python=PY, pipeline=pipe)
-    rel, text = jobs.render_job(Unset(host=host), "train",
+    rel, text = direct.render_job(Unset(host=host), "train",
                                 ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"], job_id)
     return host, rel, text
 
 
 def stop_phase() -> dict:
     """A detached torchrun training job, stopped as `kimi-eagle stop` stops it, on the host side."""
-    from kimi_eagle import jobs
+    from kimi_eagle.jobs import job_info
 
     host_dir = WORK / "jobhost"
     shutil.rmtree(host_dir, ignore_errors=True)
     (host_dir / ".kimi-eagle").mkdir(parents=True)
     shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads" / "kimi_eagle_host", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
-    job_id = jobs.new_job_id("train")
+    job_id = job_info.new_job_id("train")
     host, rel, text = render_train_job(host_dir, d, job_id)
     (host_dir / rel).parent.mkdir(parents=True)
     (host_dir / rel).write_text(text)

@@ -10,9 +10,9 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
 from . import deploy_patch_cmd, files_cmd, gpu_reset_cmd, hosts_cmd, jobs_cmd, preflight_cmd, runs_cmd
 from .context import console_ui, state
-from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
 
 app = typer.Typer(
     name="kimi-eagle",

@@ -17,7 +17,7 @@ class State:
     @property
     def inventory(self):
         if self._inventory is None:
-            from .. import inventory, recipe
+            from ..config import inventory, recipe
 
             found = inventory.load(self.inventory_path)
             loaded = recipe.load(self.recipe_path, self.overrides)
@@ -67,6 +67,6 @@ RECIPE_HELP = "Recipe file (YAML): the run's settings over the inventory's pipel
 
 def console_ui():
     """The printing module, imported on first use so that `--help` stays fast."""
-    from .. import ui
+    from . import ui
 
     return ui

@@ -6,9 +6,9 @@ from typing import Optional
 
 import typer
 
-from ..parallel import failure_exit
-from .context import console_ui, state
 from ..errors import EXIT_OK, EXIT_USAGE, ConfigError
+from ..hosts.parallel import failure_exit
+from .context import console_ui, state
 
 
 def deploy_patch(
@@ -26,7 +26,7 @@ def deploy_patch(
     patch (vLLM >= 0.18 extracts natively: "skipped, nothing to patch"); 1 otherwise
     (a failed or skipped file, an unsupported version, an unreachable host); 2 for bad usage or an unknown set.
     """
-    from .. import deploy_patch
+    from ..operations import deploy_patch
 
     if revert and (check or diff):
         raise ConfigError("--revert cannot be combined with --check/--diff")

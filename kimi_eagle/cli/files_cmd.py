@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ..parallel import failure_exit
+from ..hosts.parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 def render(

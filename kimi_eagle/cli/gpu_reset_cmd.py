@@ -7,9 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from ..parallel import failure_exit
-from .context import console_ui, state
 from ..errors import EXIT_FAILED, EXIT_USAGE, ConfigError
+from ..hosts.parallel import failure_exit
+from .context import console_ui, state
 
 
 def gpu_reset(

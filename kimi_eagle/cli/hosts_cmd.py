@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_FAILED, ConfigError, HostUnreachable
-from ..parallel import failure_exit
+from ..hosts.parallel import failure_exit
 from .context import console_ui, state
 
 app = typer.Typer(help="List, check and trust hosts.", invoke_without_command=True, no_args_is_help=False)

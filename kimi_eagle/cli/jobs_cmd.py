@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .. import interrupts
 from ..errors import EXIT_RUNNING, ConfigError
-from ..parallel import failure_exit
+from ..hosts.parallel import failure_exit
+from ..jobs import interrupts
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 
@@ -17,13 +17,13 @@ class _Printers:
     """One log printer per label (host, or host:task for Slurm array tasks), closed together."""
 
     def __init__(self, ui):
-        from .. import logview
+        from ..jobs import log_printer
 
-        self.ui, self.logview, self.printers = ui, logview, {}
+        self.ui, self.log_printer, self.printers = ui, log_printer, {}
 
     def __call__(self, label: str):
         if label not in self.printers:
-            self.printers[label] = self.logview.Printer(label, self.ui.console(), as_json=state.json)
+            self.printers[label] = self.log_printer.Printer(label, self.ui.console(), as_json=state.json)
         return self.printers[label]
 
     def close(self):
@@ -32,7 +32,7 @@ class _Printers:
 
 
 def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Optional[int], session=None):
-    from .. import jobs
+    from ..jobs import job_info
 
     name = state.api.job_host(job_id, host).name
     ui = console_ui()
@@ -56,7 +56,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
         _final_line(ui, name, job)
         if follow and job.state == "succeeded":
             _show_result(name, job, session)
-    raise typer.Exit(jobs.STATE_EXIT[job.state])
+    raise typer.Exit(job_info.STATE_EXIT[job.state])
 
 
 def _show_result(host: str, job, session) -> None:
@@ -223,8 +223,8 @@ def status(
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host or group (default: every host)."),
 ):
     """List jobs with id, step, host, state, runtime and exit code (a group job: one row per host)."""
-    from .. import jobs
     from ..errors import failure_exit as exit_for_errors
+    from ..jobs import job_info
 
     ui = console_ui()
     if job_id is not None and state.api.is_group_job(job_id):
@@ -254,7 +254,7 @@ def status(
             if j.headline:
                 ui.line(f"{j.id}: {j.headline}")
     if job_id and all_jobs:
-        raise typer.Exit(jobs.STATE_EXIT[all_jobs[0].state])
+        raise typer.Exit(job_info.STATE_EXIT[all_jobs[0].state])
     if listed.errors:
         raise typer.Exit(exit_for_errors(listed.errors.values()))
 

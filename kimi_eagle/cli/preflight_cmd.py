@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ..parallel import failure_exit
+from ..hosts.parallel import failure_exit
 from .context import RECIPE_HELP, console_ui, split_extra, state
 
 ICON = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}

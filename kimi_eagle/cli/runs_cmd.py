@@ -22,7 +22,7 @@ def pull(
 ):
     """Copy a run's draft export, eval report, recorded settings and versions, tensorboard events and job logs
     here: sha256-verified, files already here unchanged are skipped."""
-    from .. import runs
+    from ..operations import runs
 
     _job_or_run("pull", job_id, run_dir)
     pulled = state.api.pull(job_id, host, run_dir, to)
@@ -54,7 +54,7 @@ def clean(
     """Remove a run's bulky intermediates on the host (hidden states, checkpoints), after showing their size.
 
     The export, reports and logs stay. Refused while a job that uses the folder runs."""
-    from .. import runs
+    from ..operations import runs
 
     _job_or_run("clean", job_id, run_dir)
     ui = console_ui()

@@ -59,7 +59,7 @@ STATE_DIR_NAME = ".kimi-eagle-pristine"
 
 
 def log(msg: str) -> None:
-    _log(msg, "patch_engine")
+    _log(msg, "deploy_patch")
 
 
 def sha256(data: bytes) -> str:
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
         finally:
             release_lock()
     except BadInput as exc:
-        print(f"patch_engine: {exc}", file=sys.stderr)
+        print(f"deploy_patch: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2))
     return code

@@ -240,7 +240,7 @@ def cmd_start(a):
     run_dir = os.path.join(runs, a.job_id)
     script = os.path.join(run_dir, "job.sh")
     if not os.path.isfile(script):
-        print(f"jobctl: {script}: job script missing", file=sys.stderr)
+        print(f"ops.jobs: {script}: job script missing", file=sys.stderr)
         return 2
     # This workdir's lock, then the machine's (ops/clean.py takes them in the same order): no job of any workdir
     # starts between another caller's look at the claims and what it does about them.

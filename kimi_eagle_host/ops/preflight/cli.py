@@ -36,8 +36,12 @@ def default_runs_dir() -> str | None:
     return host_runs_dir()
 
 
+# How the host runs this module (its name in usage and error lines).
+PROG = "python -m kimi_eagle_host.ops.preflight"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preflight_checks.py", description="Pre-flight checks for a pipeline step host side.")
+    p = argparse.ArgumentParser(prog=PROG, description="Pre-flight checks for a pipeline step host side.")
     p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
                    default="all")
     p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
@@ -115,15 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.layer_ids_parsed = layer_id_list(args.layer_ids)
     except ValueError:
-        print(f"preflight_checks.py: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
+        print(f"{PROG}: --layer-ids: not a comma list of integers: {args.layer_ids!r}", file=sys.stderr)
         return 2
     try:
         args.step_settings_parsed = parse_step_settings(args.step_settings, args.step)
     except ValueError as e:
-        print(f"preflight_checks.py: --step-settings: {e}", file=sys.stderr)
+        print(f"{PROG}: --step-settings: {e}", file=sys.stderr)
         return 2
     if args.tp_size < 1 or args.seq_len < 1:
-        print("preflight_checks.py: --tp-size and --seq-len must be >= 1", file=sys.stderr)
+        print(f"{PROG}: --tp-size and --seq-len must be >= 1", file=sys.stderr)
         return 2
     if args.runs_dir is None:
         args.runs_dir = default_runs_dir()

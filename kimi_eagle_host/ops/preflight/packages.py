@@ -116,7 +116,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
     if not vllm_v or not spec_v:
         lacking = " and ".join(n for n, v in (("vllm", vllm_v), ("speculators", spec_v)) if not v)
         out.append(check("compat", "fail", f"engine vllm needs vllm and speculators; {lacking} not installed",
-                         f"install {lacking} on the host (see the compatibility table in preflight_checks.py), "
+                         f"install {lacking} on the host (see the compatibility table in kimi_eagle_host/ops/preflight/packages.py), "
                          "or use --engine hf"))
         return out
     row = compat_row(spec_v, vllm_v)
@@ -197,7 +197,7 @@ def check_patch(args, ctx: dict) -> dict | None:
         detail += f"not applied to {', '.join(not_applied)}"
     if other:
         detail += ("; " if not_applied else "") + "; ".join(other)
-    fix = DEPLOY_FIX if not other else DEPLOY_FIX + " (other statuses: see `patch_engine.py --check` output)"
+    fix = DEPLOY_FIX if not other else DEPLOY_FIX + " (other statuses: see `kimi-eagle deploy-patch --check`)"
     return check("patch", "fail", detail, fix)
 
 

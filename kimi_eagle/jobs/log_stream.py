@@ -1,0 +1,158 @@
+"""Following a job's log: one `tail -F` channel, a client-side byte offset, reconnect with backoff.
+
+The byte offset counts what was received, so a resumed stream starts exactly where the last one
+stopped: no line lost, none repeated. Decoding is incremental, so a character split across reads
+stays intact.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ConnectionFailed, HostError, KimiEagleError
+from ..hosts.session import HostSession
+from ..shell import join
+from . import direct, job_info
+
+
+_BREAK = re.compile(r"\r\n|\n|\r")
+
+
+class LineSplitter:
+    """Bytes in; complete lines ('line') and carriage-return updates ('progress') out."""
+
+    def __init__(self, emit: Callable[[str, str], None]):
+        self.emit = emit
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending: list[str] = []  # text after the last break; joined only when a break arrives
+
+    def feed(self, data: bytes) -> None:
+        text = self.decoder.decode(data)
+        if "\n" not in text and "\r" not in text:
+            # Part of a long line: keep the piece, do not rebuild and rescan the whole line for every read
+            # (a 10 MB line arriving 64 KiB at a time was quadratic).
+            if text:
+                self.pending.append(text)
+            return
+        buf = "".join(self.pending) + text
+        start = 0
+        # One pass with an index: slicing the remainder after every line would be quadratic in the chunk size.
+        for m in _BREAK.finditer(buf):
+            end, brk = m.start(), m.group()
+            if brk == "\r" and m.end() == len(buf):
+                break  # a lone \r at the end may be half of \r\n: wait for more
+            piece = buf[start:end]
+            if brk == "\r":
+                if piece:
+                    self.emit("progress", piece)
+            else:
+                self.emit("line", piece)
+            start = m.end()
+        self.pending = [buf[start:]] if start < len(buf) else []
+
+    def flush(self) -> None:
+        rest = "".join(self.pending) + self.decoder.decode(b"", final=True)
+        self.pending = []
+        if rest:
+            self.emit("line", rest.rstrip("\r"))
+
+
+@dataclass
+class FollowResult:
+    job: job_info.Job
+    offset: int
+    reconnects: int
+
+
+def _retryable(e: BaseException) -> bool:
+    import paramiko
+
+    return isinstance(e, (ConnectionError, HostError, EOFError, OSError, paramiko.SSHException))
+
+
+class Reconnects:
+    """When a follower's connection drops: retry connection trouble with backoff, give up after a while."""
+
+    def __init__(self, host, job_id: str, give_up_after: float, on_reconnect: Callable[[int, float], None] | None,
+                 was_connected: bool = False):
+        self.host, self.job_id, self.give_up_after, self.on_reconnect = host, job_id, give_up_after, on_reconnect
+        self.count, self.backoff, self.down_since = 0, 0.5, None
+        # Only a connection that once worked is retried: a host that refuses, sends no SSH banner or rejects us
+        # from the start is one line at once, not ten minutes of "reconnecting".
+        self.was_connected = was_connected
+
+    def connected(self) -> None:
+        self.down_since, self.backoff, self.was_connected = None, 0.5, True
+
+    def dropped(self, e: Exception, session: HostSession) -> HostSession:
+        """Re-raise what is not connection trouble; else wait and return a new session."""
+        if not _retryable(e) or isinstance(e, KimiEagleError) and not isinstance(e, HostError):
+            raise e
+        if not self.was_connected:
+            session.close()
+            if isinstance(e, KimiEagleError):
+                raise e
+            raise ConnectionFailed(f"{self.host.name}: cannot follow {self.job_id}: {e}") from None
+        session.close()
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        if now - self.down_since > self.give_up_after:
+            raise ConnectionFailed(f"{self.host.name}: connection lost for {self.give_up_after:.0f}s while following {self.job_id}; "
+                            f"resume with: kimi-eagle logs {self.job_id} --follow --host {self.host.name}") from None
+        self.count += 1
+        if self.on_reconnect:
+            self.on_reconnect(self.count, self.backoff)
+        time.sleep(self.backoff)
+        self.backoff = min(self.backoff * 2, 10.0)
+        return HostSession(self.host)
+
+
+def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool = True, tail: int | None = None,
+           offset: int = 0, session: HostSession | None = None, give_up_after: float = 600.0,
+           on_reconnect: Callable[[int, float], None] | None = None) -> FollowResult:
+    """Stream a job's log through `emit(kind, text)` until the job ends (or once, without follow)."""
+    given = session
+    session = session or HostSession(host)
+    splitter = LineSplitter(emit)
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect, was_connected=given is not None)
+    first = True
+    while True:
+        try:
+            job = direct.status(session, job_id)[0]
+            reconnects.was_connected = True  # reached once: from now on a drop is retried
+            if first and tail is not None:
+                # The last N lines of what exists now; then follow from the end of those bytes.
+                res = session.transport.run(f"head -c {int(job.log_size)} -- {join([job.log])} | tail -n {int(tail)}", check=True)
+                splitter.feed(res.stdout.encode())
+                offset = job.log_size
+            first = False
+            running = follow and job.state == "running"
+            if running:
+                cmd = f"exec tail -c +{offset + 1} -F --pid={int(job.pid)} -- {join([job.log])} 2>/dev/null"
+            else:
+                cmd = f"exec tail -c +{offset + 1} -- {join([job.log])}"
+            stream = session.transport.stream(cmd)
+            try:
+                for chunk in stream.chunks:
+                    offset += len(chunk)
+                    splitter.feed(chunk)
+            finally:
+                stream.close()
+            reconnects.connected()
+            if not follow:
+                break
+            job = direct.status(session, job_id)[0]
+            if job.state in job_info.TERMINAL and job.log_size <= offset:
+                break
+        except KeyboardInterrupt:
+            session.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - only connection trouble is retried
+            session = reconnects.dropped(e, session)
+    splitter.flush()
+    session.close()
+    return FollowResult(job, offset, reconnects.count)

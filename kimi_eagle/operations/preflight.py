@@ -1,0 +1,83 @@
+"""Preflight: every known failure caught in seconds, before a 27-minute model load.
+
+The checks run on the host in one host module (kimi_eagle_host/ops/preflight.py); this module maps
+the inventory's pipeline settings to its flags and turns its verdict into a result or an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kimi_eagle_host import settings
+
+from ..config.step_plan import chain
+from ..errors import KimiEagleError
+from ..hosts.session import RUNS, HostSession, expand
+
+
+@dataclass
+class PreflightResult:
+    host: str
+    checks: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(c["status"] == "fail" for c in self.checks)
+
+    @property
+    def failures(self) -> list[dict]:
+        return [c for c in self.checks if c["status"] == "fail"]
+
+
+class PreflightFailed(KimiEagleError):
+    pass
+
+
+def preflight_args(session: HostSession, step: str, extra: list[str] | None = None) -> list[str]:
+    """ops/preflight.py's flags: the settings the schema marks as read by preflight, from the job's resolved
+    settings, and the steps this job runs with their own sections."""
+    p = session.host.pipeline
+    section = settings.step_section("preflight", p.model_dump())
+    # With regenerate, `dataset` holds the prompts and prepare reads what regenerate writes.
+    if not (step in ("regenerate", "all") or (step == "prepare" and not p.regenerate)):
+        section.pop("dataset", None)
+    if not p.model:
+        section.pop("model", None)
+    section = {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
+    args = ["--step", step, *settings.section_to_argv("preflight", section), "--runs-dir", RUNS]
+    # A model the job builds (the tiny demo, one from a package): the host checks it can be built.
+    if p.tiny_model or p.model_source:
+        args += ["--model-source", "tiny" if p.tiny_model else p.model_source]
+    # The steps this job runs and their recipe settings: the host sizes the vLLM engine of each one that starts
+    # one (regenerate, eval) as that step will.
+    steps = chain(p) if step == "all" else [step]
+    args += ["--step-settings", json.dumps({n: p.steps.get(n) or {} for n in steps}, sort_keys=True)]
+    return args + list(extra or [])
+
+
+def run(session: HostSession, step: str, extra: list[str] | None = None) -> PreflightResult:
+    res = session.run_payload("preflight", "ops.preflight", preflight_args(session, step, extra))
+    checks = []
+    for c in res.data.get("checks", []):
+        c = dict(c)
+        if c.get("fix"):
+            c["fix"] = c["fix"].replace("{host}", session.name)
+        checks.append(c)
+    return PreflightResult(session.name, checks)
+
+
+def gate(session: HostSession, step: str, printer) -> PreflightResult:
+    """Run before a job: print warnings and failures; raise when anything fails."""
+    result = run(session, step)
+    for c in result.checks:
+        if c["status"] != "pass":
+            fix = f" — fix: {c['fix']}" if c.get("fix") else ""
+            printer(f"preflight {c['status']}: {c['name']}: {c['detail']}{fix}", "red" if c["status"] == "fail" else "yellow")
+    if not result.ok:
+        names = ", ".join(c["name"] for c in result.failures)
+        raise PreflightFailed(
+            f"{session.name}: preflight failed ({names}); nothing was started. Fix the above, or skip with --no-preflight",
+            result=result,
+        )
+    return result
