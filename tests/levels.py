@@ -44,6 +44,7 @@ FILES = {
     "test_jobs.py": INTEGRATION,
     "test_jobs_gpu_truth.py": INTEGRATION,
     "test_kimi_vllm.py": E2E,
+    "test_known_acceptance.py": INTEGRATION,   # tiny targets through the eval step; vLLM's test is e2e
     "test_layout.py": UNIT,
     "test_levels.py": UNIT,
     "test_logview.py": UNIT,
