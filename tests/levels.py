@@ -48,6 +48,7 @@ FILES = {
     "test_layout.py": UNIT,
     "test_levels.py": UNIT,
     "test_logview.py": UNIT,
+    "test_lr_schedule.py": UNIT,
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
     "test_packaging.py": INTEGRATION,
@@ -106,6 +107,7 @@ EXCEPTIONS = {
         "test_a_run_records_its_settings_and_versions_next_to_its_outputs",
         "test_the_serve_hint_uses_the_runs_k_also_when_followed_later")},
     "test_render_extras.py": {"test_a_finished_training_ends_with_where_what_and_next": INTEGRATION},
+    "test_lr_schedule.py": {"test_a_run_trains_each_step_at_the_scheduled_rate_also_after_a_resume": INTEGRATION},
     "test_step_flags.py": {"test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host": INTEGRATION,
                            "test_the_schema_is_each_steps_own_argparse": INTEGRATION},   # imports the host steps
 }
