@@ -140,6 +140,40 @@ def test_train_refuses_t2d_not_mapping_back(tmp_path):
     assert rc == 2 and "does not map back" in doc["error"], doc
 
 
+def test_train_refuses_maps_that_do_not_index_the_targets_lm_head(tmp_path):
+    """A target whose lm_head has more rows than its vocab_size (a padded head): t2d does not index it. Before the
+    check this was an IndexError traceback (exit 1) after the target's tensors were loaded."""
+    from safetensors.torch import load_file as load_pt, save_file as save_pt
+    import torch
+
+    p = make_pipeline(tmp_path)
+    weights = p["target"] / "model.safetensors"
+    sd = load_pt(str(weights))
+    sd["lm_head.weight"] = torch.cat([sd["lm_head.weight"], torch.zeros(8, sd["lm_head.weight"].shape[1])])
+    save_pt(sd, str(weights), metadata={"format": "pt"})
+    rc, doc = run_train(p, "--epochs", "1")
+    assert rc == 2, doc
+    assert doc["error"].startswith("train/serve parity: vocabulary: the target's lm_head has 72 rows but t2d has 64")
+    assert "\n" not in doc["error"] and not (p["out"] / "draft").exists()
+
+
+def test_lm_head_round_trip_names_the_first_draft_token_whose_row_differs():
+    """d2t consistent with t2d as sets but in another order: draft token 0 would start from one row and serve as
+    another token."""
+    import torch
+
+    from kimi_eagle_host.draft.parity import lm_head_problem
+
+    head = torch.randn(10, 4)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[2, 5, 7]] = True
+    in_order = torch.tensor([2, 5, 7]) - torch.arange(3)
+    assert lm_head_problem(head, in_order, t2d, "v") is None
+    swapped = torch.tensor([5, 2, 7]) - torch.arange(3)
+    assert lm_head_problem(head, swapped, t2d, "v") == ("vocabulary: draft token 0 would start from the target's "
+                                                        "lm_head row 2 (t2d) but serve as target id 5 (d2t) (v)")
+
+
 def test_eval_refuses_unservable_export_before_loading(export_copy, tmp_path):
     target, out = export_copy
     edit_config(out, lambda c: c["transformer_layer_config"].update(max_position_embeddings=128))

@@ -108,6 +108,27 @@ def vocab_problem(d2t, t2d, target_vocab: int, lm_head_rows: int | None, where: 
     return None
 
 
+def lm_head_problem(lm_head, d2t, t2d, where: str) -> str | None:
+    """The round trip through the maps against the target's lm_head itself: train starts the draft's lm_head from
+    the target's rows that t2d marks, in order, and vLLM reads draft token i as target id d2t[i] + i; both must be
+    the same rows of this lm_head (a head with more or fewer rows than t2d has entries, or maps in another order,
+    would start each draft token from another token's row)."""
+    import torch
+
+    rows = int(lm_head.shape[0])
+    if rows != int(t2d.shape[0]):
+        return (f"vocabulary: the target's lm_head has {rows} rows but t2d has {int(t2d.shape[0])} entries "
+                f"({where}): the maps do not index this head")
+    served = torch.as_tensor(d2t, dtype=torch.long) + torch.arange(int(d2t.shape[0]))
+    started = torch.nonzero(torch.as_tensor(t2d, dtype=torch.bool)).squeeze(1)
+    differ = torch.nonzero(started != served).squeeze(1) if started.shape == served.shape else torch.tensor([0])
+    if differ.numel() or not torch.equal(lm_head[started], lm_head[served]):
+        i = int(differ[0]) if differ.numel() else 0
+        return (f"vocabulary: draft token {i} would start from the target's lm_head row {int(started[i])} (t2d) but "
+                f"serve as target id {int(served[i])} (d2t) ({where})")
+    return None
+
+
 def refuse_first(problems, exc=BadInput) -> None:
     problems = [p for p in problems if p]
     if problems:
