@@ -219,26 +219,18 @@ def test_smoke_without_a_serving_vllm_is_recorded_as_skipped(export_copy):
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_smoke_on_real_vllm_serves_the_export_and_counts_accepted_tokens(tmp_path):
-    """vLLM 0.32 (CPU) loads a target and an export of our train step and accepts draft tokens. The acceptance is
-    known by construction: the target's final norm is zeroed (all logits equal: it always answers token 0, the
-    tokenizer's pad, never EOS) and so is the draft's lm_head (it always proposes draft token 0 = target token 0)."""
-    from safetensors.torch import load_file as load_pt, save_file as save_pt
-    from test_regenerate_eval import export_untrained_draft
+    """vLLM 0.32 (CPU) loads a target and an export of ours and accepts draft tokens. The acceptance is known by
+    construction (tests/drafts.py): the target walks a cycle of tokens and the draft proposes its next ones."""
+    from drafts import cycle_target, known_draft
     from vllm_envs import env_python
 
     py = env_python("0.32.0")
-    target = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
-    p = subprocess.run(host_cmd("pipeline.tiny_model", "--kind", "llama", "--heads", "2", "--out", target),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    draft = export_untrained_draft(tmp_path, target)
-    for path, name in ((target / "model.safetensors", "model.norm.weight"), (draft / "model.safetensors", "lm_head.weight")):
-        tensors = load_pt(str(path))
-        tensors[name] = tensors[name].clone().zero_()
-        save_pt(tensors, str(path), metadata={"format": "pt"})
+    target = cycle_target(tmp_path)
+    draft = known_draft(target, tmp_path / "draft", lead=1)
     r = subprocess.run(host_cmd("pipeline.eval", "--model", target, "--draft", draft, "--output-dir", tmp_path / "o",
                                 "--smoke", "--max-tokens", 16, "--max-model-len", 256, python=py),
                        capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
-    assert doc["served_smoke"] == "passed" and doc["smoke_accepted"] > 0 and doc["smoke_prompts"] == 4, doc
+    assert doc["served_smoke"] == "passed" and doc["smoke_prompts"] == 4, doc
+    assert doc["smoke_accepted"] >= 0.95 * 3 * doc["smoke_drafts"] > 0, doc    # k = 3, nearly all accepted
