@@ -93,6 +93,16 @@ def test_rope_scaling_not_trained_with_refused(export_copy):
     assert rc == 2 and len(lines) == 1 and "rope" in lines[0] and "linear" in lines[0], lines
 
 
+def test_rope_scaling_that_only_transformers_4_reads_refused(export_copy):
+    """rope_parameters says plain RoPE, as trained, but a rope_scaling field says YaRN: a vLLM <= 0.16 host
+    (transformers 4) reads rope_scaling and would serve the draft with positions it was never trained on."""
+    target, out = export_copy
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    edit_config(out, lambda c: c["transformer_layer_config"].update(rope_scaling=yarn))
+    rc, lines = check(target, out)
+    assert rc == 2 and len(lines) == 1 and "rope_scaling" in lines[0] and "yarn" in lines[0], lines
+
+
 def test_broken_vocabulary_map_in_export_refused(export_copy):
     target, out = export_copy
     st = out / "draft" / "export" / "model.safetensors"

@@ -75,6 +75,13 @@ def rope_problem(draft_layer: dict, target_text: dict, trained: dict, where: str
                 f"target's {want_theta}")
     if got != rope_of(trained):
         return f"rope: the draft's rope settings {got} ({where}) are not those it was trained with {rope_of(trained)}"
+    # transformers 4 (vLLM <= 0.16 hosts) reads rope_theta + rope_scaling and never rope_parameters: that form too
+    if draft_layer.get("rope_scaling") is not None:
+        old_form = rope_of({"rope_theta": draft_layer.get("rope_theta", got["rope_theta"]),
+                            "rope_scaling": draft_layer["rope_scaling"]})
+        if old_form != rope_of(trained):
+            return (f"rope: the draft's rope_scaling {draft_layer['rope_scaling']} ({where}), which transformers 4 "
+                    f"serving reads, is not what it was trained with {rope_of(trained)}")
     return None
 
 
