@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, make_env
+from drafts import stub_draft
 from held_memory import meminfo
 
 from kimi_eagle_host.vllm_compat import GIB, engine_memory, step_engine_memory
@@ -80,21 +81,10 @@ def v32(tmp_path_factory):
     cfg = json.loads((model / "config.json").read_text())
     # a model that states a context as long as the one asked for: the engine's memory, not the model, refuses it
     (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": HUGE_CONTEXT}))
-    draft = root / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3", "draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-        "transformer_layer_config": {"hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
-                                     # as an export of this target has it (train copies it): parity passes
-                                     "max_position_embeddings": HUGE_CONTEXT, "rope_theta": 10000.0}}))
-    import torch   # weights eval reads (and checks finite) before it sizes its engine; never loaded as a model
-    from safetensors.torch import save_file
-
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[:64] = True   # what eval's parity check reads: draft token i = target token i
-    save_file({"fc.weight": torch.zeros(cfg["hidden_size"], 3 * cfg["hidden_size"]),
-               "lm_head.weight": torch.zeros(64, cfg["hidden_size"]), "d2t": torch.zeros(64, dtype=torch.int64),
-               "t2d": t2d}, str(draft / "model.safetensors"))
+    # a stand-in export of this target (never loaded as a model): its context is the target's, as train copies it,
+    # so parity passes and the engine's memory is what refuses
+    draft = stub_draft(root / "draft", cfg["hidden_size"], cfg["vocab_size"], draft_vocab=64, aux_ids=[1, 2, 3],
+                       context=HUGE_CONTEXT)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     return {"py": py, "model": model, "prompts": prompts, "draft": draft, "env": env}
 

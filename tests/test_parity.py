@@ -93,6 +93,16 @@ def test_rope_scaling_not_trained_with_refused(export_copy):
     assert rc == 2 and len(lines) == 1 and "rope" in lines[0] and "linear" in lines[0], lines
 
 
+def test_rope_scaling_that_only_transformers_4_reads_refused(export_copy):
+    """rope_parameters says plain RoPE, as trained, but a rope_scaling field says YaRN: a vLLM <= 0.16 host
+    (transformers 4) reads rope_scaling and would serve the draft with positions it was never trained on."""
+    target, out = export_copy
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    edit_config(out, lambda c: c["transformer_layer_config"].update(rope_scaling=yarn))
+    rc, lines = check(target, out)
+    assert rc == 2 and len(lines) == 1 and "rope_scaling" in lines[0] and "yarn" in lines[0], lines
+
+
 def test_broken_vocabulary_map_in_export_refused(export_copy):
     target, out = export_copy
     st = out / "draft" / "export" / "model.safetensors"
@@ -140,6 +150,40 @@ def test_train_refuses_t2d_not_mapping_back(tmp_path):
     assert rc == 2 and "does not map back" in doc["error"], doc
 
 
+def test_train_refuses_maps_that_do_not_index_the_targets_lm_head(tmp_path):
+    """A target whose lm_head has more rows than its vocab_size (a padded head): t2d does not index it. Before the
+    check this was an IndexError traceback (exit 1) after the target's tensors were loaded."""
+    from safetensors.torch import load_file as load_pt, save_file as save_pt
+    import torch
+
+    p = make_pipeline(tmp_path)
+    weights = p["target"] / "model.safetensors"
+    sd = load_pt(str(weights))
+    sd["lm_head.weight"] = torch.cat([sd["lm_head.weight"], torch.zeros(8, sd["lm_head.weight"].shape[1])])
+    save_pt(sd, str(weights), metadata={"format": "pt"})
+    rc, doc = run_train(p, "--epochs", "1")
+    assert rc == 2, doc
+    assert doc["error"].startswith("train/serve parity: vocabulary: the target's lm_head has 72 rows but t2d has 64")
+    assert "\n" not in doc["error"] and not (p["out"] / "draft").exists()
+
+
+def test_lm_head_round_trip_names_the_first_draft_token_whose_row_differs():
+    """d2t consistent with t2d as sets but in another order: draft token 0 would start from one row and serve as
+    another token."""
+    import torch
+
+    from kimi_eagle_host.draft.parity import lm_head_problem
+
+    head = torch.randn(10, 4)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[2, 5, 7]] = True
+    in_order = torch.tensor([2, 5, 7]) - torch.arange(3)
+    assert lm_head_problem(head, in_order, t2d, "v") is None
+    swapped = torch.tensor([5, 2, 7]) - torch.arange(3)
+    assert lm_head_problem(head, swapped, t2d, "v") == ("vocabulary: draft token 0 would start from the target's "
+                                                        "lm_head row 2 (t2d) but serve as target id 5 (d2t) (v)")
+
+
 def test_eval_refuses_unservable_export_before_loading(export_copy, tmp_path):
     target, out = export_copy
     edit_config(out, lambda c: c["transformer_layer_config"].update(max_position_embeddings=128))
@@ -185,26 +229,18 @@ def test_smoke_without_a_serving_vllm_is_recorded_as_skipped(export_copy):
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_smoke_on_real_vllm_serves_the_export_and_counts_accepted_tokens(tmp_path):
-    """vLLM 0.32 (CPU) loads a target and an export of our train step and accepts draft tokens. The acceptance is
-    known by construction: the target's final norm is zeroed (all logits equal: it always answers token 0, the
-    tokenizer's pad, never EOS) and so is the draft's lm_head (it always proposes draft token 0 = target token 0)."""
-    from safetensors.torch import load_file as load_pt, save_file as save_pt
-    from test_regenerate_eval import export_untrained_draft
+    """vLLM 0.32 (CPU) loads a target and an export of ours and accepts draft tokens. The acceptance is known by
+    construction (tests/drafts.py): the target walks a cycle of tokens and the draft proposes its next ones."""
+    from drafts import cycle_target, known_draft
     from vllm_envs import env_python
 
     py = env_python("0.32.0")
-    target = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
-    p = subprocess.run(host_cmd("pipeline.tiny_model", "--kind", "llama", "--heads", "2", "--out", target),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    draft = export_untrained_draft(tmp_path, target)
-    for path, name in ((target / "model.safetensors", "model.norm.weight"), (draft / "model.safetensors", "lm_head.weight")):
-        tensors = load_pt(str(path))
-        tensors[name] = tensors[name].clone().zero_()
-        save_pt(tensors, str(path), metadata={"format": "pt"})
+    target = cycle_target(tmp_path)
+    draft = known_draft(target, tmp_path / "draft", lead=1)
     r = subprocess.run(host_cmd("pipeline.eval", "--model", target, "--draft", draft, "--output-dir", tmp_path / "o",
                                 "--smoke", "--max-tokens", 16, "--max-model-len", 256, python=py),
                        capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
-    assert doc["served_smoke"] == "passed" and doc["smoke_accepted"] > 0 and doc["smoke_prompts"] == 4, doc
+    assert doc["served_smoke"] == "passed" and doc["smoke_prompts"] == 4, doc
+    assert doc["smoke_accepted"] >= 0.95 * 3 * doc["smoke_drafts"] > 0, doc    # k = 3, nearly all accepted

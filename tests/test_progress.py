@@ -77,7 +77,7 @@ def _follow_in_a_terminal(e, job) -> list[str]:
 def test_a_real_regenerate_shows_tokens_per_second_in_its_bar_and_its_lines(tmp_path):
     """regenerate's bar: chunks done of all, the ETA while it runs, and the answers' tokens/s (not only
     conversations/s), in a terminal and as plain lines."""
-    from test_regenerate_eval import build_tiny_llama
+    from drafts import build_tiny_llama
 
     model = build_tiny_llama(tmp_path)
     prompts = tmp_path / "p.jsonl"

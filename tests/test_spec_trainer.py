@@ -4,7 +4,9 @@ Its trainer moves the draft to cuda:LOCAL_RANK, so it cannot train on this CPU b
 checked with the real speculators 0.9.0 release: the flags we hand it resolve in its own TrainConfig to our
 inputs (layers, vocabulary, tokens per step, TTT depth, ...), a host that cannot run it is refused in one line
 before anything is written, and the export checks its checkpoint must pass accept our export and catch a wrong
-one. The training itself runs on the GPU machine: bench/gpu/spec_step_smoke.sh (passed on the H200) and
+one; and our draft's loss and gradients on one batch equal those of speculators' own model (CI sets
+KIMI_EAGLE_NEED_SPECULATORS=1: a speculators that cannot be installed fails these tests there instead of skipping
+them). The training itself runs on the GPU machine: bench/gpu/spec_step_smoke.sh (passed on the H200) and
 side_by_side.py's mtb_spec stage.
 """
 from __future__ import annotations
@@ -206,3 +208,93 @@ def test_tokens_per_step_are_whole_flex_blocks():
     sample data's longest document) failed its first step on the H200. Whole blocks go through unchanged."""
     assert spec_trainer.spec_tokens_per_step(1208) == 1280
     assert [spec_trainer.spec_tokens_per_step(n) for n in (1, 128, 129, 32768)] == [128, 128, 256, 32768]
+
+
+# ------------------------------------------------------------------------------- the same batch, both trainers
+
+SPEC_LOSS = STUBS + textwrap.dedent("""
+    import sys, torch
+    sys.modules.setdefault('hs_connectors', sys.modules['datasets'])
+    from speculators.losses.eager import kl_div_loss   # the reference of its fused Triton kernel (GPU only)
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    export, inputs, dest = sys.argv[1:4]
+    x = torch.load(inputs)
+    cfg = Eagle3SpeculatorConfig.from_pretrained(export)
+    cfg.transformer_layer_config._attn_implementation = 'eager'
+    model = Eagle3DraftModel.from_pretrained(export, config=cfg).float().train()
+    with torch.no_grad():
+        model.verifier_norm.weight.copy_(x['target_norm'])
+        model.verifier_lm_head.weight.copy_(x['target_rows'])
+    for frozen in (model.embed_tokens, model.lm_head, model.verifier_norm, model.verifier_lm_head):
+        frozen.weight.requires_grad_(False)          # what speculators' trainer trains: the rest
+    _, loss, _ = model(hidden_states=x['aux'], input_ids=x['ids'], document_ids=x['doc_ids'], loss_mask=x['loss_mask'],
+                       position_ids=x['positions'], verifier_last_hidden_states=x['last'], ttt_steps=x['ttt_steps'],
+                       ttt_step_loss_decay=x['decay'], loss_config={'kl_div': (kl_div_loss, 1.0)})
+    loss.backward()
+    torch.save({'loss': loss.detach(), 'grads': {n: p.grad for n, p in model.named_parameters() if p.requires_grad}},
+               dest)
+""")
+
+
+def test_loss_and_gradients_equal_speculators_on_the_same_batch(trained, speculators_site, tmp_path):
+    """One packed batch of the trained run through our draft and loss (as train's step computes them: TTT steps,
+    forward KL to the target's distribution over the draft vocabulary, per-step mean over the loss mask, step k
+    weighted decay**k) and through speculators 0.9.0's own Eagle3DraftModel loaded from our export: the same loss
+    and the same gradient of every weight speculators' trainer trains."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kimi_eagle_host.data import packing
+    from kimi_eagle_host.draft import draft_model as dm
+    from kimi_eagle_host.pipeline.train import full_vocab_argmax
+    from kimi_eagle_host.training import ttt_loss
+    from test_train import H, SEQ
+
+    p, _ = trained
+    exp = p["out"] / "draft" / "export"
+    cfg = json.loads((exp / "config.json").read_text())
+    tl = cfg["transformer_layer_config"]
+    c = {k: tl[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                            "intermediate_size", "rms_norm_eps")}
+    c["rope_theta"] = tl["rope_parameters"]["rope_theta"]
+    ours = dm.Eagle3Draft(c, 3, cfg["draft_vocab_size"], cfg["norm_before_residual"])
+    sd = load_file(str(exp / "model.safetensors"))
+    embed = sd.pop("embed_tokens.weight")
+    ours.load_state_dict({k: v.float() for k, v in sd.items() if k not in ("d2t", "t2d")})
+    ours.lm_head.weight.requires_grad_(False)             # train's default (--train-lm-head off)
+    S, decay = 3, 0.8
+    target_norm = dm.RMSNorm(H, c["rms_norm_eps"])
+    target_norm.weight.data.copy_(p["sd"]["model.norm.weight"])
+    full_head = p["sd"]["lm_head.weight"].float()
+    rows = full_head[torch.from_numpy(np.nonzero(p["t2d"])[0])]
+    doc = str(p["out"] / "hidden_states" / "hs_0.safetensors")
+    b = packing.build_rows([doc], [[0]], SEQ, 3 * H, H, torch.float32)
+    target_h = target_norm(b["last"].float()).detach()
+    scored = ttt_loss.step_masks(b["loss_mask"], b["doc_ids"], S)
+    in_vocab = torch.from_numpy(p["t2d"])[full_vocab_argmax(b["last"], target_norm, full_head)]
+    # speculators keeps positions whose target token has no draft id, train leaves them out: this batch has none
+    assert bool(in_vocab[b["loss_mask"]].all())
+    in_loss = ttt_loss.loss_masks(scored, in_vocab)
+    denoms = torch.stack([m.sum() for m in in_loss]).float()
+    loss, _, _ = ours(b["aux"], b["ids"], lambda t: torch.nn.functional.embedding(t, embed.float()), S,
+                      b["positions"], b["doc_ids"],
+                      loss_fn=lambda normed, w: ttt_loss.ttt_loss(normed, w, target_h, rows, in_loss, denoms, decay,
+                                                                  torch.float32))
+    loss.backward()
+    torch.save({"aux": b["aux"], "ids": b["ids"], "doc_ids": b["doc_ids"], "loss_mask": b["loss_mask"],
+                "positions": b["positions"], "last": b["last"].float(), "target_norm": target_norm.weight.detach(),
+                "target_rows": rows, "ttt_steps": S, "decay": decay}, tmp_path / "in.pt")
+    script = tmp_path / "spec_loss.py"
+    script.write_text(SPEC_LOSS)
+    env = {**os.environ, "PYTHONPATH": str(speculators_site)}
+    r = subprocess.run([sys.executable, str(script), str(exp), str(tmp_path / "in.pt"), str(tmp_path / "o.pt")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = torch.load(tmp_path / "o.pt")
+    assert float(loss) > 1e-4                         # the trained draft is not perfect: there is a loss to compare
+    torch.testing.assert_close(loss.detach(), theirs["loss"], rtol=1e-5, atol=1e-6)
+    mine = {n: q.grad for n, q in ours.named_parameters() if q.requires_grad}
+    assert sorted(mine) == sorted(theirs["grads"])    # the same weights are trained
+    for name, grad in mine.items():
+        assert grad is not None and float(grad.abs().max()) > 0, name
+        torch.testing.assert_close(grad, theirs["grads"][name], rtol=1e-4, atol=1e-6, msg=name)

@@ -394,7 +394,10 @@ def install_speculators_09(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
                         "--target", str(site), *pkgs, "loguru==0.7.3"], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
-        pytest.skip(f"cannot install speculators 0.9.0 --no-deps: {r.stderr.strip()[-300:]}")
+        why = f"cannot install speculators 0.9.0 --no-deps: {r.stderr.strip()[-300:]}"
+        if os.environ.get("KIMI_EAGLE_NEED_SPECULATORS") == "1":   # CI: the comparisons with it must run
+            pytest.fail(why)
+        pytest.skip(why)
     return site
 
 

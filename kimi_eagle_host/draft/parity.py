@@ -75,6 +75,13 @@ def rope_problem(draft_layer: dict, target_text: dict, trained: dict, where: str
                 f"target's {want_theta}")
     if got != rope_of(trained):
         return f"rope: the draft's rope settings {got} ({where}) are not those it was trained with {rope_of(trained)}"
+    # transformers 4 (vLLM <= 0.16 hosts) reads rope_theta + rope_scaling and never rope_parameters: that form too
+    if draft_layer.get("rope_scaling") is not None:
+        old_form = rope_of({"rope_theta": draft_layer.get("rope_theta", got["rope_theta"]),
+                            "rope_scaling": draft_layer["rope_scaling"]})
+        if old_form != rope_of(trained):
+            return (f"rope: the draft's rope_scaling {draft_layer['rope_scaling']} ({where}), which transformers 4 "
+                    f"serving reads, is not what it was trained with {rope_of(trained)}")
     return None
 
 
@@ -105,6 +112,27 @@ def vocab_problem(d2t, t2d, target_vocab: int, lm_head_rows: int | None, where: 
                 f"{where})")
     if int(t2d.sum()) != K:
         return f"vocabulary: t2d marks {int(t2d.sum())} target ids but d2t has {K} draft tokens ({where})"
+    return None
+
+
+def lm_head_problem(lm_head, d2t, t2d, where: str) -> str | None:
+    """The round trip through the maps against the target's lm_head itself: train starts the draft's lm_head from
+    the target's rows that t2d marks, in order, and vLLM reads draft token i as target id d2t[i] + i; both must be
+    the same rows of this lm_head (a head with more or fewer rows than t2d has entries, or maps in another order,
+    would start each draft token from another token's row)."""
+    import torch
+
+    rows = int(lm_head.shape[0])
+    if rows != int(t2d.shape[0]):
+        return (f"vocabulary: the target's lm_head has {rows} rows but t2d has {int(t2d.shape[0])} entries "
+                f"({where}): the maps do not index this head")
+    served = torch.as_tensor(d2t, dtype=torch.long) + torch.arange(int(d2t.shape[0]))
+    started = torch.nonzero(torch.as_tensor(t2d, dtype=torch.bool)).squeeze(1)
+    differ = torch.nonzero(started != served).squeeze(1) if started.shape == served.shape else torch.tensor([0])
+    if differ.numel() or not torch.equal(lm_head[started], lm_head[served]):
+        i = int(differ[0]) if differ.numel() else 0
+        return (f"vocabulary: draft token {i} would start from the target's lm_head row {int(started[i])} (t2d) but "
+                f"serve as target id {int(served[i])} (d2t) ({where})")
     return None
 
 

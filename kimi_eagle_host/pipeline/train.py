@@ -335,6 +335,7 @@ def train(args) -> dict:
     if tuple(tw["embed"].shape) != (tcfg["vocab_size"], H):
         raise BadInput(f"{args.model}: embedding shape {tuple(tw['embed'].shape)} != ({tcfg['vocab_size']}, {H})")
     embed = tw["embed"].to(device, feat_dtype)
+    parity.refuse_first([parity.lm_head_problem(tw["lm-head"], d2t, t2d, f"{args.model}, {vocab_dir}")])
     target_lm_rows = tw["lm-head"][t2d].to(device, torch.float32)          # [K, H]: the draft lm_head's start
     target_rows = target_lm_rows.to(dtype)                                # what the target logits use
     # The full head finds the target's top token over its whole vocabulary; tied heads share the embedding.
