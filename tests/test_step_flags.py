@@ -55,7 +55,8 @@ def _declared(step: str) -> dict:
 
     flags = {}
     for key, s in BY_STEP[step].items():
-        kind = [_AS_ARGPARSE.get(s.kind, "text"), [str(c) for c in s.choices]]
+        # a list of names (`scripts`) is text the step checks itself: argparse knows no choices for it
+        kind = [_AS_ARGPARSE.get(s.kind, "text"), [str(c) for c in s.choices] if s.kind != "names" else []]
         for flag in [s.flag(step), *[a for a, f in ALIASES.get(step, {}).items() if f == s.flag(step)]]:
             flags[flag] = kind + [s.default]
     return flags

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from kimi_eagle_host.data.curation import add_arguments as add_curation_arguments, curate, policy_from_args
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.data.prepared_data import FORMAT
 from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,
@@ -207,6 +208,17 @@ def write_shards(out_dir, samples, shard_size):
     return shards
 
 
+def curated(rows, policy):
+    """(the rows the curation policy keeps, its report; None when it asks for nothing): data/curation.py."""
+    if not policy.active():
+        return rows, None
+    kept, report = curate([(str(rid) if rid else f"line{lineno}", [m["content"] for m in msgs if m["role"] == "user"])
+                           for lineno, msgs, rid in rows], policy)
+    log(f"[prepare] curation: {report['out']} of {report['in']} conversations kept"
+        + "".join(f", {n} {why.replace('_', ' ')}" for why, n in sorted(report["dropped"].items())))
+    return [rows[i] for i in kept], report
+
+
 def replaced(out_dir):
     """One line: prepare always starts clean; what it replaces (extract and vocab start clean after it when the
     data differs: they know it by the manifest's sha256)."""
@@ -222,8 +234,12 @@ def replaced(out_dir):
 def run(args):
     import numpy as np
 
-    from kimi_eagle_host.data.data_sources import resolve
+    from kimi_eagle_host.data.data_sources import is_source_name, resolve
 
+    named = is_source_name(args.dataset)
+    policy = policy_from_args(args, named)
+    if args.on_bad_row == "auto":  # a public dataset has rows without an answer to train on: those are skipped
+        args.on_bad_row = "skip" if named else "fail"
     args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
     if args.seq_len <= 0:
         raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
@@ -239,7 +255,8 @@ def run(args):
         msg = f"{args.dataset}:{lineno}: {err}"
         if args.on_bad_row == "fail":
             raise BadInput(msg + " (use --on-bad-row skip to skip such rows)")
-        log(f"[prepare] skipping {msg}")
+        if len(bad) < 20:  # a public dataset may hold hundreds: the manifest lists them
+            log(f"[prepare] skipping {msg}")
         bad.append({"line": lineno, "error": str(err)})
 
     with open(args.dataset, "rb") as f:
@@ -255,9 +272,10 @@ def run(args):
                     row = json.loads(line)
                 except ValueError as e:
                     raise BadRow(f"invalid JSON ({e})") from None
-                rows.append((lineno, normalize_row(row)))
+                rows.append((lineno, normalize_row(row), row.get("id")))
             except BadRow as e:
                 bad_row(lineno, e)
+    rows, kept_report = curated(rows, policy)
 
     from transformers import AutoTokenizer
 
@@ -270,7 +288,7 @@ def run(args):
 
     # Pass 2: chat template + tokenization (a template may still reject a row, e.g. non-alternating roles).
     samples = []
-    for lineno, messages in progress(rows, total=len(rows), desc="prepare"):
+    for lineno, messages, _ in progress(rows, total=len(rows), desc="prepare"):
         try:
             ids, mask = tokenize_with_mask(tok, messages)
         except BadRow as e:
@@ -314,6 +332,7 @@ def run(args):
         "bad_rows": bad[:1000],
         "skipped_bad_rows": len(bad),
         "dropped_no_loss_tokens": dropped,
+        "curation": kept_report,
         "shards": shards,
         "token_freq": "token_freq.npy",
         "token_freq_sha256": sha256_file(os.path.join(out_dir, "token_freq.npy")),
@@ -325,20 +344,23 @@ def run(args):
         f"{len(bad)} bad rows skipped → {out_dir}")
     return {"ok": True, "step": "prepare", "out_dir": os.path.abspath(out_dir), "count": len(samples),
             "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"], "vocab_size": vocab,
-            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards)}
+            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards),
+            "curation": kept_report and {k: kept_report[k] for k in ("in", "out", "dropped")}}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="target model dir or id (its tokenizer + chat template are used)")
-    ap.add_argument("--dataset", required=True, help="chat JSONL file")
+    ap.add_argument("--dataset", required=True, help="chat JSONL file or a dataset name (sharegpt)")
     ap.add_argument("--output-dir", default=".", help="pipeline root; writes <output-dir>/prepared/")
     ap.add_argument("--out", default=None, help="write here instead of <output-dir>/prepared")
     ap.add_argument("--seq-len", type=int, default=2048, help="truncate samples to this many tokens")
-    ap.add_argument("--on-bad-row", choices=["fail", "skip"], default="fail",
-                    help="fail (exit 2 naming FILE:LINE) or skip malformed rows (default: fail)")
+    ap.add_argument("--on-bad-row", choices=["auto", "fail", "skip"], default="auto",
+                    help="fail (exit 2 naming FILE:LINE) or skip malformed rows (auto: skip for a dataset name, "
+                         "fail for a file)")
     ap.add_argument("--shard-size", type=int, default=10000, help="samples per shard file")
     ap.add_argument("--max-samples", type=int, default=0, help="stop after this many samples (0 = all)")
+    add_curation_arguments(ap)
     args = parse_step_args(ap, "prepare", argv)
     return run_step("prepare", run, args)
 
