@@ -116,7 +116,8 @@ PIPELINE_SETTINGS = [
     _s("regenerate", "bool", False, "answer `dataset`'s prompts with the target first (self-distillation)"),
     _s("temperature", "float", 0.0, "regenerate's sampling temperature (0 = greedy)", ("regenerate",), minimum=0),
     _s("max_tokens", "int", 256, "regenerate's answer length cap per turn", ("regenerate",), positive=True),
-    _s("max_prompts", "int", None, "regenerate the first N conversations (unset: all)", ("regenerate",), minimum=0),
+    _s("max_prompts", "int", None, "regenerate the first N conversations curation keeps (unset: all)",
+       ("regenerate",), minimum=0),
     _s("self_prompts", "int", 0, "regenerate: fill the prompt set up to N conversations with prompts the target "
        "writes itself (Magpie); 0 = none", ("regenerate",), minimum=0),
     _s("dedupe", "choice", "auto", "drop repeated conversations (by user text): near (MinHash, and exact), exact "
