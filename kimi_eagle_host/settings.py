@@ -31,6 +31,8 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "none", "auto")
 MAX_TTT_STEPS = 7
 # Settings renamed since an earlier release: old key -> new key. The old key is still read, with one line saying so.
 RENAMED = {"backend": "engine"}
+# Scripts the `scripts` filter knows (data/curation.py tells a letter's script by its Unicode name).
+SCRIPTS = ("latin", "cyrillic", "greek", "arabic", "hebrew", "han", "kana", "hangul", "devanagari", "thai", "other")
 
 
 class SettingError(ValueError):
@@ -45,7 +47,7 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str  # text | int | float | bool | ints | choice | switch | toggle | trackers | count_or_auto
+    kind: str  # text | int | float | bool | ints | choice | names | switch | toggle | trackers | count_or_auto
     default: Any
     doc: str
     reads: dict[str, str] = field(default_factory=dict)  # step -> its flag name (underscores), when it differs
@@ -90,6 +92,7 @@ def _step(step, name, kind, default, doc, **kw) -> Setting:
 _TORCH = ("extract", "train")
 _PF = "preflight"
 _ENGINE_STEPS = ("regenerate", "eval")
+_DATA_STEPS = ("regenerate", "prepare")  # the steps that read `dataset` and curate it (data/curation.py)
 PIPELINE_SETTINGS = [
     _s("model", "text", None, "target model folder (may use {workdir})", (*STEPS, _PF), required=True, nonempty=True,
        needed_by=("regenerate", "prepare", "train", "eval")),
@@ -124,8 +127,19 @@ PIPELINE_SETTINGS = [
     _s("regenerate", "bool", False, "answer `dataset`'s prompts with the target first (self-distillation)"),
     _s("temperature", "float", 0.0, "regenerate's sampling temperature (0 = greedy)", ("regenerate",), minimum=0),
     _s("max_tokens", "int", 256, "regenerate's answer length cap per turn", ("regenerate",), positive=True),
-    _s("max_prompts", "int", None, "regenerate the first N conversations (unset: all)", ("regenerate",), minimum=0,
-       step_defaults={"regenerate": 0}),
+    _s("max_prompts", "int", None, "regenerate the first N conversations curation keeps (unset: all)",
+       ("regenerate",), minimum=0, step_defaults={"regenerate": 0}),
+    _s("self_prompts", "int", 0, "regenerate: fill the prompt set up to N conversations with prompts the target "
+       "writes itself (Magpie); 0 = none", ("regenerate",), minimum=0),
+    _s("dedupe", "choice", "auto", "drop repeated conversations (by user text): near (MinHash, and exact), exact "
+       "(normalised text), off; auto: near for a dataset name or with self_prompts, off for a file", _DATA_STEPS,
+       choices=("auto", "near", "exact", "off")),
+    _s("min_prompt_chars", "int", 0, "drop conversations whose first user turn has fewer characters",
+       _DATA_STEPS, minimum=0),
+    _s("max_prompt_chars", "int", None, "drop conversations whose first user turn has more characters (unset: "
+       "no limit)", _DATA_STEPS, positive=True),
+    _s("scripts", "names", None, "keep conversations whose user text is >= 80 % letters of these scripts "
+       "(comma list; unset: any)", _DATA_STEPS, choices=SCRIPTS),
     _s("eval_prompts", "text", None, "held-out prompts (chat JSONL or mt-bench); set, `run all` ends with eval",
        (("eval", "prompts"),), nonempty=True),
     _s("eval_num_prompts", "int", None, "eval: use N prompts (unset: all)", (("eval", "num_prompts"),), minimum=0,
@@ -164,10 +178,14 @@ STEP_SETTINGS = [
     _step("regenerate", "chunk_size", "int", 64, "conversations per resumable chunk", positive=True),
     _step("regenerate", "seed", "int", 0, "sampling seed"),
     _step("regenerate", "batch_size", "int", 16, "hf engine: prompts per generate call", positive=True),
+    _step("regenerate", "self_prompt_tokens", "int", 256, "length cap of a prompt the target writes, in tokens",
+          positive=True),
+    _step("regenerate", "self_prompt_temperature", "float", 1.0, "sampling temperature of the prompts the target "
+          "writes", positive=True),
     _step("regenerate", "long_prompts", "choice", "auto", "a first turn that does not fit: fail or skip it",
           choices=("auto", "fail", "skip")),
-    _step("prepare", "on_bad_row", "choice", "fail", "malformed rows: fail naming FILE:LINE, or skip them",
-          choices=("fail", "skip")),
+    _step("prepare", "on_bad_row", "choice", "auto", "malformed rows: fail naming FILE:LINE, or skip them; auto: "
+          "skip for a dataset name, fail for a file", choices=("auto", "fail", "skip")),
     _step("prepare", "shard_size", "int", 10000, "samples per shard file", positive=True),
     _step("prepare", "max_samples", "int", 0, "stop after this many samples (0 = all)", minimum=0),
     _step("extract", "prepared_dir", "text", None, "read prepared samples here instead of <output-dir>/prepared",
@@ -324,6 +342,16 @@ def _choice(s: Setting, key: str, value):
     raise SettingError(key, f"expected one of {', '.join(map(str, s.choices))} (got {value!r})")
 
 
+def _names(s: Setting, key: str, value) -> str:
+    """A comma list of names from the setting's choices, as one normalised string ("latin,cyrillic")."""
+    names = value if isinstance(value, list) else str(value).split(",")
+    names = [str(n).strip() for n in names if str(n).strip()]
+    bad = [n for n in names if n not in s.choices]
+    if bad or not names:
+        raise SettingError(key, f"{bad[0] if bad else value!r} is not one of {', '.join(s.choices)} (a comma list)")
+    return ",".join(dict.fromkeys(names))
+
+
 def _bool(s: Setting, key: str, value) -> bool:
     if isinstance(value, bool):
         return value
@@ -344,7 +372,7 @@ def _count_or_auto(s: Setting, key: str, value):
 
 _CHECKS = {
     "int": lambda s, k, v: _number(s, k, v, True), "float": lambda s, k, v: _number(s, k, v, False),
-    "text": _text, "ints": _ints, "trackers": _trackers, "choice": _choice, "bool": _bool, "switch": _bool,
+    "text": _text, "ints": _ints, "trackers": _trackers, "choice": _choice, "names": _names, "bool": _bool, "switch": _bool,
     "toggle": _bool, "count_or_auto": _count_or_auto,
 }
 

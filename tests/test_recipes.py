@@ -106,7 +106,10 @@ def test_a_missing_recipe_file_is_named(tmp_path):
     assert r.code == 2 and r.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: recipe file not found", r.stderr
 
 
-@pytest.mark.parametrize("name", ["kimi-k2.5-8gpu", "smollm2-quality"])
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
     """The recipes under recipes/ are valid, and render the whole chain for the example 8-GPU host."""
     e = make_env(tmp_path, None)
@@ -125,6 +128,45 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
         assert sections["vocab"]["draft_vocab_size"] == 32000
     else:
         assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source smollm2" in script
+
+
+# The recipes that carry the data plan at scale: ShareGPT plus prompts the target writes, >= 50k conversations.
+AT_SCALE = {"kimi-k2.5-8gpu", "smollm2-quality-gpu"}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_shipped_recipes_name_their_data_by_source(tmp_path, name):
+    """A shipped recipe trains on a dataset by name (data_sources.py: a package, recorded with its sha256) answered
+    by the target, never on a bundled file of templated prompts, and evaluates on one by name; the GPU and Kimi
+    recipes fill the set to >= 50k conversations with the target's own prompts, curated."""
+    from kimi_eagle_host.data.data_sources import is_source_name
+
+    recipe = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
+    assert is_source_name(recipe["dataset"]) and recipe.get("regenerate") is True, recipe
+    assert recipe.get("eval_prompts") is None or is_source_name(recipe["eval_prompts"]), recipe
+    assert "sample_data" not in json.dumps(recipe)
+    e = make_env(tmp_path, None)
+    e.write_inventory((REPO / "inventory.example.yaml").read_text())
+    out = tmp_path / "r"
+    r = e.cli("render", "job", "all", "--host", "blackwell-01", "--out", str(out), "-c", str(REPO / "recipes" / f"{name}.yaml"))
+    assert r.code == 0, r.stderr
+    sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
+    regen = sections["regenerate"]
+    assert regen["dataset"] == "sharegpt" and regen["dedupe"] == "near", regen
+    assert sections["prepare"]["dataset"].endswith("/regenerated/chat.jsonl")  # prepare reads the target's answers
+    if name in AT_SCALE:
+        assert regen["self_prompts"] >= 50000 and regen.get("max_turns", 0) == 0, regen
+    else:
+        assert not regen.get("self_prompts")
+
+
+def test_self_written_prompts_without_regenerate_are_refused_in_one_line(tmp_path):
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), "self_prompts=1000")
+    assert r.code == 2 and r.stderr.strip().splitlines() == [
+        "error: self_prompts: 1000 needs regenerate: true (the target writes the prompts in regenerate, then "
+        "answers them)"], r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, sshd):

@@ -61,6 +61,9 @@ def extra_settings(step: str, extra: list[str]) -> dict:
 def chain(pipeline) -> list[str]:
     """The steps of `run all`: regenerate when the pipeline says so, eval when it names held-out prompts."""
     names = ["prepare", "extract", "vocab", "train"]
+    if pipeline.self_prompts and not pipeline.regenerate:  # else the setting would be dropped without a word
+        raise ConfigError(f"self_prompts: {pipeline.self_prompts} needs regenerate: true (the target writes the "
+                          "prompts in regenerate, then answers them)")
     if pipeline.regenerate:
         names.insert(0, "regenerate")
     if pipeline.eval_prompts:

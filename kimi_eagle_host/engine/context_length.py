@@ -42,9 +42,9 @@ def conversation_need(conv, budget, max_turns: int = 0) -> int:
     return budget.base + sum(budget.count(texts)) + budget.per_message * messages + budget.max_tokens * len(turns)
 
 
-def resolve(given: int | None, model_dir: str, convs, budget, max_turns: int = 0) -> int:
+def resolve(given: int | None, model_dir: str, convs, budget, max_turns: int = 0, least: int = 0) -> int:
     """The context to use: `given` when it fits the model (else BadInput naming the flag and the limit), or the
-    longest conversation's need capped by the model's positions."""
+    longest conversation's need (at least `least`: prompts still to be written) capped by the model's positions."""
     limit, field = model_positions(model_dir)
     if given is not None:
         if given < 1:
@@ -54,4 +54,5 @@ def resolve(given: int | None, model_dir: str, convs, budget, max_turns: int = 0
                            f"{os.path.join(model_dir, 'config.json')}); pass at most {limit} or leave it unset")
         return given
     need = max((conversation_need(c, budget, max_turns) for c in convs), default=budget.base + budget.max_tokens)
+    need = max(need, least)
     return min(need, limit) if limit is not None else need

@@ -26,10 +26,10 @@ import json
 import os
 import sys
 
-from kimi_eagle_host.step_runtime import parse_step_args
+from kimi_eagle_host.data.curation import curate, policy_from_args
 from kimi_eagle_host.data.prepared_data import FORMAT
-from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log, progress,
-                                          run_step, sha256_file)
+from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log,
+                                          parse_step_args, progress, run_step, sha256_file)
 
 SHARE_GPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                    "assistant": "assistant", "system": "system"}
@@ -206,6 +206,17 @@ def write_shards(out_dir, samples, shard_size):
     return shards
 
 
+def curated(rows, policy):
+    """(the rows the curation policy keeps, its report; None when it asks for nothing): data/curation.py."""
+    if not policy.active():
+        return rows, None
+    kept, report = curate([(str(rid) if rid else f"line{lineno}", [m["content"] for m in msgs if m["role"] == "user"])
+                           for lineno, msgs, rid in rows], policy)
+    log(f"[prepare] curation: {report['out']} of {report['in']} conversations kept"
+        + "".join(f", {n} {why.replace('_', ' ')}" for why, n in sorted(report["dropped"].items())))
+    return [rows[i] for i in kept], report
+
+
 def replaced(out_dir):
     """One line: prepare always starts clean; what it replaces (extract and vocab start clean after it when the
     data differs: they know it by the manifest's sha256)."""
@@ -219,7 +230,7 @@ def replaced(out_dir):
 
 
 def read_rows(path: str, bad_row) -> list:
-    """(line number, messages) of each well-formed row of a chat JSONL file; `bad_row(lineno, error)` hears of the
+    """(line number, messages, the row's id) of each well-formed row of a chat JSONL file; `bad_row(lineno, error)` hears of the
     others (and may raise)."""
     rows = []
     with open(path, "rb") as f:
@@ -235,7 +246,7 @@ def read_rows(path: str, bad_row) -> list:
                     row = json.loads(line)
                 except ValueError as e:
                     raise BadRow(f"invalid JSON ({e})") from None
-                rows.append((lineno, normalize_row(row)))
+                rows.append((lineno, normalize_row(row), row.get("id")))
             except BadRow as e:
                 bad_row(lineno, e)
     return rows
@@ -244,8 +255,12 @@ def read_rows(path: str, bad_row) -> list:
 def run(args):
     import numpy as np
 
-    from kimi_eagle_host.data.data_sources import resolve
+    from kimi_eagle_host.data.data_sources import is_source_name, resolve
 
+    named = is_source_name(args.dataset)
+    policy = policy_from_args(args, named)
+    if args.on_bad_row == "auto":  # a public dataset has rows without an answer to train on: those are skipped
+        args.on_bad_row = "skip" if named else "fail"
     args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
     out_dir = args.out or os.path.join(args.output_dir, "prepared")
 
@@ -257,10 +272,12 @@ def run(args):
         msg = f"{args.dataset}:{lineno}: {err}"
         if args.on_bad_row == "fail":
             raise BadInput(msg + " (use --on-bad-row skip to skip such rows)")
-        log(f"[prepare] skipping {msg}")
+        if len(bad) < 20:  # a public dataset may hold hundreds: the manifest lists them
+            log(f"[prepare] skipping {msg}")
         bad.append({"line": lineno, "error": str(err)})
 
     rows = read_rows(args.dataset, bad_row)
+    rows, kept_report = curated(rows, policy)
 
     from transformers import AutoTokenizer
 
@@ -273,7 +290,7 @@ def run(args):
 
     # Pass 2: chat template + tokenization (a template may still reject a row, e.g. non-alternating roles).
     samples = []
-    for lineno, messages in progress(rows, total=len(rows), desc="prepare"):
+    for lineno, messages, _ in progress(rows, total=len(rows), desc="prepare"):
         try:
             ids, mask = tokenize_with_mask(tok, messages)
         except BadRow as e:
@@ -317,6 +334,7 @@ def run(args):
         "bad_rows": bad[:1000],
         "skipped_bad_rows": len(bad),
         "dropped_no_loss_tokens": dropped,
+        "curation": kept_report,
         "shards": shards,
         "token_freq": "token_freq.npy",
         "token_freq_sha256": sha256_file(os.path.join(out_dir, "token_freq.npy")),
@@ -328,7 +346,8 @@ def run(args):
         f"{len(bad)} bad rows skipped → {out_dir}")
     return {"ok": True, "step": "prepare", "out_dir": os.path.abspath(out_dir), "count": len(samples),
             "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"], "vocab_size": vocab,
-            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards)}
+            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards),
+            "curation": kept_report and {k: kept_report[k] for k in ("in", "out", "dropped")}}
 
 
 def main(argv=None):

@@ -11,16 +11,25 @@ whose prompt plus --max-tokens no longer fits --max-model-len (counted in the re
 does not fit is bad input for a file (exit 2 naming FILE:LINE, before any model loads) and dropped for a
 named dataset (--long-prompts says otherwise).
 
+The prompts are curated first (data/curation.py: --dedupe, --min-prompt-chars, --max-prompt-chars, --scripts;
+repeats are removed for a dataset by name unless --dedupe off), then cut to --max-prompts. With --self-prompts N
+the target writes prompts itself until the set holds N conversations (data/self_prompts.py: its chat template's
+opening of a user turn, sampled; each judged against the set so far), answered like the others.
+
   <output-dir>/regenerated/chunks/<run key>/c_XXXXXXXX.jsonl   one file per --chunk-size conversations (atomic)
+  <output-dir>/regenerated/self_prompts/<key>/b_XXXXXXXX.jsonl the target's written prompts, a batch per file
   <output-dir>/regenerated/chat.jsonl                          every chunk in order, once all exist
-  <output-dir>/regenerated/manifest.json                       run key, settings, dataset provenance, counts
+  <output-dir>/regenerated/manifest.json                       run key, settings, provenance (dataset, curation,
+                                                               self prompts), counts, this run's tokens/s
+  <output-dir>/regenerated/chat.jsonl.source.json              the same record, where prepare looks for it
 
 Resumable, and only with itself: chunks live under a run key, a hash of what produced them (the dataset's
-sha256, the model, every setting that changes an answer, the engine and this code's version). A re-run with
+sha256, the digest of the prompts kept and written, the model, every setting that changes an answer, the engine and this code's version). A re-run with
 the same key skips finished chunks; a re-run with another prompts file or other settings starts a new key,
 says which settings changed, and never reports the old answers as its own.
 Sharded: --rank/--world-size take contiguous ranges of chunks (every rank can run on its own host or GPU);
-whichever rank finds every chunk present writes chat.jsonl.
+whichever rank finds every chunk present writes chat.jsonl. --self-prompts needs --world-size 1 (one process
+writes the prompts; its engine then answers them).
 Engines: vllm (LLM.chat, batched; when the host's vLLM imports) or hf (transformers generate, batched,
 left-padded). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
 the same answers as an uninterrupted one (per engine).
@@ -43,7 +52,7 @@ from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_o
 from kimi_eagle_host.engine import context_length
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
-KEYED = ("model", "weights", "dataset_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
+KEYED = ("model", "weights", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
          "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
 
 
@@ -59,7 +68,8 @@ def shard_chunks(n_chunks, rank, world_size):
 
 
 def code_version():
-    return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py"))
+    return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py",
+                                        "data/curation.py", "data/self_prompts.py"))
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -92,6 +102,16 @@ class VllmGenerator:
         sp = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.max_tokens, seed=seed)
         return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in self.llm.chat(convs, sp, use_tqdm=False)]
 
+    def complete(self, prompt_ids, n, seed):
+        """n samples continuing the token ids `prompt_ids` (the self-written prompts), each with its own seed."""
+        from vllm import SamplingParams
+
+        a = self.args
+        sps = [SamplingParams(temperature=a.self_prompt_temperature, max_tokens=a.self_prompt_tokens, seed=seed + i,
+                              skip_special_tokens=False) for i in range(n)]
+        outs = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}] * n, sps, use_tqdm=False)
+        return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in outs]
+
     def close(self):
         """Shut the engine down now: vLLM logs its shutdown, and that must come before the step's result."""
         import gc
@@ -116,20 +136,34 @@ class HFGenerator:
         self.dev, self.args = dev, args
 
     def __call__(self, convs, seed):
-        torch, a = self.torch, self.args
+        a = self.args
         texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+        batches = [self.tok(texts[i:i + a.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+                   for i in range(0, len(texts), a.batch_size)]
+        return self._generate(batches, seed, a.temperature, a.max_tokens, skip_special=True)
+
+    def complete(self, prompt_ids, n, seed):
+        """n samples continuing the token ids `prompt_ids` (the self-written prompts)."""
+        a, torch = self.args, self.torch
+        rows = [list(prompt_ids)] * n
+        batches = [{"input_ids": torch.tensor(rows[i:i + a.batch_size]),
+                    "attention_mask": torch.ones(len(rows[i:i + a.batch_size]), len(prompt_ids), dtype=torch.long)}
+                   for i in range(0, n, a.batch_size)]
+        return self._generate(batches, seed, a.self_prompt_temperature, a.self_prompt_tokens, skip_special=False)
+
+    def _generate(self, batches, seed, temperature, max_tokens, skip_special):
+        torch, a = self.torch, self.args
         out = []
-        for i in range(0, len(texts), a.batch_size):
-            enc = self.tok(texts[i:i + a.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(self.dev) for k, v in enc.items()}
-            torch.manual_seed(seed + i)
-            kw = {"do_sample": True, "temperature": a.temperature} if a.temperature > 0 else {"do_sample": False}
+        for k, enc in enumerate(batches):
+            enc = {key: v.to(self.dev) for key, v in enc.items()}
+            torch.manual_seed(seed + k * a.batch_size)
+            kw = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
             with torch.no_grad():
-                gen = self.model.generate(**enc, max_new_tokens=a.max_tokens, pad_token_id=self.tok.pad_token_id,
+                gen = self.model.generate(**enc, max_new_tokens=max_tokens, pad_token_id=self.tok.pad_token_id,
                                           top_p=None, top_k=None, **kw)
             new = gen[:, enc["input_ids"].shape[1]:]
             lengths = (new != self.tok.pad_token_id).sum(dim=1).tolist()
-            out += zip(self.tok.batch_decode(new, skip_special_tokens=True), lengths)
+            out += zip(self.tok.batch_decode(new, skip_special_tokens=skip_special), lengths)
         return out
 
     def close(self):
@@ -137,18 +171,54 @@ class HFGenerator:
 
 
 class Counted:
-    """A generator that counts the answer tokens it produced (the progress bar's tokens/s)."""
+    """A generator that counts the answer tokens it produced and the seconds it took (tokens/s: the progress
+    bar's and the result's)."""
 
     def __init__(self, gen):
-        self.gen, self.tokens = gen, 0
+        self.gen, self.tokens, self.seconds = gen, 0, 0.0
 
     def __call__(self, convs, seed):
+        t0 = time.time()
         out = self.gen(convs, seed)
+        self.seconds += time.time() - t0
         self.tokens += sum(n for _, n in out)
         return out
 
+    def complete(self, prompt_ids, n, seed):
+        return self.gen.complete(prompt_ids, n, seed)
+
+    def throughput(self):
+        return {"answer_tokens_now": self.tokens, "generating_s_now": round(self.seconds, 2),
+                "tokens_per_s_now": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None}
+
     def close(self):
         self.gen.close()
+
+
+class Engine:
+    """The step's one engine, started when first needed (writing prompts, answering) and sized then."""
+
+    def __init__(self, args, name, tok):
+        self.args, self.name, self.tok = args, name, tok
+        self.gen, self.memory = None, None
+
+    def size(self):
+        """Size a vLLM engine before anything is written: one that cannot fit refuses with nothing changed."""
+        if self.name == "vllm" and self.memory is None:
+            self.memory = size_engine("regenerate", self.args.model, self.args.tp_size, *engine_load(self.args))
+
+    def get(self):
+        if self.gen is None:
+            if self.name == "vllm":
+                self.size()
+                self.gen = Counted(VllmGenerator(self.args, self.memory))
+            else:
+                self.gen = Counted(HFGenerator(self.args, self.tok))
+        return self.gen
+
+    def close(self):
+        if self.gen is not None:
+            self.gen.close()
 
 
 def hf_dtype(args, device):
@@ -210,15 +280,28 @@ def conversation_row(conv, answers):
 
 # ---------------------------------------------------------------------------------------------- run key
 
-def settings_of(args, prov, engine):
-    dtype = args.vllm_dtype if engine == "vllm" else hf_dtype(args, args.device if args.device != "auto" else
-                                                              ("cuda" if _cuda() else "cpu"))
+def engine_dtype(args, engine):
+    return args.vllm_dtype if engine == "vllm" else hf_dtype(args, args.device if args.device != "auto" else
+                                                             ("cuda" if _cuda() else "cpu"))
+
+
+def prompts_digest(convs):
+    """The conversations to answer, as a digest: what curation kept and the target wrote, in order."""
+    h = hashlib.sha256()
+    for c in convs:
+        h.update(json.dumps([c.id, c.system, c.user_turns], ensure_ascii=False).encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+def settings_of(args, prov, engine, convs):
     return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset,
-            "dataset_sha256": prov["sha256"],
+            "dataset_sha256": prov["sha256"], "prompts_sha256": prompts_digest(convs),
+            "dedupe": args.dedupe, "min_prompt_chars": args.min_prompt_chars,
+            "max_prompt_chars": args.max_prompt_chars, "scripts": args.scripts, "self_prompts": args.self_prompts,
             "max_prompts": args.max_prompts, "max_turns": args.max_turns, "temperature": args.temperature,
             "max_tokens": args.max_tokens, "seed": args.seed, "chunk_size": args.chunk_size,
             "max_model_len": args.max_model_len, "long_prompts": args.long_prompts, "engine": engine,
-            "dtype": dtype, "code": code_version()}
+            "dtype": engine_dtype(args, engine), "code": code_version()}
 
 
 def _cuda():
@@ -256,7 +339,7 @@ def forget_merged_output(out_dir, key):
     except (OSError, ValueError):
         old_key = None
     if old_key != key:
-        for name in ("chat.jsonl", "manifest.json"):
+        for name in ("chat.jsonl", "manifest.json", "chat.jsonl.source.json"):
             if os.path.exists(os.path.join(out_dir, name)):
                 os.unlink(os.path.join(out_dir, name))
 
@@ -271,51 +354,155 @@ def merge(out_dir, chunks_dir, n_chunks, chunk_size, manifest):
     atomic_write(final, data)
     manifest["sha256"] = hashlib.sha256(data).hexdigest()
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
+    # beside the data, under the name data_sources.resolve looks for: prepare records where its input came from
+    atomic_write_json(final + ".source.json", manifest)
     return final
 
 
 # ---------------------------------------------------------------------------------------------- step
 
-def run(args):
+def load_prompts(args):
+    """The dataset's conversations, curated (data/curation.py) and cut to --max-prompts: (conversations, source
+    provenance, the curator, which later judges the target's own prompts against them)."""
+    from kimi_eagle_host.data.curation import Curator, curate_conversations, policy_from_args
     from kimi_eagle_host.data.data_sources import is_source_name, resolve
-    from kimi_eagle_host.data.prompts import TokenBudget, check_lengths, read_conversations
+    from kimi_eagle_host.data.prompts import read_conversations
 
+    named = is_source_name(args.dataset)
+    if args.long_prompts == "auto":
+        args.long_prompts = "skip" if named else "fail"
+    # the target's own prompts repeat themselves: with them, `dedupe: auto` removes repeats from a file's set too
+    curator = Curator(policy_from_args(args, named or args.self_prompts > 0))
+    path, prov = resolve(args.dataset)
+    active = curator.policy.active()
+    convs = read_conversations(path, 0 if active else args.max_prompts, label=args.dataset)
+    if active:
+        convs = curate_conversations(convs, curator)
+        r = curator.report()
+        log(f"regenerate: curation kept {r['out']} of {r['in']} conversations"
+            + "".join(f", {n} {why.replace('_', ' ')}" for why, n in sorted(r["dropped"].items())))
+        if not convs:
+            raise BadInput(f"{args.dataset}: no conversation is left after curation ({r['dropped']})")
+    return convs[:args.max_prompts] if args.max_prompts else convs, prov, curator
+
+
+def load_tokenizer(model):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"{model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def self_prompt_key(args, engine, opening):
+    """What the target's written prompts depend on: a resume under another key starts new batches."""
+    keyed = {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "opening": opening,
+             "temperature": args.self_prompt_temperature, "tokens": args.self_prompt_tokens, "seed": args.seed,
+             "batch": args.chunk_size, "engine": engine, "dtype": engine_dtype(args, engine), "code": code_version()}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16], keyed
+
+
+def add_self_prompts(args, convs, tok, budget, curator, engine, out_dir):
+    """The target's own prompts (data/self_prompts.py) after `convs` until the set holds --self-prompts
+    conversations: (the conversations added, their record)."""
+    from kimi_eagle_host.data.prompts import Conversation
+    from kimi_eagle_host.data.self_prompts import Writer, template_opening
+
+    needed = args.self_prompts - len(convs)
+    opening, stops = template_opening(tok, args.model)
+    key, keyed = self_prompt_key(args, engine.name, opening)
+    folder = os.path.join(out_dir, "self_prompts", key)
+    os.makedirs(folder, exist_ok=True)
+    atomic_write_json(os.path.join(folder, "settings.json"), keyed)
+    lengths = {}
+
+    def accept(cid, text):
+        n = budget.base + budget.count([text])[0]
+        if not budget.fits(n):
+            return "does_not_fit_context"
+        lengths[cid] = n
+        return curator.judge(cid, [text])
+
+    writer = Writer(folder, lambda ids, n, seed: engine.get().complete(ids, n, seed),
+                    tok(opening, add_special_tokens=False)["input_ids"], stops, args.chunk_size, args.seed)
+    kept = writer.fill(needed, accept)
+    added = [Conversation(id=cid, line=0, user_turns=[text], first_tokens=lengths[cid]) for cid, text in kept]
+    st = writer.stats
+    record = {"requested_conversations": args.self_prompts, "public_conversations": len(convs),
+              "needed": needed, "written": len(added), "key": key, "folder": folder, "opening": opening,
+              "stops": stops, **st, "tokens_per_s_now": round(st["tokens_now"] / st["seconds_now"], 1)
+              if st["seconds_now"] > 0 else None}
+    log(f"regenerate: {len(added)} prompts written by the target (opening {opening!r}; {st['batches']} batches, "
+        f"{st['batches_written_now']} sampled now)")
+    return added, record
+
+
+def answer_chunks(args, engine, convs, budget, chunks_dir, todo):
+    """Answer every chunk in `todo` and write it (atomically): (turns answered, turns cut for the context)."""
+    answered = cut = done_convs = 0
+    gen = engine.get()
+    t0 = time.time()
+    progress_line("regenerate", 0, len(todo))
+    for n, c in enumerate(todo, 1):
+        rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
+        answers, chunk_cut = answer_conversations(gen, rows, budget, args.seed * 1_000_003 + c * 1009, args.max_turns)
+        lines = [json.dumps(conversation_row(conv, a), ensure_ascii=False) for conv, a in zip(rows, answers)]
+        answered += sum(len(a) for a in answers)
+        cut += chunk_cut
+        atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
+        log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
+        done_convs += len(rows)
+        # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
+        dt = max(time.time() - t0, 1e-9)
+        progress_line("regenerate", n, len(todo), every_s=0, tok_s=gen.tokens / dt, prompts_s=done_convs / dt)
+    return answered, cut
+
+
+def check_args(args):
     if not 0 <= args.rank < args.world_size:
         raise BadInput(f"--rank {args.rank}: must be in 0..{args.world_size - 1} (--world-size {args.world_size})")
     if args.temperature < 0 or args.max_tokens < 1 or args.chunk_size < 1 or args.max_turns < 0:
         raise BadInput("--temperature and --max-turns must be >= 0, --max-tokens and --chunk-size >= 1")
+    if args.self_prompts < 0 or args.self_prompt_tokens < 1 or args.self_prompt_temperature <= 0:
+        raise BadInput("--self-prompts must be >= 0, --self-prompt-tokens >= 1, --self-prompt-temperature > 0")
+    if args.self_prompts and args.world_size > 1:
+        raise BadInput(f"--self-prompts {args.self_prompts} with --world-size {args.world_size}: the target writes "
+                       "its prompts in one process; run regenerate with --world-size 1")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise BadInput(f"{args.model}/config.json: missing (--model must be a local model folder)")
+
+
+def run(args):
+    from kimi_eagle_host.data.prompts import TokenBudget, check_lengths
+
+    check_args(args)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "regenerated"))
-    named = is_source_name(args.dataset)
-    if args.long_prompts == "auto":
-        args.long_prompts = "skip" if named else "fail"
-    path, prov = resolve(args.dataset)
-    convs = read_conversations(path, args.max_prompts, label=args.dataset)
-
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    except Exception as e:  # noqa: BLE001
-        raise BadInput(f"{args.model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    convs, prov, curator = load_prompts(args)
+    tok = load_tokenizer(args.model)
     budget = TokenBudget(tok, None, args.max_tokens)
     # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
+    # (and from a prompt the target may still write: its opening and --self-prompt-tokens)
+    least = budget.base + args.self_prompt_tokens + args.max_tokens if args.self_prompts else 0
     args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
-                                                               args.max_turns)
+                                                               args.max_turns, least=least)
     convs, dropped_long = check_lengths(convs, budget, args.dataset, args.long_prompts)
-
-    engine, engine_env = pick_engine(args.engine)
-    settings = settings_of(args, prov, engine)
+    engine_name, engine_env = pick_engine(args.engine)
+    engine = Engine(args, engine_name, tok)
+    self_record = None
+    if args.self_prompts > len(convs):
+        engine.size()
+        added, self_record = add_self_prompts(args, convs, tok, budget, curator, engine, out_dir)
+        convs = convs + added
+    settings = settings_of(args, prov, engine_name, convs)
     key = run_key(settings)
     chunks_root = os.path.join(out_dir, "chunks")
     chunks_dir = os.path.join(chunks_root, key)
     n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
     mine = shard_chunks(n_chunks, args.rank, args.world_size)
     todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
-    # Sized before anything is written: an engine that cannot fit refuses with nothing changed.
-    memory = size_engine("regenerate", args.model, args.tp_size, *engine_load(args)) \
-        if engine == "vllm" and todo else None
+    if todo:
+        engine.size()
     fresh = not os.path.isdir(chunks_dir)
     os.makedirs(chunks_dir, exist_ok=True)
     before = earlier_runs(chunks_root, key) if fresh else None  # a resume of this key reuses its own chunks
@@ -327,39 +514,27 @@ def run(args):
     forget_merged_output(out_dir, key)
     log(f"regenerate: {len(convs)} conversations ({sum(len(c.user_turns) for c in convs)} user turns) in {n_chunks} "
         f"chunks; rank {args.rank}/{args.world_size} owns {len(mine)}, {len(mine) - len(todo)} already done")
-    answered = cut = 0
     t0 = time.time()
-    if todo:
-        gen = Counted(VllmGenerator(args, memory) if engine == "vllm" else HFGenerator(args, tok))
-        t0 = time.time()
-        progress_line("regenerate", 0, len(todo))
-        done_convs = 0
-        for n, c in enumerate(todo, 1):
-            rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
-            answers, chunk_cut = answer_conversations(gen, rows, budget, args.seed * 1_000_003 + c * 1009,
-                                                      args.max_turns)
-            lines = [json.dumps(conversation_row(conv, a), ensure_ascii=False) for conv, a in zip(rows, answers)]
-            answered += sum(len(a) for a in answers)
-            cut += chunk_cut
-            atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
-            log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
-            done_convs += len(rows)
-            # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
-            dt = max(time.time() - t0, 1e-9)
-            progress_line("regenerate", n, len(todo), every_s=0, tok_s=gen.tokens / dt, prompts_s=done_convs / dt)
-        gen.close()
+    answered, cut = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0)
+    throughput = engine.gen.throughput() if engine.gen else None
+    engine.close()
     manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
-                "dropped_long_prompts": dropped_long}
+                "dropped_long_prompts": dropped_long, "curation": curator.report() if curator.policy.active()
+                else None, "self_prompts": self_record, "throughput": throughput}
     final = merge(out_dir, chunks_dir, n_chunks, args.chunk_size, manifest)
     if final:
         log(f"regenerate: wrote {final}")
-    return {"ok": True, "step": "regenerate", "engine": engine, "engine_env": engine_env,
-            "engine_memory": memory and memory["says"], "run_key": key,
+    return {"ok": True, "step": "regenerate", "engine": engine_name, "engine_env": engine_env,
+            "engine_memory": engine.memory and engine.memory["says"], "run_key": key,
             "not_reused_because": changed if before else None, "conversations": len(convs),
             "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
             "chunks_done_now": len(todo), "turns_answered_now": answered, "turns_cut_for_context_now": cut,
             "rank": args.rank, "world_size": args.world_size, "dataset": final, "out_dir": out_dir,
-            "source": prov, "elapsed_s": round(time.time() - t0, 2)}
+            "source": prov, "curation": manifest["curation"] and {k: manifest["curation"][k] for k in
+                                                                   ("in", "out", "dropped")},
+            "self_prompts": self_record and {k: self_record[k] for k in (
+                "written", "needed", "batches", "batches_written_now", "tokens_per_s_now", "stalled")},
+            "throughput": throughput, "elapsed_s": round(time.time() - t0, 2)}
 
 
 def main(argv=None):
