@@ -49,6 +49,7 @@ FILES = {
     "test_logview.py": UNIT,
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
+    "test_online.py": INTEGRATION,
     "test_packaging.py": INTEGRATION,
     "test_parity.py": INTEGRATION,
     "test_patch_engine.py": INTEGRATION,   # real speculators wheels installed with pip

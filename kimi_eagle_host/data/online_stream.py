@@ -1,0 +1,380 @@
+"""`hidden_states: online`: the trainer's documents come from an engine it runs, through a bounded buffer in memory,
+never as files of the run.
+
+Why this works exactly: the training plan (packing.Plan) is a pure function of the documents' LENGTHS and the seed,
+and online the lengths come from the prepared data (token counts cut at seq_len, as extract cuts them). So before
+any hidden state exists the trainer knows which documents each step takes, in which order: the *stream*. The
+engine (engine/stream_producer.py, a child process of the trainer) extracts the stream's documents in that order
+into a *spool*: a folder unique to the job in a memory file system (`online_spool_dir`, /dev/shm), one file per
+stream position, in extract's sample format, each appearing complete by rename. The trainer's loader waits for a
+step's documents, packs them (packing.fill_rows) and deletes each one once it is copied.
+
+  <spool>/stream.npy        what the engine extracts, in order: int64 rows (kind, step, document)
+  <spool>/s_<step>_<doc>    a training document of one step (kind 1): counted against `online_buffer_gb`; the
+                            engine waits while the buffer is that full (backpressure)
+  <spool>/held/d_<doc>      a held-out document (kind 0): extracted first, kept for the run's evaluations
+  <spool>/cache/d_<doc>     a document kept for later epochs (kind 2, `online_cache_gb`): extracted at its first
+                            position only, read again at the later ones
+  <spool>/engine.json       the engine's figures (tokens, seconds, time waiting for room, buffer bytes)
+  <spool>/engine.error      why the engine failed: the trainer raises it as its error
+  <spool>/owner.json        the trainer's pid: a later run removes a spool whose trainer is gone
+
+Resume needs nothing more: a resumed run's stream starts at the checkpoint's step. The engine dying is one error
+in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
+ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from kimi_eagle_host.step_runtime import BadInput, Refused, log
+
+SPOOL_PREFIX = "kimi-eagle-online-"
+STREAM = "stream.npy"
+ENGINE_FIGURES = "engine.json"
+ENGINE_ERROR = "engine.error"
+OWNER = "owner.json"
+HELD, SPOOLED, CACHED = 0, 1, 2   # kinds of a stream entry
+STOP_GRACE_S = 20.0   # how long the engine gets to shut down (vLLM stops its workers) before SIGKILL
+
+
+def add_flags(p) -> None:
+    """train's flags of the online mode (kimi_eagle_host/settings.py declares them)."""
+    p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
+                   help="offline: read <output-dir>/hidden_states (extract); online: run the engine here and take "
+                        "its hidden states through a bounded buffer in memory, never as files")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="online: the extraction engine")
+    p.add_argument("--layer-ids", default=None, help="online: comma list, vLLM convention (default 2,N//2,N-3,N)")
+    p.add_argument("--seq-len", type=int, default=2048, help="online: samples are cut to this many tokens")
+    p.add_argument("--tp-size", type=int, default=1, help="online, vllm: tensor-parallel size of the engine")
+    p.add_argument("--engine-batch-size", type=int, default=8, help="online: documents per engine forward")
+    p.add_argument("--online-buffer-gb", type=float, default=2.0,
+                   help="online: the engine waits while this many GB wait for the trainer (default 2)")
+    p.add_argument("--online-cache-gb", type=float, default=0.0,
+                   help="online: keep the first documents that fit in this many GB for later epochs (default 0: "
+                        "every epoch runs the engine again)")
+    p.add_argument("--online-spool-dir", default="/dev/shm",
+                   help="online: where the buffer's folder is made (a memory file system; default /dev/shm)")
+    p.add_argument("--engine-gpus", default=None, help="online: GPUs (of those visible) the engine uses")
+    p.add_argument("--train-gpus", default=None, help="online: GPUs (of those visible) the trainer uses")
+
+
+# ----------------------------------------------------------------------------------------------------
+# what the trainer knows before any hidden state exists
+
+def inputs(args, out: str) -> tuple[dict, list[int]]:
+    """(data_config, lengths) of an online run: what extract would record, and each document's length after the
+    EAGLE shift, from the prepared data and the target's config alone."""
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
+    from kimi_eagle_host.target.hf_target import resolve_device_dtype
+    from kimi_eagle_host.target.model_layers import LAYER_CONVENTION, LayerIdError, model_info, parse_layer_ids
+
+    if args.trainer != "ours":
+        raise BadInput("hidden_states: online: only with --trainer ours (speculators' trainer reads files)")
+    for name in ("seq_len", "tp_size", "engine_batch_size"):
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')}: must be >= 1")
+    if not args.online_buffer_gb > 0 or args.online_cache_gb < 0:
+        raise BadInput("--online-buffer-gb must be > 0 and --online-cache-gb >= 0")
+    if not os.path.isdir(args.online_spool_dir):
+        raise BadInput(f"--online-spool-dir {args.online_spool_dir}: not a folder")
+    for what in ("engine_gpus", "train_gpus"):
+        parse_gpus(getattr(args, what), what)
+    prepared = os.path.join(out, "prepared")
+    ds = PreparedDataset(prepared)
+    info = model_info(args.model)
+    try:
+        layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
+    except LayerIdError as e:
+        raise BadInput(str(e)) from None
+    _, dtype = resolve_device_dtype(args.device, args.dtype, args.engine)
+    lengths = []
+    for i in range(len(ds)):
+        n = min(len(ds[i][0]), args.seq_len)
+        if n < 2:
+            raise BadInput(f"{prepared}: sample {i} has {n} token(s); training needs at least 2")
+        lengths.append(n - 1)
+    if not lengths:
+        raise BadInput(f"{prepared}: holds no samples")
+    dc = {"layer_ids": layer_ids, "num_layers": info["num_layers"], "hidden_size": info["hidden_size"],
+          "layer_convention": LAYER_CONVENTION, "dtype": dtype, "backend": args.engine, "seq_len": args.seq_len,
+          "prepared_sha256": ds.digest, "count": len(ds), "hidden_states": "online"}
+    return dc, lengths
+
+
+def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
+    """A document's file in the spool: its T = length + 1 positions' hidden states, token ids and loss mask."""
+    return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
+
+
+def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float):
+    """The engine's work in order, as (kinds, steps, docs) lists, and the set of cached documents: the held-out
+    documents, then every document of steps first..last-1 in the order the trainer takes them. A document that
+    comes again later is cached while the first of those fit in cache_bytes; it is extracted once."""
+    kinds, steps, docs = [HELD] * len(held_docs), [0] * len(held_docs), list(held_docs)
+    seen, cached, room = set(), set(), cache_bytes
+    repeats = set()
+    if cache_bytes > 0:   # which documents come again (worth keeping)
+        for step in range(first, last):
+            for row in plan.step_rows(step):
+                repeats.update(d for d in row if d in seen)
+                seen.update(row)
+        seen = set()
+    for step in range(first, last):
+        for row in plan.step_rows(step):
+            for d in row:
+                if d in cached:
+                    continue   # read from the cache
+                if d in repeats and d not in seen and doc_bytes(d) <= room:
+                    cached.add(d)
+                    room -= doc_bytes(d)
+                    kinds.append(CACHED)
+                else:
+                    kinds.append(SPOOLED)
+                seen.add(d)
+                steps.append(step)
+                docs.append(d)
+    return (kinds, steps, docs), cached
+
+
+def entry_name(kind: int, step: int, doc: int) -> str:
+    """A stream entry's file under the spool: named by its position (step, document), so a document seen in two
+    epochs never collides with itself."""
+    if kind == HELD:
+        return os.path.join("held", f"d_{doc}.safetensors")
+    if kind == CACHED:
+        return os.path.join("cache", f"d_{doc}.safetensors")
+    return f"s_{step}_{doc}.safetensors"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the spool
+
+def sweep_stale(base: str) -> None:
+    """Remove the spools of trainers that are gone (a SIGKILL leaves them): ours, their owner's pid not alive."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(SPOOL_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if os.stat(path).st_uid != os.geteuid():
+                continue
+            with open(os.path.join(path, OWNER)) as f:
+                owner = json.load(f)
+            if owner.get("boot_id") == _boot_id() and _alive(int(owner["pid"])):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.time() - _mtime(path) < 60:   # being made right now
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        log(f"online: removed {path}, the buffer of a run that is gone")
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def gpu_env(env: dict, gpus: list[int] | None, what: str) -> dict:
+    """env with CUDA_VISIBLE_DEVICES narrowed to `gpus` (indices among those visible now)."""
+    if gpus is None:
+        return env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [v for v in visible.split(",") if v.strip()] if visible else None
+    if ids is not None and max(gpus) >= len(ids):
+        raise BadInput(f"{what} {gpus}: only {len(ids)} GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})")
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] if ids else str(g) for g in gpus)}
+
+
+def parse_gpus(text, what: str) -> list[int] | None:
+    if text in (None, ""):
+        return None
+    try:
+        gpus = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise BadInput(f"--{what.replace('_', '-')} {text}: expected GPU numbers like 0,1") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise BadInput(f"--{what.replace('_', '-')} {text}: each GPU once, numbers from 0")
+    return gpus
+
+
+def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w) -> "Source":
+    """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both)."""
+    if w.distributed:
+        raise BadInput("hidden_states: online: one training process for now (nproc_per_node=1, one host); "
+                       "use offline for torchrun training")
+    return Source(args, dc, plan, held_docs, first, last, lengths, device.type)
+
+
+class Source:
+    """The trainer's side of the spool: start the engine, hand out each step's documents as they appear, stop the
+    engine and remove the spool on close (use it as a context manager)."""
+
+    def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
+                 device_type: str):
+        import numpy as np
+
+        self.args = args
+        self.proc = None
+        self.waited_s = 0.0
+        self.closed = False
+        base = args.online_spool_dir
+        sweep_stale(base)
+        job = os.environ.get("KIMI_EAGLE_JOB_ID", "")
+        self.spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX + (f"{job}-" if job else ""), dir=base)
+        try:
+            with open(os.path.join(self.spool, OWNER), "w") as f:
+                json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
+            for sub in ("held", "cache"):
+                os.makedirs(os.path.join(self.spool, sub))
+            itemsize = 4 if dc["dtype"] == "float32" else 2
+            n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+            (kinds, steps, docs), self.cached = stream_entries(
+                plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
+                args.online_cache_gb * 1e9)
+            np.save(os.path.join(self.spool, STREAM), np.array([kinds, steps, docs], dtype=np.int64).T.reshape(-1, 3))
+            self.held = HeldFiles(self, held_docs)
+            self.to_produce = len(docs)
+            self._start_engine(dc, device_type)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self, dc: dict, device_type: str) -> None:
+        a = self.args
+        cmd = [sys.executable, "-m", "kimi_eagle_host.engine.stream_producer", "--spool", self.spool,
+               "--model", a.model, "--prepared-dir", os.path.join(os.path.abspath(a.output_dir), "prepared"),
+               "--engine", a.engine, "--layer-ids", ",".join(map(str, dc["layer_ids"])), "--seq-len", str(a.seq_len),
+               "--dtype", dc["dtype"], "--device", device_type, "--batch-size", str(a.engine_batch_size),
+               "--tp-size", str(a.tp_size), "--buffer-bytes", str(int(a.online_buffer_gb * 1e9)),
+               "--parent", str(os.getpid())]
+        env = gpu_env(dict(os.environ), parse_gpus(a.engine_gpus, "engine_gpus"), "engine_gpus")
+        # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.
+        self.proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env)
+        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents; buffer "
+            f"{a.online_buffer_gb:g} GB in {self.spool}"
+            + (f", {len(self.cached)} documents cached for later epochs" if self.cached else ""))
+
+    # --- handing out documents ------------------------------------------------------------------------
+    def for_step(self, step: int) -> "StepFiles":
+        return StepFiles(self, step)
+
+    def wait_for(self, path: str) -> str:
+        """`path` once the engine has written it; the engine's failure is raised here (Refused: one line)."""
+        if os.path.exists(path):
+            return path
+        t0, delay = time.monotonic(), 0.001
+        while not os.path.exists(path):
+            if self.closed:
+                raise RuntimeError("online: the buffer was closed")
+            self._check_engine(path)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        self.waited_s += time.monotonic() - t0
+        return path
+
+    def _check_engine(self, path: str) -> None:
+        err = os.path.join(self.spool, ENGINE_ERROR)
+        if os.path.exists(err):
+            with open(err) as f:
+                raise Refused(f"online: the engine failed: {f.read().strip()}")
+        rc = self.proc.poll() if self.proc is not None else None
+        if rc is not None and not os.path.exists(path):
+            if os.path.exists(err):
+                return self._check_engine(path)
+            raise Refused(f"online: the engine (pid {self.proc.pid}) exited with code {rc} before writing "
+                          f"{os.path.relpath(path, self.spool)} (its log lines are above)")
+
+    def figures(self) -> dict:
+        """The engine's tokens/s, the buffer's fill and who waited for whom, for the progress line and tracker."""
+        try:
+            with open(os.path.join(self.spool, ENGINE_FIGURES)) as f:
+                eng = json.load(f)
+        except (OSError, ValueError):
+            eng = {}
+        secs = eng.get("seconds") or 0
+        return {"engine_tok_s": round(eng["tokens"] / secs, 1) if secs and eng.get("tokens") else None,
+                "buffer_fill": round(eng.get("buffer_bytes", 0) / (self.args.online_buffer_gb * 1e9), 3),
+                "engine_wait_s": round(eng.get("waited_s", 0.0), 2), "trainer_wait_s": round(self.waited_s, 2)}
+
+    # --- the end ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""
+        self.closed = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StepFiles:
+    """One step's documents: files[d] waits for document d's file; done(d) lets it go (unless kept)."""
+
+    def __init__(self, source: Source, step: int):
+        self.source, self.step = source, step
+
+    def _path(self, d: int) -> str:
+        kind = CACHED if d in self.source.cached else SPOOLED
+        return os.path.join(self.source.spool, entry_name(kind, self.step, d))
+
+    def __getitem__(self, d: int) -> str:
+        return self.source.wait_for(self._path(d))
+
+    def done(self, d: int) -> None:
+        if d not in self.source.cached:
+            os.unlink(self._path(d))
+
+
+class HeldFiles:
+    """The held-out documents: extracted first and kept for the run (a plan of its own evaluates them)."""
+
+    def __init__(self, source: Source, docs: list[int]):
+        self.source, self.docs = source, set(docs)
+
+    def for_step(self, step: int) -> "HeldFiles":
+        return self
+
+    def __getitem__(self, d: int) -> str:
+        return self.source.wait_for(os.path.join(self.source.spool, entry_name(HELD, 0, d)))
+
+    def __len__(self) -> int:
+        return len(self.docs)
