@@ -99,7 +99,7 @@ PIPELINE_SETTINGS = [
        positive=True),
     _s("hidden_states", "choice", "offline", "offline: extract writes them as files, train reads them; online: "
        "train runs the engine and its hidden states reach it through a bounded buffer in memory, never as files",
-       ("train",), choices=("offline", "online")),
+       ("train", _PF), choices=("offline", "online")),
     _s("online_buffer_gb", "float", 2.0, "online: the engine waits while this many GB of hidden states wait for "
        "the trainer", ("train",), positive=True),
     _s("online_cache_gb", "float", 0.0, "online: keep the first documents that fit in this many GB for later "

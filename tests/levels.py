@@ -50,6 +50,8 @@ FILES = {
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
     "test_online.py": INTEGRATION,
+    "test_online_stream.py": UNIT,
+    "test_online_vllm.py": E2E,
     "test_packaging.py": INTEGRATION,
     "test_parity.py": INTEGRATION,
     "test_patch_engine.py": INTEGRATION,   # real speculators wheels installed with pip

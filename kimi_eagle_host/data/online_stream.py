@@ -41,7 +41,12 @@ STREAM = "stream.npy"
 ENGINE_FIGURES = "engine.json"
 ENGINE_ERROR = "engine.error"
 OWNER = "owner.json"
+ENGINE_PID = "engine.pid"
 HELD, SPOOLED, CACHED = 0, 1, 2   # kinds of a stream entry
+# Test-only: a folder where every document handed to the trainer is copied (tests compare them with extract's).
+COPY_ENV = "KIMI_EAGLE_TEST_ONLINE_COPY_DIR"
+# In the environment of the engine and of every process it starts: the spool it serves (kill_marked finds them).
+SPOOL_ENV = "KIMI_EAGLE_ONLINE_SPOOL"
 STOP_GRACE_S = 20.0   # how long the engine gets to shut down (vLLM stops its workers) before SIGKILL
 
 
@@ -194,6 +199,36 @@ def _boot_id() -> str | None:
         return None
 
 
+def kill_marked(spool: str) -> list[int]:
+    """SIGKILL our processes whose environment names this spool (the engine's leftovers); their pids."""
+    mark = f"{SPOOL_ENV}={spool}".encode()
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != os.geteuid():
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            killed.append(int(name))
+        except OSError:
+            continue
+    if killed:
+        log(f"online: stopped what the engine left running (pids {killed})")
+    return killed
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -215,6 +250,20 @@ def gpu_env(env: dict, gpus: list[int] | None, what: str) -> dict:
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] if ids else str(g) for g in gpus)}
 
 
+def split_gpus(args) -> None:
+    """The split layout, before anything touches CUDA: the engine's CUDA_VISIBLE_DEVICES (args.engine_visible,
+    from `engine_gpus`) and this trainer's own (narrowed to `train_gpus`), both among the GPUs visible now."""
+    args.engine_visible = None
+    if args.hidden_states != "online":
+        return
+    engine = parse_gpus(args.engine_gpus, "engine_gpus")
+    if engine is not None:
+        args.engine_visible = gpu_env(dict(os.environ), engine, "engine_gpus")["CUDA_VISIBLE_DEVICES"]
+    train = parse_gpus(args.train_gpus, "train_gpus")
+    if train is not None:
+        os.environ.update(gpu_env(dict(os.environ), train, "train_gpus"))
+
+
 def parse_gpus(text, what: str) -> list[int] | None:
     if text in (None, ""):
         return None
@@ -228,46 +277,66 @@ def parse_gpus(text, what: str) -> list[int] | None:
 
 
 def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w) -> "Source":
-    """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both)."""
-    if w.distributed:
-        raise BadInput("hidden_states: online: one training process for now (nproc_per_node=1, one host); "
-                       "use offline for torchrun training")
-    return Source(args, dc, plan, held_docs, first, last, lengths, device.type)
+    """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
+    Under torchrun every rank calls it: rank 0 starts the engine, which serves the trainer processes of its host."""
+    if w.size != w.local_size:
+        raise BadInput("hidden_states: online: the trainer processes of one host for now (its engine serves them); "
+                       "use hidden_states: offline for multi-node training")
+    return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w)
 
 
 class Source:
-    """The trainer's side of the spool: start the engine, hand out each step's documents as they appear, stop the
-    engine and remove the spool on close (use it as a context manager)."""
+    """The trainer's side of the spool: start the engine (rank 0), hand out each step's documents as they appear,
+    stop the engine and remove the spool on close (use it as a context manager)."""
 
     def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
-                 device_type: str):
-        import numpy as np
-
-        self.args = args
-        self.proc = None
+                 device_type: str, w):
+        self.args, self.main = args, w.main
+        self.proc = self.engine_pid = self.spool = None
         self.waited_s = 0.0
         self.closed = False
-        base = args.online_spool_dir
+        self.copy_to = os.environ.get(COPY_ENV)
+        itemsize = 4 if dc["dtype"] == "float32" else 2
+        n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+        stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
+            plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
+            args.online_cache_gb * 1e9)
+        self.held = HeldFiles(self, held_docs)
+        self.to_produce = len(stream[2])
+        failed = None
+        if self.main:
+            try:
+                self._make_spool(stream)
+                self._start_engine(dc, device_type)
+            except BaseException as e:   # said to the other ranks first: none is left waiting for a spool
+                failed = e
+        shared = self.spool if failed is None else None
+        if w.distributed:
+            from kimi_eagle_host.training import distributed as dist_
+
+            shared = dist_.gather(shared)[0]
+        if failed is not None:
+            self.close()
+            raise failed
+        if shared is None:
+            raise Refused("online: the engine did not start on rank 0 (its error is in the log)")
+        if not self.main:
+            self.spool = shared
+            with open(os.path.join(shared, ENGINE_PID)) as f:
+                self.engine_pid = int(f.read())
+
+    def _make_spool(self, stream) -> None:
+        import numpy as np
+
+        base = self.args.online_spool_dir
         sweep_stale(base)
         job = os.environ.get("KIMI_EAGLE_JOB_ID", "")
         self.spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX + (f"{job}-" if job else ""), dir=base)
-        try:
-            with open(os.path.join(self.spool, OWNER), "w") as f:
-                json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
-            for sub in ("held", "cache"):
-                os.makedirs(os.path.join(self.spool, sub))
-            itemsize = 4 if dc["dtype"] == "float32" else 2
-            n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
-            (kinds, steps, docs), self.cached = stream_entries(
-                plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
-                args.online_cache_gb * 1e9)
-            np.save(os.path.join(self.spool, STREAM), np.array([kinds, steps, docs], dtype=np.int64).T.reshape(-1, 3))
-            self.held = HeldFiles(self, held_docs)
-            self.to_produce = len(docs)
-            self._start_engine(dc, device_type)
-        except BaseException:
-            self.close()
-            raise
+        with open(os.path.join(self.spool, OWNER), "w") as f:
+            json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
+        for sub in ("held", "cache"):
+            os.makedirs(os.path.join(self.spool, sub))
+        np.save(os.path.join(self.spool, STREAM), np.array(stream, dtype=np.int64).T.reshape(-1, 3))
 
     def _start_engine(self, dc: dict, device_type: str) -> None:
         a = self.args
@@ -276,10 +345,19 @@ class Source:
                "--engine", a.engine, "--layer-ids", ",".join(map(str, dc["layer_ids"])), "--seq-len", str(a.seq_len),
                "--dtype", dc["dtype"], "--device", device_type, "--batch-size", str(a.engine_batch_size),
                "--tp-size", str(a.tp_size), "--buffer-bytes", str(int(a.online_buffer_gb * 1e9)),
+               "--bytes-per-token", str(document_bytes(0, len(dc["layer_ids"]), dc["hidden_size"],
+                                                      4 if dc["dtype"] == "float32" else 2) - 256),
                "--parent", str(os.getpid())]
-        env = gpu_env(dict(os.environ), parse_gpus(a.engine_gpus, "engine_gpus"), "engine_gpus")
+        env = {**os.environ, SPOOL_ENV: self.spool}   # marks the engine and every process it starts (vLLM's)
+        if getattr(a, "engine_visible", None) is not None:   # split_gpus: the engine's own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = a.engine_visible
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)   # not a torchrun worker: its engine (vLLM) must not join our process group
         # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.
         self.proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env)
+        self.engine_pid = self.proc.pid
+        with open(os.path.join(self.spool, ENGINE_PID), "w") as f:
+            f.write(str(self.proc.pid))
         log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents; buffer "
             f"{a.online_buffer_gb:g} GB in {self.spool}"
             + (f", {len(self.cached)} documents cached for later epochs" if self.cached else ""))
@@ -290,8 +368,6 @@ class Source:
 
     def wait_for(self, path: str) -> str:
         """`path` once the engine has written it; the engine's failure is raised here (Refused: one line)."""
-        if os.path.exists(path):
-            return path
         t0, delay = time.monotonic(), 0.001
         while not os.path.exists(path):
             if self.closed:
@@ -300,6 +376,8 @@ class Source:
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
         self.waited_s += time.monotonic() - t0
+        if self.copy_to:   # test-only: what reached the trainer, compared with extract's files
+            shutil.copy(path, os.path.join(self.copy_to, os.path.basename(path)))
         return path
 
     def _check_engine(self, path: str) -> None:
@@ -307,11 +385,14 @@ class Source:
         if os.path.exists(err):
             with open(err) as f:
                 raise Refused(f"online: the engine failed: {f.read().strip()}")
-        rc = self.proc.poll() if self.proc is not None else None
+        if self.proc is not None:
+            rc = self.proc.poll()
+        else:   # another rank's engine: gone, or a zombie its parent (rank 0) has not reaped yet
+            rc = None if _alive(self.engine_pid) and _state(self.engine_pid) != "Z" else "unknown"
         if rc is not None and not os.path.exists(path):
             if os.path.exists(err):
                 return self._check_engine(path)
-            raise Refused(f"online: the engine (pid {self.proc.pid}) exited with code {rc} before writing "
+            raise Refused(f"online: the engine (pid {self.engine_pid}) exited with code {rc} before writing "
                           f"{os.path.relpath(path, self.spool)} (its log lines are above)")
 
     def figures(self) -> dict:
@@ -330,6 +411,8 @@ class Source:
     def close(self) -> None:
         """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""
         self.closed = True
+        if not self.main:
+            return   # rank 0's engine and spool
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -337,7 +420,10 @@ class Source:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.spool, ignore_errors=True)
+        if self.spool is not None:
+            kill_marked(self.spool)   # an engine that died hard leaves its own children (vLLM's EngineCore)
+        if self.spool is not None:
+            shutil.rmtree(self.spool, ignore_errors=True)
 
     def __enter__(self):
         return self

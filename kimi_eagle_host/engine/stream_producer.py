@@ -27,10 +27,10 @@ PARENT_POLL_S = 0.5
 class Spool:
     """The producer's view of the spool: where each entry goes, and the buffer's room (backpressure)."""
 
-    def __init__(self, path: str, buffer_bytes: int):
+    def __init__(self, path: str, buffer_bytes: int, bytes_per_token: int):
         import numpy as np
 
-        self.path, self.budget = path, buffer_bytes
+        self.path, self.budget, self.per_token = path, buffer_bytes, bytes_per_token
         self.entries = np.load(os.path.join(path, spool_.STREAM)).tolist()   # [kind, step, doc] in order
         self.outstanding = []   # (file, bytes) of training documents not yet taken by the trainer
         self.tokens, self.waited_s, self.t0 = 0, 0.0, time.monotonic()
@@ -42,10 +42,10 @@ class Spool:
         self.outstanding = [(f, b) for f, b in self.outstanding if os.path.exists(f)]
         return sum(b for _, b in self.outstanding)
 
-    def wait_room(self, entries, bytes_of) -> None:
+    def wait_room(self, entries, tokens_of) -> None:
         """Block while the buffer holds documents and these would pass its budget (never with an empty buffer:
-        one batch always goes, however large)."""
-        need = [(self.file(e), bytes_of(e)) for e in entries if e[0] == spool_.SPOOLED]
+        one batch always goes, however large). tokens_of(entry): its document's tokens."""
+        need = [(self.file(e), tokens_of(e) * self.per_token) for e in entries if e[0] == spool_.SPOOLED]
         t0 = time.monotonic()
         while need and self.used() and self.used() + sum(b for _, b in need) > self.budget:
             time.sleep(0.005)
@@ -71,15 +71,10 @@ def run_hf(args, spool: Spool, ds, layer_ids) -> None:
     _, layers, _ = resolve_decoder_stack(model)
     capture = HiddenStateCapture(layers, layer_ids)
     device = model.get_input_embeddings().weight.device
-    per_token = len(layer_ids) * torch.finfo(torch_dtype).bits // 8
-
-    def bytes_of(entry):
-        return min(len(ds[entry[2]][0]), args.seq_len) * per_token
-
     entries = spool.entries
     for b in range(0, len(entries), args.batch_size):
         batch = entries[b:b + args.batch_size]
-        spool.wait_room(batch, bytes_of)
+        spool.wait_room(batch, lambda e: min(len(ds[e[2]][0]), args.seq_len))
         seqs = [ds[d][0][:args.seq_len] for _, _, d in batch]
         with torch.inference_mode():
             hs = capture_batch(capture, model, seqs, device, torch_dtype).cpu()
@@ -127,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--buffer-bytes", type=int, required=True)
+    ap.add_argument("--bytes-per-token", type=int, required=True, help="a document's bytes in the spool per token")
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--writers", type=int, default=min(4, os.cpu_count() or 1))
     args = ap.parse_args(argv)
@@ -137,7 +133,7 @@ def main(argv=None) -> int:
     try:
         from kimi_eagle_host.data.prepared_data import PreparedDataset
 
-        spool = Spool(args.spool, args.buffer_bytes)
+        spool = Spool(args.spool, args.buffer_bytes, args.bytes_per_token)
         ds = PreparedDataset(args.prepared_dir)
         layer_ids = [int(x) for x in args.layer_ids.split(",")]
         t0 = time.monotonic()

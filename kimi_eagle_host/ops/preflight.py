@@ -748,8 +748,13 @@ def check_storage(args, ctx: dict) -> dict:
                              shm_free=storage_plan.free_bytes(storage_plan.SHM),
                              stored=storage_plan.already_stored(args.output_dir))
     short = plan["offline_needs_free"] - free
-    fix = (f"`hidden_states: online` is not available yet: use less data (--max-samples, a shorter "
-           f"seq_len), free {storage_plan.size(short)} under {where}, or choose an output_dir with room")
+    if args.hidden_states == "online":   # no hidden-state files: the plan is what the run costs instead
+        result = check("storage", "pass", f"hidden_states: online, no hidden-state files; {plan['summary']}")
+        result["plan"] = plan
+        return result
+    fix = (f"offline does not fit: set hidden_states=online (the engine feeds the trainer through a buffer in "
+           f"memory; no files), or use less data (--max-samples, a shorter seq_len), free "
+           f"{storage_plan.size(short)} under {where}, or choose an output_dir with room")
     result = check("storage", "pass" if plan["offline_fits"] else "fail", plan["summary"], fix)
     result["plan"] = plan
     return result
@@ -894,6 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free-disk-gib", type=float, default=10.0,
                    help="free disk to keep beyond the estimate (default 10)")
     p.add_argument("--epochs", type=float, default=1, help="training epochs, for the storage plan's hours (default 1)")
+    p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
+                   help="online: no hidden-state files; the storage check shows what the run costs instead")
     p.add_argument("--step-settings", default=None,
                    help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
                         "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")
@@ -930,7 +937,7 @@ def run_checks(args) -> dict:
     inputs = check_inputs(args, ctx)
     if inputs:
         checks.append(inputs)
-    if args.step in ("extract", "all"):
+    if args.step in ("extract", "all") or (args.step == "train" and args.hidden_states == "online"):
         checks.append(check_storage(args, ctx))
     checks.append(check_disk(args, ctx))
     checks.append(check_lock(args))

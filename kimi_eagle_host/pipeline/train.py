@@ -9,6 +9,8 @@ Inputs (all under --output-dir):
   hidden_states/data_config.json    layer_ids (vLLM convention, last one == num_layers), hidden_size, ...
   vocab/d2t.npy, vocab/t2d.npy      d2t[i] = target_id - i (int64 [K]); t2d bool [target_vocab]
 and --model: the target (only its embedding table, final norm and lm_head are read, by tensor name).
+With --hidden-states online there is no hidden_states/: the target runs here, in an engine the step starts, and
+its hidden states reach the loop through a bounded buffer in memory (data/online_stream.py).
 
 Outputs:
   draft/checkpoints/step_XXXXXXXX.pt  model + optimizer + step + rng (atomic), resumable with --resume
@@ -309,6 +311,7 @@ def lr_at(step: int, total: int, args) -> float:
 
 def train(args) -> dict:
     """The step: what _train does, with whatever it opened (an online engine and its buffer) closed at the end."""
+    online_stream.split_gpus(args)   # engine_gpus / train_gpus, before anything initialises CUDA
     with contextlib.ExitStack() as closing:
         return _train(args, closing)
 
