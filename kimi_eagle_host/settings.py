@@ -102,14 +102,27 @@ PIPELINE_SETTINGS = [
        "the current folder)", (*STEPS, _PF), nonempty=True, needed_by=("train",),
        step_defaults={s: "." for s in STEPS if s != "train"}),
     _s("layer_ids", "ints", None, "target layers whose hidden states train the draft (vLLM convention; "
-       "default 2,N//2,N-3,N)", ("extract", _PF)),
+       "default 2,N//2,N-3,N)", ("extract", "train", _PF)),
     _s("engine", "choice", "hf", "extraction engine: hf (transformers, any host) or vllm (where installed)",
-       ("extract", _PF), choices=("hf", "vllm")),
-    _s("seq_len", "int", 2048, "tokens per sample (longer ones are cut)", ("prepare", "extract", _PF), positive=True),
+       ("extract", "train", _PF), choices=("hf", "vllm")),
+    _s("seq_len", "int", 2048, "tokens per sample (longer ones are cut)", ("prepare", "extract", "train", _PF),
+       positive=True),
     _s("batch_size", "int", None, "extract's samples per forward and train's rows per step (unset: each step's own)",
        _TORCH, positive=True, step_defaults={"extract": 8}),
-    _s("tp_size", "int", 1, "tensor-parallel size of vLLM engines", ("regenerate", "extract", "eval", _PF),
+    _s("tp_size", "int", 1, "tensor-parallel size of vLLM engines", ("regenerate", "extract", "train", "eval", _PF),
        positive=True),
+    _s("hidden_states", "choice", "offline", "offline: extract writes them as files, train reads them; online: "
+       "train runs the engine and its hidden states reach it through a bounded buffer in memory, never as files",
+       ("train", _PF), choices=("offline", "online")),
+    _s("online_buffer_gb", "float", 2.0, "online: the engine waits while this many GB of hidden states wait for "
+       "the trainer", ("train",), positive=True),
+    _s("online_cache_gb", "float", 0.0, "online: keep the first documents that fit in this many GB for later "
+       "epochs (0: every epoch runs the engine again)", ("train",), minimum=0),
+    _s("online_spool_dir", "text", "/dev/shm", "online: where the buffer lives (a memory file system; a folder "
+       "unique to the job is made in it and removed at the end)", ("train",), nonempty=True),
+    _s("engine_gpus", "ints", None, "online: the GPUs (of those visible) the engine uses (unset: the trainer's)",
+       ("train",)),
+    _s("train_gpus", "ints", None, "online: the GPUs (of those visible) the trainer uses (unset: all)", ("train",)),
     _s("draft_vocab_size", "int", 32000, "draft vocabulary (most frequent target tokens)", ("vocab",), positive=True),
     _s("epochs", "float", 1.0, "passes over the samples (0.5 = half of them)", ("train",), positive=True),
     _s("lr", "float", 1e-4, "peak learning rate", ("train",), positive=True),
@@ -197,6 +210,7 @@ STEP_SETTINGS = [
     _step("extract", "writers", "int", None, "writer threads (unset: min(16, cores))", positive=True),
     _step("vocab", "token_freq", "text", None, "frequency file instead of <output-dir>/prepared/token_freq.npy",
           nonempty=True),
+    _step("train", "engine_batch_size", "int", 8, "online: documents per engine forward", positive=True),
     _step("train", "tokens_per_step", "int", None, "token budget of one optimizer step over all ranks", positive=True),
     _step("train", "pack_len", "int", None, "tokens per packed row (default: the longest document)", positive=True),
     _step("train", "loader_workers", "int", None, "threads reading batches ahead", minimum=0),
@@ -311,8 +325,10 @@ def _text(s: Setting, key: str, value) -> str:
 
 def _ints(s: Setting, key: str, value) -> list[int]:
     items = value.split(",") if isinstance(value, str) else value
+    what = "GPU" if s.name.endswith("_gpus") else "layer"
     if not isinstance(items, list) or not items:
-        raise SettingError(key, f"expected a list of layer numbers like [2, 16, 29] (got {value!r})")
+        example = "[0, 1]" if what == "GPU" else "[2, 16, 29]"
+        raise SettingError(key, f"expected a list of {what} numbers like {example} (got {value!r})")
     out = []
     for item in items:
         if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and item.strip().isdigit())):
@@ -320,7 +336,7 @@ def _ints(s: Setting, key: str, value) -> list[int]:
         out.append(int(item))
     dup = sorted({i for i in out if out.count(i) > 1})
     if dup:
-        raise SettingError(key, f"layer {dup[0]} is listed twice (got {out}); each layer once")
+        raise SettingError(key, f"{what} {dup[0]} is listed twice (got {out}); each {what} once")
     return out
 
 

@@ -4,8 +4,9 @@ and the prepared data's size.
 
 Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_files.py): per token L layers x
 hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
-safetensors header. Online (the `hidden_states: online` mode, not built yet) stores none of it: a bounded
-in-memory buffer holds one engine batch, and every epoch runs the target again.
+safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it: a bounded
+in-memory buffer (`online_buffer_gb`) holds what the engine has extracted and the trainer not yet taken, and every
+epoch runs the target again (unless `online_cache_gb` keeps documents).
 
 Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a rough rule:
 - extraction (vLLM native): 153.6 k tokens/s at a 1.06 B target, 37.4 k at 7.2 B; between them log-linear in the

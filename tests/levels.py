@@ -52,6 +52,9 @@ FILES = {
     "test_lr_schedule.py": UNIT,
     "test_loopback_host.py": INTEGRATION,
     "test_machine_claims.py": INTEGRATION,
+    "test_online.py": INTEGRATION,
+    "test_online_stream.py": UNIT,
+    "test_online_vllm.py": E2E,
     "test_packaging.py": INTEGRATION,
     "test_parity.py": INTEGRATION,
     "test_patch_engine.py": INTEGRATION,   # real speculators wheels installed with pip

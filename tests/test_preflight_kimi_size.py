@@ -82,8 +82,13 @@ def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
     assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
     assert "offline needs 344.2 TB" in storage["detail"] and "2.1 TB free on" in storage["detail"]
     assert "offline does not fit" in storage["detail"] and "online stores none" in storage["detail"]
-    assert "online` is not available yet" in storage["fix"] and "--max-samples" in storage["fix"]
+    assert "set hidden_states=online" in storage["fix"] and "--max-samples" in storage["fix"]
     assert [n for n, c in checks.items() if c["status"] == "fail"] == ["storage"]   # not the disk check too
+    # The same disk online: no hidden-state files, so the check passes and says what the run costs instead.
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000), "--hidden-states", "online")
+    storage = checks["storage"]
+    assert rc == 0 and storage["status"] == "pass", storage
+    assert storage["detail"].startswith("hidden_states: online, no hidden-state files; offline needs 344.2 TB")
 
 
 def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):

@@ -115,7 +115,7 @@ def test_kimi_eagle_preflight_prints_the_plan_and_fails_when_offline_would_fill_
     block = "\n".join(lines[lines.index(verdict[0]) + 1:])
     assert "per token: 4 layers [2, 30, 58, 61] x hidden 7168 x 2 B (bfloat16) = 57,344 B" in block
     assert "6,000,000,000 tokens in 600,000 samples" in block and "extraction ~" in block
-    assert "fix: `hidden_states: online` is not available yet" in block
+    assert "fix: offline does not fit: set hidden_states=online" in block
     assert lines[-1] == "[local] preflight FAILED"
     # --json carries the same plan as numbers
     doc = json.loads(e.cli("--json", "preflight", "extract", "--host", "local", "--",

@@ -59,8 +59,9 @@ def extra_settings(step: str, extra: list[str]) -> dict:
 
 
 def chain(pipeline) -> list[str]:
-    """The steps of `run all`: regenerate when the pipeline says so, eval when it names held-out prompts."""
-    names = ["prepare", "extract", "vocab", "train"]
+    """The steps of `run all`: regenerate when the pipeline says so, eval when it names held-out prompts; no
+    extract with `hidden_states: online` (train runs the engine itself)."""
+    names = ["prepare", "vocab", "train"] if pipeline.hidden_states == "online" else ["prepare", "extract", "vocab", "train"]
     if pipeline.self_prompts and not pipeline.regenerate:  # else the setting would be dropped without a word
         raise ConfigError(f"self_prompts: {pipeline.self_prompts} needs regenerate: true (the target writes the "
                           "prompts in regenerate, then answers them)")

@@ -67,7 +67,21 @@ def figures(point: dict) -> str:
         parts.append(f"{point['tok_s']:,.0f} tok/s")
     if isinstance(point.get("prompts_s"), (int, float)):
         parts.append(f"{point['prompts_s']:.2f} prompts/s")
+    parts += _online(point)
     return "  ".join(parts)
+
+
+def _online(point: dict) -> list[str]:
+    """An online train's flow: the engine's tokens/s, the buffer's fill and who waited for whom (seconds so far)."""
+    parts = []
+    if isinstance(point.get("engine_tok_s"), (int, float)):
+        parts.append(f"engine {point['engine_tok_s']:,.0f} tok/s")
+    if isinstance(point.get("buffer_fill"), (int, float)):
+        parts.append(f"buffer {100 * point['buffer_fill']:.0f}%")
+    waits = [(who, point.get(f"{who}_wait_s")) for who in ("trainer", "engine")]
+    if all(isinstance(s, (int, float)) for _, s in waits):
+        parts.append("waiting: " + ", ".join(f"{who} {_duration(s)}" for who, s in waits))
+    return parts
 
 
 def parse_progress(text: str):

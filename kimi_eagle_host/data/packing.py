@@ -52,11 +52,20 @@ class Plan:
     def __init__(self, rows: list[list[int]], rows_per_step: int, seed: int):
         self.rows, self.rows_per_step, self.seed = rows, rows_per_step, seed
         self.steps_per_epoch = max(1, math.ceil(len(rows) / rows_per_step))
+        self._order = None   # (epoch, its row order)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The rows of one epoch in the order its steps take them (the last epoch's order is kept: a step asks
+        for it again)."""
+        kept = self._order
+        if kept is None or kept[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            kept = self._order = (epoch, torch.randperm(len(self.rows), generator=g).tolist())
+        return kept[1]
 
     def step_rows(self, step: int) -> list[list[int]]:
         epoch, i = divmod(step, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        perm = torch.randperm(len(self.rows), generator=g).tolist()
+        perm = self.epoch_order(epoch)
         return [self.rows[j] for j in perm[i * self.rows_per_step:(i + 1) * self.rows_per_step]]
 
     def rank_rows(self, step: int, rank: int, world: int) -> list[list[int]]:
@@ -129,9 +138,11 @@ def new_slot(rows: int, pack_len: int, aux_dim: int, hidden: int, feat_dtype, to
 _PADDING = {"aux": 0, "last": 0, "ids": 0, "loss_mask": False, "doc_ids": -1, "positions": 1, "target_ids": 0}
 
 
-def fill_rows(slot: dict, files: list[str], rows: list[list[int]], tops=None) -> int:
+def fill_rows(slot: dict, files, rows: list[list[int]], tops=None, done=None) -> int:
     """Write the packed rows (lists of document indices) into slot and return the real positions' count. Every
-    position is written, padding included, so a slot is reused without clearing it first."""
+    position is written, padding included, so a slot is reused without clearing it first. files[d] is document
+    d's file (a list, or online a mapping that waits for it); done(d), when given, is called once document d is
+    copied (online: its file may go)."""
     pack_len = slot["ids"].shape[1]
     counting = torch.arange(1, pack_len + 1)
     tokens = 0
@@ -151,6 +162,9 @@ def fill_rows(slot: dict, files: list[str], rows: list[list[int]], tops=None) ->
             slot["positions"][r, sl].copy_(counting[:n])
             if tops is not None:
                 slot["target_ids"][r, sl].copy_(tops[d][:n])
+            del s, hs, ids   # the file's pages: nothing of it stays mapped once it is copied
+            if done is not None:
+                done(d)
             at += n
         for name, t in slot.items():
             t[r, at:].fill_(_PADDING[name])

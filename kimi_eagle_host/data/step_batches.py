@@ -35,7 +35,8 @@ def default_workers(device: torch.device) -> int:
 
 class StepBatches:
     """The batches of steps first .. last-1 of one rank, in order, on `device`. Iterate it; close() (or leave
-    the `with`) stops the threads. An error while reading a sample is raised by the next() that needs it."""
+    the `with`) stops the threads. An error while reading a sample is raised by the next() that needs it.
+    `files`: the sample files by document index, or an online source whose for_step(step) gives them."""
 
     def __init__(self, data_plan: packing.Plan, first: int, last: int, rank: int, world: int, files: list[str],
                  pack_len: int, aux_dim: int, hidden: int, feat_dtype, device: torch.device, workers: int,
@@ -87,7 +88,9 @@ class StepBatches:
     def _fill(self, slot: int, step: int) -> None:
         try:
             rows = self.plan.rank_rows(step, self.rank, self.world)
-            done = (slot, packing.fill_rows(self.slots[slot], self.files, rows, self.tops))
+            # Online (online_stream.Source): the step's documents, waited for as the engine writes them.
+            files = self.files.for_step(step) if hasattr(self.files, "for_step") else self.files
+            done = (slot, packing.fill_rows(self.slots[slot], files, rows, self.tops, getattr(files, "done", None)))
         except Exception as e:   # handed to the consumer, raised where it waits for this step
             done = e
         with self.cond:

@@ -188,8 +188,9 @@ def extract_speculators(args, ds, todo, layer_ids, info, writer, spec_version):
 # ----------------------------------------------------------------------------------------------------
 # native extraction (vLLM >= 0.18): extract_hidden_states + our KV connector
 
-def extract_native(args, ds, todo, layer_ids, info, out_dir):
-    """Every todo sample through one vLLM engine; the connector writes hs_{i}.safetensors in the worker."""
+def native_engine(args, layer_ids, info, out_dir, chunk):
+    """(llm, SamplingParams, LOSS_MASK_KEY): one vLLM engine extracting `layer_ids`, whose connector writes each
+    sample where its request says, under `out_dir`."""
     import torch
 
     from kimi_eagle_host.engine.vllm_hs_connector import LOSS_MASK_KEY
@@ -198,7 +199,6 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     # (they are spawned; a job's PYTHONPATH already names it, a step started otherwise may not).
     os.environ["PYTHONPATH"] = payload_root() + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     on_gpu = torch.cuda.is_available()
-    chunk = max(64, args.batch_size)
     # Before vLLM is imported: it reads its environment once. The prompt plus the one token vLLM samples.
     memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk)
     from vllm import LLM, EngineArgs, SamplingParams
@@ -222,6 +222,32 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
                                       "use_synchronization_lock": False,
                                       "num_writer_threads": max(1, args.writers)}})
     log(f"[extract] vLLM engine up in {time.time() - t0:.1f}s (native extract_hidden_states, ids {layer_ids})")
+    return llm, SamplingParams, LOSS_MASK_KEY
+
+
+def native_chunk(engine, ds, seq_len, part) -> int:
+    """Extract `part`, a list of (dataset index, sample path), through the engine; wait until every file is
+    written. Returns the tokens."""
+    llm, SamplingParams, LOSS_MASK_KEY = engine
+    prompts, params, tokens = [], [], 0
+    for i, path in part:
+        ids, mask = ds[i]
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if os.path.exists(error_path(path)):
+            os.unlink(error_path(path))
+        prompts.append({"prompt_token_ids": [int(t) for t in ids]})
+        params.append(SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+            "hidden_states_path": path, LOSS_MASK_KEY: [int(m) for m in mask]}}))
+        tokens += len(ids)
+    llm.generate(prompts, params, use_tqdm=False)
+    _wait_for_samples([path for _, path in part])
+    return tokens
+
+
+def extract_native(args, ds, todo, layer_ids, info, out_dir):
+    """Every todo sample through one vLLM engine; the connector writes hs_{i}.safetensors in the worker."""
+    chunk = max(64, args.batch_size)
+    engine = native_engine(args, layer_ids, info, out_dir, chunk)
     t_loop = time.time()
     order = sorted(todo, key=lambda i: (-len(ds[i][0]), i))
     written = tokens = 0
@@ -229,19 +255,8 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     try:
         for b in range(0, len(order), chunk):
             part = order[b:b + chunk]
-            prompts, params, part_tokens = [], [], 0
-            for i in part:
-                ids, mask = ds[i]
-                ids, mask = ids[:args.seq_len], mask[:args.seq_len]
-                path = sample_path(out_dir, i)
-                if os.path.exists(error_path(path)):
-                    os.unlink(error_path(path))
-                prompts.append({"prompt_token_ids": [int(t) for t in ids]})
-                params.append(SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-                    "hidden_states_path": path, LOSS_MASK_KEY: [int(m) for m in mask]}}))
-                part_tokens += len(ids)
-            llm.generate(prompts, params, use_tqdm=False)
-            written += _wait_for_samples(out_dir, part)
+            part_tokens = native_chunk(engine, ds, args.seq_len, [(i, sample_path(out_dir, i)) for i in part])
+            written += len(part)
             tokens += part_tokens
             if hasattr(bar, "update"):  # tokens: the bar's tokens/s in `kimi-eagle logs`
                 bar.update(len(part), tokens=part_tokens)
@@ -252,25 +267,36 @@ def extract_native(args, ds, todo, layer_ids, info, out_dir):
     return written, tokens
 
 
-def _wait_for_samples(out_dir, indices):
+def stream_native(args, ds, layer_ids, info, spool):
+    """An online run's engine (engine/stream_producer.py): the spool's entries in order, `args.batch_size` at a
+    time, each batch once the buffer has room for it."""
+    # Room for more sequences than one batch (as extract_native's 64): a finished request's blocks are freed only
+    # once the connector has copied it out, in a later engine step; with room for one batch alone the next batch
+    # waited for blocks that nothing freed (seen on vLLM 0.32's CPU build: the engine idle, the batch never done).
+    engine = native_engine(args, layer_ids, info, spool.path, max(64, 2 * args.batch_size))
+    for b in range(0, len(spool.entries), args.batch_size):
+        batch = spool.entries[b:b + args.batch_size]
+        spool.wait_room(batch, lambda e: min(len(ds[e[2]][0]), args.seq_len))
+        spool.produced(native_chunk(engine, ds, args.seq_len, [(e[2], spool.file(e)) for e in batch]))
+
+
+def _wait_for_samples(paths):
     """The connector writes in worker threads after the request finished: wait until every sample of the chunk is
     on disk (it appears by rename, complete) or its error marker says why not."""
     deadline = time.time() + WRITE_WAIT_S
-    pending = list(indices)
+    pending = list(paths)
     while pending:
         still = []
-        for i in pending:
-            path = sample_path(out_dir, i)
+        for path in pending:
             if os.path.exists(path):
                 continue
             if os.path.exists(error_path(path)):
                 with open(error_path(path)) as f:
                     raise RuntimeError(f"the vLLM connector could not write {path}: {f.read().strip()}")
-            still.append(i)
+            still.append(path)
         pending = still
         if pending:
             if time.time() > deadline:
                 raise RuntimeError(f"{len(pending)} sample(s) never appeared within {WRITE_WAIT_S:.0f}s after vLLM "
-                                   f"finished them (first: hs_{pending[0]}.safetensors); see the vLLM worker log")
-            time.sleep(0.05)
-    return len(indices)
+                                   f"finished them (first: {pending[0]}); see the vLLM worker log")
+            time.sleep(0.005)

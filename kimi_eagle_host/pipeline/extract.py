@@ -35,10 +35,9 @@ import threading
 import time
 
 from kimi_eagle_host.step_runtime import parse_step_args
-from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError,
-                                                 local_text_config_dict, parse_layer_ids, resolve_decoder_stack,
-                                                 text_config)
-from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model
+from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, model_info,
+                                                 parse_layer_ids, resolve_decoder_stack)
+from kimi_eagle_host.target.hf_target import HiddenStateCapture, capture_batch, load_model, resolve_device_dtype
 from kimi_eagle_host.data.hidden_state_files import (FORMAT, LAYOUT, check_sample, clean_stale_tmp,
                                                      sample_path, tmp_path, write_safetensors)
 from kimi_eagle_host.data.prepared_data import PreparedDataset
@@ -149,19 +148,6 @@ class PinnedPool:
 # ----------------------------------------------------------------------------------------------------
 # hf engine
 
-def resolve_device_dtype(device, dtype, engine="hf"):
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BadInput("--device cuda: no CUDA device is visible")
-    if dtype == "auto":
-        # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
-        dtype = "bfloat16" if device == "cuda" or engine == "vllm" else "float32"
-    return device, dtype
-
-
 def replica_gpus(w, visible):
     """The GPUs of this rank's model copy: alone, all visible ones; under torchrun, rank r of n on a host
     with G GPUs gets the r-th block of G // n (launch.py chose n so that one block holds the model)."""
@@ -222,16 +208,8 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
         for b in range(0, len(order), args.batch_size):
             batch = order[b:b + args.batch_size]
             seqs = [ds[i][0][:args.seq_len] for i in batch]
-            t_max = max(len(s) for s in seqs)
-            # Right padding: with a causal mask, real tokens never see the pads, and positions stay 0..T-1.
-            ids = torch.zeros(len(batch), t_max, dtype=torch.long)
-            attn = torch.zeros(len(batch), t_max, dtype=torch.long)
-            for j, s in enumerate(seqs):
-                ids[j, :len(s)] = torch.from_numpy(s)
-                attn[j, :len(s)] = 1
             with torch.inference_mode():
-                hs = capture.run(model, input_ids=ids.to(input_device, non_blocking=cuda),
-                                 attention_mask=attn.to(input_device, non_blocking=cuda), use_cache=False).to(torch_dtype)
+                hs = capture_batch(capture, model, seqs, input_device, torch_dtype)
                 if cuda:
                     buf, host = pool.take(tuple(hs.shape))
                     copy_stream.wait_stream(torch.cuda.current_stream(input_device))
@@ -273,28 +251,6 @@ def package_versions():
     if inst:
         out["vllm"] = inst["version"] if inst["dist"] == "vllm" else f"{inst['version']} ({inst['dist']})"
     return out
-
-
-def model_info(model_path):
-    local = local_text_config_dict(model_path)
-    if local and local.get("num_hidden_layers") and local.get("hidden_size"):
-        with open(os.path.join(model_path, "config.json")) as f:
-            arch = (json.load(f).get("architectures") or ["?"])[0]
-        return {"num_layers": int(local["num_hidden_layers"]), "hidden_size": int(local["hidden_size"]),
-                "model_class": arch}
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-    except Exception as e:
-        raise BadInput(f"{model_path}: cannot load the model config ({type(e).__name__}: {e})") from None
-    tc = text_config(cfg)
-    n = getattr(tc, "num_hidden_layers", None)
-    h = getattr(tc, "hidden_size", None)
-    if not n or not h:
-        raise BadInput(f"{model_path}: config has no num_hidden_layers/hidden_size (looked in text_config too)")
-    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
-    return {"num_layers": int(n), "hidden_size": int(h), "model_class": arch}
 
 
 def validate(args, ds, out_dir, lo, hi, mine):

@@ -9,6 +9,8 @@ Inputs (all under --output-dir):
   hidden_states/data_config.json    layer_ids (vLLM convention, last one == num_layers), hidden_size, ...
   vocab/d2t.npy, vocab/t2d.npy      d2t[i] = target_id - i (int64 [K]); t2d bool [target_vocab]
 and --model: the target (only its embedding table, final norm and lm_head are read, by tensor name).
+With --hidden-states online there is no hidden_states/: the target runs here, in an engine the step starts, and
+its hidden states reach the loop through a bounded buffer in memory (data/online_stream.py).
 
 Outputs:
   draft/checkpoints/step_XXXXXXXX.pt  model + optimizer + step + rng (atomic), resumable with --resume
@@ -46,6 +48,7 @@ from kimi_eagle_host.data.prepared_data import check_vocab_built_from, manifest_
 from kimi_eagle_host.step_runtime import (BadInput, atomic_write_json, atomic_write_via, log, model_identity,
                                           progress_line, settings_changed)
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
+from kimi_eagle_host.data import online_stream  # (hidden_states online: the engine feeds the trainer)
 from kimi_eagle_host.data import packing  # (packed rows, the step plan)
 from kimi_eagle_host.data.step_batches import StepBatches, default_workers  # (rows read ahead onto the device)
 from kimi_eagle_host.training import spec_trainer  # (--trainer speculators)
@@ -225,6 +228,13 @@ def lr_at(step: int, total: int, args) -> float:
 
 
 def train(args) -> dict:
+    """The step: what _train does, with whatever it opened (an online engine and its buffer) closed at the end."""
+    online_stream.split_gpus(args)   # engine_gpus / train_gpus, before anything initialises CUDA
+    with contextlib.ExitStack() as closing:
+        return _train(args, closing)
+
+
+def _train(args, closing: contextlib.ExitStack) -> dict:
     t_start = time.time()
     out = os.path.abspath(args.output_dir)
     hs_dir, vocab_dir = os.path.join(out, "hidden_states"), os.path.join(out, "vocab")
@@ -239,11 +249,16 @@ def train(args) -> dict:
         raise BadInput(f"--holdout-fraction {args.holdout_fraction}: must be in [0, 1)")
 
     # --- inputs ---------------------------------------------------------------------------------
+    online = args.hidden_states == "online"
     dc_path = os.path.join(hs_dir, "data_config.json")
-    if not os.path.isfile(dc_path):
+    if online:   # what extract would record, and the lengths, from the prepared data and the target's config
+        dc, lengths = online_stream.inputs(args, out)
+        dc_path, files = os.path.join(out, "prepared", "manifest.json"), None
+    elif not os.path.isfile(dc_path):
         raise BadInput(f"{dc_path}: missing (run extract first)")
-    with open(dc_path) as f:
-        dc = json.load(f)
+    else:
+        with open(dc_path) as f:
+            dc = json.load(f)
     for field in ("layer_ids", "num_layers", "hidden_size"):
         if field not in dc:
             raise BadInput(f"{dc_path}: missing field '{field}'")
@@ -264,9 +279,10 @@ def train(args) -> dict:
     aux_ids = layer_ids[:-1]
     # Exactly the samples of this extraction, and only if they come from the prepared data at hand (when the
     # folder has one: hidden states copied alone to a training host carry their own manifest).
-    files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
+    if not online:
+        files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
+        lengths = check_sample_headers(files, len(layer_ids), H)
     check_vocab_built_from(vocab_dir, dc.get("prepared_sha256"))
-    lengths = check_sample_headers(files, len(layer_ids), H)
     n_tokens = sum(lengths)
 
     for name in ("d2t.npy", "t2d.npy"):
@@ -312,7 +328,7 @@ def train(args) -> dict:
     flex = args.attention == "flex" or (args.attention == "auto" and device.type == "cuda")
     compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
 
-    train_docs, held_docs = split_holdout(len(files), args.holdout_fraction, args.seed)
+    train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed)
     pack_len = args.pack_len or max(lengths[i] for i in train_docs)
     if args.pack_len is None and flex:
         pack_len = -(-pack_len // 128) * 128   # whole attention blocks
@@ -377,7 +393,7 @@ def train(args) -> dict:
     if args.max_steps is not None:
         total = min(total, args.max_steps)
     meta = {"total_steps": total, "batch_size": n_rows, "pack_len": pack_len, "ttt_steps": args.ttt_steps,
-            "lr": args.lr, "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(files),
+            "lr": args.lr, "seed": args.seed, "aux_ids": aux_ids, "draft_vocab": K, "n_samples": len(lengths),
             "holdout": len(held_docs), "optimizer": args.optimizer,
             # the target: resuming a checkpoint against another model's features/head must refuse
             "model": model_identity(args.model)}
@@ -412,7 +428,7 @@ def train(args) -> dict:
     # document's tops are found once before the first step when training sees the data more than once. On a
     # GPU the head is cheap next to reading every hidden-state file a second time, so it runs in each step.
     tops = None
-    if device.type == "cpu" and total * n_rows > len(plan.rows):
+    if device.type == "cpu" and total * n_rows > len(plan.rows) and not online:
         t0 = time.time()
         tops = document_tops(files, train_docs + held_docs, pack_len, feat_dtype, target_norm, full_lm_head)
         log(f"target's top tokens of {len(tops)} documents found once in {time.time() - t0:.1f}s")
@@ -467,7 +483,7 @@ def train(args) -> dict:
         res["documents"] = len(held_docs)
         return res
 
-    log(f"train: {len(files)} samples ({len(held_docs)} held out), {n_tokens} tokens, aux ids {aux_ids}, draft "
+    log(f"train: {len(lengths)} samples ({len(held_docs)} held out), {n_tokens} tokens, aux ids {aux_ids}, draft "
         f"vocab {K}, {n_trainable} trainable params, {total} steps of {n_rows} x {pack_len} tokens on {device} "
         f"({dtype}, {'flex' if flex else 'math'} attention{', compiled' if compiled else ''})"
         + (f", rank {w.rank}/{w.size} ({sharding})" if w.distributed else ""))
@@ -484,7 +500,11 @@ def train(args) -> dict:
     n_since = 0
     diverged = None   # what the loss or the weights turned into, once they are no longer finite
     model.train()
-    batches = StepBatches(plan, start, stop, w.rank, w.size, files, pack_len, aux_dim, H, feat_dtype, device,
+    source = files
+    if online:   # the engine starts now, on the stream of the steps this run trains; `files`: the held-out ones
+        source = closing.enter_context(online_stream.start(args, dc, plan, held_docs, start, stop, lengths, device, w))
+        files = source.held
+    batches = StepBatches(plan, start, stop, w.rank, w.size, source, pack_len, aux_dim, H, feat_dtype, device,
                           workers, tops)
     tracker = open_tracker(args.report_to, tracking_dir(out, args.tracking_dir), config=vars(args), main=w.main)
     progress_line("train", start, total)  # the bar's start: its ETA counts from here
@@ -529,6 +549,8 @@ def train(args) -> dict:
                 entry = {"step": done, "loss": sums[0] / n_since, **fig, "lr": lr, "tokens_per_s": round(tok_g / dt, 1),
                          "tokens": int(tok_g), "seconds": round(dt, 4)}   # the interval since the last log
                 if w.main:
+                    # online: the engine's tokens/s, the buffer's fill, and who waited for whom
+                    flow = source.figures() if online else {}
                     acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(fig["acc"]))
                     log(f"step {done}/{total} loss {entry['loss']:.4f} {acc_s} accept_len {fig['accept_len']:.2f} "
                         f"lr {lr:.2e} tok/s {tok_g / dt:.0f}")
@@ -536,9 +558,10 @@ def train(args) -> dict:
                     tracker.log(done, {"train/loss": entry["loss"], "train/lr": lr, "train/tokens_per_s": tok_g / dt,
                                        "train/accept_len": fig["accept_len"],
                                        **{f"train/acc_{k}": a for k, a in enumerate(fig["acc"])},
-                                       **{f"train/cond_acc_{k}": a for k, a in enumerate(fig["cond_acc"])}})
+                                       **{f"train/cond_acc_{k}": a for k, a in enumerate(fig["cond_acc"])},
+                                       **{f"online/{k}": v for k, v in flow.items() if v is not None}})
                     progress_line("train", done, total, every_s=0, loss=entry["loss"], acc=fig["acc"][0],
-                                  accept_len=fig["accept_len"], tok_s=tok_g / dt)
+                                  accept_len=fig["accept_len"], tok_s=tok_g / dt, **flow)
                 history.append(entry)
                 if not math.isfinite(entry["loss"]):
                     diverged = f"the loss is not finite ({entry['loss']}) {steps_span(done - n_since + 1, done)}"
@@ -570,7 +593,7 @@ def train(args) -> dict:
 
     finished = done == total and not interrupted and not diverged
     result = {"ok": not (interrupted or diverged), "finished": finished, "step": max(done, start), "total_steps": total,
-              "resumed_from_step": resumed_from, "samples": len(files), "tokens": n_tokens,
+              "resumed_from_step": resumed_from, "samples": len(lengths), "tokens": n_tokens,
               "aux_layer_ids": aux_ids, "draft_vocab_size": K, "device": str(device), "dtype": str(dtype),
               "world_size": w.size, "parallel": sharding, "rows_per_step": n_rows, "pack_len": pack_len,
               "attention": "flex" if flex else "math", "compiled": compiled, "optimizer": args.optimizer,
@@ -578,7 +601,9 @@ def train(args) -> dict:
               "checkpoint": last_path or latest_checkpoint(ckpt_dir), "history": history,
               "train_tokens": tok_loop, "train_seconds": round(loop_s, 3),
               "train_tokens_per_s": round(tok_loop / loop_s, 1) if loop_s > 0 and tok_loop else None,
-              "elapsed_s": round(time.time() - t_start, 2)}
+              "elapsed_s": round(time.time() - t_start, 2), "hidden_states": args.hidden_states}
+    if online:
+        result["online"] = {**source.figures(), "cached_documents": len(source.cached)}
     if interrupted:
         result["error"] = f"stopped by {interrupted} after step {done}; checkpoint saved, continue with --resume"
     if diverged:

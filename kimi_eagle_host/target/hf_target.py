@@ -102,3 +102,36 @@ def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
             log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
             return cls.from_pretrained(model_path, **kwargs).to("cuda").eval()
     return cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
+
+
+def resolve_device_dtype(device, dtype, engine="hf"):
+    """(device, dtype) of an extraction: auto resolved as extract and an online engine both do."""
+    import torch
+
+    from kimi_eagle_host.step_runtime import BadInput
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is visible")
+    if dtype == "auto":
+        # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
+        dtype = "bfloat16" if device == "cuda" or engine == "vllm" else "float32"
+    return device, dtype
+
+
+def capture_batch(capture, model, seqs, input_device, torch_dtype):
+    """[B, T_max, L, H] hidden states of the token sequences `seqs` (numpy int arrays) in one forward, right-padded.
+    Call under torch.inference_mode()."""
+    import torch
+
+    cuda = input_device.type == "cuda"
+    t_max = max(len(s) for s in seqs)
+    # Right padding: with a causal mask, real tokens never see the pads, and positions stay 0..T-1.
+    ids = torch.zeros(len(seqs), t_max, dtype=torch.long)
+    attn = torch.zeros(len(seqs), t_max, dtype=torch.long)
+    for j, s in enumerate(seqs):
+        ids[j, :len(s)] = torch.from_numpy(s)
+        attn[j, :len(s)] = 1
+    return capture.run(model, input_ids=ids.to(input_device, non_blocking=cuda),
+                       attention_mask=attn.to(input_device, non_blocking=cuda), use_cache=False).to(torch_dtype)

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free-disk-gib", type=float, default=10.0,
                    help="free disk to keep beyond the estimate (default 10)")
     p.add_argument("--epochs", type=float, default=1, help="training epochs, for the storage plan's hours (default 1)")
+    p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
+                   help="online: no hidden-state files; the storage check shows what the run costs instead")
     p.add_argument("--step-settings", default=None,
                    help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
                         "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")
@@ -101,7 +103,7 @@ def run_checks(args) -> dict:
     inputs = check_inputs(args, ctx)
     if inputs:
         checks.append(inputs)
-    if args.step in ("extract", "all"):
+    if args.step in ("extract", "all") or (args.step == "train" and args.hidden_states == "online"):
         checks.append(check_storage(args, ctx))
     checks.append(check_disk(args, ctx))
     checks.append(check_lock(args))

@@ -70,8 +70,13 @@ def check_storage(args, ctx: dict) -> dict:
                              shm_free=storage_plan.free_bytes(storage_plan.SHM),
                              stored=storage_plan.already_stored(args.output_dir))
     short = plan["offline_needs_free"] - free
-    fix = (f"`hidden_states: online` is not available yet: use less data (--max-samples, a shorter "
-           f"seq_len), free {storage_plan.size(short)} under {where}, or choose an output_dir with room")
+    if args.hidden_states == "online":   # no hidden-state files: the plan is what the run costs instead
+        result = check("storage", "pass", f"hidden_states: online, no hidden-state files; {plan['summary']}")
+        result["plan"] = plan
+        return result
+    fix = (f"offline does not fit: set hidden_states=online (the engine feeds the trainer through a buffer in "
+           f"memory; no files), or use less data (--max-samples, a shorter seq_len), free "
+           f"{storage_plan.size(short)} under {where}, or choose an output_dir with room")
     result = check("storage", "pass" if plan["offline_fits"] else "fail", plan["summary"], fix)
     result["plan"] = plan
     return result

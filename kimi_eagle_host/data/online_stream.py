@@ -1,0 +1,445 @@
+"""`hidden_states: online`: the trainer's documents come from an engine it runs, through a bounded buffer in memory,
+never as files of the run.
+
+Why this works exactly: the training plan (packing.Plan) is a pure function of the documents' LENGTHS and the seed,
+and online the lengths come from the prepared data (token counts cut at seq_len, as extract cuts them). So before
+any hidden state exists the trainer knows which documents each step takes, in which order: the *stream*. The
+engine (engine/stream_producer.py, a child process of the trainer) extracts the stream's documents in that order
+into a *spool*: a folder unique to the job in a memory file system (`online_spool_dir`, /dev/shm), one file per
+stream position, in extract's sample format, each appearing complete by rename. The trainer's loader waits for a
+step's documents, packs them (packing.fill_rows) and deletes each one once it is copied.
+
+  <spool>/stream.npy        what the engine extracts, in order: int64 rows (kind, step, document)
+  <spool>/s_<step>_<doc>    a training document of one step (kind 1): counted against `online_buffer_gb`; the
+                            engine waits while the buffer is that full (backpressure)
+  <spool>/held/d_<doc>      a held-out document (kind 0): extracted first, kept for the run's evaluations
+  <spool>/cache/d_<doc>     a document kept for later epochs (kind 2, `online_cache_gb`): extracted at its first
+                            position only, read again at the later ones
+  <spool>/engine.json       the engine's figures (tokens, seconds, time waiting for room, buffer bytes)
+  <spool>/engine.error      why the engine failed: the trainer raises it as its error
+  <spool>/owner.json        the trainer's pid: a later run removes a spool whose trainer is gone
+
+Resume needs nothing more: a resumed run's stream starts at the checkpoint's step. The engine dying is one error
+in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
+ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from kimi_eagle_host.step_runtime import BadInput, Refused, log
+
+SPOOL_PREFIX = "kimi-eagle-online-"
+STREAM = "stream.npy"
+ENGINE_FIGURES = "engine.json"
+ENGINE_ERROR = "engine.error"
+OWNER = "owner.json"
+ENGINE_PID = "engine.pid"
+HELD, SPOOLED, CACHED = 0, 1, 2   # kinds of a stream entry
+# Test-only: a folder where every document handed to the trainer is copied (tests compare them with extract's).
+COPY_ENV = "KIMI_EAGLE_TEST_ONLINE_COPY_DIR"
+# In the environment of the engine and of every process it starts: the spool it serves (kill_marked finds them).
+SPOOL_ENV = "KIMI_EAGLE_ONLINE_SPOOL"
+STOP_GRACE_S = 20.0   # how long the engine gets to shut down (vLLM stops its workers) before SIGKILL
+
+
+# ----------------------------------------------------------------------------------------------------
+# what the trainer knows before any hidden state exists
+
+def inputs(args, out: str) -> tuple[dict, list[int]]:
+    """(data_config, lengths) of an online run: what extract would record, and each document's length after the
+    EAGLE shift, from the prepared data and the target's config alone."""
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
+    from kimi_eagle_host.target.hf_target import resolve_device_dtype
+    from kimi_eagle_host.target.model_layers import LAYER_CONVENTION, LayerIdError, model_info, parse_layer_ids
+
+    if args.trainer != "ours":
+        raise BadInput("hidden_states: online: only with --trainer ours (speculators' trainer reads files)")
+    for name in ("seq_len", "tp_size", "engine_batch_size"):
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')}: must be >= 1")
+    if not args.online_buffer_gb > 0 or args.online_cache_gb < 0:
+        raise BadInput("--online-buffer-gb must be > 0 and --online-cache-gb >= 0")
+    if not os.path.isdir(args.online_spool_dir):
+        raise BadInput(f"--online-spool-dir {args.online_spool_dir}: not a folder")
+    for what in ("engine_gpus", "train_gpus"):
+        parse_gpus(getattr(args, what), what)
+    prepared = os.path.join(out, "prepared")
+    ds = PreparedDataset(prepared)
+    info = model_info(args.model)
+    try:
+        layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
+    except LayerIdError as e:
+        raise BadInput(str(e)) from None
+    _, dtype = resolve_device_dtype(args.device, args.dtype, args.engine)
+    lengths = []
+    for i in range(len(ds)):
+        n = min(len(ds[i][0]), args.seq_len)
+        if n < 2:
+            raise BadInput(f"{prepared}: sample {i} has {n} token(s); training needs at least 2")
+        lengths.append(n - 1)
+    if not lengths:
+        raise BadInput(f"{prepared}: holds no samples")
+    dc = {"layer_ids": layer_ids, "num_layers": info["num_layers"], "hidden_size": info["hidden_size"],
+          "layer_convention": LAYER_CONVENTION, "dtype": dtype, "engine": args.engine, "seq_len": args.seq_len,
+          "prepared_sha256": ds.digest, "count": len(ds), "hidden_states": "online"}
+    return dc, lengths
+
+
+def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
+    """A document's file in the spool: its T = length + 1 positions' hidden states, token ids and loss mask."""
+    return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
+
+
+def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float):
+    """The engine's work in order, as (kinds, steps, docs) lists, and the set of cached documents: the held-out
+    documents, then every document of steps first..last-1 in the order the trainer takes them. A document that
+    comes again later is cached while the first of those fit in cache_bytes; it is extracted once."""
+    kinds, steps, docs = [HELD] * len(held_docs), [0] * len(held_docs), list(held_docs)
+    seen, cached, room = set(), set(), cache_bytes
+    repeats = set()
+    if cache_bytes > 0:   # which documents come again (worth keeping)
+        for step in range(first, last):
+            for row in plan.step_rows(step):
+                repeats.update(d for d in row if d in seen)
+                seen.update(row)
+        seen = set()
+    for step in range(first, last):
+        for row in plan.step_rows(step):
+            for d in row:
+                if d in cached:
+                    continue   # read from the cache
+                if d in repeats and d not in seen and doc_bytes(d) <= room:
+                    cached.add(d)
+                    room -= doc_bytes(d)
+                    kinds.append(CACHED)
+                else:
+                    kinds.append(SPOOLED)
+                seen.add(d)
+                steps.append(step)
+                docs.append(d)
+    return (kinds, steps, docs), cached
+
+
+def entry_name(kind: int, step: int, doc: int) -> str:
+    """A stream entry's file under the spool: named by its position (step, document), so a document seen in two
+    epochs never collides with itself."""
+    if kind == HELD:
+        return os.path.join("held", f"d_{doc}.safetensors")
+    if kind == CACHED:
+        return os.path.join("cache", f"d_{doc}.safetensors")
+    return f"s_{step}_{doc}.safetensors"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the spool
+
+def sweep_stale(base: str) -> None:
+    """Remove the spools of trainers that are gone (a SIGKILL leaves them): ours, their owner's pid not alive."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(SPOOL_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if os.stat(path).st_uid != os.geteuid():
+                continue
+            with open(os.path.join(path, OWNER)) as f:
+                owner = json.load(f)
+            if owner.get("boot_id") == _boot_id() and _alive(int(owner["pid"])):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.time() - _mtime(path) < 60:   # being made right now
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        log(f"online: removed {path}, the buffer of a run that is gone")
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def kill_marked(spool: str) -> list[int]:
+    """SIGKILL our processes whose environment names this spool (the engine's leftovers); their pids."""
+    mark = f"{SPOOL_ENV}={spool}".encode()
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != os.geteuid():
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            killed.append(int(name))
+        except OSError:
+            continue
+    if killed:
+        log(f"online: stopped what the engine left running (pids {killed})")
+    return killed
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def gpu_env(env: dict, gpus: list[int] | None, what: str) -> dict:
+    """env with CUDA_VISIBLE_DEVICES narrowed to `gpus` (indices among those visible now)."""
+    if gpus is None:
+        return env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [v for v in visible.split(",") if v.strip()] if visible else None
+    if ids is not None and max(gpus) >= len(ids):
+        raise BadInput(f"{what} {gpus}: only {len(ids)} GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})")
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] if ids else str(g) for g in gpus)}
+
+
+def split_gpus(args) -> None:
+    """The split layout, before anything touches CUDA: the engine's CUDA_VISIBLE_DEVICES (args.engine_visible,
+    from `engine_gpus`) and this trainer's own (narrowed to `train_gpus`), both among the GPUs visible now."""
+    args.engine_visible = None
+    if args.hidden_states != "online":
+        return
+    engine = parse_gpus(args.engine_gpus, "engine_gpus")
+    if engine is not None:
+        args.engine_visible = gpu_env(dict(os.environ), engine, "engine_gpus")["CUDA_VISIBLE_DEVICES"]
+    train = parse_gpus(args.train_gpus, "train_gpus")
+    if train is not None:
+        os.environ.update(gpu_env(dict(os.environ), train, "train_gpus"))
+
+
+def parse_gpus(text, what: str) -> list[int] | None:
+    if text in (None, ""):
+        return None
+    try:
+        gpus = [int(x) for x in (text if isinstance(text, list) else str(text).split(","))]
+    except ValueError:
+        raise BadInput(f"--{what.replace('_', '-')} {text}: expected GPU numbers like 0,1") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise BadInput(f"--{what.replace('_', '-')} {text}: each GPU once, numbers from 0")
+    return gpus
+
+
+def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w) -> "Source":
+    """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
+    Under torchrun every rank calls it: rank 0 starts the engine, which serves the trainer processes of its host."""
+    if w.size != w.local_size:
+        raise BadInput("hidden_states: online: the trainer processes of one host for now (its engine serves them); "
+                       "use hidden_states: offline for multi-node training")
+    return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w)
+
+
+class Source:
+    """The trainer's side of the spool: start the engine (rank 0), hand out each step's documents as they appear,
+    stop the engine and remove the spool on close (use it as a context manager)."""
+
+    def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
+                 device_type: str, w):
+        self.args, self.main = args, w.main
+        self.proc = self.engine_pid = self.spool = None
+        self.waited_s = 0.0
+        self.closed = False
+        self.copy_to = os.environ.get(COPY_ENV)
+        itemsize = 4 if dc["dtype"] == "float32" else 2
+        n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+        stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
+            plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
+            args.online_cache_gb * 1e9)
+        self.held = HeldFiles(self, held_docs)
+        self.to_produce = len(stream[2])
+        failed = None
+        if self.main:
+            try:
+                self._make_spool(stream)
+                self._start_engine(dc, device_type)
+            except BaseException as e:   # said to the other ranks first: none is left waiting for a spool
+                failed = e
+        shared = self.spool if failed is None else None
+        if w.distributed:
+            from kimi_eagle_host.training import distributed as dist_
+
+            shared = dist_.gather(shared)[0]
+        if failed is not None:
+            self.close()
+            raise failed
+        if shared is None:
+            raise Refused("online: the engine did not start on rank 0 (its error is in the log)")
+        if not self.main:
+            self.spool = shared
+            with open(os.path.join(shared, ENGINE_PID)) as f:
+                self.engine_pid = int(f.read())
+
+    def _make_spool(self, stream) -> None:
+        import numpy as np
+
+        base = self.args.online_spool_dir
+        sweep_stale(base)
+        job = os.environ.get("KIMI_EAGLE_JOB_ID", "")
+        self.spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX + (f"{job}-" if job else ""), dir=base)
+        with open(os.path.join(self.spool, OWNER), "w") as f:
+            json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
+        for sub in ("held", "cache"):
+            os.makedirs(os.path.join(self.spool, sub))
+        np.save(os.path.join(self.spool, STREAM), np.array(stream, dtype=np.int64).T.reshape(-1, 3))
+
+    def _start_engine(self, dc: dict, device_type: str) -> None:
+        a = self.args
+        cmd = [sys.executable, "-m", "kimi_eagle_host.engine.stream_producer", "--spool", self.spool,
+               "--model", a.model, "--prepared-dir", os.path.join(os.path.abspath(a.output_dir), "prepared"),
+               "--engine", a.engine, "--layer-ids", ",".join(map(str, dc["layer_ids"])), "--seq-len", str(a.seq_len),
+               "--dtype", dc["dtype"], "--device", device_type, "--batch-size", str(a.engine_batch_size),
+               "--tp-size", str(a.tp_size), "--buffer-bytes", str(int(a.online_buffer_gb * 1e9)),
+               "--bytes-per-token", str(document_bytes(0, len(dc["layer_ids"]), dc["hidden_size"],
+                                                      4 if dc["dtype"] == "float32" else 2) - 256),
+               "--parent", str(os.getpid())]
+        env = {**os.environ, SPOOL_ENV: self.spool}   # marks the engine and every process it starts (vLLM's)
+        if getattr(a, "engine_visible", None) is not None:   # split_gpus: the engine's own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = a.engine_visible
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)   # not a torchrun worker: its engine (vLLM) must not join our process group
+        # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.
+        self.proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env)
+        self.engine_pid = self.proc.pid
+        with open(os.path.join(self.spool, ENGINE_PID), "w") as f:
+            f.write(str(self.proc.pid))
+        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents; buffer "
+            f"{a.online_buffer_gb:g} GB in {self.spool}"
+            + (f", {len(self.cached)} documents cached for later epochs" if self.cached else ""))
+
+    # --- handing out documents ------------------------------------------------------------------------
+    def for_step(self, step: int) -> "StepFiles":
+        return StepFiles(self, step)
+
+    def wait_for(self, path: str) -> str:
+        """`path` once the engine has written it; the engine's failure is raised here (Refused: one line)."""
+        t0, delay = time.monotonic(), 0.001
+        while not os.path.exists(path):
+            if self.closed:
+                raise RuntimeError("online: the buffer was closed")
+            self._check_engine(path)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        self.waited_s += time.monotonic() - t0
+        if self.copy_to:   # test-only: what reached the trainer, compared with extract's files
+            shutil.copy(path, os.path.join(self.copy_to, os.path.basename(path)))
+        return path
+
+    def _check_engine(self, path: str) -> None:
+        err = os.path.join(self.spool, ENGINE_ERROR)
+        if os.path.exists(err):
+            with open(err) as f:
+                raise Refused(f"online: the engine failed: {f.read().strip()}")
+        if self.proc is not None:
+            rc = self.proc.poll()
+        else:   # another rank's engine: gone, or a zombie its parent (rank 0) has not reaped yet
+            rc = None if _alive(self.engine_pid) and _state(self.engine_pid) != "Z" else "unknown"
+        if rc is not None and not os.path.exists(path):
+            if os.path.exists(err):
+                return self._check_engine(path)
+            raise Refused(f"online: the engine (pid {self.engine_pid}) exited with code {rc} before writing "
+                          f"{os.path.relpath(path, self.spool)} (its log lines are above)")
+
+    def figures(self) -> dict:
+        """The engine's tokens/s, the buffer's fill and who waited for whom, for the progress line and tracker."""
+        try:
+            with open(os.path.join(self.spool, ENGINE_FIGURES)) as f:
+                eng = json.load(f)
+        except (OSError, ValueError):
+            eng = {}
+        secs = eng.get("seconds") or 0
+        return {"engine_tok_s": round(eng["tokens"] / secs, 1) if secs and eng.get("tokens") else None,
+                "buffer_fill": round(eng.get("buffer_bytes", 0) / (self.args.online_buffer_gb * 1e9), 3),
+                "engine_wait_s": round(eng.get("waited_s", 0.0), 2), "trainer_wait_s": round(self.waited_s, 2)}
+
+    # --- the end ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""
+        self.closed = True
+        if not self.main:
+            return   # rank 0's engine and spool
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.spool is not None:
+            kill_marked(self.spool)   # an engine that died hard leaves its own children (vLLM's EngineCore)
+        if self.spool is not None:
+            shutil.rmtree(self.spool, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StepFiles:
+    """One step's documents: files[d] waits for document d's file; done(d) lets it go (unless kept)."""
+
+    def __init__(self, source: Source, step: int):
+        self.source, self.step = source, step
+
+    def _path(self, d: int) -> str:
+        kind = CACHED if d in self.source.cached else SPOOLED
+        return os.path.join(self.source.spool, entry_name(kind, self.step, d))
+
+    def __getitem__(self, d: int) -> str:
+        return self.source.wait_for(self._path(d))
+
+    def done(self, d: int) -> None:
+        if d not in self.source.cached:
+            os.unlink(self._path(d))
+
+
+class HeldFiles:
+    """The held-out documents: extracted first and kept for the run (a plan of its own evaluates them)."""
+
+    def __init__(self, source: Source, docs: list[int]):
+        self.source, self.docs = source, set(docs)
+
+    def for_step(self, step: int) -> "HeldFiles":
+        return self
+
+    def __getitem__(self, d: int) -> str:
+        return self.source.wait_for(os.path.join(self.source.spool, entry_name(HELD, 0, d)))
+
+    def __len__(self) -> int:
+        return len(self.docs)

@@ -1,0 +1,159 @@
+"""The engine of an online run (data/online_stream.py): extracts the stream's documents in the order the trainer
+takes them into its spool, and waits while the spool's buffer is full.
+
+Started by the trainer as `python -m kimi_eagle_host.engine.stream_producer --spool DIR ...`, never by a person.
+Engines: hf (transformers + the forward hooks extract uses, consecutive documents batched) and vllm (vLLM >= 0.18,
+native extract_hidden_states with our KV connector, which writes each file in the worker; extract_vllm.py). A
+sample file is extract's format and appears complete by rename. A failure is written to <spool>/engine.error (the
+trainer raises it) and exits 1. SIGINT (the trainer's stop) ends it; so does the trainer's death (it then removes
+the spool itself, since nobody else will).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+from kimi_eagle_host.data import online_stream as spool_
+from kimi_eagle_host.step_runtime import atomic_write_json, atomic_write_via, log
+
+PARENT_POLL_S = 0.5
+
+
+class Spool:
+    """The producer's view of the spool: where each entry goes, and the buffer's room (backpressure)."""
+
+    def __init__(self, path: str, buffer_bytes: int, bytes_per_token: int):
+        import numpy as np
+
+        self.path, self.budget, self.per_token = path, buffer_bytes, bytes_per_token
+        self.entries = np.load(os.path.join(path, spool_.STREAM)).tolist()   # [kind, step, doc] in order
+        self.outstanding = []   # (file, bytes) of training documents not yet taken by the trainer
+        self.tokens, self.waited_s, self.t0 = 0, 0.0, time.monotonic()
+
+    def file(self, entry) -> str:
+        return os.path.join(self.path, spool_.entry_name(*entry))
+
+    def used(self) -> int:
+        self.outstanding = [(f, b) for f, b in self.outstanding if os.path.exists(f)]
+        return sum(b for _, b in self.outstanding)
+
+    def wait_room(self, entries, tokens_of) -> None:
+        """Block while the buffer holds documents and these would pass its budget (never with an empty buffer:
+        one batch always goes, however large). tokens_of(entry): its document's tokens."""
+        need = [(self.file(e), tokens_of(e) * self.per_token) for e in entries if e[0] == spool_.SPOOLED]
+        t0 = time.monotonic()
+        while need and self.used() and self.used() + sum(b for _, b in need) > self.budget:
+            time.sleep(0.005)
+        self.waited_s += time.monotonic() - t0
+        self.outstanding += need
+
+    def produced(self, tokens: int) -> None:
+        self.tokens += tokens
+        atomic_write_json(os.path.join(self.path, spool_.ENGINE_FIGURES),
+                          {"tokens": self.tokens, "seconds": round(time.monotonic() - self.t0, 3),
+                           "waited_s": round(self.waited_s, 3), "buffer_bytes": self.used()})
+
+
+def run_hf(args, spool: Spool, ds, layer_ids) -> None:
+    import torch
+
+    from kimi_eagle_host.data.hidden_state_files import tmp_path, write_safetensors
+    from kimi_eagle_host.target.hf_target import HiddenStateCapture, capture_batch, load_model
+    from kimi_eagle_host.target.model_layers import resolve_decoder_stack
+
+    torch_dtype = getattr(torch, args.dtype)
+    model = load_model(args.model, torch_dtype, args.device, args.tp_size)
+    _, layers, _ = resolve_decoder_stack(model)
+    capture = HiddenStateCapture(layers, layer_ids)
+    device = model.get_input_embeddings().weight.device
+    entries = spool.entries
+    for b in range(0, len(entries), args.batch_size):
+        batch = entries[b:b + args.batch_size]
+        spool.wait_room(batch, lambda e: min(len(ds[e[2]][0]), args.seq_len))
+        seqs = [ds[d][0][:args.seq_len] for _, _, d in batch]
+        with torch.inference_mode():
+            hs = capture_batch(capture, model, seqs, device, torch_dtype).cpu()
+        for j, (entry, s) in enumerate(zip(batch, seqs)):
+            final = spool.file(entry)
+            mask = ds[entry[2]][1][:args.seq_len]
+            write_safetensors(tmp_path(final), {"token_ids": torch.from_numpy(s.copy()),
+                                                "hidden_states": hs[j, :len(s)],
+                                                "loss_mask": torch.from_numpy(mask.astype("int64"))})
+            os.replace(tmp_path(final), final)
+        spool.produced(sum(len(s) for s in seqs))
+
+
+def run_vllm(args, spool: Spool, ds, layer_ids) -> None:
+    from kimi_eagle_host.engine import extract_vllm
+
+    path, _, why = extract_vllm.choose_path()
+    if path != "native":
+        raise RuntimeError(f"engine vllm online needs vLLM's native extraction (>= 0.18): {why}")
+    extract_vllm.prepare_environment()
+    info = {"dtype": args.dtype}
+    extract_vllm.stream_native(args, ds, layer_ids, info, spool)
+
+
+def watch_parent(parent: int, spool: str) -> None:
+    """The trainer gone (SIGKILL, a crash): stop here too, and remove the spool, which nobody else will."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    shutil.rmtree(spool, ignore_errors=True)
+    signal.raise_signal(signal.SIGINT)
+    time.sleep(spool_.STOP_GRACE_S)
+    os._exit(1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spool", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prepared-dir", required=True)
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--layer-ids", required=True)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
+    ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--buffer-bytes", type=int, required=True)
+    ap.add_argument("--bytes-per-token", type=int, required=True, help="a document's bytes in the spool per token")
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--writers", type=int, default=min(4, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    # The trainer started us with SIGTERM blocked (a stop lets it finish its step, which may need our documents):
+    # we end on its SIGINT, or when it is gone.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=watch_parent, args=(args.parent, args.spool), daemon=True).start()
+    try:
+        from kimi_eagle_host.data.prepared_data import PreparedDataset
+
+        spool = Spool(args.spool, args.buffer_bytes, args.bytes_per_token)
+        ds = PreparedDataset(args.prepared_dir)
+        layer_ids = [int(x) for x in args.layer_ids.split(",")]
+        t0 = time.monotonic()
+        (run_hf if args.engine == "hf" else run_vllm)(args, spool, ds, layer_ids)
+        log(f"[engine] {len(spool.entries)} documents, {spool.tokens} tokens in {time.monotonic() - t0:.1f}s "
+            f"({spool.waited_s:.1f}s waiting for the trainer)")
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as e:  # noqa: BLE001 - the trainer reports it; the traceback stays in the log
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        try:   # complete or absent: the trainer reads it as soon as it exists
+            atomic_write_via(os.path.join(args.spool, spool_.ENGINE_ERROR),
+                             lambda tmp: open(tmp, "w").write(f"{type(e).__name__}: {e}\n"))
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""hidden_states: online: train runs the engine itself and takes its hidden states through a bounded buffer in memory.
+
+What a user would notice, on a real tiny target (transformers on CPU) through the real steps: the online run trains
+exactly what the offline run (extract, then train from the files) trains — the same losses, held-out figures and
+exported weights, bit for bit, with the same engine and batch —; a run stopped mid-stream (max steps, or SIGTERM to
+its process group as `kimi-eagle stop` sends) and resumed ends where a straight run ends; the engine dying is one
+error, not a hang; nothing of the buffer is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO, host_cmd
+from kimi_eagle_host.pipeline import tiny_model
+
+SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+LAYERS = "1,2,4"
+SEQ_LEN = 64
+# Two epochs of 24 documents (a quarter held out), two rows per step: 18 steps, a held-out evaluation at the end.
+COMMON = ("--epochs", "2", "--batch-size", "2", "--log-every", "1", "--lr-schedule", "constant",
+          "--holdout-fraction", "0.25", "--report-to", "none", "--save-every", "4")
+ONLINE = ("--hidden-states", "online", "--layer-ids", LAYERS, "--seq-len", str(SEQ_LEN), "--engine-batch-size", "1")
+
+
+def run(step, *args, env=None, timeout=600):
+    p = subprocess.run(host_cmd(f"pipeline.{step}", *args), capture_output=True, text=True, env=env or ENV,
+                       timeout=timeout)
+    try:
+        doc = json.loads(p.stdout)
+    except ValueError:
+        doc = None
+    return p.returncode, doc, p.stderr
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny Llama target, its prepared data and vocabulary; `offline/` also extracted (one document per forward,
+    as the online engine runs here) and trained."""
+    root = tmp_path_factory.mktemp("online")
+    model = tiny_model.build(str(root / "model"), kind="llama", layers=4, seed=0)["out_dir"]
+    off = root / "offline"
+    code, _, err = run("prepare", "--model", model, "--dataset", SAMPLE, "--output-dir", off, "--seq-len", SEQ_LEN,
+                       "--max-samples", 24)
+    assert code == 0, err
+    code, _, err = run("vocab", "--model", model, "--output-dir", off, "--draft-vocab-size", 100)
+    assert code == 0, err
+    code, _, err = run("extract", "--model", model, "--output-dir", off, "--seq-len", SEQ_LEN, "--batch-size", 1,
+                       "--layer-ids", LAYERS)
+    assert code == 0, err
+    code, trained, err = run("train", "--model", model, "--output-dir", off, *COMMON)
+    assert code == 0, err
+    return {"root": root, "model": model, "offline": off, "trained": trained}
+
+
+def online_dir(made, name: str) -> Path:
+    """A pipeline root with the prepared data and vocabulary only: no hidden states."""
+    out = made["root"] / name
+    for part in ("prepared", "vocab"):
+        shutil.copytree(made["offline"] / part, out / part)
+    return out
+
+
+def spool_base(made, name: str) -> Path:
+    base = made["root"] / f"shm-{name}"
+    base.mkdir()
+    return base
+
+
+def export_weights(out: Path) -> dict:
+    return load_file(str(out / "draft" / "export" / "model.safetensors"))
+
+
+def assert_same_training(a: dict, b: dict, out_a: Path, out_b: Path) -> None:
+    assert [(h["step"], h["loss"], h["acc"], h["cond_acc"]) for h in a["history"]] == \
+        [(h["step"], h["loss"], h["acc"], h["cond_acc"]) for h in b["history"]]
+    assert a["heldout"] == b["heldout"]
+    wa, wb = export_weights(out_a), export_weights(out_b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].equal(wb[k]), k
+
+
+def leftovers(base: Path) -> list[str]:
+    return sorted(os.listdir(base))
+
+
+def same_as_extracted(copied: Path, hs_dir: Path, exact: bool = True, tol: float = 0.0) -> int:
+    """Every document the trainer received (copied by the test hook) against extract's file of that document:
+    the same token ids and loss mask, and hidden states bit for bit (exact) or within `tol` mean relative error
+    per layer. Returns the documents compared."""
+    docs = set()
+    for f in sorted(copied.iterdir()):
+        doc = int(f.stem.rsplit("_", 1)[1])
+        got, want = load_file(str(f)), load_file(str(hs_dir / f"hs_{doc}.safetensors"))
+        assert got["token_ids"].equal(want["token_ids"]) and got["loss_mask"].equal(want["loss_mask"]), f.name
+        a, b = got["hidden_states"].float(), want["hidden_states"].float()
+        assert a.shape == b.shape, f.name
+        if exact:
+            assert got["hidden_states"].dtype == want["hidden_states"].dtype and a.equal(b), f.name
+        else:
+            err = ((a - b).abs().mean(dim=(0, 2)) / b.abs().mean(dim=(0, 2))).max().item()
+            assert err <= tol, (f.name, err)
+        docs.add(doc)
+    return docs
+
+
+def test_online_trains_exactly_what_offline_trains(made):
+    out, base = online_dir(made, "online"), spool_base(made, "equal")
+    copied = made["root"] / "received"
+    copied.mkdir()
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                         "--online-spool-dir", base, env={**ENV, "KIMI_EAGLE_TEST_ONLINE_COPY_DIR": str(copied)})
+    assert code == 0, err
+    # the hidden states that reached the trainer are extract's, bit for bit: every document, held-out ones too
+    assert same_as_extracted(copied, made["offline"] / "hidden_states") == set(range(24))
+    assert len(list(copied.glob("s_*"))) == 36   # 18 training documents in each of 2 epochs
+    assert doc["hidden_states"] == "online" and doc["finished"] and doc["target_tops"] == "every step"
+    assert_same_training(made["trained"], doc, made["offline"], out)
+    assert not (out / "hidden_states").exists() and leftovers(base) == []   # never a file of the run, no spool left
+    assert doc["online"]["engine_tok_s"] > 0
+    made["online"] = (doc, out)
+
+
+def test_online_stopped_by_sigterm_resumes_exactly(made):
+    """SIGTERM to the whole process group (kimi-eagle stop): the engine outlives it, the trainer finishes its step
+    with the documents it needs, checkpoints and exits 1; the spool is gone; --resume ends as a straight run.
+    Both runs keep the documents that come again for the second epoch (online_cache_gb): the same training."""
+    out, base = online_dir(made, "stopped"), spool_base(made, "stopped")
+    env = {**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": "0.4"}
+    cache = ("--online-cache-gb", "1")
+    args = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                    "--online-spool-dir", base, *cache)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    deadline = time.time() + 300
+    ckpts = out / "draft" / "checkpoints"
+    while time.time() < deadline and p.poll() is None and not list(ckpts.glob("step_*.pt")):
+        time.sleep(0.1)   # a checkpoint at step 4: well into the stream
+    os.killpg(p.pid, signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=300)
+    doc = json.loads(stdout)
+    assert p.returncode == 1 and "stopped by SIGTERM" in doc["error"], stderr
+    assert 4 <= doc["step"] < doc["total_steps"]
+    assert leftovers(base) == []
+    code, rest, err = run("train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                          "--online-spool-dir", base, "--resume", *cache)
+    assert code == 0 and rest["resumed_from_step"] == doc["step"], err
+    assert rest["online"]["cached_documents"] > 0
+    trained = made["trained"]["history"]
+    assert [h["loss"] for h in rest["history"]] == [h["loss"] for h in trained if h["step"] > doc["step"]]
+    assert rest["heldout"] == made["trained"]["heldout"]
+    want = export_weights(made["offline"])
+    got = export_weights(out)
+    assert all(want[k].equal(got[k]) for k in want)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    return kids
+
+
+def test_engine_killed_is_one_error_not_a_hang(made):
+    """The engine dies (SIGKILL) while the trainer needs its documents: the trainer ends at once with one line
+    naming the engine, and removes the spool."""
+    out, base = online_dir(made, "killed"), spool_base(made, "killed")
+    # GPUs named but none used on a CPU: the engine's CUDA_VISIBLE_DEVICES is narrowed to engine_gpus all the same.
+    env = {**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": "0.3", "CUDA_VISIBLE_DEVICES": "5,7"}
+    # A buffer of one document: the engine can never run ahead of the trainer by more than that.
+    args = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                    "--online-spool-dir", base, "--online-buffer-gb", "0.000001", "--engine-gpus", "1",
+                    "--train-gpus", "0", "--device", "cpu")
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(base.glob("*/s_2_*")):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    engine = _children(p.pid)
+    assert len(engine) == 1
+    with open(f"/proc/{engine[0]}/environ", "rb") as f:
+        assert b"CUDA_VISIBLE_DEVICES=7" in f.read().split(b"\0")
+    engine_figures = json.loads(next(base.glob("*/engine.json")).read_text())
+    assert engine_figures["waited_s"] > 0   # the one-document buffer held it back: backpressure
+    os.kill(engine[0], signal.SIGKILL)
+    t0 = time.time()
+    stdout, stderr = p.communicate(timeout=120)
+    assert time.time() - t0 < 60
+    doc = json.loads(stdout)
+    assert p.returncode == 1
+    assert doc["error"].startswith("online: the engine (pid") and "exited with code -9" in doc["error"], doc
+    assert "Traceback" not in doc["error"]
+    assert leftovers(base) == []
+
+
+def test_two_trainer_processes_share_one_engine(made):
+    """torchrun on one host (gloo on CPU): rank 0 starts the engine, each rank takes its rows of every step from the
+    one buffer, and the global batch's update is one process's."""
+    out, base = online_dir(made, "ranks"), spool_base(made, "ranks")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"], "--output-dir", str(out),
+                        *COMMON, *ONLINE, "--online-spool-dir", str(base), "--max-steps", "6"],
+                       capture_output=True, text=True, env={**ENV, "CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]   # one answer, rank 0's
+    doc = json.loads(line)
+    assert doc["world_size"] == 2 and doc["step"] == 6, doc
+    want = [h["loss"] for h in made["trained"]["history"][:6]]
+    assert [h["loss"] for h in doc["history"]] == pytest.approx(want, rel=1e-4)
+    assert p.stderr.count("online: engine hf started") == 1 and leftovers(base) == []
+
+
+def test_online_refusals(made, tmp_path):
+    """Settings online cannot honour are one line, exit 2, before any engine starts."""
+    out = online_dir(made, "refused")
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *ONLINE, "--online-spool-dir",
+                         tmp_path / "nowhere", "--report-to", "none")
+    assert code == 2 and "--online-spool-dir" in doc["error"] and "not a folder" in doc["error"]
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *ONLINE, "--layer-ids", "1,9",
+                         "--report-to", "none")
+    assert code == 2 and "9" in doc["error"]
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *ONLINE, "--engine-gpus", "0,0",
+                         "--report-to", "none")
+    assert code == 2 and doc["error"].startswith("--engine-gpus 0,0: each GPU once"), doc
+
+
+def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_path):
+    """`kimi-eagle run all --host local hidden_states=online` (the demo's path): no extract step, the draft is
+    exported, and no hidden-state file exists afterwards, on disk or in the buffer's folder."""
+    from conftest import TINY_PIPELINE, make_env
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = make_env(tmp_path, None, extra=TINY_PIPELINE)
+    r = env.cli("run", "all", "--host", "local", "--no-preflight", "--no-gpu", "hidden_states=online",
+                f"online_spool_dir={shm}", "draft_vocab_size=64", "steps.train.max_steps=3", timeout=1200)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    out = tmp_path / "localwork" / "out"
+    assert (out / "draft" / "export" / "model.safetensors").is_file()
+    assert "[extract]" not in r.stdout and "online: engine hf started" in r.stdout
+    # the progress line: the engine's tokens/s, the buffer's fill and who waited for whom
+    assert re.search(r"train 3/3 .* tok/s +engine [\d,]+ tok/s +buffer \d+% +waiting: trainer \S+, engine \S+",
+                     r.stdout), r.stdout[-3000:]
+    assert not (out / "hidden_states").exists() and os.listdir(shm) == []
+    stray = [p for p in out.rglob("*.safetensors") if "draft" not in p.parts and "prepared" not in p.parts]
+    assert stray == []

@@ -1,0 +1,72 @@
+"""The online stream's rules, in-process: what the engine extracts and in which order, what the cache keeps, and which
+GPUs the engine and the trainer see (the split layout's plumbing, checkable without a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from kimi_eagle_host import settings
+from kimi_eagle_host.data import online_stream, packing
+from kimi_eagle_host.step_runtime import BadInput
+
+
+def plan_of(n_docs: int, rows_per_step: int = 2, seed: int = 0) -> packing.Plan:
+    lengths = [10 + (7 * d) % 30 for d in range(n_docs)]
+    return packing.Plan(packing.pack_rows(lengths, 40, seed), rows_per_step, seed)
+
+
+def stream(plan, first, last, held=(), budget=0.0, size=100):
+    (kinds, steps, docs), cached = online_stream.stream_entries(plan, first, last, list(held), lambda d: size, budget)
+    return list(zip(kinds, steps, docs)), cached
+
+
+def test_the_stream_is_the_trainers_order_held_out_documents_first():
+    plan = plan_of(12)
+    entries, cached = stream(plan, 0, 2 * plan.steps_per_epoch, held=[20, 21])
+    assert entries[:2] == [(online_stream.HELD, 0, 20), (online_stream.HELD, 0, 21)] and cached == set()
+    want = [(online_stream.SPOOLED, s, d) for s in range(2 * plan.steps_per_epoch)
+            for row in plan.step_rows(s) for d in row]
+    assert entries[2:] == want   # every document of every step, in the order StepBatches packs them
+    names = {online_stream.entry_name(*e) for e in entries}
+    assert len(names) == len(entries)   # a document of two epochs is two files, never one overwritten
+
+
+def test_a_resumed_stream_starts_at_the_checkpoints_step():
+    plan = plan_of(12)
+    whole, _ = stream(plan, 0, 6)
+    resumed, _ = stream(plan, 3, 6)
+    assert resumed == [e for e in whole if e[1] >= 3]
+
+
+def test_the_cache_keeps_the_first_documents_that_come_again_within_its_budget():
+    plan = plan_of(12)
+    steps = 2 * plan.steps_per_epoch
+    entries, cached = stream(plan, 0, steps, budget=450, size=100)   # room for 4 documents of 100 bytes
+    assert len(cached) == 4
+    first_epoch = [d for s in range(plan.steps_per_epoch) for row in plan.step_rows(s) for d in row]
+    assert cached == set(first_epoch[:4])
+    for d in cached:   # extracted once, as a cache entry, at its first position
+        mine = [e for e in entries if e[2] == d]
+        assert len(mine) == 1 and mine[0][0] == online_stream.CACHED and mine[0][1] < plan.steps_per_epoch
+    assert sum(1 for e in entries if e[0] == online_stream.SPOOLED) == 2 * 12 - 2 * 4
+    # one epoch: nothing comes again, so nothing is kept whatever the budget
+    _, cached = stream(plan, 0, plan.steps_per_epoch, budget=1e12)
+    assert cached == set()
+
+
+def test_engine_and_trainer_gpus_are_narrowed_among_the_visible_ones():
+    assert online_stream.gpu_env({"CUDA_VISIBLE_DEVICES": "5,7"}, [1], "engine_gpus")["CUDA_VISIBLE_DEVICES"] == "7"
+    assert online_stream.gpu_env({}, [0, 2], "train_gpus")["CUDA_VISIBLE_DEVICES"] == "0,2"
+    with pytest.raises(BadInput, match=r"engine_gpus \[2\]: only 2 GPU\(s\) visible"):
+        online_stream.gpu_env({"CUDA_VISIBLE_DEVICES": "5,7"}, [2], "engine_gpus")
+
+
+def test_the_online_settings_are_checked_like_every_setting():
+    hs = settings.SETTINGS["hidden_states"]
+    assert settings.check(hs, "online") == "online" and hs.default == "offline"
+    with pytest.raises(settings.SettingError, match="expected one of offline, online"):
+        settings.check(hs, "streaming")
+    with pytest.raises(settings.SettingError, match="GPU 0 is listed twice"):
+        settings.check(settings.SETTINGS["engine_gpus"], "0,0")
+    with pytest.raises(settings.SettingError, match="greater than 0"):
+        settings.check(settings.SETTINGS["online_buffer_gb"], 0)
+    assert settings.check(settings.SETTINGS["train_gpus"], [0, 1]) == [0, 1]
