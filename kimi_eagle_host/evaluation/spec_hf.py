@@ -12,7 +12,6 @@ output with its own step s-1 token, seeing the step-0 keys and its own chain onl
 """
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
