@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from sshd import Sshd  # noqa: E402
 
 
 def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
     # The machine's claims and GPU lock (ops/machine_claims.py) live per user, in ~/.cache; a test session keeps
     # its own, so that it neither sees nor blocks another session's jobs. Local hosts and the CLI inherit it;
     # the sshd sets the same for its sessions (tests/sshd.py).
@@ -43,6 +46,21 @@ def pytest_unconfigure(config):
     made = getattr(config, "_kimi_eagle_machine_dir", None)
     if made:
         shutil.rmtree(made, ignore_errors=True)
+
+
+# A test slower than this says so as it ends, with the time since the session began: a CI log cut off by its time
+# limit still shows where the time went (pytest's --durations prints only at the end).
+SLOW_TEST_S = 60.0
+_SESSION_START = time.monotonic()
+_CONFIG = None
+
+
+def pytest_runtest_logreport(report):
+    reporter = _CONFIG and _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if report.when == "teardown" or report.duration < SLOW_TEST_S or not reporter:
+        return
+    reporter.write_line(f"\n[slow] {report.nodeid} ({report.when}): {report.duration:.0f} s "
+                         f"(at {(time.monotonic() - _SESSION_START) / 60:.1f} min)")
 
 
 @pytest.fixture(scope="session")
