@@ -117,7 +117,7 @@ def test_each_host_rule_is_written_once():
 
 
 # The two training and extraction loops another change is reshaping; every other host function stays short.
-LONG_ALLOWED = {("pipeline/train.py", "train"), ("pipeline/extract.py", "run")}
+LONG_ALLOWED = {("pipeline/train.py", "_train"), ("pipeline/extract.py", "run")}
 
 
 def test_no_host_function_is_over_100_lines():
