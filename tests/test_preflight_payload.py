@@ -218,7 +218,7 @@ def test_no_gpu_fails_vllm_warns_hf(env):
     assert checks["gpu"]["status"] == "warn" and checks["gpu"]["fix"]
     rc, _, checks = run(env, "--min-free-disk-gib", "0.001", backend="vllm")
     assert rc == 1
-    assert_failed(checks, "gpu", "no GPU visible", "--backend hf")
+    assert_failed(checks, "gpu", "no GPU visible", "--engine hf")
 
 
 def test_gpu_too_small_for_model(env, tmp_path):
@@ -296,7 +296,7 @@ def test_vllm_backend_without_vllm(env):
     # This host has no vllm/speculators: the compat check names them.
     rc, _, checks = run(env, "--min-free-disk-gib", "0.001", backend="vllm", step="extract")
     assert rc == 1
-    assert_failed(checks, "compat", "not installed", "--backend hf")
+    assert_failed(checks, "compat", "not installed", "--engine hf")
 
 
 def test_bad_usage_exit_2(env):

@@ -213,10 +213,12 @@ def test_heldout_figures_per_position(tmp_path):
     assert last["accept_len"] > first["accept_len"] and last["accept_len"] > 2.0, doc["heldout_history"]
 
 
-def test_muon_and_seven_ttt_steps(tmp_path):
+def test_muon_and_seven_ttt_steps(tmp_path, capsys):
     p = make_pipeline(tmp_path)
     rc, doc = run_train(p, "--max-steps", "6", "--ttt-steps", "7", "--optimizer", "muon", "--log-every", "1")
     assert rc == 0 and doc["optimizer"] == "muon" and len(doc["final_cond_acc"]) == 7, doc
     assert doc["history"][-1]["loss"] < doc["history"][0]["loss"]
-    rc, bad = run_train(p, "--ttt-steps", "8")
-    assert rc == 2 and "at most 7" in bad["error"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:   # the schema's range, checked as the flags are read
+        run_train(p, "--ttt-steps", "8")
+    assert refused.value.code == 2 and "expected an integer from 1 to 7 (got 8)" in capsys.readouterr().err
