@@ -104,7 +104,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
             raise CommandError(f"{session.name}: job did not start: {data}")
         remember(job_id, session.name, host_identity(session.host))
     job = Job.from_host(session.name, data)
-    if interrupted:
+    if interrupted and interrupted.owner:  # else the start the deferral is part of (a group's) names the job
         raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
     return job
 
