@@ -124,3 +124,26 @@ def test_prepare_then_extraction_as_a_job_array(tmp_path, sshd, cluster):
     out = tmp_path / "hostwork" / "out"
     n = json.loads((out / "prepared" / "manifest.json").read_text())["count"]
     assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == n
+
+
+def test_a_job_is_rendered_once_and_what_was_rendered_is_what_runs(tmp_path, sshd, cluster, monkeypatch):
+    """`run` renders a job before connecting (bad input changes nothing) and submits exactly that, as a direct job
+    does; the Slurm path rendered it a second time with the open session, so what was checked was not what ran."""
+    from kimi_eagle.api import Controller
+    from kimi_eagle.jobs import slurm
+
+    renders = []
+    real = slurm.job_files
+    monkeypatch.setattr(slurm, "job_files", lambda *a, **k: renders.append(real(*a, **k)) or renders[-1])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the job index, shared with env.cli below
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 2})
+    script = tmp_path / "task.py"
+    script.write_text("import sys\nprint('task', sys.argv[sys.argv.index('--rank') + 1])\n")
+    job_id = Controller(env.inventory).run("exec", host="login", extra=[PY, str(script)]).job.id
+    assert len(renders) == 1
+    for rel, text in renders[0].items():
+        assert (env.workdir / rel).read_text() == text, rel
+    assert wait_state(env, job_id, {"succeeded", "failed"})["state"] == "succeeded"
+    logs = env.cli("logs", job_id).stdout  # each task's log, where the relative #SBATCH --output put it
+    assert "[login:0] task 0" in logs and "[login:1] task 1" in logs, logs
+

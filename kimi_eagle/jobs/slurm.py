@@ -41,12 +41,6 @@ class QueueUnavailable(KimiEagleError):
 QUEUE_RETRIES = (2.0, 4.0)
 
 
-def _slurm_path(path: str) -> str:
-    """A path on an #SBATCH --output line: sbatch expands %j, %a, %u... there; a literal % is %%.
-    (--chdir takes its path as it is.)"""
-    return path.replace("%", "%%")
-
-
 @dataclass
 class ArrayTask:
     index: int
@@ -64,11 +58,15 @@ def _slurm(session: HostSession, argv: list[str], *, check: bool = False, timeou
 
 # -- rendering ---------------------------------------------------------------------------------------
 def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID") -> dict[str, str]:
-    """What `run` uploads for a Slurm job: {path relative to the workdir: text}."""
+    """What `run` uploads for a Slurm job: {path relative to the workdir: text}.
+
+    Rendered without a connection (api.run renders before connecting, and that is what is submitted): paths are
+    the workdir's as the inventory gives it (the scripts expand a leading ~/), and the #SBATCH --output lines,
+    which nothing expands, are relative to the job's working directory, the run folder sbatch is called in."""
     host = session.host
     slurm = host.slurm
     run_rel = f"{RUNS}/{job_id}"
-    run_dir = session.path(run_rel)
+    run_dir = host.workdir.rstrip("/") + "/" + run_rel
     steps = step_plan.plan_for_host(step, host, extra, job_id)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
@@ -89,7 +87,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     files[f"{run_rel}/job.sbatch"] = templating.render(
         "slurm_job.sbatch.j2", **common, slurm=slurm, slurm_name=f"ke-{step}-{job_id[-4:]}",
         nodes=slurm.nodes if torchrun else 1, run_dir=run_dir, steps=steps, tasks=tasks, array_spec=array_spec,
-        log_pattern=f"{_slurm_path(run_dir)}/log.%a" if tasks else f"{_slurm_path(run_dir)}/log",
+        log_pattern="log.%a" if tasks else "log",
         torchrun=torchrun, before=steps[:-1],
         rdzv_port=host.rdzv_port, node_script=f"{run_dir}/node.sh",
     )
@@ -144,19 +142,23 @@ def _gres_offers(offered: str, want: str) -> bool:
 
 
 # -- submit -------------------------------------------------------------------------------------------
-def start(session: HostSession, step: str, extra: list[str] | None = None, *, job_id: str | None = None) -> Job:
+def start(session: HostSession, step: str, extra: list[str] | None = None, *, job_id: str | None = None,
+          files: dict[str, str] | None = None) -> Job:
+    """Upload the job and submit it. `files`: the job as job_files rendered it for `job_id` (api.run renders once,
+    before connecting)."""
     extra = list(extra or [])
     job_id = check_job_id(job_id or new_job_id(step))
-    files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
-    files.update({f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()})
+    if files is None:
+        files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
+    files = {**files, **{f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()}}
     session.deploy_payloads()
     items = [sync.Item(remote=rel, data=text.encode(), mode=0o755 if rel.endswith(".sh") or rel.endswith(".sbatch") else 0o644)
              for rel, text in files.items()]
-    sync.sync(session.transport, session.path(""), items)
     run_dir = session.path(f"{RUNS}/{job_id}")
     # The id is recorded on the host by the same command that submits, so a controller dying here loses nothing.
     cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable job.sbatch > slurm_job_id.tmp && "
            "mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
+    sync.sync(session.transport, session.path(""), items)
     res = session.transport.run(cmd, timeout=120)
     if res.exited != 0:
         raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
