@@ -90,14 +90,14 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
         try:
             session.upload_scripts({**files, **record})
         except BaseException:
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             raise
         if interrupted:
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             raise KeyboardInterrupt
         code, data = _call_host_jobs(session, args)
         if not data.get("started"):
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             held = data.get("held_by") or {}
             if held:
                 raise _lock_held(session, held)
@@ -109,7 +109,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     return job
 
 
-def _remove_job_dir(session: HostSession, job_id: str) -> None:
+def remove_job_dir(session: HostSession, job_id: str) -> None:
     """The folder of a job that did not start (best effort: a dropped connection leaves it, never a job)."""
     try:
         session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))

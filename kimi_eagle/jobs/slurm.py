@@ -20,7 +20,7 @@ from ..errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from ..hosts import sync
 from ..hosts.session import PAYLOADS, RUNS, HostSession
 from ..shell import join, quote
-from . import layout
+from . import direct, interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
 from .local_index import host_identity, remember
 
@@ -158,13 +158,27 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     # The id is recorded on the host by the same command that submits, so a controller dying here loses nothing.
     cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable job.sbatch > slurm_job_id.tmp && "
            "mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
-    sync.sync(session.transport, session.path(""), items)
-    res = session.transport.run(cmd, timeout=120)
-    if res.exited != 0:
-        raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
-                           result=res)
-    remember(job_id, session.name, host_identity(session.host))
-    return status(session, job_id)[0]
+    # As direct.start: from the job's folder to its id in jobs.json, Ctrl-C waits. Before sbatch it cancels the
+    # submission and removes the folder; after, the job is queued, recorded and named (exit 130). Never a Slurm
+    # job queued that nobody was told about.
+    with interrupts.deferred() as interrupted:
+        try:
+            sync.sync(session.transport, session.path(""), items)
+        except BaseException:
+            direct.remove_job_dir(session, job_id)
+            raise
+        if interrupted:
+            direct.remove_job_dir(session, job_id)
+            raise KeyboardInterrupt
+        res = session.transport.run(cmd, timeout=120)
+        if res.exited != 0:
+            raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
+                               result=res)
+        remember(job_id, session.name, host_identity(session.host))
+    if interrupted and interrupted.owner:
+        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+    with interrupts.naming_job(session.name, job_id, step):  # queued and recorded: a Ctrl-C from here names it
+        return status(session, job_id)[0]
 
 
 # -- status -------------------------------------------------------------------------------------------
