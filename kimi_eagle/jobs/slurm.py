@@ -62,7 +62,8 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
 
     Rendered without a connection (api.run renders before connecting, and that is what is submitted): paths are
     the workdir's as the inventory gives it (the scripts expand a leading ~/), and the #SBATCH --output lines,
-    which nothing expands, are relative to the job's working directory, the run folder sbatch is called in."""
+    which nothing expands, are relative to the job's working directory, the run folder sbatch is called in
+    (start gives sbatch the same path made absolute)."""
     host = session.host
     slurm = host.slurm
     run_rel = f"{RUNS}/{job_id}"
@@ -155,9 +156,14 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     items = [sync.Item(remote=rel, data=text.encode(), mode=0o755 if rel.endswith(".sh") or rel.endswith(".sbatch") else 0o644)
              for rel, text in files.items()]
     run_dir = session.path(f"{RUNS}/{job_id}")
+    # Slurm expands the %-patterns also in the working directory it puts before a relative --output path: a workdir
+    # with a % in it would lose the logs. So the script's --output, relative, is given again here as an absolute
+    # path with its % escaped (sbatch's command line overrides #SBATCH lines), now that the host's home is known.
+    log = "log.%a" if json.loads(files[f"{RUNS}/{job_id}/meta.json"])["tasks"] else "log"
+    output = run_dir.replace("%", "%%") + "/" + log
     # The id is recorded on the host by the same command that submits, so a controller dying here loses nothing.
-    cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable job.sbatch > slurm_job_id.tmp && "
-           "mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
+    cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable --output={quote(output)} job.sbatch "
+           "> slurm_job_id.tmp && mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
     # As direct.start: from the job's folder to its id in jobs.json, Ctrl-C waits. Before sbatch it cancels the
     # submission and removes the folder; after, the job is queued, recorded and named (exit 130). Never a Slurm
     # job queued that nobody was told about.
