@@ -124,3 +124,62 @@ def test_prepare_then_extraction_as_a_job_array(tmp_path, sshd, cluster):
     out = tmp_path / "hostwork" / "out"
     n = json.loads((out / "prepared" / "manifest.json").read_text())["count"]
     assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == n
+
+
+def test_a_job_is_rendered_once_and_what_was_rendered_is_what_runs(tmp_path, sshd, cluster, monkeypatch):
+    """`run` renders a job before connecting (bad input changes nothing) and submits exactly that, as a direct job
+    does; the Slurm path rendered it a second time with the open session, so what was checked was not what ran."""
+    from kimi_eagle.api import Controller
+    from kimi_eagle.jobs import slurm
+
+    renders = []
+    real = slurm.job_files
+    monkeypatch.setattr(slurm, "job_files", lambda *a, **k: renders.append(real(*a, **k)) or renders[-1])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the job index, shared with env.cli below
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "shards": 2})
+    script = tmp_path / "task.py"
+    script.write_text("import sys\nprint('task', sys.argv[sys.argv.index('--rank') + 1])\n")
+    job_id = Controller(env.inventory).run("exec", host="login", extra=[PY, str(script)]).job.id
+    assert len(renders) == 1
+    for rel, text in renders[0].items():
+        assert (env.workdir / rel).read_text() == text, rel
+    assert wait_state(env, job_id, {"succeeded", "failed"})["state"] == "succeeded"
+    logs = env.cli("logs", job_id).stdout  # each task's log, where the relative #SBATCH --output put it
+    assert "[login:0] task 0" in logs and "[login:1] task 1" in logs, logs
+
+
+def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, sshd, cluster):
+    """A real SIGINT at moments spread over `run`'s start on a Slurm host: either the job is in jobs.json and was
+    named, or nothing was queued and no job folder is left; never a Slurm job nobody was told about."""
+    from test_start_interrupt import FRACTIONS, _job_dirs, interrupted_at, start_cli
+
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
+    index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
+    args = ["run", "exec", "--host", "login", "--detach", "--no-preflight", "--", "sleep", "60"]
+
+    def queued() -> set[str]:
+        return set(cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split())
+
+    t0 = time.monotonic()
+    first = start_cli(env, *args)
+    out, err = first.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert first.returncode == 0, err
+    assert env.cli("stop", out.strip().splitlines()[-1], "--grace", "1").code == 0
+    seen, outcomes = set(_job_dirs(env.workdir)), []
+    for fraction in FRACTIONS:
+        before = queued()
+        code, out, err = interrupted_at(env, args, took, fraction)
+        new = {name: d for name, d in _job_dirs(env.workdir).items() if name not in seen}
+        recorded = json.loads(index.read_text()) if index.exists() else {}
+        submitted = {(d / "slurm_job_id").read_text().strip() for d in new.values() if (d / "slurm_job_id").exists()}
+        for name, d in new.items():
+            # A folder is a submitted job (never half-made) whose id was recorded here and shown to the user.
+            assert (d / "slurm_job_id").is_file(), (fraction, name, sorted(p.name for p in d.iterdir()), err)
+            assert (recorded.get(name) or {}).get("host") == "login" and name in out + err, (fraction, name, out, err)
+            assert env.cli("stop", name, "--grace", "1").code == 0
+        # every Slurm job queued since is one of those
+        assert queued() - before <= submitted, (fraction, queued() - before, submitted)
+        seen |= set(new)
+        outcomes.append((code, bool(new)))
+    assert (130, False) in outcomes and any(started for _, started in outcomes), outcomes

@@ -1,6 +1,8 @@
 """Ctrl-C during `run`'s start (a real SIGINT to the whole process group, as a terminal sends it, at moments spread
 over the start): from the user's side the start is whole or nothing. Either the job's id is in jobs.json and was
-printed, or no job ran and no job folder is left; never a job running untracked, holding the GPUs."""
+printed, or no job ran and no job folder is left; never a job running untracked, holding the GPUs. The same for a
+group's start (`run --group`: its hosts start in threads), whose group job id names what started; Slurm's is in
+tests/test_slurm.py."""
 
 from __future__ import annotations
 
@@ -13,18 +15,33 @@ import time
 
 import pytest
 
-from conftest import REPO, make_env
+from conftest import REPO, add_workdir_host, make_env
 
 PY = sys.executable
 
 
-def _run(env, host):
+def start_cli(env, *args):
+    """`kimi-eagle ARGS` in a session of its own: os.killpg reaches it as a terminal's Ctrl-C would."""
     cli_env = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
     cli_env.pop("KIMI_EAGLE_INVENTORY", None)
-    return subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "run", "exec", "--host", host,
-                             "--detach", "--gpu", "--no-preflight", "--", "sleep", "60"],
+    return subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), *args],
                             env=cli_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+
+
+def interrupted_at(env, args, took: float, fraction: float):
+    """Start `kimi-eagle ARGS`, SIGINT it at fraction × `took` (a whole start's duration); (code, stdout, stderr)."""
+    run = start_cli(env, *args)
+    time.sleep(took * fraction)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    # 0: done before the signal; 130: interrupted; -2: the signal came as Python was exiting, all shown
+    assert run.returncode in (0, 130, -2), (fraction, run.returncode, err)
+    return run.returncode, out, err
+
+
+FRACTIONS = (0.3, 0.45, 0.55, 0.65, 0.72, 0.78, 0.84, 0.88, 0.92, 0.96, 1.0, 1.1)
 
 
 def _job_dirs(workdir):
@@ -37,8 +54,9 @@ def test_ctrl_c_during_the_start_leaves_a_recorded_job_or_nothing(tmp_path, sshd
     env = make_env(tmp_path, sshd)
     workdir = env.workdir if host == "gpu" else tmp_path / "localwork"
     index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
+    args = ["run", "exec", "--host", host, "--detach", "--gpu", "--no-preflight", "--", "sleep", "60"]
     t0 = time.monotonic()
-    first = _run(env, host)
+    first = start_cli(env, *args)
     out, err = first.communicate(timeout=120)
     took = time.monotonic() - t0
     assert first.returncode == 0, err
@@ -46,13 +64,7 @@ def test_ctrl_c_during_the_start_leaves_a_recorded_job_or_nothing(tmp_path, sshd
     seen = set(_job_dirs(workdir))
     outcomes = []
     for fraction in (0.45, 0.55, 0.65, 0.72, 0.78, 0.84, 0.88, 0.92, 0.96, 1.0):
-        run = _run(env, host)
-        time.sleep(took * fraction)
-        os.killpg(run.pid, signal.SIGINT)
-        out, err = run.communicate(timeout=120)
-        assert "Traceback" not in err, err
-        # 0: done before the signal; 130: interrupted; -2: the signal came as Python was exiting, all shown
-        assert run.returncode in (0, 130, -2), (fraction, run.returncode, err)
+        code, out, err = interrupted_at(env, args, took, fraction)
         new = {name: d for name, d in _job_dirs(workdir).items() if name not in seen}
         recorded = json.loads(index.read_text()) if index.exists() else {}
         for name, d in new.items():
@@ -61,6 +73,53 @@ def test_ctrl_c_during_the_start_leaves_a_recorded_job_or_nothing(tmp_path, sshd
             assert (recorded.get(name) or {}).get("host") == host and name in out + err, (fraction, name, out, err)
             assert env.cli("stop", name, "--host", host, "--grace", "1").code == 0
         seen |= set(new)
-        outcomes.append((run.returncode, bool(new)))
+        outcomes.append((code, bool(new)))
     # Both ends of the start were hit: some runs were cut off before the job existed, some after.
     assert (130, False) in outcomes, outcomes
+
+
+def test_ctrl_c_during_a_group_start_leaves_a_named_group_job_or_nothing(tmp_path, sshd):
+    """`run --group` starts its hosts in threads, which no signal reaches: a Ctrl-C used to leave shards running
+    under a group job never recorded nor shown. Two inventory entries on one machine make the group."""
+    env = make_env(tmp_path, sshd)
+    add_workdir_host(env, "gpu2", tmp_path / "hostwork2")
+    env.inventory.write_text(env.inventory.read_text() + "groups:\n  pair: [gpu, gpu2]\n")
+    workdirs = [env.workdir, tmp_path / "hostwork2"]
+    groups = env.home / ".cache" / "kimi-eagle" / "groups"
+    index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
+
+    def args(tag):  # each round's own arguments: a new group job each time, never a resume of the one before
+        return ["run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--no-gpu", "--no-preflight", "--",
+                PY, "-c", "import time; time.sleep(60)", str(tag)]
+
+    def new_since(seen):
+        return {name: d for w in workdirs for name, d in _job_dirs(w).items() if name not in seen}
+
+    t0 = time.monotonic()
+    first = start_cli(env, *args("first"))
+    out, err = first.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert first.returncode == 0, err
+    assert env.cli("stop", out.strip().splitlines()[-1], "--grace", "1").code == 0
+    seen = set(new_since(set()))
+    known_groups = {p.name for p in groups.glob("g-*.json")}
+    outcomes = []
+    for fraction in FRACTIONS:
+        code, out, err = interrupted_at(env, args(fraction), took, fraction)
+        new = new_since(seen)
+        recorded = json.loads(index.read_text()) if index.exists() else {}
+        new_groups = [json.loads(p.read_text()) for p in groups.glob("g-*.json") if p.name not in known_groups]
+        members = {m["job_id"]: g["id"] for g in new_groups for m in g["members"] if m["job_id"]}
+        for g in new_groups:  # a group job left behind is one the user was told about
+            assert g["id"] in out + err, (fraction, code, g["id"], out, err)
+        for name, d in new.items():
+            # every job folder is a started job (never half-made), recorded here, in a group job that was named
+            assert (d / "meta.json").is_file(), (fraction, name, sorted(p.name for p in d.iterdir()), err)
+            assert name in recorded and name in members, (fraction, code, name, members, out, err)
+        for gid in {g["id"] for g in new_groups}:
+            assert env.cli("stop", gid, "--grace", "1").code in (0, 4), gid
+        seen |= set(new)
+        known_groups |= {p.name for p in groups.glob("g-*.json")}
+        outcomes.append((code, bool(new)))
+    # Both ends of the start were hit: some runs were cut off before any job existed, some after jobs started.
+    assert (130, False) in outcomes and any(started for _, started in outcomes), outcomes

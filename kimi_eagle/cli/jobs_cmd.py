@@ -152,22 +152,29 @@ def _notifier(ui):
 
 def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_preflight, gpu):
     ui = console_ui()
-    started = state.api.run_group(step, group, extra, shard_by=shard_by, mode=mode, reset_gpus=reset_gpus,
-                                  preflight=not no_preflight, gpu=gpu,
-                                  notify=_notifier(ui))
-    g, outcomes = started.group_job, started.outcomes
     words = {"started": "started job", "done": "job", "running": "job", "failed": "failed"}
-    for o in outcomes:
-        style = "red" if o.action == "failed" else None
-        what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
-        ui.note(f"[{o.host}] {what}: {o.message}", style=style)
-    ui.note(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})")
+    try:
+        started = state.api.run_group(step, group, extra, shard_by=shard_by, mode=mode, reset_gpus=reset_gpus,
+                                      preflight=not no_preflight, gpu=gpu,
+                                      notify=_notifier(ui))
+        g, outcomes = started.group_job, started.outcomes
+        # recorded: a Ctrl-C before the group job's id is shown still names it
+        with interrupts.naming(interrupts.StartInterrupted.for_group(g.id, g.hosts)):
+            for o in outcomes:
+                style = "red" if o.action == "failed" else None
+                what = f"{words[o.action]} {o.job_id}" if o.action != "failed" else "failed"
+                ui.note(f"[{o.host}] {what}: {o.message}", style=style)
+            ui.note(f"group job {g.id}: {step} on {', '.join(g.hosts)} ({g.mode})")
+            if detach:
+                if state.json:
+                    ui.emit_json({"id": g.id, "mode": g.mode, "hosts": g.hosts,
+                                  "outcomes": [o.as_dict() for o in outcomes]})
+                else:
+                    ui.line(g.id)
+    except interrupts.StartInterrupted as e:  # the group job started and is recorded: say which, exit as interrupted
+        ui.error(e.message)
+        raise typer.Exit(130) from None
     if detach:
-        if state.json:
-            ui.emit_json({"id": g.id, "mode": g.mode, "hosts": g.hosts,
-                          "outcomes": [o.as_dict() for o in outcomes]})
-        else:
-            ui.line(g.id)
         raise typer.Exit(started.exit_code)
     # This run's view: the jobs it started or found running (a resume does not replay finished hosts' logs).
     live = {o.host for o in outcomes if o.action in ("started", "running")}

@@ -90,26 +90,26 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
         try:
             session.upload_scripts({**files, **record})
         except BaseException:
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             raise
         if interrupted:
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             raise KeyboardInterrupt
         code, data = _call_host_jobs(session, args)
         if not data.get("started"):
-            _remove_job_dir(session, job_id)
+            remove_job_dir(session, job_id)
             held = data.get("held_by") or {}
             if held:
                 raise _lock_held(session, held)
             raise CommandError(f"{session.name}: job did not start: {data}")
         remember(job_id, session.name, host_identity(session.host))
     job = Job.from_host(session.name, data)
-    if interrupted:
+    if interrupted and interrupted.owner:  # else the start the deferral is part of (a group's) names the job
         raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
     return job
 
 
-def _remove_job_dir(session: HostSession, job_id: str) -> None:
+def remove_job_dir(session: HostSession, job_id: str) -> None:
     """The folder of a job that did not start (best effort: a dropped connection leaves it, never a job)."""
     try:
         session.transport.run(join(["rm", "-rf", "--", session.path(f"{RUNS}/{job_id}")]))

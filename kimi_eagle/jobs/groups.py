@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, CommandError, ConfigError, KimiEagleError, is_transport_failure
 from ..hosts.parallel import each_host
-from . import direct, layout, scheduler
+from . import direct, interrupts, layout, scheduler
 from .job_info import STATE_EXIT, Job, new_job_id
 from .local_index import remember
 
@@ -194,6 +194,10 @@ def start_exit(outcomes: list[StartOutcome]) -> int:
     return failure_exit([o.error or CommandError(o.message) for o in failed]) if failed else 0
 
 
+class NotStarted(KimiEagleError):
+    """A host's start cancelled by a Ctrl-C before its job started (the group's start reports the rest)."""
+
+
 def new_group_id(step: str) -> str:
     return f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
 
@@ -225,19 +229,30 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
                 raise ConfigError(f"group job {previous.id} is still running on {live[0].host} with other settings "
                                   f"({'; '.join(changed)} changed); stop it first: kimi-eagle stop {previous.id}")
         g = previous if previous is not None and mode == "shards" and not changed else fresh
-        todo, outcomes = _what_to_start(inventory, g)
-        if mode == "torchrun":
-            outcomes = _start_torchrun(inventory, g, gpu, host_check)
-        else:
-            outcomes += _start_shards(inventory, g, todo, gpu, host_check)
-        if changed:
-            # Never "succeeded before" for outputs made with other inputs: every shard runs again, and says why.
-            for o in outcomes:
-                o.message += f" (not resuming {previous.id}: {'; '.join(changed)} changed since)"
-        g.save()
-    for m in g.members:
-        if m.job_id:
-            remember(m.job_id, m.host)
+        # The hosts start in threads, which no signal reaches: Ctrl-C is held back from here until the record is
+        # saved, and each host's start (direct.start, _start_one) sees it and cancels itself if its job has not
+        # started yet. So a Ctrl-C leaves the group job recorded and named (exit 130), or nothing started at all.
+        with interrupts.deferred() as interrupted:
+            known = {m.job_id for m in g.members}
+            todo, outcomes = _what_to_start(inventory, g)
+            if mode == "torchrun":
+                outcomes = _start_torchrun(inventory, g, gpu, host_check)
+            else:
+                outcomes += _start_shards(inventory, g, todo, gpu, host_check)
+            # the hosts where this run started a job (a torchrun node stopped again after a Ctrl-C included)
+            started = [m.host for m in g.members if m.job_id not in known]
+            if interrupted and not started:
+                raise KeyboardInterrupt  # nothing of this run started: no record of it either
+            if changed:
+                # Never "succeeded before" for outputs made with other inputs: every shard runs again, and says why.
+                for o in outcomes:
+                    o.message += f" (not resuming {previous.id}: {'; '.join(changed)} changed since)"
+            g.save()
+            for m in g.members:
+                if m.job_id:
+                    remember(m.job_id, m.host)
+    if interrupted:
+        raise interrupts.StartInterrupted.for_group(g.id, started)
     return g, sorted(outcomes, key=lambda o: g.hosts.index(o.host))
 
 
@@ -264,10 +279,20 @@ def _start_one(inventory, g: GroupJob, member: Member, gpu, host_check):
     host = inventory.hosts[member.host]
 
     def fn(session):
-        if host_check:
-            host_check(session)
-        sched = scheduler.for_host(host)
-        return sched.start(session, g.step, g.extra, gpu=gpu, shape=shape_of(member), job_id=new_job_id(g.step))
+        # In a worker thread, under groups.start's deferral: a Ctrl-C noted before this host's job started
+        # cancels it (direct.start removes what it uploaded); one that came after leaves it started and recorded.
+        with interrupts.deferred() as interrupted:
+            try:
+                if interrupted:
+                    raise KeyboardInterrupt
+                if host_check:
+                    host_check(session)
+                if interrupted:
+                    raise KeyboardInterrupt
+                sched = scheduler.for_host(host)
+                return sched.start(session, g.step, g.extra, gpu=gpu, shape=shape_of(member), job_id=new_job_id(g.step))
+            except KeyboardInterrupt:
+                raise NotStarted(f"{member.host}: not started: interrupted (Ctrl-C)") from None
 
     return fn
 
@@ -312,14 +337,21 @@ def _start_torchrun(inventory, g: GroupJob, gpu, host_check) -> list[StartOutcom
             for s in sessions:  # a held GPU lock anywhere: nothing starts anywhere
                 direct.refuse_if_locked(s)
         started: list[tuple[Member, HostSession, str]] = []
-        for m, s in zip(g.members, sessions):
-            m.attempts += 1
-            try:
-                job = scheduler.for_host(s.host).start(s, g.step, g.extra, gpu=gpu, shape=shape_of(m), job_id=new_job_id(g.step))
-            except KimiEagleError as e:
-                # One node refused: the ones already started would wait at the rendezvous for it forever.
-                return _undo_torchrun(g, started, m, e)
-            started.append((m, s, job.id))
+        with interrupts.deferred() as interrupted:  # groups.start's: a Ctrl-C is noted, not raised
+            for m, s in zip(g.members, sessions):
+                m.attempts += 1
+                try:
+                    if interrupted:
+                        raise KeyboardInterrupt
+                    job = scheduler.for_host(s.host).start(s, g.step, g.extra, gpu=gpu, shape=shape_of(m),
+                                                           job_id=new_job_id(g.step))
+                except KeyboardInterrupt:
+                    # Ctrl-C before this node started: all nodes or none, so the ones started are stopped again.
+                    return _undo_torchrun(g, started, m, NotStarted(f"{m.host}: not started: interrupted (Ctrl-C)"))
+                except KimiEagleError as e:
+                    # One node refused: the ones already started would wait at the rendezvous for it forever.
+                    return _undo_torchrun(g, started, m, e)
+                started.append((m, s, job.id))
         outcomes = []
         for m, _, job_id in started:
             m.job_id, m.error, m.unreachable = job_id, None, False

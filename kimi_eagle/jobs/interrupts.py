@@ -20,29 +20,67 @@ class StartInterrupted(KeyboardInterrupt):
         return cls(f"[{host}] interrupted after job {job_id} ({step}) had started; it runs on: kimi-eagle logs "
                    f"{job_id} --follow, or stop it: kimi-eagle stop {job_id} --host {host}")
 
+    @classmethod
+    def for_group(cls, group_job_id: str, hosts: list[str]) -> "StartInterrupted":
+        return cls(f"interrupted after group job {group_job_id} had started on {', '.join(hosts)}; see it: "
+                   f"kimi-eagle status {group_job_id}, or stop it: kimi-eagle stop {group_job_id}")
+
 
 @contextlib.contextmanager
-def naming_job(host: str, job_id: str, step: str):
-    """After a job started and before its id is shown: a Ctrl-C in the block names the job (StartInterrupted)."""
+def naming(interrupt: StartInterrupted):
+    """After a start and before its id is shown: a Ctrl-C in the block is `interrupt`, which names what started."""
     try:
         yield
     except StartInterrupted:
         raise
     except KeyboardInterrupt:
-        raise StartInterrupted.for_job(host, job_id, step) from None
+        raise interrupt from None
+
+
+def naming_job(host: str, job_id: str, step: str):
+    """After a job started and before its id is shown: a Ctrl-C in the block names the job (StartInterrupted)."""
+    return naming(StartInterrupted.for_job(host, job_id, step))
+
+
+class Noted:
+    """The SIGINTs a deferred() block noted: truthy once one came. `owner`: this block holds them back, so its
+    caller reports them; a block inside another one (or in a thread the other one waits for) shares that one's
+    notes (owner False) and only acts on them (cancels what has not started)."""
+
+    def __init__(self, shared: "Noted | None" = None):
+        self.owner = shared is None
+        self._got: list = shared._got if shared is not None else []
+
+    def note(self, *_) -> None:
+        self._got.append(True)
+
+    def __bool__(self) -> bool:
+        return bool(self._got)
+
+
+# The main thread's deferral in force. Only the main thread receives signals: a start run in a worker thread (a
+# group's hosts start in threads) learns of a Ctrl-C through this, and cancels itself as the main thread would.
+_active: Noted | None = None
 
 
 @contextlib.contextmanager
 def deferred():
-    """SIGINT during the block is noted, not raised: the yielded list is non-empty once it came.
+    """SIGINT during the block is noted, not raised: the yielded Noted is true once it came.
 
-    Only the main thread receives signals; elsewhere the block runs as it is."""
-    got: list = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
+    Nested in another deferral, or in a thread started while one is in force, the block shares that one's notes
+    (owner False); in another thread outside any, it runs as it is (never noted)."""
+    global _active
+    if _active is not None:
+        yield Noted(shared=_active)
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    if threading.current_thread() is not threading.main_thread():
+        yield Noted(shared=Noted())  # notes no signal ever adds to
+        return
+    got = Noted()
+    previous = signal.signal(signal.SIGINT, got.note)
+    _active = got
     try:
         yield got
     finally:
+        _active = None
         signal.signal(signal.SIGINT, previous)

@@ -75,12 +75,10 @@ class Slurm(Scheduler):
         return slurm.job_files(session, step, extra, job_id)
 
     def start(self, session, step, extra, *, gpu=None, shape=None, job_id=None, files=None):
-        # `files` is not taken: a Slurm job's script holds the host's absolute paths, so it is rendered (once)
-        # with the connected session.
         self._unshaped(session, shape)
         from . import slurm
 
-        return slurm.start(session, step, extra, job_id=job_id)
+        return slurm.start(session, step, extra, job_id=job_id, files=files)
 
     @staticmethod
     def _unshaped(session, shape) -> None:

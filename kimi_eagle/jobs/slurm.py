@@ -20,7 +20,7 @@ from ..errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from ..hosts import sync
 from ..hosts.session import PAYLOADS, RUNS, HostSession
 from ..shell import join, quote
-from . import layout
+from . import direct, interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
 from .local_index import host_identity, remember
 
@@ -41,12 +41,6 @@ class QueueUnavailable(KimiEagleError):
 QUEUE_RETRIES = (2.0, 4.0)
 
 
-def _slurm_path(path: str) -> str:
-    """A path on an #SBATCH --output line: sbatch expands %j, %a, %u... there; a literal % is %%.
-    (--chdir takes its path as it is.)"""
-    return path.replace("%", "%%")
-
-
 @dataclass
 class ArrayTask:
     index: int
@@ -64,11 +58,16 @@ def _slurm(session: HostSession, argv: list[str], *, check: bool = False, timeou
 
 # -- rendering ---------------------------------------------------------------------------------------
 def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID") -> dict[str, str]:
-    """What `run` uploads for a Slurm job: {path relative to the workdir: text}."""
+    """What `run` uploads for a Slurm job: {path relative to the workdir: text}.
+
+    Rendered without a connection (api.run renders before connecting, and that is what is submitted): paths are
+    the workdir's as the inventory gives it (the scripts expand a leading ~/), and the #SBATCH --output lines,
+    which nothing expands, are relative to the job's working directory, the run folder sbatch is called in
+    (start gives sbatch the same path made absolute)."""
     host = session.host
     slurm = host.slurm
     run_rel = f"{RUNS}/{job_id}"
-    run_dir = session.path(run_rel)
+    run_dir = host.workdir.rstrip("/") + "/" + run_rel
     steps = step_plan.plan_for_host(step, host, extra, job_id)
     tasks: list[ArrayTask] = []
     # One shape per job: several nodes make a torchrun job; otherwise shards make an array.
@@ -89,7 +88,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
     files[f"{run_rel}/job.sbatch"] = templating.render(
         "slurm_job.sbatch.j2", **common, slurm=slurm, slurm_name=f"ke-{step}-{job_id[-4:]}",
         nodes=slurm.nodes if torchrun else 1, run_dir=run_dir, steps=steps, tasks=tasks, array_spec=array_spec,
-        log_pattern=f"{_slurm_path(run_dir)}/log.%a" if tasks else f"{_slurm_path(run_dir)}/log",
+        log_pattern="log.%a" if tasks else "log",
         torchrun=torchrun, before=steps[:-1],
         rdzv_port=host.rdzv_port, node_script=f"{run_dir}/node.sh",
     )
@@ -144,25 +143,48 @@ def _gres_offers(offered: str, want: str) -> bool:
 
 
 # -- submit -------------------------------------------------------------------------------------------
-def start(session: HostSession, step: str, extra: list[str] | None = None, *, job_id: str | None = None) -> Job:
+def start(session: HostSession, step: str, extra: list[str] | None = None, *, job_id: str | None = None,
+          files: dict[str, str] | None = None) -> Job:
+    """Upload the job and submit it. `files`: the job as job_files rendered it for `job_id` (api.run renders once,
+    before connecting)."""
     extra = list(extra or [])
     job_id = check_job_id(job_id or new_job_id(step))
-    files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
-    files.update({f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()})
+    if files is None:
+        files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
+    files = {**files, **{f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()}}
     session.deploy_payloads()
     items = [sync.Item(remote=rel, data=text.encode(), mode=0o755 if rel.endswith(".sh") or rel.endswith(".sbatch") else 0o644)
              for rel, text in files.items()]
-    sync.sync(session.transport, session.path(""), items)
     run_dir = session.path(f"{RUNS}/{job_id}")
+    # Slurm expands the %-patterns also in the working directory it puts before a relative --output path: a workdir
+    # with a % in it would lose the logs. So the script's --output, relative, is given again here as an absolute
+    # path with its % escaped (sbatch's command line overrides #SBATCH lines), now that the host's home is known.
+    log = "log.%a" if json.loads(files[f"{RUNS}/{job_id}/meta.json"])["tasks"] else "log"
+    output = run_dir.replace("%", "%%") + "/" + log
     # The id is recorded on the host by the same command that submits, so a controller dying here loses nothing.
-    cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable job.sbatch > slurm_job_id.tmp && "
-           "mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
-    res = session.transport.run(cmd, timeout=120)
-    if res.exited != 0:
-        raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
-                           result=res)
-    remember(job_id, session.name, host_identity(session.host))
-    return status(session, job_id)[0]
+    cmd = (_prefix(session.host) + f"cd {quote(run_dir)} && sbatch --parsable --output={quote(output)} job.sbatch "
+           "> slurm_job_id.tmp && mv -f slurm_job_id.tmp slurm_job_id && cat slurm_job_id")
+    # As direct.start: from the job's folder to its id in jobs.json, Ctrl-C waits. Before sbatch it cancels the
+    # submission and removes the folder; after, the job is queued, recorded and named (exit 130). Never a Slurm
+    # job queued that nobody was told about.
+    with interrupts.deferred() as interrupted:
+        try:
+            sync.sync(session.transport, session.path(""), items)
+        except BaseException:
+            direct.remove_job_dir(session, job_id)
+            raise
+        if interrupted:
+            direct.remove_job_dir(session, job_id)
+            raise KeyboardInterrupt
+        res = session.transport.run(cmd, timeout=120)
+        if res.exited != 0:
+            raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
+                               result=res)
+        remember(job_id, session.name, host_identity(session.host))
+    if interrupted and interrupted.owner:
+        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+    with interrupts.naming_job(session.name, job_id, step):  # queued and recorded: a Ctrl-C from here names it
+        return status(session, job_id)[0]
 
 
 # -- status -------------------------------------------------------------------------------------------
