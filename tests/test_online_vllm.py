@@ -18,7 +18,7 @@ from conftest import REPO, host_cmd
 from test_online import same_as_extracted
 from vllm_envs import env_python
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 SAMPLE = REPO / "kimi_eagle_host" / "sample_data" / "chat.jsonl"
 LAYERS, SEQ_LEN, SAMPLES = "1,2,4,6", 128, 12
