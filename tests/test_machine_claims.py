@@ -109,6 +109,12 @@ def test_a_stop_cut_short_by_ctrl_c_leaves_the_job_running_and_a_second_stop_end
         for delay in (1.5, 3.0):
             job = start(env, host, "bash", "-c", IGNORES_TERM, gpu=True)
             assert wait_state(env, job["id"], host, {"running"})["state"] == "running"
+            # "running" is the job's process; SIGTERM is ignored only once its trap is set ("ready" in its log):
+            # on a loaded box a stop could come in between and end it (seen once under a parallel test load)
+            deadline = time.monotonic() + 60
+            while "ready" not in env.cli("logs", job["id"], "--host", host).stdout:
+                assert time.monotonic() < deadline, "the job never said ready"
+                time.sleep(0.2)
             stop = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "stop", job["id"],
                                      "--host", host, "--grace", "30"], env=cli_env, start_new_session=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
