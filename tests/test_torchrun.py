@@ -326,9 +326,10 @@ def held_compiler(tmp_path: Path) -> tuple[Path, Path, Path]:
     tool.write_text(f"""#!{sys.executable}
 import os, sys, time
 if any(a.endswith(".main.cpp") for a in sys.argv[1:]):
-    with open({str(mark)!r} + ".part", "w") as f:
+    part = {str(mark)!r} + f".{{os.getpid()}}.part"   # two kernels may compile at once: a part file each
+    with open(part, "w") as f:
         f.write(str(os.getpid()))
-    os.replace({str(mark)!r} + ".part", {str(mark)!r})
+    os.replace(part, {str(mark)!r})
     deadline = time.monotonic() + 120
     while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
         time.sleep(0.02)
