@@ -196,6 +196,13 @@ def test_engine_killed_is_one_error_not_a_hang(made):
         assert b"CUDA_VISIBLE_DEVICES=7" in f.read().split(b"\0")
     engine_figures = json.loads(next(base.glob("*/engine.json")).read_text())
     assert engine_figures["waited_s"] > 0   # the one-document buffer held it back: backpressure
+    # ...and so the spool never held more than the held-out documents and one training document (the footprint
+    # the run reports, what online saves against offline's every file)
+    sizes = {int(f.stem.split("_")[1]): f.stat().st_size for f in (made["offline"] / "hidden_states").glob("hs_*")}
+    held = [int(f.name.split("_")[1].split(".")[0]) for f in next(base.glob("*/held")).iterdir()
+            if f.name.startswith("d_")]
+    assert held and 0 < engine_figures["spool_peak_bytes"] <= sum(sizes[d] for d in held) + max(sizes.values())
+    assert engine_figures["spool_peak_bytes"] < sum(sizes.values()) / 2
     os.kill(engine[0], signal.SIGKILL)
     t0 = time.time()
     stdout, stderr = p.communicate(timeout=120)

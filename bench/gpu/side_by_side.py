@@ -691,6 +691,76 @@ def st_mtb_eval(gpu):
     return run("mtb_eval", cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
 
 
+# --- offline vs online on the same prepared data and training tokens (hidden states never written) ----------
+OPIPE = SHM / "mtb_online"
+
+
+def du(path: Path) -> int:
+    """Bytes of the files under path (0 if it is not there)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def st_mtb_online(gpu):
+    """`train --hidden-states online` on mtb_data's prepared data and vocab with mtb_train's steps, rows and lr: the
+    target runs in the trainer's own engine (hf, as mtb_data's extract) on the same GPU, its hidden states reach the
+    loop through a spool of KE_MTB_ONLINE_BUFFER_GB in memory; every epoch runs the engine again unless
+    KE_MTB_ONLINE_CACHE_GB keeps documents."""
+    ours = results("mtb_train")
+    if not ours.get("step"):
+        raise StageFailed(f"mtb_train's result has no step count: {sorted(ours)}")
+    shutil.rmtree(OPIPE, ignore_errors=True)
+    OPIPE.mkdir(parents=True)
+    for sub in ("prepared", "vocab"):
+        (OPIPE / sub).symlink_to(MPIPE / sub)
+    extra = ["--lr", os.environ.get("KE_MTB_LR", "1e-3"), "--hidden-states", "online", "--engine", "hf",
+             "--engine-batch-size", os.environ.get("KE_MTB_ONLINE_ENGINE_BATCH", "64"),
+             "--online-buffer-gb", os.environ.get("KE_MTB_ONLINE_BUFFER_GB", "0.5"),
+             "--online-cache-gb", os.environ.get("KE_MTB_ONLINE_CACHE_GB", "0"), "--online-spool-dir", str(SHM)]
+    res = our_train("mtb_online", gpu, OPIPE, SMOL, ours["step"], extra=extra)
+    res["hidden_state_files_left"] = du(OPIPE / "hidden_states")
+    return res
+
+
+def st_mtb_eval_online(gpu):
+    """The online draft on MT-Bench exactly as mtb_eval runs the offline one."""
+    cmd = mtb_eval_cmd(OPIPE / "draft" / "export", WORK / "eval_mtb_online", os.environ.get("KE_MTB_EVAL_BATCH_SIZES", "1,16"))
+    return run("mtb_eval_online", cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
+
+
+def st_mtb_hs(gpu):
+    """The record of offline vs online: each run's hidden-state bytes at their peak, seconds from prepared data to
+    export, training budget and MT-Bench acceptance at k=3, and the issue's three goals."""
+    data, off_t, on_t, off_e, on_e = (results(n) for n in ("mtb_data", "mtb_train", "mtb_online", "mtb_eval",
+                                                            "mtb_eval_online"))
+    extract = data.get("extract") or {}
+
+    def side(mode, train, ev, disk, seconds, parts):
+        return {"hidden_states": mode, "hidden_state_bytes_on_disk_peak": disk, "seconds_prepared_to_export": seconds,
+                "seconds_parts": parts, "steps": train.get("step"), "train_tokens": train.get("train_tokens"),
+                "train_tokens_per_s": train.get("train_tokens_per_s"), "final_loss": train.get("final_loss"),
+                "heldout": train.get("heldout"), "online": train.get("online"),
+                "mean_acceptance_length": ev.get("mean_acceptance_length"),
+                "acceptance_per_position": ev.get("acceptance_per_position"),
+                "num_speculative_tokens": ev.get("num_speculative_tokens"), "benchmark": ev.get("benchmark"),
+                "turns": ev.get("turns"), "throughput": ev.get("throughput"), "export_dir": ev.get("draft")}
+
+    off_parts = {"extract": extract.get("wall_s"), "train": off_t.get("wall_s")}
+    offline = side("offline", off_t, off_e, du(MPIPE / "hidden_states"),
+                   round(sum(v for v in off_parts.values() if v), 1), off_parts)
+    online = side("online", on_t, on_e, (on_t.get("online") or {}).get("spool_peak_bytes"), on_t.get("wall_s"),
+                  {"train": on_t.get("wall_s")})
+    if offline["mean_acceptance_length"] is None or online["mean_acceptance_length"] is None:
+        raise StageFailed("an eval result has no mean_acceptance_length")
+    goals = {"online_disk_peak_le_1gib": (online["hidden_state_bytes_on_disk_peak"] or 2**31) <= 2**30,
+             "online_time_le_offline": (online["seconds_prepared_to_export"] or 1e9) <= offline["seconds_prepared_to_export"],
+             "acceptance_within_0_05": abs(online["mean_acceptance_length"] - offline["mean_acceptance_length"]) <= 0.05}
+    return {"runs": [offline, online], "goals": goals, "same_train_tokens": offline["train_tokens"] == online["train_tokens"],
+            "conversations": (data.get("prepare") or {}).get("count"), "prepared_tokens": (data.get("prepare") or {}).get("tokens"),
+            "online_hidden_state_files_left": on_t.get("hidden_state_files_left"),
+            "note": "the offline figure counts extract + train (the calibration run and vocab left out on both sides); "
+                    "both hidden-state stores are on /dev/shm here, the footprint is what they hold"}
+
+
 # --- the A/B: speculators' own trainer on the same hidden states and token budget, its draft on MT-Bench -------
 SPEC_PIPE = SHM / "mtb_spec"
 
@@ -799,6 +869,10 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("mtb_data", st_mtb_data, ["smol_model", "bundle-vllm"]),
          ("mtb_train", st_mtb_train, ["mtb_data"]),
          ("mtb_eval", st_mtb_eval, ["mtb_train", "bundle-vllm"]),
+         # offline vs online (hidden_states: online) on the same data and budget
+         ("mtb_online", st_mtb_online, ["mtb_train"]),
+         ("mtb_eval_online", st_mtb_eval_online, ["mtb_online", "bundle-vllm"]),
+         ("mtb_hs", st_mtb_hs, ["mtb_eval", "mtb_eval_online"]),
          # the A/B: in this lane, after ours (on one GPU the lanes run one after the other)
          ("mtb_spec", st_mtb_spec, ["mtb_train", "bundle-early"]),
          ("mtb_eval_spec", st_mtb_eval_spec, ["mtb_spec", "bundle-vllm"]),

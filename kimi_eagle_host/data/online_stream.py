@@ -384,7 +384,9 @@ class Source:
         secs = eng.get("seconds") or 0
         return {"engine_tok_s": round(eng["tokens"] / secs, 1) if secs and eng.get("tokens") else None,
                 "buffer_fill": round(eng.get("buffer_bytes", 0) / (self.args.online_buffer_gb * 1e9), 3),
-                "engine_wait_s": round(eng.get("waited_s", 0.0), 2), "trainer_wait_s": round(self.waited_s, 2)}
+                "engine_wait_s": round(eng.get("waited_s", 0.0), 2), "trainer_wait_s": round(self.waited_s, 2),
+                # the most hidden-state bytes the spool held at once: the run's footprint (offline: every file)
+                "spool_peak_bytes": eng.get("spool_peak_bytes")}
 
     # --- the end ----------------------------------------------------------------------------------------
     def close(self) -> None:

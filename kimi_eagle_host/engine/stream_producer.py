@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kimi_eagle_host.data import online_stream as spool_
 from kimi_eagle_host.step_runtime import atomic_write_json, atomic_write_via, log
@@ -32,31 +33,44 @@ class Spool:
 
         self.path, self.budget, self.per_token = path, buffer_bytes, bytes_per_token
         self.entries = np.load(os.path.join(path, spool_.STREAM)).tolist()   # [kind, step, doc] in order
-        self.outstanding = []   # (file, bytes) of training documents not yet taken by the trainer
+        self.outstanding = []   # (file, bytes, written) of training documents not yet taken by the trainer
+        self.last_batch: list = []   # becomes [True] when the batch last taken is produced (written())
+        self.kept_bytes = 0     # held-out and cached documents: they stay in the spool until the run ends
+        self.peak_bytes = 0     # the most the spool ever held (the online run's hidden-state footprint)
         self.tokens, self.waited_s, self.t0 = 0, 0.0, time.monotonic()
 
     def file(self, entry) -> str:
         return os.path.join(self.path, spool_.entry_name(*entry))
 
     def used(self) -> int:
-        self.outstanding = [(f, b) for f, b in self.outstanding if os.path.exists(f)]
-        return sum(b for _, b in self.outstanding)
+        # A document still being written (written() False) counts: its file is not there yet, but its bytes are.
+        self.outstanding = [(f, b, w) for f, b, w in self.outstanding if not w() or os.path.exists(f)]
+        return sum(b for _, b, _ in self.outstanding)
 
-    def wait_room(self, entries, tokens_of) -> None:
+    def wait_room(self, entries, tokens_of, written=None) -> None:
         """Block while the buffer holds documents and these would pass its budget (never with an empty buffer:
-        one batch always goes, however large). tokens_of(entry): its document's tokens."""
-        need = [(self.file(e), tokens_of(e) * self.per_token) for e in entries if e[0] == spool_.SPOOLED]
+        one batch always goes, however large). tokens_of(entry): its document's tokens; written(): whether the
+        batch's files are complete (threads may write them after produced()); by default, once produced() is
+        called for the batch."""
+        if written is None:
+            flag = self.last_batch = []
+            written = lambda: bool(flag)   # noqa: E731
+        need = [(self.file(e), tokens_of(e) * self.per_token, written) for e in entries if e[0] == spool_.SPOOLED]
         t0 = time.monotonic()
-        while need and self.used() and self.used() + sum(b for _, b in need) > self.budget:
+        while need and self.used() and self.used() + sum(b for _, b, _ in need) > self.budget:
             time.sleep(0.005)
         self.waited_s += time.monotonic() - t0
         self.outstanding += need
+        self.kept_bytes += sum(tokens_of(e) * self.per_token for e in entries if e[0] != spool_.SPOOLED)
+        self.peak_bytes = max(self.peak_bytes, self.used() + self.kept_bytes)
 
     def produced(self, tokens: int) -> None:
+        self.last_batch.append(True)
         self.tokens += tokens
         atomic_write_json(os.path.join(self.path, spool_.ENGINE_FIGURES),
                           {"tokens": self.tokens, "seconds": round(time.monotonic() - self.t0, 3),
-                           "waited_s": round(self.waited_s, 3), "buffer_bytes": self.used()})
+                           "waited_s": round(self.waited_s, 3), "buffer_bytes": self.used(),
+                           "spool_peak_bytes": self.peak_bytes})
 
 
 def run_hf(args, spool: Spool, ds, layer_ids) -> None:
@@ -71,21 +85,32 @@ def run_hf(args, spool: Spool, ds, layer_ids) -> None:
     _, layers, _ = resolve_decoder_stack(model)
     capture = HiddenStateCapture(layers, layer_ids)
     device = model.get_input_embeddings().weight.device
-    entries = spool.entries
-    for b in range(0, len(entries), args.batch_size):
-        batch = entries[b:b + args.batch_size]
-        spool.wait_room(batch, lambda e: min(len(ds[e[2]][0]), args.seq_len))
-        seqs = [ds[d][0][:args.seq_len] for _, _, d in batch]
-        with torch.inference_mode():
-            hs = capture_batch(capture, model, seqs, device, torch_dtype).cpu()
-        for j, (entry, s) in enumerate(zip(batch, seqs)):
-            final = spool.file(entry)
-            mask = ds[entry[2]][1][:args.seq_len]
-            write_safetensors(tmp_path(final), {"token_ids": torch.from_numpy(s.copy()),
-                                                "hidden_states": hs[j, :len(s)],
-                                                "loss_mask": torch.from_numpy(mask.astype("int64"))})
-            os.replace(tmp_path(final), final)
-        spool.produced(sum(len(s) for s in seqs))
+
+    def write(entry, s, hs_row):
+        final = spool.file(entry)
+        mask = ds[entry[2]][1][:args.seq_len]
+        write_safetensors(tmp_path(final), {"token_ids": torch.from_numpy(s.copy()), "hidden_states": hs_row,
+                                            "loss_mask": torch.from_numpy(mask.astype("int64"))})
+        os.replace(tmp_path(final), final)
+
+    # Files are written by a few threads while the GPU runs the next batch (one thread's copy cannot keep up
+    # with it); a batch's bytes count against the buffer from the moment it is taken until the trainer's read.
+    entries, pending = spool.entries, []
+    with ThreadPoolExecutor(max(1, args.writers)) as pool:
+        for b in range(0, len(entries), args.batch_size):
+            batch = entries[b:b + args.batch_size]
+            pending = [f for f in pending if not f.done() or f.result()]   # a failed write raises here
+            futures: list = []
+            spool.wait_room(batch, lambda e: min(len(ds[e[2]][0]), args.seq_len),
+                            written=lambda fs=futures: bool(fs) and all(f.done() for f in fs))
+            seqs = [ds[d][0][:args.seq_len] for _, _, d in batch]
+            with torch.inference_mode():
+                hs = capture_batch(capture, model, seqs, device, torch_dtype).cpu()
+            futures += [pool.submit(write, entry, s, hs[j, :len(s)]) for j, (entry, s) in enumerate(zip(batch, seqs))]
+            pending += futures
+            spool.produced(sum(len(s) for s in seqs))
+        for f in pending:
+            f.result()
 
 
 def run_vllm(args, spool: Spool, ds, layer_ids) -> None:
