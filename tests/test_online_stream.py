@@ -70,3 +70,41 @@ def test_the_online_settings_are_checked_like_every_setting():
     with pytest.raises(settings.SettingError, match="greater than 0"):
         settings.check(settings.SETTINGS["online_buffer_gb"], 0)
     assert settings.check(settings.SETTINGS["train_gpus"], [0, 1]) == [0, 1]
+
+
+def test_the_engine_may_produce_a_stretch_longest_first_and_never_deadlocks(tmp_path):
+    """The hf engine takes the stream in stretches of at most half the buffer and runs each longest first (little
+    padding). Played out against a trainer that takes documents strictly in stream order and an engine that waits
+    while the buffer is full: every document is produced once, the buffer never passes its budget, nobody is left
+    waiting for the other."""
+    import numpy as np
+
+    from kimi_eagle_host.engine.stream_producer import Spool
+
+    plan = plan_of(40)
+    entries, _ = stream(plan, 0, 3 * plan.steps_per_epoch, held=[0, 1])
+    np.save(tmp_path / online_stream.STREAM, np.array(entries, dtype=np.int64))
+    lengths = {d: 10 + (7 * d) % 30 for d in range(40)}
+    budget = 200
+    spool = Spool(str(tmp_path), budget, bytes_per_token=1)
+    tokens_of = lambda e: lengths[e[2]]  # noqa: E731
+    windows = list(spool.windows(tokens_of))
+    assert [e for w in windows for e in w] == [list(e) for e in entries]
+    assert all(sum(tokens_of(e) for e in w if e[0] == online_stream.SPOOLED) <= budget // 2 for w in windows)
+
+    wanted = [tuple(e) for e in entries if e[0] == online_stream.SPOOLED]   # the trainer's order
+    taken, ready, buffered = 0, set(), 0
+    for w in windows:
+        order = sorted(w, key=lambda e: -tokens_of(e))
+        for b in range(0, len(order), 3):
+            batch = [tuple(e) for e in order[b:b + 3] if e[0] == online_stream.SPOOLED]
+            need = sum(tokens_of(e) for e in batch)
+            while buffered and buffered + need > budget:   # the engine waits: the trainer must be able to go on
+                assert wanted[taken] in ready, "deadlock: the trainer waits for a document the engine cannot make"
+                ready.discard(wanted[taken])
+                buffered -= tokens_of(wanted[taken])
+                taken += 1
+            ready |= set(batch)
+            buffered += need
+            assert buffered <= max(budget, need)
+    assert ready | set(wanted[:taken]) == set(wanted)
