@@ -59,8 +59,9 @@ def heldout_prompts(out: str, record: dict, n: int) -> list[list[int]]:
         if len(prompts) == n:
             break
     if not prompts:
-        raise BadInput(f"{folder_record(out)}: no held-out documents with a prompt to serve ({len(record['heldout_documents'])} "
-                       f"held out): set steps.train.holdout_fraction above 0 and train again")
+        raise BadInput(f"{folder_record(out)}: no held-out documents with a prompt to serve "
+                       f"({len(record['heldout_documents'])} held out): set steps.train.holdout_fraction above 0 "
+                       f"and train again")
     return prompts
 
 

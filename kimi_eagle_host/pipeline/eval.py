@@ -44,8 +44,9 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
-# what choose serves with too: whether vLLM can serve EAGLE-3 here, and its spec-decode counters
-from kimi_eagle_host.evaluation.served import cpu_kv_block_conflict, vllm_counters, vllm_support  # noqa: F401
+# what choose serves with too: whether vLLM can serve EAGLE-3 here (bench/gpu/kimi_stage.py asks it here), and
+# vLLM's spec-decode counters
+from kimi_eagle_host.evaluation.served import vllm_counters, vllm_support
 
 HEADLINE_PREFIX = "eval: "
 
