@@ -142,6 +142,31 @@ def test_online_candidates_are_the_offline_ones(trained):
         assert digest(off / "draft" / "candidates" / c["dir"]) == digest(on / "draft" / "candidates" / c["dir"])
 
 
+def test_two_fsdp_ranks_export_the_same_candidates(trained, tmp_path):
+    """Under torchrun with FSDP every rank takes part in gathering a candidate's weights; rank 0 writes the same
+    candidates (to float tolerance) as one process does."""
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    off, _ = trained["offline"]
+    out = tmp_path / "fsdp"
+    shutil.copytree(off, out, ignore=shutil.ignore_patterns("draft"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                        "kimi_eagle_host.pipeline.train", "--model", trained["model"], "--output-dir", str(out), *TRAIN,
+                        "--parallel", "fsdp"], capture_output=True, text=True, env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = (json.loads((o / "draft" / "candidates" / "candidates.json").read_text()) for o in (off, out))
+    assert a["candidates"] == b["candidates"] and a["heldout_documents"] == b["heldout_documents"]
+    for c in a["candidates"]:
+        ours = load_file(str(out / "draft" / "candidates" / c["dir"] / "model.safetensors"))
+        ref = load_file(str(off / "draft" / "candidates" / c["dir"] / "model.safetensors"))
+        assert ours.keys() == ref.keys()
+        for k in ref:
+            assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), (c, k)
+
+
 def test_a_host_that_cannot_serve_fails_the_step_and_keeps_the_export(trained):
     """This Python has no vLLM: nothing can be served, so nothing is chosen: exit 1 in one line, export untouched."""
     out, _ = trained["offline"]
@@ -151,6 +176,22 @@ def test_a_host_that_cannot_serve_fails_the_step_and_keeps_the_export(trained):
     assert "vLLM is not importable" in doc["error"] and "choose_checkpoints=0" in doc["error"], doc
     assert digest(out / "draft" / "export") == before
     assert not (out / "choose" / "report.json").exists()
+
+
+def test_no_held_out_document_or_other_prepared_data_is_bad_input(trained, tmp_path):
+    """Nothing to serve that training never saw, or candidates of other prepared data: exit 2 before any engine."""
+    off, _ = trained["offline"]
+    out = tmp_path / "o"
+    for part in ("prepared", "vocab", "draft"):
+        shutil.copytree(off / part, out / part)
+    rec_path = out / "draft" / "candidates" / "candidates.json"
+    rec = json.loads(rec_path.read_text())
+    rec_path.write_text(json.dumps({**rec, "heldout_documents": []}))
+    code, doc, err = run("choose", "--model", trained["model"], "--output-dir", out)
+    assert code == 2 and "no held-out documents" in doc["error"] and "holdout_fraction" in doc["error"], (doc, err)
+    rec_path.write_text(json.dumps({**rec, "prepared_sha256": "0" * 64}))
+    code, doc, err = run("choose", "--model", trained["model"], "--output-dir", out)
+    assert code == 2 and "not the prepared data the candidates were trained on" in doc["error"], (doc, err)
 
 
 # ---------------------------------------------------------------------------------------------- choosing, unit
