@@ -26,7 +26,7 @@ import sys
 import time
 
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write_json, job_headline, log, parse_step_args,
-                                          run_step, stdout_for_result_only)
+                                          progress_line, run_step, stdout_for_result_only)
 
 HEADLINE_PREFIX = "choose: "
 # The flags that say how much one vLLM engine of this step holds at once (engine_load; preflight reads them too).
@@ -198,6 +198,14 @@ def run(args):
     tc = parity.target_text_config(args.model)
     if args.max_model_len is None:   # the longest prompt and its answer; the draft must reach as far
         args.max_model_len = max(len(p) for p in prompts) + args.max_tokens
+    fits = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
+    if not fits:
+        raise BadInput(f"--max-model-len {args.max_model_len}: none of the {len(prompts)} held-out prompts fits with "
+                       f"--max-tokens {args.max_tokens} (the shortest has {min(map(len, prompts))} tokens)")
+    if len(fits) < len(prompts):
+        log(f"choose: {len(prompts) - len(fits)} held-out prompts longer than --max-model-len {args.max_model_len} "
+            f"less --max-tokens {args.max_tokens} left out")
+    prompts = fits
     for c in record["candidates"]:   # as vLLM will read them, before any engine starts
         parity.check_export(c["dir"], tc, None, os.path.join(out, "vocab"),
                             parity.serving_context(tc, args.max_model_len), exc=BadInput)
@@ -220,12 +228,14 @@ def run(args):
     baseline = serve(args, None, 0, memory, timing[:1], timing, batch_sizes)["tokens_per_s"]
     log(f"choose: the target alone: {baseline} tokens/s by batch size")
     records = []
+    progress_line("choose", 0, len(record["candidates"]))   # `kimi-eagle logs` draws its bar from these
     for c in record["candidates"]:
         served = serve(args, c["dir"], k, memory, prompts, timing, batch_sizes)
         records.append(figures(c["step"], c["dir"], served, baseline, k, batch_sizes, len(prompts)))
         r = records[-1]
         log(f"choose: step {c['step']}: acceptance length {r['acceptance_length_by_k']} by k, per position "
             f"{r['acceptance_per_position']}, tokens/s {served['tokens_per_s']} by batch size at k={k}")
+        progress_line("choose", len(records), len(record["candidates"]), every_s=0, accept_len=r["acceptance_length"])
     best, why = choose(records, k)
     chosen_k = {b: best["tokens_per_s"][b]["best_k"] for b in best["tokens_per_s"]}
     export_dir = os.path.join(out, "draft", "export")
