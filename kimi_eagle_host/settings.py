@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
+STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "choose", "eval")
 # Readers that are not steps: preflight checks a job's settings on the host before it starts (ops/preflight.py).
 READERS = (*STEPS, "preflight")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "none", "auto")
@@ -95,7 +95,7 @@ _ENGINE_STEPS = ("regenerate", "eval")
 _DATA_STEPS = ("regenerate", "prepare")  # the steps that read `dataset` and curate it (data/curation.py)
 PIPELINE_SETTINGS = [
     _s("model", "text", None, "target model folder (may use {workdir})", (*STEPS, _PF), required=True, nonempty=True,
-       needed_by=("regenerate", "prepare", "train", "eval")),
+       needed_by=("regenerate", "prepare", "train", "choose", "eval")),
     _s("dataset", "text", None, "training conversations (chat JSONL or a dataset name); with regenerate, the prompts",
        ("regenerate", "prepare", _PF), required=True, nonempty=True, needed_by=("regenerate", "prepare")),
     _s("output_dir", "text", "{workdir}/out", "pipeline root: every step reads and writes under it (a step run by hand: "
@@ -109,7 +109,7 @@ PIPELINE_SETTINGS = [
        positive=True),
     _s("batch_size", "int", None, "extract's samples per forward and train's rows per step (unset: each step's own)",
        _TORCH, positive=True, step_defaults={"extract": 8}),
-    _s("tp_size", "int", 1, "tensor-parallel size of vLLM engines", ("regenerate", "extract", "train", "eval", _PF),
+    _s("tp_size", "int", 1, "tensor-parallel size of vLLM engines", ("regenerate", "extract", "train", "choose", "eval", _PF),
        positive=True),
     _s("hidden_states", "choice", "offline", "offline: extract writes them as files, train reads them; online: "
        "train runs the engine and its hidden states reach it through a bounded buffer in memory, never as files",
@@ -153,6 +153,10 @@ PIPELINE_SETTINGS = [
        "no limit)", _DATA_STEPS, positive=True),
     _s("scripts", "names", None, "keep conversations whose user text is >= 80 % letters of these scripts "
        "(comma list; unset: any)", _DATA_STEPS, choices=SCRIPTS),
+    _s("choose_checkpoints", "int", 0, "export the best of N checkpoints spread evenly over training, chosen by "
+       "serving each in vLLM on held-out training prompts (`run all` adds the choose step); 0: export the last",
+       ("train",),
+       minimum=0, maximum=20),
     _s("eval_prompts", "text", None, "held-out prompts (chat JSONL or mt-bench); set, `run all` ends with eval",
        (("eval", "prompts"),), nonempty=True),
     _s("eval_num_prompts", "int", None, "eval: use N prompts (unset: all)", (("eval", "num_prompts"),), minimum=0,
@@ -172,7 +176,7 @@ def _per_step(steps, name, kind, default, doc, **kw) -> list[Setting]:
 _DEVICE = dict(kind="choice", choices=("auto", "cpu", "cuda"))
 _ENGINE = dict(kind="choice", choices=("auto", "vllm", "hf"))
 STEP_SETTINGS = [
-    *_per_step(("regenerate", "prepare", "extract", "vocab", "eval"), "out", "text", None,
+    *_per_step(("regenerate", "prepare", "extract", "vocab", "choose", "eval"), "out", "text", None,
                "write here instead of the step's folder under output_dir", nonempty=True),
     *_per_step(("regenerate", "extract"), "rank", "int", 0, "this worker's shard", minimum=0,
                internal=True),
@@ -250,6 +254,17 @@ STEP_SETTINGS = [
     _step("train", "embed_key", "text", None, "exact tensor name of the target embedding", nonempty=True),
     _step("train", "norm_key", "text", None, "exact tensor name of the target final norm", nonempty=True),
     _step("train", "lm_head_key", "text", None, "exact tensor name of the target lm_head", nonempty=True),
+    _step("choose", "prompts", "int", 32, "held-out training documents served per checkpoint (their first user "
+          "turn)", positive=True),
+    _step("choose", "max_tokens", "int", 128, "new tokens per served prompt", positive=True),
+    _step("choose", "max_k", "int", 5, "draft tokens served; acceptance at every k up to it comes from that one run",
+          positive=True, maximum=10),
+    _step("choose", "batch_size", "int", 16, "the larger batch whose tokens/s is measured (besides batch 1)",
+          positive=True),
+    *_per_step(("choose",), "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
+    *_per_step(("choose",), "max_model_len", "int", None, "vllm engine context (unset: the longest prompt plus "
+               "max_tokens)", positive=True),
+    *_per_step(("choose",), "enforce_eager", "toggle", True, "vllm engine: skip graph capture"),
     _step("eval", "draft", "text", None, "draft export folder (default <output-dir>/draft/export)", nonempty=True),
     _step("eval", "batch_sizes", "text", "1,16", "tokens/s with and without the draft at these batch sizes",
           nonempty=True),

@@ -20,6 +20,7 @@ E2E_MARKERS = ("vllm", "slurm", "quality")
 FILES = {
     "test_api.py": INTEGRATION,
     "test_bench_gpu_scaling.py": UNIT,
+    "test_choose.py": INTEGRATION,   # the plan, refusals and choice rules are unit; vLLM's test is e2e
     "test_cli_answers.py": INTEGRATION,
     "test_cli_printing.py": INTEGRATION,
     "test_cli_usage.py": UNIT,
@@ -98,6 +99,10 @@ EXCEPTIONS = {
         "test_job_ids_are_input_and_never_reach_another_workdirs_job": INTEGRATION,   # jobs over the sshd
         "test_openssh_gets_the_address_after_the_end_of_options": INTEGRATION,       # runs the real ssh
     },
+    "test_choose.py": {name: UNIT for name in (
+        "test_run_all_chooses_after_train_and_evaluates_the_chosen_export", "test_bad_choose_settings_are_one_line_exit_2",
+        "test_the_choice_is_the_best_served_and_none_accepted_is_a_failure",
+        "test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measurements")},
     "test_data_sources.py": {
         "test_sharegpt_from_the_installed_package_keeps_every_whole_conversation": INTEGRATION,   # all of ShareGPT
     },

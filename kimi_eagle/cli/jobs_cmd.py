@@ -88,7 +88,7 @@ def _final_line(ui, label: str, job):
 
 def run(
     ctx: typer.Context,
-    step: str = typer.Argument(..., help="regenerate | prepare | extract | vocab | train | eval | all | exec (any command after --)"),
+    step: str = typer.Argument(..., help="regenerate | prepare | extract | vocab | train | choose | eval | all | exec (any command after --)"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g", help="Run over the hosts of this group: extract as shards "
                                         "(one job per host), train as one multi-node torchrun job."),
@@ -99,7 +99,7 @@ def run(
     detach: bool = typer.Option(False, "--detach", "-d", help="Start and return; follow later with `logs`."),
     reset_gpus: bool = typer.Option(False, "--reset-gpus", help="First stop our own stale GPU holders on the host."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the preflight checks."),
-    gpu: Optional[bool] = typer.Option(None, "--gpu/--no-gpu", help="Take the host's GPU lock (default: regenerate, extract, train, eval, all)."),
+    gpu: Optional[bool] = typer.Option(None, "--gpu/--no-gpu", help="Take the host's GPU lock (default: regenerate, extract, train, choose, eval, all)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),
 ):
     """Start a pipeline step (or `all`) as a detached job on the host; follow its log unless --detach.

@@ -10,9 +10,9 @@ from kimi_eagle_host import settings
 from ..errors import ConfigError
 from ..hosts.session import RUNS, expand, module_argv
 
-STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "eval")
+STEPS = ("regenerate", "prepare", "extract", "vocab", "train", "choose", "eval")
 # Steps that use the GPUs take the per-host GPU lock (`exec` runs any command; it takes the lock with --gpu).
-GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
+GPU_STEPS = {"regenerate", "extract", "train", "choose", "eval", "all"}
 # Steps that may run as several processes. They start through kimi_eagle_host.pipeline.launch, which decides on the host
 # (it sees the GPUs and the model) between one process and torchrun workers (docs/CONTRACTS.md).
 TORCHRUN_STEPS = {"extract", "train"}
@@ -59,14 +59,17 @@ def extra_settings(step: str, extra: list[str]) -> dict:
 
 
 def chain(pipeline) -> list[str]:
-    """The steps of `run all`: regenerate when the pipeline says so, eval when it names held-out prompts; no
-    extract with `hidden_states: online` (train runs the engine itself)."""
+    """The steps of `run all`: regenerate when the pipeline says so, choose (the best of the checkpoints train
+    exported, by serving them) when choose_checkpoints is set, eval (of that export) when it names held-out
+    prompts; no extract with `hidden_states: online` (train runs the engine itself)."""
     names = ["prepare", "vocab", "train"] if pipeline.hidden_states == "online" else ["prepare", "extract", "vocab", "train"]
     if pipeline.self_prompts and not pipeline.regenerate:  # else the setting would be dropped without a word
         raise ConfigError(f"self_prompts: {pipeline.self_prompts} needs regenerate: true (the target writes the "
                           "prompts in regenerate, then answers them)")
     if pipeline.regenerate:
         names.insert(0, "regenerate")
+    if pipeline.choose_checkpoints:
+        names.append("choose")
     if pipeline.eval_prompts:
         names.append("eval")
     return names

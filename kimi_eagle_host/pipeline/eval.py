@@ -44,6 +44,9 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
+# what choose serves with too: whether vLLM can serve EAGLE-3 here (bench/gpu/kimi_stage.py asks it here), and
+# vLLM's spec-decode counters
+from kimi_eagle_host.evaluation.served import vllm_counters, vllm_support
 
 HEADLINE_PREFIX = "eval: "
 
@@ -107,68 +110,7 @@ def check_draft(draft_dir, model_dir):
 
 
 # ----------------------------------------------------------------------------------------------------
-# engine choice
-
-def vllm_support(target_cfg):
-    """(True, version) when the host's vLLM can serve EAGLE-3 for this target, else (False, why)."""
-    stdout_for_result_only()  # importing vLLM already logs (to stdout)
-    try:
-        import vllm
-    except Exception as e:  # noqa: BLE001 - any import failure means: not usable here
-        return False, f"vLLM is not importable on this host ({type(e).__name__}: {e})"
-    version = getattr(vllm, "__version__", "0")
-    try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_eagle3
-    except Exception as e:  # noqa: BLE001
-        return False, f"vLLM {version} has no EAGLE-3 interface ({type(e).__name__}: {e})"
-    archs = target_cfg.get("architectures") or []
-    for arch in archs:
-        try:
-            cls, _ = ModelRegistry.resolve_model_cls([arch], model_config=None)
-        except Exception:  # noqa: BLE001 - signature differs across versions: fall back to the plain lookup
-            try:
-                cls = ModelRegistry._try_load_model_cls(arch)
-            except Exception:  # noqa: BLE001
-                cls = None
-        if cls is not None and supports_eagle3(cls):
-            conflict = cpu_kv_block_conflict(target_cfg, version)
-            return (False, conflict) if conflict else (True, version)
-    return False, f"vLLM {version} cannot serve EAGLE-3 drafts for {archs or 'this target'}"
-
-
-def cpu_kv_block_conflict(target_cfg, version):
-    """Why vLLM on this CPU cannot hold an MLA target and an EAGLE-3 draft in one engine, else None. The target's
-    layers and the draft's attention run on two backends that must share a KV block size; without AMX, vLLM 0.32's
-    CPU_MLA takes 16-token blocks only and CPU_ATTN multiples of 32, and the engine dies at start-up ("No common
-    block size", seen on an AMD EPYC with AVX-512). Asked of vLLM's own backends, so a version that lifts it passes."""
-    if not text_config_of(target_cfg).get("kv_lora_rank"):   # not MLA (DeepSeek-V3 / Kimi-K2.5 text configs have it)
-        return None
-    try:
-        import torch
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu() or torch.cpu._is_amx_tile_supported():
-            return None
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
-
-        mla, attn = CPUMLABackend.get_supported_kernel_block_sizes(), CPUAttentionBackend.get_supported_kernel_block_sizes()
-    except Exception:  # noqa: BLE001 - another layout of vLLM: its engine start decides
-        return None
-
-    def fits(size, spec):
-        return size == spec if isinstance(spec, int) else size % spec.base == 0
-
-    if not all(isinstance(m, int) for m in mla) or any(fits(m, a) for m in mla for a in attn):
-        return None
-    return (f"vLLM {version} on this CPU (no AMX) runs the MLA target with CPU_MLA, KV blocks of {mla} tokens, and "
-            f"the draft's attention with CPU_ATTN, blocks of {attn}: no block size fits both, so no engine can serve an "
-            f"EAGLE-3 draft for this target here (a GPU host or a CPU with AMX can)")
-
-
-# ----------------------------------------------------------------------------------------------------
-# prompts and counters
+# prompts (the engine choice and vLLM's counters: evaluation/served.py)
 
 def chat_prompt_ids(tok, messages):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -187,23 +129,6 @@ def eos_ids_of(model_dir, tok):
     if tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
     return ids
-
-
-def vllm_counters(llm):
-    """Spec-decode counters from llm.get_metrics() (vLLM V1)."""
-    got = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    for m in llm.get_metrics():
-        if m.name in names:
-            got[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = [int(v) for v in m.values]
-            got["per_pos"] = [a + b for a, b in zip(got["per_pos"] + [0] * len(vals), vals)] \
-                if got["per_pos"] else vals
-    return got
-
-
 
 
 # ----------------------------------------------------------------------------------------------------

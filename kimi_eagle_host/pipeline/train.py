@@ -15,6 +15,8 @@ its hidden states reach the loop through a bounded buffer in memory (data/online
 Outputs:
   draft/checkpoints/step_XXXXXXXX.pt  model + optimizer + step + rng (atomic), resumable with --resume
   draft/export/config.json + model.safetensors   speculators Eagle3 format (what vLLM loads)
+  draft/candidates/step_XXXXXXXX/ + candidates.json   with --choose-checkpoints N: N exports spread over the run and
+                                    the held-out documents, for the choose step to serve (draft/candidates.py)
 
 The draft model and its export format live in draft_model.py; this file is the data and the loop.
 
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.draft.draft_model import (Eagle3Draft, RMSNorm, draft_layer_config, export_speculators,
@@ -308,6 +311,8 @@ def _train(args, closing: contextlib.ExitStack) -> dict:
         raise BadInput(f"{vocab_dir}/d2t.npy: draft ids must map to increasing target ids")
 
     if args.trainer == "speculators":   # same inputs, checked above; its own process group and loop
+        if args.choose_checkpoints:
+            raise BadInput("--choose-checkpoints: only with --trainer ours (speculators' trainer exports the last)")
         result = spec_trainer.train(args, out=out, files=files, aux_ids=aux_ids, d2t=d2t.numpy(), t2d=t2d.numpy(),
                                     hidden=H, lengths=lengths, log=log)
         parity.check_export(result["export_dir"], tcfg, aux_ids, vocab_dir)
@@ -416,6 +421,29 @@ def _train(args, closing: contextlib.ExitStack) -> dict:
             log(f"resumed from {path} at step {start}/{total} (saved by {ck.get('world_size', 1)} rank(s), "
                 f"now {w.size}; {said})")
             del ck
+
+    cand_steps = candidates.steps(total, args.choose_checkpoints)
+    if cand_steps and start == 0 and w.main:
+        candidates.reset(out)
+
+    def plain_copy():
+        """The draft as one plain module on rank 0 (FSDP: its shards gathered, so every rank must call this)."""
+        plain = dist_.unwrap(model)
+        if sharding == "fsdp":
+            msd, _ = dist_.full_state(model, opt, sharding, trainable_names)
+            plain = Eagle3Draft(c, len(aux_ids), K, bool(args.norm_before_residual))
+            if w.main:
+                plain.load_state_dict(msd)
+        return plain
+
+    def export_candidate(step):
+        """This step's weights as an export the choose step will serve (every rank calls it)."""
+        plain = plain_copy()
+        if w.main:
+            export_speculators(candidates.folder(out, step), plain, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
+            candidates.record(out, held_docs, dc.get("prepared_sha256"), total)
+            log(f"candidate for choose: step {step} exported to {candidates.folder(out, step)}")
+        dist_.barrier()
 
     def embed_fn(ids):
         return F.embedding(ids, embed)
@@ -584,6 +612,8 @@ def _train(args, closing: contextlib.ExitStack) -> dict:
                     break
                 last_path = save_checkpoint(ckpt_dir, done, model, opt, meta, args.keep_checkpoints,
                                             sharding, trainable_names)
+            if done in cand_steps:
+                export_candidate(done)
             if interrupted:
                 log(f"{interrupted}: stopped after step {done}/{total}; checkpoint {last_path}; "
                     f"continue with --resume")
@@ -625,13 +655,10 @@ def _train(args, closing: contextlib.ExitStack) -> dict:
     if evals:
         result["heldout"] = evals[-1]
         result["heldout_history"] = evals
+    if cand_steps:
+        result["candidates"] = candidates.folder(out)
     if finished:
-        plain = dist_.unwrap(model)
-        if sharding == "fsdp":  # gather the shards into a plain copy for the export (every rank takes part)
-            msd, _ = dist_.full_state(model, opt, sharding, trainable_names)
-            plain = Eagle3Draft(c, len(aux_ids), K, bool(args.norm_before_residual))
-            if w.main:
-                plain.load_state_dict(msd)
+        plain = plain_copy()
         if w.main:
             cfg = export_speculators(export_dir, plain, c, aux_ids, d2t, t2d, args, archs, embed, dtype)
             atomic_write_json(os.path.join(export_dir, "training_info.json"),

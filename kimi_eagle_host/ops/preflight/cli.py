@@ -42,7 +42,7 @@ PROG = "python -m kimi_eagle_host.ops.preflight"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Pre-flight checks for a pipeline step host side.")
-    p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "eval", "all"],
+    p.add_argument("--step", choices=["regenerate", "prepare", "extract", "vocab", "train", "choose", "eval", "all"],
                    default="all")
     p.add_argument("--draft", default=None, help="eval: an exported draft folder (config.json) to check for serving")
     p.add_argument("--model", default=None)

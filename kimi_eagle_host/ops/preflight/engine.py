@@ -11,7 +11,7 @@ from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_m
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
 # holds at once (engine_load), so preflight sizes it exactly as the step will.
-ENGINE_STEPS = ("regenerate", "eval")
+ENGINE_STEPS = ("regenerate", "choose", "eval")
 # extract's engine holds max(64, --batch-size) prompts of --seq-len + 1 tokens at once (extract_vllm.extract_native).
 EXTRACT_PROMPTS = 64
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kimi_eagle_host.step_runtime import log as _log
 
-GPU_STEPS = {"regenerate", "extract", "train", "eval", "all"}
+GPU_STEPS = {"regenerate", "extract", "train", "choose", "eval", "all"}
 DEPLOY_FIX = "run `kimi-eagle deploy-patch --host {host}`"
 
 

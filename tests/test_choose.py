@@ -1,0 +1,266 @@
+"""The best checkpoint, chosen by serving it (choose_checkpoints, pipeline/choose.py).
+
+Through the real steps on tiny real targets: train exports N checkpoints spread over the run, offline and online
+alike, with the held-out documents they were never trained on; `run all` serves them (choose) before eval, so eval
+measures the chosen export; the choose step, with a real vLLM 0.32 serving drafts whose acceptance is known by
+construction (tests/drafts.py: one proposes the target's own tokens, one never a token the target takes), exports
+the one that serves best even when it is not the last, with figures at every k that follow from vLLM's per-position
+counts; a host that cannot serve is a failed step, never a silent pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, host_cmd, make_env, one_line_usage_error
+from kimi_eagle_host.pipeline import tiny_model
+
+SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+LAYERS = "1,2,4"
+SEQ_LEN = 64
+# 16 documents, a quarter held out: 12 trained, 2 rows a step, 6 steps; 3 candidates at steps 2, 4 and 6.
+TRAIN = ("--epochs", "1", "--batch-size", "2", "--lr-schedule", "constant", "--holdout-fraction", "0.25",
+         "--report-to", "none", "--save-every", "100", "--choose-checkpoints", "3")
+
+
+def run(step, *args, python=None, timeout=600):
+    p = subprocess.run(host_cmd(f"pipeline.{step}", *map(str, args), python=python), capture_output=True, text=True,
+                       env=ENV, timeout=timeout)
+    try:
+        doc = json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        doc = None
+    return p.returncode, doc, p.stderr
+
+
+def digest(folder: Path) -> dict:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())
+            if f.name in ("config.json", "model.safetensors")}
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+def test_run_all_chooses_after_train_and_evaluates_the_chosen_export(tmp_path):
+    """choose_checkpoints adds the choose step between train and eval (offline and online), with its settings."""
+    for online, want in ((False, ["prepare", "extract", "vocab", "train", "choose", "eval"]),
+                         (True, ["prepare", "vocab", "train", "choose", "eval"])):
+        out = tmp_path / f"r{online}"
+        e = make_env(tmp_path / f"e{online}", None, extra=f"""pipeline:
+  model: /m/t
+  dataset: /d/chat.jsonl
+  output_dir: /o
+  hidden_states: {'online' if online else 'offline'}
+  choose_checkpoints: 4
+  eval_prompts: mt-bench
+""")
+        r = e.cli("render", "job", "all", "--host", "local", "--out", str(out), "steps.choose.prompts=8",
+                  "steps.choose.batch_size=4", timeout=60)
+        assert r.code == 0, r.stderr
+        job = "\n".join(p.read_text() for p in out.rglob("*.sh"))
+        steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
+        assert steps == want, steps
+        sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
+        assert sections["train"]["choose_checkpoints"] == 4
+        assert sections["choose"] == {"model": "/m/t", "output_dir": "/o", "tp_size": 1, "prompts": 8, "batch_size": 4}
+        assert "draft" not in sections["eval"]   # eval reads draft/export: the chosen checkpoint
+
+
+@pytest.mark.parametrize("setting, words", [("choose_checkpoints=-1", "choose_checkpoints: "),
+                                            ("steps.choose.max_k=0", "steps.choose.max_k: "),
+                                            ("steps.choose.prompts=many", "steps.choose.prompts: ")])
+def test_bad_choose_settings_are_one_line_exit_2(tmp_path, setting, words):
+    e = make_env(tmp_path, None, extra="pipeline:\n  model: /m/t\n  dataset: /d/chat.jsonl\n")
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), setting, timeout=60)
+    assert r.code == 2, r.stderr
+    assert one_line_usage_error(r).startswith(words) or words in one_line_usage_error(r), r.stderr
+
+
+def test_the_step_refuses_its_own_bad_flags_in_one_line(tmp_path):
+    code, doc, err = run("choose", "--model", tmp_path, "--output-dir", tmp_path, "--max-k", "0")
+    assert code == 2 and "argument --max-k: expected an integer greater than 0" in err.strip().splitlines()[-1], err
+    code, doc, err = run("choose", "--model", tmp_path, "--output-dir", tmp_path)
+    assert code == 2 and "candidates.json: missing" in doc["error"], (doc, err)
+
+
+# ---------------------------------------------------------------------------------------------- train's candidates
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Llama target, its prepared data and vocabulary; `offline/` extracted and trained, `online/` trained
+    from the engine's stream, both exporting 3 candidates."""
+    root = tmp_path_factory.mktemp("choose")
+    model = tiny_model.build(str(root / "model"), kind="llama", layers=4, seed=0)["out_dir"]
+    off, on = root / "offline", root / "online"
+    for step, *args in (("prepare", "--dataset", SAMPLE, "--seq-len", SEQ_LEN, "--max-samples", 16),
+                        ("vocab", "--draft-vocab-size", 100),
+                        ("extract", "--seq-len", SEQ_LEN, "--batch-size", 1, "--layer-ids", LAYERS)):
+        code, _, err = run(step, "--model", model, "--output-dir", off, *args)
+        assert code == 0, err
+    code, doc_off, err = run("train", "--model", model, "--output-dir", off, *TRAIN)
+    assert code == 0, err
+    for part in ("prepared", "vocab"):
+        shutil.copytree(off / part, on / part)
+    spool = root / "spool"
+    spool.mkdir()
+    code, doc_on, err = run("train", "--model", model, "--output-dir", on, *TRAIN, "--hidden-states", "online",
+                            "--layer-ids", LAYERS, "--seq-len", SEQ_LEN, "--engine-batch-size", 1,
+                            "--online-spool-dir", spool)
+    assert code == 0, err
+    return {"model": model, "offline": (off, doc_off), "online": (on, doc_on)}
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_train_exports_candidates_spread_over_the_run_with_its_held_out_documents(trained, mode):
+    out, doc = trained[mode]
+    assert doc["finished"] and doc["step"] == 6, doc
+    rec = json.loads((out / "draft" / "candidates" / "candidates.json").read_text())
+    assert [c["step"] for c in rec["candidates"]] == [2, 4, 6]
+    assert len(rec["heldout_documents"]) == 4 and rec["total_steps"] == 6
+    assert rec["prepared_sha256"] == hashlib.sha256((out / "prepared" / "manifest.json").read_bytes()).hexdigest()
+    # the last candidate is the last step's export; the earlier ones differ from it (trained further since)
+    cands = out / "draft" / "candidates"
+    assert digest(cands / "step_00000006")["model.safetensors"] == digest(out / "draft" / "export")["model.safetensors"]
+    assert digest(cands / "step_00000002")["model.safetensors"] != digest(cands / "step_00000006")["model.safetensors"]
+
+
+def test_online_candidates_are_the_offline_ones(trained):
+    """The same held-out documents and the same weights at each step, whether the hidden states came as files or
+    from the engine's stream."""
+    (off, _), (on, _) = trained["offline"], trained["online"]
+    a, b = (json.loads((o / "draft" / "candidates" / "candidates.json").read_text()) for o in (off, on))
+    assert a["heldout_documents"] == b["heldout_documents"] and a["candidates"] == b["candidates"]
+    for c in a["candidates"]:
+        assert digest(off / "draft" / "candidates" / c["dir"]) == digest(on / "draft" / "candidates" / c["dir"])
+
+
+def test_two_fsdp_ranks_export_the_same_candidates(trained, tmp_path):
+    """Under torchrun with FSDP every rank takes part in gathering a candidate's weights; rank 0 writes the same
+    candidates (to float tolerance) as one process does."""
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    off, _ = trained["offline"]
+    out = tmp_path / "fsdp"
+    shutil.copytree(off, out, ignore=shutil.ignore_patterns("draft"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                        "kimi_eagle_host.pipeline.train", "--model", trained["model"], "--output-dir", str(out), *TRAIN,
+                        "--parallel", "fsdp"], capture_output=True, text=True, env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = (json.loads((o / "draft" / "candidates" / "candidates.json").read_text()) for o in (off, out))
+    assert a["candidates"] == b["candidates"] and a["heldout_documents"] == b["heldout_documents"]
+    for c in a["candidates"]:
+        ours = load_file(str(out / "draft" / "candidates" / c["dir"] / "model.safetensors"))
+        ref = load_file(str(off / "draft" / "candidates" / c["dir"] / "model.safetensors"))
+        assert ours.keys() == ref.keys()
+        for k in ref:
+            assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), (c, k)
+
+
+def test_a_host_that_cannot_serve_fails_the_step_and_keeps_the_export(trained):
+    """This Python has no vLLM: nothing can be served, so nothing is chosen: exit 1 in one line, export untouched."""
+    out, _ = trained["offline"]
+    before = digest(out / "draft" / "export")
+    code, doc, err = run("choose", "--model", trained["model"], "--output-dir", out, "--prompts", 2)
+    assert code == 1 and doc["ok"] is False, (doc, err)
+    assert "vLLM is not importable" in doc["error"] and "choose_checkpoints=0" in doc["error"], doc
+    assert digest(out / "draft" / "export") == before
+    assert not (out / "choose" / "report.json").exists()
+
+
+def test_no_held_out_document_or_other_prepared_data_is_bad_input(trained, tmp_path):
+    """Nothing to serve that training never saw, or candidates of other prepared data: exit 2 before any engine."""
+    off, _ = trained["offline"]
+    out = tmp_path / "o"
+    for part in ("prepared", "vocab", "draft"):
+        shutil.copytree(off / part, out / part)
+    rec_path = out / "draft" / "candidates" / "candidates.json"
+    rec = json.loads(rec_path.read_text())
+    rec_path.write_text(json.dumps({**rec, "heldout_documents": []}))
+    code, doc, err = run("choose", "--model", trained["model"], "--output-dir", out)
+    assert code == 2 and "no held-out documents" in doc["error"] and "holdout_fraction" in doc["error"], (doc, err)
+    rec_path.write_text(json.dumps({**rec, "prepared_sha256": "0" * 64}))
+    code, doc, err = run("choose", "--model", trained["model"], "--output-dir", out)
+    assert code == 2 and "not the prepared data the candidates were trained on" in doc["error"], (doc, err)
+
+
+# ---------------------------------------------------------------------------------------------- choosing, unit
+
+def test_the_choice_is_the_best_served_and_none_accepted_is_a_failure():
+    from kimi_eagle_host.pipeline.choose import choose
+    from kimi_eagle_host.step_runtime import Refused
+
+    recs = [{"step": 2, "acceptance_length": 2.5, "accepted_tokens": 9}, {"step": 4, "acceptance_length": 1.5,
+                                                                         "accepted_tokens": 3},
+            {"step": 6, "acceptance_length": 2.5, "accepted_tokens": 9}]
+    best, why = choose(recs, 5)
+    assert best["step"] == 6 and "step 2: 2.50" in why   # a tie goes to the later step
+    best, _ = choose(recs[:2], 5)
+    assert best["step"] == 2
+    with pytest.raises(Refused, match="none of the 2 served checkpoints"):
+        choose([{"step": 1, "acceptance_length": 1.0, "accepted_tokens": 0}] * 2, 5)
+
+
+def test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measurements():
+    from kimi_eagle_host.evaluation.served import acceptance_by_k, tokens_per_s_by_k
+
+    # 10 drafts: position 1 accepted in 8, positions 1-2 in 6, 1-3 in 3
+    assert acceptance_by_k([8, 6, 3], 10) == [1.8, 2.4, 2.7]
+    # the target alone 100 tok/s (10 ms a token); at k=3 2.7 tokens a step at 135 tok/s: 20 ms a step, 10/3 ms a draft
+    by = tokens_per_s_by_k(100.0, 135.0, [1.8, 2.4, 2.7])
+    assert by[-1] == 135.0 and by == [round(1.8 / (0.01 + 0.01 / 3), 2), round(2.4 / (0.01 + 0.02 / 3), 2), 135.0]
+
+
+# ---------------------------------------------------------------------------------------------- served, real vLLM
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
+    """Two candidates of the cycle target: step 1 proposes the target's own tokens (accepted at every position),
+    step 2 runs a token ahead (never accepted). vLLM 0.32 serves both next to the target on held-out prepared
+    documents: step 1 is exported, its figures at k = 1..3 follow from the per-position counts (k + 1 here), step 2's
+    are exactly 1.00, and the report names a k per batch size."""
+    from drafts import cycle_target, known_draft
+    from kimi_eagle_host.draft import candidates
+    from vllm_envs import env_python
+
+    py = env_python("0.32.0")
+    target = cycle_target(tmp_path)
+    out = tmp_path / "out"
+    code, _, err = run("prepare", "--model", target, "--dataset", SAMPLE, "--output-dir", out, "--max-samples", 6)
+    assert code == 0, err
+    known_draft(target, candidates.folder(str(out), 1), lead=1)
+    known_draft(target, candidates.folder(str(out), 2), lead=2)
+    sha = hashlib.sha256((out / "prepared" / "manifest.json").read_bytes()).hexdigest()
+    candidates.record(str(out), [1, 3, 5], sha, 2)
+    code, doc, err = run("choose", "--model", target, "--output-dir", out, "--prompts", 3, "--max-tokens", 16,
+                         "--max-k", 3, "--batch-size", 2, python=py, timeout=850)
+    assert code == 0, err[-3000:]
+    rep = json.loads((out / "choose" / "report.json").read_text())
+    assert rep["chosen_step"] == 1 and rep["last_step"] == 2 and "not the last" in doc["headline"], doc["headline"]
+    assert rep["prompts"] == 3 and "step 2: 1.00" in rep["why"], rep["why"]
+    good, bad = rep["checkpoints"]
+    for r in (good, bad):   # acceptance length at k' = 1 + accepted through position k' / drafts
+        assert r["drafts"] > 0
+        want = [round(1 + sum(r["accepted_per_position"][:i + 1]) / r["drafts"], 4) for i in range(3)]
+        assert list(r["acceptance_length_by_k"].values()) == want
+    assert list(good["acceptance_length_by_k"].values()) == pytest.approx([2, 3, 4], abs=0.1)   # the last round of an answer cut at max_tokens
+    assert bad["acceptance_length"] == 1.0 and bad["accepted_tokens"] == 0
+    assert set(rep["chosen_k"]) == {"1", "2"} and all(1 <= k <= 3 for k in rep["chosen_k"].values())
+    for b in ("1", "2"):
+        t = good["tokens_per_s"][b]
+        assert t["without_draft"] > 0 and t["by_k"]["3"] == t["with_draft_k3"] > 0
+    # the export is the chosen candidate, whole, with the record of the choice
+    export = out / "draft" / "export"
+    assert digest(export) == digest(Path(candidates.folder(str(out), 1)))
+    assert json.loads((export / "selection.json").read_text())["chosen_step"] == 1
