@@ -46,10 +46,12 @@ def _a_finished_run(e):
 def test_pull_copies_the_results_verified_and_then_only_what_changed(tmp_path, sshd):
     e = make_env(tmp_path, sshd, extra=PIPELINE)
     job, out = _a_finished_run(e)
+    (out / "choose").mkdir()   # the choose step's report: which checkpoint became the export, and why
+    (out / "choose" / "report.json").write_text(json.dumps({"chosen": {"step": 10}, "job_id": job}))
     dest = tmp_path / "here"
     r = e.cli("pull", job, "--to", str(dest))
     assert r.code == 0, (r.stdout, r.stderr)
-    for rel in ("draft/export/config.json", "draft/export/model.safetensors", "eval/report.json",
+    for rel in ("draft/export/config.json", "draft/export/model.safetensors", "eval/report.json", "choose/report.json",
                 f"runs/{job}/recipe.yaml", f"runs/{job}/versions.json"):
         assert _sha(dest / rel) == _sha(out / rel), rel
     assert (dest / "logs" / job / "log").read_text() == (e.workdir / "runs" / job / "log").read_text()
@@ -83,10 +85,14 @@ def test_pull_of_a_job_takes_no_export_or_report_a_later_job_wrote_in_its_folder
     assert e.cli("logs", later, "--follow").code == 0
     (out / "draft" / "export" / "training_info.json").write_text(json.dumps({"job_id": later}))
     (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.9, "job_id": later}))
+    (out / "choose").mkdir()
+    (out / "choose" / "report.json").write_text(json.dumps({"chosen": {"step": 10}, "job_id": later}))
     r = e.cli("--json", "pull", first, "--to", str(tmp_path / "first"))
     assert r.code == 0, r.stderr
     assert not (tmp_path / "first" / "draft").exists() and not (tmp_path / "first" / "eval").exists()
-    assert {s["folder"]: s["written_by"] for s in r.json()["skipped"]} == {"draft/export": later, "eval": later}
+    assert not (tmp_path / "first" / "choose").exists()
+    assert {s["folder"]: s["written_by"] for s in r.json()["skipped"]} == {"draft/export": later, "eval": later,
+                                                                           "choose": later}
     assert (tmp_path / "first" / "logs" / first / "log").is_file()
     r = e.cli("pull", first, "--to", str(tmp_path / "first-text"))
     assert f"draft/export: written by job {later}, not by {first}" in r.stdout, r.stdout

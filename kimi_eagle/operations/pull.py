@@ -1,4 +1,4 @@
-"""`pull`: bring back what a user keeps from a run: the export, the eval report, the recorded settings and versions,
+"""`pull`: bring back what a user keeps from a run: the export, the choose and eval reports, the recorded settings and versions,
 the tensorboard events and the job logs, sha256-verified and skipping what is already here (sync.fetch, the
 upload's hashing the other way)."""
 
@@ -12,12 +12,11 @@ from ..hosts import sync
 from ..hosts.session import RUNS, HostSession
 from .runs import RunDir, json_of
 
-KEPT = ("draft/export", "eval", "runs", "tracking")  # what `pull` brings back, under the output folder
 JOB_FILES = ("log", "meta.json", "exit_code", "headline")  # a job's own record, from <workdir>/runs/<job>/
 
 # Outputs that one job writes for the whole folder, and the file in them that names the job (train's
-# training_info.json, eval's report.json): `pull JOB` takes them only when JOB wrote them.
-OWNED = {"draft/export": "training_info.json", "eval": "report.json"}
+# training_info.json, choose's and eval's report.json): `pull JOB` takes them only when JOB wrote them.
+OWNED = {"draft/export": "training_info.json", "choose": "report.json", "eval": "report.json"}
 
 # Lists what `pull` takes: {"files": [[host path, local path, size]], "skipped": [[folder, writer or null]]}.
 # Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
@@ -62,7 +61,7 @@ print(json.dumps({"files": out, "skipped": skipped}))
 
 def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
     """Copy the run's export, reports, recorded settings, tensorboard events and job logs into `dest`."""
-    subs = ["draft/export", "eval"]
+    subs = ["draft/export", "choose", "eval"]
     subs += [f"runs/{run.job_id}", f"tracking/{run.job_id}"] if run.job_id else ["runs", "tracking"]
     listed = json_of(session, _LIST, [run.path, session.path(RUNS), run.job_id or "", ",".join(subs),
                                        ",".join(JOB_FILES), json.dumps(OWNED)], "listing the run's files")
