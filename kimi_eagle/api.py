@@ -296,8 +296,21 @@ class Controller:
         # Rendered once, before connecting: bad input is refused here, and this is what starts.
         files = sched.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
         session = HostSession(h)
+        # `run all` whose hidden states would not fit the host as files trains online, unless the user chose
+        # hidden_states (then preflight's storage check refuses, as for any failure).
+        may_go_online = step == "all" and h.pipeline.hidden_states == "offline" and \
+            not self.inventory.sets(h.name, "hidden_states")
         try:
-            self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu, notify=notify)
+            checked = self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
+                                         notify=notify, may_go_online=may_go_online)
+            if checked is not None and checked.online_instead:
+                h = h.model_copy(update={"pipeline": h.pipeline.model_copy(update={"hidden_states": "online"})})
+                notify(f"[{h.name}] hidden_states: online, since {checked.online_instead['detail']} (the engine "
+                       f"feeds the trainer; no hidden-state files; set hidden_states=offline to refuse instead)",
+                       "yellow")
+                files = sched.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
+                session.host = h
+                self._before_start(session, step, reset_gpus=False, preflight=preflight, gpu=gpu, notify=notify)
             job = sched.start(session, step, extra, gpu=gpu, job_id=job_id, files=files)
         except BaseException:
             session.close()
@@ -309,8 +322,9 @@ class Controller:
             return Started(h.name, job, session)
 
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
-                      notify: Notify) -> None:
-        """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight."""
+                      notify: Notify, may_go_online: bool = False):
+        """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight
+        (its result, where it ran; may_go_online: see preflight.gate)."""
         from .jobs import scheduler
         from .jobs.slurm import SlurmPreflightError
 
@@ -330,7 +344,9 @@ class Controller:
         if step != "exec" and sched.name == "direct":  # on Slurm the step runs on compute nodes, not on the login node
             from .operations import preflight as pf
 
-            pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style))
+            return pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style),
+                           may_go_online=may_go_online)
+        return None
 
     def run_group(self, step: str, group: str, extra: list[str] | None = None, *, shard_by: str = "hosts",
                   mode: str | None = None, reset_gpus: bool = False, preflight: bool = True, gpu: bool | None = None,

