@@ -82,4 +82,6 @@ def test_the_gpu_stage_runs_through_on_vllm_cpu(tmp_path):
     online = steps["train_online"]   # hidden_states: online through the product, vLLM's native engine in train
     assert online["ok"] and online["result"]["finished"] and online["result"]["online"]["engine_tok_s"] > 0, online
     assert online["result"]["step"] == steps["train_export"]["result"]["step"] and not online["hidden_state_files_left"]
+    # the same engine feeding the trainer instead of files: the same training (bit for bit on this CPU)
+    assert abs(online["final_loss_online"] - online["final_loss_offline"]) <= 0.02 * online["final_loss_offline"]
     assert steps["extract_vllm_tp2_vs_tp1"]["skipped"]                # one "GPU" here

@@ -309,7 +309,7 @@ def main():
             ok, res, secs, why = run_step("train", "--max-steps", K["TRAIN_STEPS"], "--epochs", "100",
                                           overrides=["hidden_states=online", f"output_dir={online}"])
             res = {k: v for k, v in (res or {}).items() if k != "history"}
-            left = [str(f) for f in online.rglob("*.safetensors") if "draft" not in f.parts]
+            left = [str(f) for f in online.rglob("*.safetensors") if not {"draft", "prepared"} & set(f.parts)]
             offline = report["steps"]["train_export"].get("result") or {}
             record("train_online", ok and res.get("hidden_states") == "online" and not left
                    and (online / "draft" / "export" / "config.json").exists(), seconds=secs, error=why, result=res,
