@@ -2,6 +2,8 @@
 GPUs the engine and the trainer see (the split layout's plumbing, checkable without a GPU)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kimi_eagle_host import settings
@@ -108,3 +110,30 @@ def test_the_engine_may_produce_a_stretch_longest_first_and_never_deadlocks(tmp_
             buffered += need
             assert buffered <= max(budget, need)
     assert ready | set(wanted[:taken]) == set(wanted)
+
+
+def test_a_document_taken_between_two_looks_of_the_engine_is_not_waited_for(tmp_path, monkeypatch):
+    """vLLM's connector writes a document in a worker and the engine then looks for the file; the trainer may read
+    and delete it in between (seen on vLLM 0.32's CPU build: the engine waited its 600 s and the run failed). The
+    trainer leaves a tombstone, the engine counts it as written, and the buffer's accounting removes it."""
+    import types
+
+    import numpy as np
+
+    from kimi_eagle_host.engine import extract_vllm
+    from kimi_eagle_host.engine.stream_producer import Spool
+
+    entry = (online_stream.SPOOLED, 0, 3)
+    np.save(tmp_path / online_stream.STREAM, np.array([entry], dtype=np.int64))
+    spool = Spool(str(tmp_path), 10**6, bytes_per_token=1)
+    path = spool.file(entry)
+    spool.wait_room([entry], lambda e: 5)
+    with open(path, "wb") as f:   # the connector's write...
+        f.write(b"x")
+    online_stream.StepFiles(types.SimpleNamespace(spool=str(tmp_path), cached=set()), 0).done(3)   # ...taken at once
+    assert not os.path.exists(path)
+    monkeypatch.setattr(extract_vllm, "WRITE_WAIT_S", 1.0)
+    extract_vllm._wait_for_samples([path])   # returns: before the tombstone it raised "never appeared"
+    spool.produced(5)
+    assert spool.used() == 0   # taken: no longer in the buffer, and its tombstone is gone
+    assert sorted(os.listdir(tmp_path)) == sorted([online_stream.STREAM, online_stream.ENGINE_FIGURES])

@@ -39,6 +39,12 @@ def tmp_path(path):
     return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
 
 
+def taken_path(path):
+    """An online run's tombstone of a document the trainer took (read and deleted): an engine that waits for the
+    file to appear (vLLM's connector writes it in a worker) must not miss one written and taken between two looks."""
+    return path + ".taken"
+
+
 def error_path(path):
     folder, name = os.path.split(path)
     return os.path.join(folder, "." + name.replace(".safetensors", ".error"))

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 
+from kimi_eagle_host.data.hidden_state_files import taken_path
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
 
 SPOOL_PREFIX = "kimi-eagle-online-"
@@ -427,8 +428,10 @@ class StepFiles:
         return self.source.wait_for(self._path(d))
 
     def done(self, d: int) -> None:
-        if d not in self.source.cached:
-            os.unlink(self._path(d))
+        if d not in self.source.cached:   # the tombstone first: at every moment the file or its tombstone exists
+            path = self._path(d)
+            open(taken_path(path), "w").close()
+            os.unlink(path)
 
 
 class HeldFiles:

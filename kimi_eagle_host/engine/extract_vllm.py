@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from kimi_eagle_host.data.hidden_state_files import error_path, sample_path
+from kimi_eagle_host.data.hidden_state_files import error_path, sample_path, taken_path
 from kimi_eagle_host.target.model_layers import LayerIdError
 from kimi_eagle_host.step_runtime import Refused, log, payload_root, progress, stdout_for_result_only
 from kimi_eagle_host.versions import at_least
@@ -282,13 +282,14 @@ def stream_native(args, ds, layer_ids, info, spool):
 
 def _wait_for_samples(paths):
     """The connector writes in worker threads after the request finished: wait until every sample of the chunk is
-    on disk (it appears by rename, complete) or its error marker says why not."""
+    on disk (it appears by rename, complete), or online the trainer has already taken it (its tombstone), or its
+    error marker says why not."""
     deadline = time.time() + WRITE_WAIT_S
     pending = list(paths)
     while pending:
         still = []
         for path in pending:
-            if os.path.exists(path):
+            if os.path.exists(path) or os.path.exists(taken_path(path)):
                 continue
             if os.path.exists(error_path(path)):
                 with open(error_path(path)) as f:

@@ -11,6 +11,7 @@ the spool itself, since nobody else will).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kimi_eagle_host.data import online_stream as spool_
+from kimi_eagle_host.data.hidden_state_files import taken_path
 from kimi_eagle_host.step_runtime import atomic_write_json, atomic_write_via, log
 
 PARENT_POLL_S = 0.5
@@ -44,8 +46,16 @@ class Spool:
 
     def used(self) -> int:
         # A document still being written (written() False) counts: its file is not there yet, but its bytes are.
-        self.outstanding = [(f, b, w) for f, b, w in self.outstanding if not w() or os.path.exists(f)]
-        return sum(b for _, b, _ in self.outstanding)
+        # One written and gone was taken by the trainer: its tombstone goes too.
+        keep = []
+        for f, b, w in self.outstanding:
+            if not w() or os.path.exists(f):
+                keep.append((f, b, w))
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(taken_path(f))
+        self.outstanding = keep
+        return sum(b for _, b, _ in keep)
 
     def wait_room(self, entries, tokens_of, written=None) -> None:
         """Block while the buffer holds documents and these would pass its budget (never with an empty buffer:
