@@ -191,17 +191,36 @@ def test_clean_never_removes_under_a_job_that_starts_at_the_same_time_over_many_
         return subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), *args], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    def clean_twice():
+        cleans = [cli("clean", "--run", "out", "--host", "gpu", "--yes") for _ in range(2)]
+        return [(p.wait(timeout=120), *p.communicate()) for p in cleans]
+
+    def started(run):
+        code, so, se = run.wait(timeout=120), *run.communicate()
+        assert code == 0, se
+        return json.loads(so)["id"]
+
     removed = refused = 0
-    for delay in (0.8, 1.3, 1.8, 2.3, 2.8):
+    # Staggered moments after `run`, then two that hit each outcome whatever the machine's load (under load every
+    # staggered clean found the job running): while the job surely runs (its start noted, 3 s of sleeps ahead),
+    # and after it ended.
+    for delay in (0.8, 1.3, 1.8, 2.3, 2.8, "running", "ended"):
         (out / "hidden_states").mkdir(parents=True, exist_ok=True)
         (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"\0" * 4096)
         run = cli("--json", "run", "vocab", "--host", "gpu", "--detach", "--no-preflight", "--no-gpu", "--", "--help")
-        time.sleep(delay)
-        cleans = [cli("clean", "--run", "out", "--host", "gpu", "--yes") for _ in range(2)]
-        answers = [(p.wait(timeout=120), *p.communicate()) for p in cleans]
-        code, so, se = run.wait(timeout=120), *run.communicate()
-        assert code == 0, se
-        job = json.loads(so)["id"]
+        if isinstance(delay, float):
+            time.sleep(delay)
+            answers = clean_twice()
+            job = started(run)
+        else:
+            job = started(run)
+            deadline = time.time() + 60
+            while delay == "running" and not (marks / job).exists() and time.time() < deadline:
+                time.sleep(0.05)
+            if delay == "ended":
+                subprocess.run([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "logs", job, "--follow"],
+                               env=env, capture_output=True, timeout=120)
+            answers = clean_twice()
         assert subprocess.run([PY, "-m", "kimi_eagle", "--inventory", str(e.inventory), "logs", job, "--follow"],
                               env=env, capture_output=True, timeout=120).returncode == 0
         for c, so, se in answers:
