@@ -107,6 +107,13 @@ def sshd(tmp_path_factory):
 
 
 # The pipeline on a tiny random Kimi-style model and the bundled sample chats (CPU, seconds per step).
+# The sample chats, and the environment a host step runs in when a test starts it directly (quiet, offline, one
+# thread each: the box has 2 cores).
+SAMPLE_CHAT = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
+STEP_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+
+
 TINY_PIPELINE = """pipeline:
   tiny_model: kimi
   model: "{workdir}/models/tiny"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, host_cmd, make_env, one_line_usage_error
+from conftest import SAMPLE_CHAT, STEP_ENV, host_cmd, make_env, one_line_usage_error
 from kimi_eagle_host.pipeline import tiny_model
 
-SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+SAMPLE, ENV = SAMPLE_CHAT, STEP_ENV
 LAYERS = "1,2,4"
 SEQ_LEN = 64
 # 16 documents, a quarter held out: 12 trained, 2 rows a step, 6 steps; 3 candidates at steps 2, 4 and 6.

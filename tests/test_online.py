@@ -21,12 +21,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, host_cmd
+from conftest import SAMPLE_CHAT, STEP_ENV, host_cmd
 from kimi_eagle_host.pipeline import tiny_model
 
-SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+SAMPLE, ENV = SAMPLE_CHAT, STEP_ENV
 LAYERS = "1,2,4"
 SEQ_LEN = 64
 # Two epochs of 24 documents (a quarter held out), two rows per step: 18 steps, a held-out evaluation at the end.

@@ -2,6 +2,7 @@
 
   vllm_support        whether the host's vLLM can serve EAGLE-3 for a target (else why not)
   vllm_counters       vLLM's own spec-decode counters (llm.get_metrics()), per-position acceptance included
+  ServedEngine        one vLLM engine, the target alone (k = 0) or with the draft at k, greedy, counting each call
   acceptance_by_k     acceptance length at every k' <= k from ONE run at k (a chain draft's first k' proposals do
                       not depend on k, and vLLM counts position i only when every earlier one was accepted)
   tokens_per_s_by_k   tokens/s at every k' <= k from the target alone and the run at k (step time linear in k)
@@ -83,6 +84,40 @@ def vllm_counters(llm):
             got["per_pos"] = [a + b for a, b in zip(got["per_pos"] + [0] * len(vals), vals)] \
                 if got["per_pos"] else vals
     return got
+
+
+class ServedEngine:
+    """One vLLM engine: the target alone (k = 0) or the target with `draft` at k, greedy. `memory`:
+    vllm_compat.size_engine's answer (its environment is set already). counted(call) runs call(llm, sampling) and
+    returns (its result, the spec-decode counters of that call: drafts, accepted, per_pos over k positions)."""
+
+    def __init__(self, args, draft, k, memory):
+        from vllm import LLM, EngineArgs, SamplingParams
+
+        from kimi_eagle_host.vllm_compat import text_only_engine_kwargs
+
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if k else None
+        self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
+                       enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
+                       tensor_parallel_size=args.tp_size, speculative_config=spec, **memory["kwargs"],
+                       **text_only_engine_kwargs(args.model, EngineArgs))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        self.k = k
+
+    def counted(self, call):
+        before = vllm_counters(self.llm)
+        res = call(self.llm, self.sp)
+        after = vllm_counters(self.llm)
+        c = {key: after[key] - before[key] for key in ("drafts", "accepted")}
+        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
+        c["per_pos"] = (per_pos + [0] * self.k)[:self.k]
+        return res, c
+
+    def close(self):
+        import gc
+
+        del self.llm
+        gc.collect()
 
 
 def acceptance_by_k(per_pos, drafts: int) -> list[float]:

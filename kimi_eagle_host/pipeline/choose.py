@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 
+from kimi_eagle_host.evaluation.served import ServedEngine, acceptance_by_k, tokens_per_s_by_k, vllm_support
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write_json, job_headline, log, parse_step_args,
                                           progress_line, run_step, stdout_for_result_only)
 
@@ -71,32 +72,13 @@ def folder_record(out: str) -> str:
     return os.path.join(candidates.folder(out), candidates.RECORD)
 
 
-class Engine:
-    """One vLLM engine: the target alone (k = 0) or with a draft at k; called on lists of prompt token ids."""
-
-    def __init__(self, args, draft, k, memory):
-        from vllm import LLM, EngineArgs, SamplingParams
-
-        from kimi_eagle_host.vllm_compat import text_only_engine_kwargs
-
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if k else None
-        self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
-                       enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
-                       tensor_parallel_size=args.tp_size, speculative_config=spec, **memory["kwargs"],
-                       **text_only_engine_kwargs(args.model, EngineArgs))
-        self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        self.k = k
+class Engine(ServedEngine):
+    """The target alone (k = 0) or with a candidate at k; called on lists of prompt token ids."""
 
     def __call__(self, prompts):
-        """(output tokens, spec-decode counters of this call: drafts, accepted, per_pos over k positions)."""
-        from kimi_eagle_host.evaluation.served import vllm_counters
-
-        before = vllm_counters(self.llm)
-        res = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.sp, use_tqdm=False)
-        after = vllm_counters(self.llm)
-        c = {key: after[key] - before[key] for key in ("drafts", "accepted")}
-        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
-        c["per_pos"] = (per_pos + [0] * self.k)[:self.k]
+        """(output tokens, spec-decode counters of this call)."""
+        res, c = self.counted(lambda llm, sp: llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                           use_tqdm=False))
         return sum(len(r.outputs[0].token_ids) for r in res), c
 
     def timed(self, prompts, batch_size) -> float:
@@ -105,12 +87,6 @@ class Engine:
         for i in range(0, len(prompts), batch_size):
             tokens += self(prompts[i:i + batch_size])[0]
         return round(tokens / max(time.perf_counter() - t0, 1e-9), 2)
-
-    def close(self):
-        import gc
-
-        del self.llm
-        gc.collect()
 
 
 def serve(args, draft, k, memory, prompts, timing, batch_sizes) -> dict:
@@ -133,8 +109,6 @@ def serve(args, draft, k, memory, prompts, timing, batch_sizes) -> dict:
 def figures(step, draft, served, baseline, k, batch_sizes, n_prompts) -> dict:
     """A served checkpoint's record: acceptance by position and by k, tokens/s per batch size (measured at k,
     modelled below it), the k with the highest tokens/s per batch size."""
-    from kimi_eagle_host.evaluation.served import acceptance_by_k, tokens_per_s_by_k
-
     if served["drafts"] == 0 and served["output_tokens"] > n_prompts:
         raise Refused(f"checkpoint of step {step}: {served['output_tokens']} tokens decoded with the draft attached but "
                       f"no drafts counted: speculative decoding did not run, so there is no acceptance to compare")
@@ -209,7 +183,6 @@ def run(args):
     for c in record["candidates"]:   # as vLLM will read them, before any engine starts
         parity.check_export(c["dir"], tc, None, os.path.join(out, "vocab"),
                             parity.serving_context(tc, args.max_model_len), exc=BadInput)
-    from kimi_eagle_host.evaluation.served import vllm_support
     from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine
 
     engine_env = engine_env_defaults()   # before vLLM is imported: it reads them at import and engine start

@@ -42,11 +42,11 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
                                           stdout_for_result_only)
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
-from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of, text_only_engine_kwargs
+from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of
 from kimi_eagle_host.engine import context_length
 # what choose serves with too: whether vLLM can serve EAGLE-3 here (bench/gpu/kimi_stage.py asks it here), and
 # vLLM's spec-decode counters
-from kimi_eagle_host.evaluation.served import vllm_counters, vllm_support
+from kimi_eagle_host.evaluation.served import ServedEngine, vllm_support
 
 HEADLINE_PREFIX = "eval: "
 
@@ -176,38 +176,19 @@ def engine_load(args):
             max(int(args.max_batch), *parse_batch_sizes(str(args.batch_sizes))))
 
 
-class VllmRunner:
+class VllmRunner(ServedEngine):
     """One vLLM engine: the target alone (k = 0) or the target with the draft (k > 0)."""
 
     def __init__(self, args, k, memory):
         """`memory`: vllm_compat.size_engine's answer (its environment is set already); both engines take it."""
-        from vllm import LLM, EngineArgs, SamplingParams
-
-        spec = {"method": "eagle3", "model": os.path.abspath(args.draft), "num_speculative_tokens": k} if k else None
-        self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
-                       enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
-                       tensor_parallel_size=args.tp_size, speculative_config=spec, **memory["kwargs"],
-                       **text_only_engine_kwargs(args.model, EngineArgs))
-        self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        self.k = k
+        super().__init__(args, os.path.abspath(args.draft), k, memory)
 
     def can_batch(self, batch_size):
         return True
 
     def __call__(self, chats):
-        before = vllm_counters(self.llm)
-        res = self.llm.chat(chats, self.sp, use_tqdm=False)
-        after = vllm_counters(self.llm)
-        c = {key: after[key] - before[key] for key in ("drafts", "accepted")}
-        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
-        c["per_pos"] = (per_pos + [0] * self.k)[:self.k]
+        res, c = self.counted(lambda llm, sp: llm.chat(chats, sp, use_tqdm=False))
         return [(r.outputs[0].text, list(r.outputs[0].token_ids)) for r in res], c
-
-    def close(self):
-        import gc
-
-        del self.llm
-        gc.collect()
 
 
 # ----------------------------------------------------------------------------------------------------
