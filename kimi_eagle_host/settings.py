@@ -117,7 +117,8 @@ PIPELINE_SETTINGS = [
     _s("online_buffer_gb", "float", 2.0, "online: the engine waits while this many GB of hidden states wait for "
        "the trainer", ("train",), positive=True),
     _s("online_cache_gb", "float", 0.0, "online: keep the first documents that fit in this many GB for later "
-       "epochs (0: every epoch runs the engine again)", ("train",), minimum=0),
+       "epochs, in the trainer's memory (several trainer processes: in the spool) (0: every epoch runs the engine "
+       "again)", ("train",), minimum=0),
     _s("online_spool_dir", "text", "/dev/shm", "online: where the buffer lives (a memory file system; a folder "
        "unique to the job is made in it and removed at the end)", ("train",), nonempty=True),
     _s("engine_gpus", "ints", None, "online: the GPUs (of those visible) the engine uses (unset: the trainer's)",

@@ -6,7 +6,8 @@ Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_
 hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
 safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it: a bounded
 in-memory buffer (`online_buffer_gb`) holds what the engine has extracted and the trainer not yet taken, and every
-epoch runs the target again (unless `online_cache_gb` keeps documents).
+epoch runs the target again (unless `online_cache_gb` keeps documents: in the trainer's memory where one process
+trains, so a cache as large as the offline files costs memory, never files).
 
 Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a rough rule:
 - extraction (vLLM native): 153.6 k tokens/s at a 1.06 B target, 37.4 k at 7.2 B; between them log-linear in the
@@ -178,4 +179,6 @@ def details(p: dict) -> list[str]:
         f"{epochs}: offline ~{p['offline_hours']:.1f} h (extract once, train from the files); online "
         f"~{p['online_hours']:.1f} h co-located (extraction recomputed every epoch; less where engine and trainer "
         f"overlap on separate GPUs)",
-    ]
+    ] + ([f"online with online_cache_gb >= {p['offline_bytes'] / 1e9:.1f} (in the trainer's memory, not files) "
+          f"extracts once and trains the later epochs from memory: ~{p['offline_hours']:.1f} h, less where the "
+          f"first epoch's extraction and training overlap"] if p["epochs"] > 1 else [])

@@ -132,6 +132,29 @@ def test_online_trains_exactly_what_offline_trains(made):
     made["online"] = (doc, out)
 
 
+def test_a_cache_in_the_trainers_memory_extracts_each_document_once_and_never_as_a_file(made):
+    """online_cache_gb with one trainer process: the documents that come again stay in the trainer's memory. The
+    engine extracts each training document once for two epochs (not twice), the training is offline's bit for
+    bit, and the spool, a buffer of one document here, never held the cache: its peak is that of a run without."""
+    out, base = online_dir(made, "memory"), spool_base(made, "memory")
+    copied = made["root"] / "received-memory"
+    copied.mkdir()
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                         "--online-spool-dir", base, "--online-cache-gb", "1", "--online-buffer-gb", "0.000001",
+                         env={**ENV, "KIMI_EAGLE_TEST_ONLINE_COPY_DIR": str(copied)})
+    assert code == 0, err
+    assert "18 documents cached for later epochs (in the trainer)" in err
+    assert_same_training(made["trained"], doc, made["offline"], out)
+    assert doc["online"]["cached_documents"] == 18
+    assert same_as_extracted(copied, made["offline"] / "hidden_states") == set(range(24))
+    assert len(list(copied.glob("s_*"))) == 18   # each training document extracted once
+    sizes = {int(f.stem.split("_")[1]): f.stat().st_size for f in (made["offline"] / "hidden_states").glob("hs_*")}
+    held = [int(f.stem.split("_")[1]) for f in copied.glob("d_*")]
+    assert len(held) == 6
+    assert 0 < doc["online"]["spool_peak_bytes"] <= sum(sizes[d] for d in held) + max(sizes.values())
+    assert leftovers(base) == []
+
+
 def test_online_stopped_by_sigterm_resumes_exactly(made):
     """SIGTERM to the whole process group (kimi-eagle stop): the engine outlives it, the trainer finishes its step
     with the documents it needs, checkpoints and exits 1; the spool is gone; --resume ends as a straight run.
@@ -214,18 +237,21 @@ def test_engine_killed_is_one_error_not_a_hang(made):
 
 def test_two_trainer_processes_share_one_engine(made):
     """torchrun on one host (gloo on CPU): rank 0 starts the engine, each rank takes its rows of every step from the
-    one buffer, and the global batch's update is one process's."""
+    one buffer, and the global batch's update is one process's. Into the second epoch, the documents that come
+    again are read from the cache in the spool, which both ranks share (a later epoch may give one to the other)."""
     out, base = online_dir(made, "ranks"), spool_base(made, "ranks")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"], "--output-dir", str(out),
-                        *COMMON, *ONLINE, "--online-spool-dir", str(base), "--max-steps", "6"],
+                        *COMMON, *ONLINE, "--online-spool-dir", str(base), "--max-steps", "12",
+                        "--online-cache-gb", "1"],
                        capture_output=True, text=True, env={**ENV, "CUDA_VISIBLE_DEVICES": ""}, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]   # one answer, rank 0's
     doc = json.loads(line)
-    assert doc["world_size"] == 2 and doc["step"] == 6, doc
-    want = [h["loss"] for h in made["trained"]["history"][:6]]
+    assert doc["world_size"] == 2 and doc["step"] == 12, doc
+    want = [h["loss"] for h in made["trained"]["history"][:12]]
     assert [h["loss"] for h in doc["history"]] == pytest.approx(want, rel=1e-4)
+    assert re.search(r"\d+ documents cached for later epochs \(in the spool\)", p.stderr)
     assert p.stderr.count("online: engine hf started") == 1 and leftovers(base) == []
 
 

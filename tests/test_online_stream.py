@@ -50,6 +50,11 @@ def test_the_cache_keeps_the_first_documents_that_come_again_within_its_budget()
         mine = [e for e in entries if e[2] == d]
         assert len(mine) == 1 and mine[0][0] == online_stream.CACHED and mine[0][1] < plan.steps_per_epoch
     assert sum(1 for e in entries if e[0] == online_stream.SPOOLED) == 2 * 12 - 2 * 4
+    # kept by the trainer instead: the same documents, at the same positions, as the trainer's own kind
+    kept = online_stream.stream_entries(plan, 0, steps, [], lambda d: 100, 450, online_stream.KEPT)
+    assert kept[1] == cached
+    assert list(zip(*kept[0])) == [(online_stream.KEPT if k == online_stream.CACHED else k, s, d)
+                                   for k, s, d in entries]
     # one epoch: nothing comes again, so nothing is kept whatever the budget
     _, cached = stream(plan, 0, plan.steps_per_epoch, budget=1e12)
     assert cached == set()
@@ -137,3 +142,14 @@ def test_a_document_taken_between_two_looks_of_the_engine_is_not_waited_for(tmp_
     spool.produced(5)
     assert spool.used() == 0   # taken: no longer in the buffer, and its tombstone is gone
     assert sorted(os.listdir(tmp_path)) == sorted([online_stream.STREAM, online_stream.ENGINE_FIGURES])
+
+
+def test_a_cache_in_memory_the_host_cannot_hold_is_refused_in_one_line():
+    online_stream.check_memory_cache(8 * 10**9, 100, 16 * 10**9)   # fits
+    online_stream.check_memory_cache(8 * 10**9, 100, None)         # unknown: nothing to check against
+    with pytest.raises(BadInput) as e:
+        online_stream.check_memory_cache(14 * 10**9, 1200, 16 * 10**9)
+    assert str(e.value) == ("--online-cache-gb: the 1200 documents it keeps need 14.0 GB of the trainer's memory, "
+                            "and the host has 16.0 GB available (at most 80% of it for the cache): lower "
+                            "online_cache_gb")
+    assert online_stream.available_memory() > 0   # this host's /proc/meminfo

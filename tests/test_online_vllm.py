@@ -55,9 +55,12 @@ def test_online_vllm_receives_what_extract_writes_and_trains(tmp_path):
     shm.mkdir(), copied.mkdir()
     doc = step(py, "train", "--model", model, "--output-dir", on, "--hidden-states", "online", "--engine", "vllm",
                "--layer-ids", LAYERS, "--seq-len", SEQ_LEN, "--engine-batch-size", 4, "--online-spool-dir", shm,
-               "--epochs", 1, "--batch-size", 2, "--holdout-fraction", 0.25, "--report-to", "none",
-               env={**ENV, "KIMI_EAGLE_TEST_ONLINE_COPY_DIR": str(copied)})
+               "--epochs", 2, "--online-cache-gb", 1, "--batch-size", 2, "--holdout-fraction", 0.25,
+               "--report-to", "none", env={**ENV, "KIMI_EAGLE_TEST_ONLINE_COPY_DIR": str(copied)})
     assert doc["finished"] and doc["hidden_states"] == "online" and doc["online"]["engine_tok_s"] > 0
     assert same_as_extracted(copied, off / "hidden_states", exact=False, tol=TOL) == set(range(SAMPLES))
+    # two epochs, the second from the trainer's memory: vLLM extracted each training document once
+    trained_docs = SAMPLES - len(list(copied.glob("d_*")))
+    assert len(list(copied.glob("s_*"))) == trained_docs == doc["online"]["cached_documents"]
     assert (on / "draft" / "export" / "model.safetensors").is_file()
     assert not (on / "hidden_states").exists() and os.listdir(shm) == []

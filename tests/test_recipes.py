@@ -120,11 +120,15 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
     script = next(out.rglob("job.sh")).read_text()
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     if name == "kimi-k2.5-8gpu":
-        extract = next(ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.extract" in ln)
-        assert "--settings runs/JOB-ID/settings.json" in extract, extract
+        # online: no extract step; train runs the engine (vLLM at TP 8 on the recipe's layers) and then choose
+        assert "kimi_eagle_host.pipeline.extract" not in script
+        train = next(ln for ln in script.splitlines() if "kimi_eagle_host.pipeline.train" in ln)
+        assert "--settings runs/JOB-ID/settings.json" in train, train
+        assert "kimi_eagle_host.pipeline.choose" in script
         sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
-        want = {"engine": "vllm", "tp_size": 8, "layer_ids": [2, 30, 58, 61], "model": "/models/Kimi-K2.5"}
-        assert {k: sections["extract"].get(k) for k in want} == want, sections["extract"]
+        want = {"hidden_states": "online", "engine": "vllm", "tp_size": 8, "layer_ids": [2, 30, 58, 61],
+                "model": "/models/Kimi-K2.5", "choose_checkpoints": 3}
+        assert {k: sections["train"].get(k) for k in want} == want, sections["train"]
         assert sections["vocab"]["draft_vocab_size"] == 32000
     else:
         assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source smollm2" in script

@@ -440,14 +440,16 @@ def compare_states(a: Path, b: Path, n: int):
 TOKS_RE = re.compile(r"tok/s (\d+)")
 
 
-def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=(), tokens_per_step: int | None = None):
-    """Our trainer; tokens_per_step: the same budget speculators' --total-seq-len gets (else --batch-size rows)."""
+def our_train(stage, gpu, pipeline: Path, model: Path, steps: int, extra=(), tokens_per_step: int | None = None,
+              sites=()):
+    """Our trainer; tokens_per_step: the same budget speculators' --total-seq-len gets (else --batch-size rows);
+    sites: the carried bundles it imports beyond torch's (an online run's vLLM engine)."""
     size = ["--tokens-per-step", str(tokens_per_step)] if tokens_per_step else ["--batch-size", str(TBATCH)]
     cmd = [PY, *payload("train.py"), "--model", str(model), "--output-dir", str(pipeline), *size,
            "--ttt-steps", "3", "--max-steps", str(steps), "--epochs", "1000", "--log-every", "5",
            "--save-every", "100000", "--device", DEVICE, *extra]
     before = tail(D["logs"] / f"{stage}.log", 10**9).count("\n")
-    res = run(stage, cmd, gpu, timeout=900)
+    res = run(stage, cmd, gpu, sites=sites, timeout=900)
     lines = tail(D["logs"] / f"{stage}.log", 10**9).splitlines()[before:]
     rates = [int(x) for line in lines if "step " in line for x in TOKS_RE.findall(line)]
     steady = rates[2:]  # the first two log lines cover start-up and compilation
@@ -702,22 +704,37 @@ def du(path: Path) -> int:
 
 def st_mtb_online(gpu):
     """`train --hidden-states online` on mtb_data's prepared data and vocab with mtb_train's steps, rows and lr: the
-    target runs in the trainer's own engine (hf, as mtb_data's extract) on the same GPU, its hidden states reach the
-    loop through a spool of KE_MTB_ONLINE_BUFFER_GB in memory; every epoch runs the engine again unless
-    KE_MTB_ONLINE_CACHE_GB keeps documents."""
+    target runs in the trainer's own engine (KE_MTB_ONLINE_ENGINE: hf as mtb_data's extract, or vllm) on the same
+    GPU, its hidden states reach the loop through a spool of KE_MTB_ONLINE_BUFFER_GB in memory; every epoch runs the
+    engine again unless KE_MTB_ONLINE_CACHE_GB keeps documents (in the trainer's memory: one trainer process)."""
+    return online_run("mtb_online", gpu, OPIPE, os.environ.get("KE_MTB_ONLINE_ENGINE", "hf"))
+
+
+def st_mtb_online_vllm(gpu):
+    """mtb_online again with vLLM's native extraction as the engine (same settings otherwise), after the record:
+    its time, footprint and training beside the hf engine's."""
+    return online_run("mtb_online_vllm", gpu, SHM / "mtb_online_vllm", "vllm")
+
+
+def online_run(stage: str, gpu, pipe: Path, engine: str) -> dict:
     ours = results("mtb_train")
     if not ours.get("step"):
         raise StageFailed(f"mtb_train's result has no step count: {sorted(ours)}")
-    shutil.rmtree(OPIPE, ignore_errors=True)
-    OPIPE.mkdir(parents=True)
+    shutil.rmtree(pipe, ignore_errors=True)
+    pipe.mkdir(parents=True)
     for sub in ("prepared", "vocab"):
-        (OPIPE / sub).symlink_to(MPIPE / sub)
-    extra = ["--lr", os.environ.get("KE_MTB_LR", "1e-3"), "--hidden-states", "online", "--engine", "hf",
-             "--engine-batch-size", os.environ.get("KE_MTB_ONLINE_ENGINE_BATCH", "64"),
-             "--online-buffer-gb", os.environ.get("KE_MTB_ONLINE_BUFFER_GB", "0.5"),
-             "--online-cache-gb", os.environ.get("KE_MTB_ONLINE_CACHE_GB", "0"), "--online-spool-dir", str(SHM)]
-    res = our_train("mtb_online", gpu, OPIPE, SMOL, ours["step"], extra=extra)
-    res["hidden_state_files_left"] = du(OPIPE / "hidden_states")
+        (pipe / sub).symlink_to(MPIPE / sub)
+    settings = {"engine": engine if not TINY else "hf",
+                "engine_batch_size": os.environ.get("KE_MTB_ONLINE_ENGINE_BATCH", "64"),
+                "online_buffer_gb": os.environ.get("KE_MTB_ONLINE_BUFFER_GB", "0.5"),
+                "online_cache_gb": os.environ.get("KE_MTB_ONLINE_CACHE_GB", "0")}
+    extra = ["--lr", os.environ.get("KE_MTB_LR", "1e-3"), "--hidden-states", "online", "--online-spool-dir", str(SHM)]
+    extra += [a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), v)]
+    res = our_train(stage, gpu, pipe, SMOL, ours["step"], extra=extra,
+                    sites=("site-early", "site-vllm") if settings["engine"] == "vllm" else ())
+    res["hidden_state_files_left"] = du(pipe / "hidden_states")
+    res["settings"] = settings
+    res["same_final_loss_as_offline"] = res.get("final_loss") == ours.get("final_loss")
     return res
 
 
@@ -738,7 +755,7 @@ def st_mtb_hs(gpu):
         return {"hidden_states": mode, "hidden_state_bytes_on_disk_peak": disk, "seconds_prepared_to_export": seconds,
                 "seconds_parts": parts, "steps": train.get("step"), "train_tokens": train.get("train_tokens"),
                 "train_tokens_per_s": train.get("train_tokens_per_s"), "final_loss": train.get("final_loss"),
-                "heldout": train.get("heldout"), "online": train.get("online"),
+                "heldout": train.get("heldout"), "online": train.get("online"), "settings": train.get("settings"),
                 "mean_acceptance_length": ev.get("mean_acceptance_length"),
                 "acceptance_per_position": ev.get("acceptance_per_position"),
                 "num_speculative_tokens": ev.get("num_speculative_tokens"), "benchmark": ev.get("benchmark"),
@@ -873,6 +890,7 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("mtb_online", st_mtb_online, ["mtb_train"]),
          ("mtb_eval_online", st_mtb_eval_online, ["mtb_online", "bundle-vllm"]),
          ("mtb_hs", st_mtb_hs, ["mtb_eval", "mtb_eval_online"]),
+         ("mtb_online_vllm", st_mtb_online_vllm, ["mtb_train", "bundle-vllm"]),
          # the A/B: in this lane, after ours (on one GPU the lanes run one after the other)
          ("mtb_spec", st_mtb_spec, ["mtb_train", "bundle-early"]),
          ("mtb_eval_spec", st_mtb_eval_spec, ["mtb_spec", "bundle-vllm"]),

@@ -13,8 +13,13 @@ step's documents, packs them (packing.fill_rows) and deletes each one once it is
   <spool>/s_<step>_<doc>    a training document of one step (kind 1): counted against `online_buffer_gb`; the
                             engine waits while the buffer is that full (backpressure)
   <spool>/held/d_<doc>      a held-out document (kind 0): extracted first, kept for the run's evaluations
-  <spool>/cache/d_<doc>     a document kept for later epochs (kind 2, `online_cache_gb`): extracted at its first
-                            position only, read again at the later ones
+  <spool>/cache/d_<doc>     a document kept for later epochs (kind 2, `online_cache_gb`) where several trainer
+                            processes share the engine: extracted at its first position only, read again by
+                            whichever rank takes it later
+                            One trainer process keeps them in its own memory instead (kind 3): the file comes as
+                            a training document's (s_<step>_<doc>, counted against the buffer), the trainer copies
+                            it into memory and deletes it. Files in a memory file system are what offline costs;
+                            a cache in the trainer's memory is never a file of the run.
   <spool>/engine.json       the engine's figures (tokens, seconds, time waiting for room, buffer bytes)
   <spool>/engine.error      why the engine failed: the trainer raises it as its error
   <spool>/owner.json        the trainer's pid: a later run removes a spool whose trainer is gone
@@ -32,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from kimi_eagle_host.data.hidden_state_files import taken_path
@@ -43,7 +49,8 @@ ENGINE_FIGURES = "engine.json"
 ENGINE_ERROR = "engine.error"
 OWNER = "owner.json"
 ENGINE_PID = "engine.pid"
-HELD, SPOOLED, CACHED = 0, 1, 2   # kinds of a stream entry
+HELD, SPOOLED, CACHED, KEPT = 0, 1, 2, 3   # kinds of a stream entry
+TAKEN = (SPOOLED, KEPT)   # entries the trainer deletes once read: the buffer's (the others stay until the end)
 # Test-only: a folder where every document handed to the trainer is copied (tests compare them with extract's).
 COPY_ENV = "KIMI_EAGLE_TEST_ONLINE_COPY_DIR"
 # In the environment of the engine and of every process it starts: the spool it serves (kill_marked finds them).
@@ -99,10 +106,12 @@ def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> in
     return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
 
 
-def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float):
+def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float,
+                   cache_kind: int = CACHED):
     """The engine's work in order, as (kinds, steps, docs) lists, and the set of cached documents: the held-out
     documents, then every document of steps first..last-1 in the order the trainer takes them. A document that
-    comes again later is cached while the first of those fit in cache_bytes; it is extracted once."""
+    comes again later is cached while the first of those fit in cache_bytes; it is extracted once, at its first
+    position, as cache_kind (CACHED: kept in the spool; KEPT: kept by the trainer)."""
     kinds, steps, docs = [HELD] * len(held_docs), [0] * len(held_docs), list(held_docs)
     seen, cached, room = set(), set(), cache_bytes
     repeats = set()
@@ -120,13 +129,38 @@ def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes,
                 if d in repeats and d not in seen and doc_bytes(d) <= room:
                     cached.add(d)
                     room -= doc_bytes(d)
-                    kinds.append(CACHED)
+                    kinds.append(cache_kind)
                 else:
                     kinds.append(SPOOLED)
                 seen.add(d)
                 steps.append(step)
                 docs.append(d)
     return (kinds, steps, docs), cached
+
+
+def available_memory() -> int | None:
+    """The host's MemAvailable in bytes (None where /proc/meminfo cannot say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# The trainer's own tensors, the engine and the page cache need the rest.
+MEMORY_CACHE_SHARE = 0.8
+
+
+def check_memory_cache(need: int, documents: int, available: int | None) -> None:
+    """Refuse, before the engine starts, a cache in the trainer's memory the host cannot hold (an OOM kill hours
+    in would lose the run)."""
+    if available is not None and need > MEMORY_CACHE_SHARE * available:
+        raise BadInput(f"--online-cache-gb: the {documents} documents it keeps need {need / 1e9:.1f} GB of the "
+                       f"trainer's memory, and the host has {available / 1e9:.1f} GB available "
+                       f"(at most {MEMORY_CACHE_SHARE:.0%} of it for the cache): lower online_cache_gb")
 
 
 def entry_name(kind: int, step: int, doc: int) -> str:
@@ -278,9 +312,18 @@ class Source:
         self.copy_to = os.environ.get(COPY_ENV)
         itemsize = 4 if dc["dtype"] == "float32" else 2
         n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+        # One trainer process keeps the cache in its own memory; several share it as files in the spool (a later
+        # epoch may hand a document to another rank).
+        self.in_memory = w.size == 1
         stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
             plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
-            args.online_cache_gb * 1e9)
+            args.online_cache_gb * 1e9, KEPT if self.in_memory else CACHED)
+        self.first_step = {d: step for kind, step, d in zip(*stream) if kind == KEPT}
+        if self.in_memory:
+            check_memory_cache(sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in self.cached),
+                               len(self.cached), available_memory())
+        self.memory: dict[int, _Kept] = {}
+        self.memory_lock = threading.Lock()
         self.held = HeldFiles(self, held_docs)
         self.to_produce = len(stream[2])
         failed = None
@@ -340,7 +383,8 @@ class Source:
             f.write(str(self.proc.pid))
         log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents; buffer "
             f"{a.online_buffer_gb:g} GB in {self.spool}"
-            + (f", {len(self.cached)} documents cached for later epochs" if self.cached else ""))
+            + (f", {len(self.cached)} documents cached for later epochs "
+               f"({'in the trainer' if self.in_memory else 'in the spool'})" if self.cached else ""))
 
     # --- handing out documents ------------------------------------------------------------------------
     def for_step(self, step: int) -> "StepFiles":
@@ -359,6 +403,34 @@ class Source:
         if self.copy_to:   # test-only: what reached the trainer, compared with extract's files
             shutil.copy(path, os.path.join(self.copy_to, os.path.basename(path)))
         return path
+
+    def kept(self, d: int, step: int) -> dict:
+        """Document d's tensors from this process's memory (in_memory's cache): read from its file at its first
+        position, which is then deleted, and from memory at the later ones. A filler thread of a later step that
+        gets there first waits for the one filling the first position."""
+        from kimi_eagle_host.data.packing import map_sample
+
+        with self.memory_lock:
+            entry = self.memory.setdefault(d, _Kept())
+            first = step == self.first_step.get(d) and not entry.claimed
+            entry.claimed = entry.claimed or first
+        if first:
+            try:
+                path = self.wait_for(os.path.join(self.spool, entry_name(KEPT, step, d)))
+                entry.tensors = {k: v.clone() for k, v in map_sample(path).items()}   # off the file's pages
+                open(taken_path(path), "w").close()   # as StepFiles.done: the engine counts it as taken
+                os.unlink(path)
+            except BaseException as e:
+                entry.error = e
+                raise
+            finally:
+                entry.ready.set()
+        while not entry.ready.wait(0.05):
+            if self.closed:
+                raise RuntimeError("online: the buffer was closed")
+        if entry.error is not None:
+            raise RuntimeError(f"online: document {d}, kept for later epochs, was not read: {entry.error}")
+        return entry.tensors
 
     def _check_engine(self, path: str) -> None:
         err = os.path.join(self.spool, ENGINE_ERROR)
@@ -414,8 +486,19 @@ class Source:
         self.close()
 
 
+class _Kept:
+    """A document in the trainer's memory cache: its tensors once the first position's reader has them."""
+
+    def __init__(self):
+        self.ready = threading.Event()
+        self.claimed = False
+        self.tensors: dict | None = None
+        self.error: BaseException | None = None
+
+
 class StepFiles:
-    """One step's documents: files[d] waits for document d's file; done(d) lets it go (unless kept)."""
+    """One step's documents: files[d] waits for document d's file, sample(d) gives its tensors; done(d) lets it
+    go (unless kept)."""
 
     def __init__(self, source: Source, step: int):
         self.source, self.step = source, step
@@ -426,6 +509,14 @@ class StepFiles:
 
     def __getitem__(self, d: int) -> str:
         return self.source.wait_for(self._path(d))
+
+    def sample(self, d: int) -> dict:
+        """Document d's tensors (packing.map_sample's): kept in memory, or mapped from its file."""
+        if self.source.in_memory and d in self.source.cached:
+            return self.source.kept(d, self.step)
+        from kimi_eagle_host.data.packing import map_sample
+
+        return map_sample(self[d])
 
     def done(self, d: int) -> None:
         if d not in self.source.cached:   # the tombstone first: at every moment the file or its tombstone exists

@@ -142,14 +142,16 @@ def fill_rows(slot: dict, files, rows: list[list[int]], tops=None, done=None) ->
     """Write the packed rows (lists of document indices) into slot and return the real positions' count. Every
     position is written, padding included, so a slot is reused without clearing it first. files[d] is document
     d's file (a list, or online a mapping that waits for it); done(d), when given, is called once document d is
-    copied (online: its file may go)."""
+    copied (online: its file may go); files.sample(d), where it has one, gives the document's tensors (online: a
+    document kept in memory)."""
+    sample = getattr(files, "sample", None) or (lambda d: map_sample(files[d]))
     pack_len = slot["ids"].shape[1]
     counting = torch.arange(1, pack_len + 1)
     tokens = 0
     for r, docs in enumerate(rows):
         at = 0
         for d in docs:
-            s = map_sample(files[d])
+            s = sample(d)
             hs, ids = s["hidden_states"], s["token_ids"]
             n = min(ids.shape[0] - 1, pack_len - at)
             L, H = hs.shape[1:]

@@ -65,13 +65,13 @@ class Spool:
         if written is None:
             flag = self.last_batch = []
             written = lambda: bool(flag)   # noqa: E731
-        need = [(self.file(e), tokens_of(e) * self.per_token, written) for e in entries if e[0] == spool_.SPOOLED]
+        need = [(self.file(e), tokens_of(e) * self.per_token, written) for e in entries if e[0] in spool_.TAKEN]
         t0 = time.monotonic()
         while need and self.used() and self.used() + sum(b for _, b, _ in need) > self.budget:
             time.sleep(0.005)
         self.waited_s += time.monotonic() - t0
         self.outstanding += need
-        self.kept_bytes += sum(tokens_of(e) * self.per_token for e in entries if e[0] != spool_.SPOOLED)
+        self.kept_bytes += sum(tokens_of(e) * self.per_token for e in entries if e[0] not in spool_.TAKEN)
         self.peak_bytes = max(self.peak_bytes, self.used() + self.kept_bytes)
 
     def windows(self, tokens_of):
@@ -81,7 +81,7 @@ class Spool:
         not taken yet; the other half lets the next stretch start while the trainer reads this one."""
         window, size = [], 0
         for e in self.entries:
-            b = tokens_of(e) * self.per_token if e[0] == spool_.SPOOLED else 0
+            b = tokens_of(e) * self.per_token if e[0] in spool_.TAKEN else 0
             if window and size + b > self.budget // 2:
                 yield window
                 window, size = [], 0
