@@ -80,13 +80,14 @@ def test_the_online_settings_are_checked_like_every_setting():
 
 
 def test_the_engine_may_produce_a_stretch_longest_first_and_never_deadlocks(tmp_path):
-    """The hf engine takes the stream in stretches of at most half the buffer and runs each longest first (little
-    padding). Played out against a trainer that takes documents strictly in stream order and an engine that waits
-    while the buffer is full: every document is produced once, the buffer never passes its budget, nobody is left
-    waiting for the other."""
+    """The hf engine takes the stream in stretches of at most half the buffer and runs each longest first, in
+    batches of at most 3 documents and `cap` padded positions (little padding). Its batches played out against a
+    trainer that takes documents strictly in stream order and an engine that waits while the buffer is full (the
+    batch before handed to the writers first): every document is produced once, the buffer never passes its
+    budget, nobody is left waiting for the other."""
     import numpy as np
 
-    from kimi_eagle_host.engine.stream_producer import Spool
+    from kimi_eagle_host.engine.stream_producer import Spool, batches, padded_tokens_cap
 
     plan = plan_of(40)
     entries, _ = stream(plan, 0, 3 * plan.steps_per_epoch, held=[0, 1])
@@ -99,12 +100,19 @@ def test_the_engine_may_produce_a_stretch_longest_first_and_never_deadlocks(tmp_
     assert [e for w in windows for e in w] == [list(e) for e in entries]
     assert all(sum(tokens_of(e) for e in w if e[0] == online_stream.SPOOLED) <= budget // 2 for w in windows)
 
+    cap = padded_tokens_cap(3, 64, [tokens_of(e) for e in entries])
+    assert cap == max(64, int(3 * np.mean([tokens_of(e) for e in entries])))
+    made = list(batches(spool, tokens_of, 3, cap))
+    assert sorted(tuple(e) for b in made for e in b) == sorted(tuple(e) for e in entries)   # each once
+    for b in made:
+        lengths_b = [tokens_of(e) for e in b]
+        assert lengths_b == sorted(lengths_b, reverse=True) and len(b) <= 3 and len(b) * lengths_b[0] <= cap
+
     wanted = [tuple(e) for e in entries if e[0] == online_stream.SPOOLED]   # the trainer's order
     taken, ready, buffered = 0, set(), 0
-    for w in windows:
-        order = sorted(w, key=lambda e: -tokens_of(e))
-        for b in range(0, len(order), 3):
-            batch = [tuple(e) for e in order[b:b + 3] if e[0] == online_stream.SPOOLED]
+    for batch in made:
+        batch = [tuple(e) for e in batch if e[0] == online_stream.SPOOLED]
+        if batch:
             need = sum(tokens_of(e) for e in batch)
             while buffered and buffered + need > budget:   # the engine waits: the trainer must be able to go on
                 assert wanted[taken] in ready, "deadlock: the trainer waits for a document the engine cannot make"

@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from kimi_eagle_host.data import online_stream as spool_
 from kimi_eagle_host.data.hidden_state_files import taken_path
@@ -102,50 +101,61 @@ class Spool:
 def run_hf(args, spool: Spool, ds, layer_ids) -> None:
     import torch
 
-    from kimi_eagle_host.data.hidden_state_files import tmp_path, write_safetensors
-    from kimi_eagle_host.target.hf_target import HiddenStateCapture, capture_batch, load_model
+    from kimi_eagle_host.engine.extract_hf import Writer, extract_batches
+    from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model
     from kimi_eagle_host.target.model_layers import resolve_decoder_stack
 
     torch_dtype = getattr(torch, args.dtype)
     model = load_model(args.model, torch_dtype, args.device, args.tp_size)
     _, layers, _ = resolve_decoder_stack(model)
     capture = HiddenStateCapture(layers, layer_ids)
-    device = model.get_input_embeddings().weight.device
-
-    def write(entry, s, hs_row):
-        final = spool.file(entry)
-        mask = ds[entry[2]][1][:args.seq_len]
-        write_safetensors(tmp_path(final), {"token_ids": torch.from_numpy(s.copy()), "hidden_states": hs_row,
-                                            "loss_mask": torch.from_numpy(mask.astype("int64"))})
-        os.replace(tmp_path(final), final)
+    hidden = model.get_input_embeddings().weight.shape[1]
 
     def tokens_of(e):
         return min(len(ds[e[2]][0]), args.seq_len)
 
-    def batches():
-        # The stream's own order mixes lengths (the plan shuffles): batches of it, each padded to its longest,
-        # ran at 44k tokens/s on an H200 beside the trainer, extract (sorted by length) at 96k alone. Within a
-        # stretch, longest first, as extract sorts.
-        for window in spool.windows(tokens_of):
-            order = sorted(window, key=lambda e: -tokens_of(e))
-            yield from (order[b:b + args.batch_size] for b in range(0, len(order), args.batch_size))
+    cap = padded_tokens_cap(args.batch_size, args.seq_len, [tokens_of(e) for e in spool.entries])
 
-    # Files are written by a few threads while the GPU runs the next batch (one thread's copy cannot keep up
-    # with it); a batch's bytes count against the buffer from the moment it is taken until the trainer's read.
-    pending = []
-    with ThreadPoolExecutor(max(1, args.writers)) as pool:
-        for batch in batches():
-            pending = [f for f in pending if not f.done() or f.result()]   # a failed write raises here
-            futures: list = []
-            spool.wait_room(batch, tokens_of, written=lambda fs=futures: bool(fs) and all(f.done() for f in fs))
-            seqs = [ds[d][0][:args.seq_len] for _, _, d in batch]
-            with torch.inference_mode():
-                hs = capture_batch(capture, model, seqs, device, torch_dtype).cpu()
-            futures += [pool.submit(write, entry, s, hs[j, :len(s)]) for j, (entry, s) in enumerate(zip(batch, seqs))]
-            pending += futures
-            spool.produced(sum(len(s) for s in seqs))
-        for f in pending:
-            f.result()
+    def sample_of(e):
+        ids, mask = ds[e[2]]
+        return ids[:args.seq_len], mask[:args.seq_len]
+
+    def before(batch):   # room in the buffer for the batch; its bytes count until its files are written and taken
+        flag = []
+        spool.wait_room(batch, tokens_of, written=lambda: bool(flag))
+        return lambda: flag.append(True)
+
+    writer = Writer(spool.file, maxsize=2 * args.batch_size, threads=max(1, args.writers))
+    try:
+        extract_batches(model, capture, batches(spool, tokens_of, args.batch_size, cap), writer, torch_dtype,
+                        sample_of=sample_of, pool_numel=cap * len(layer_ids) * hidden, before=before,
+                        after=lambda batch, tokens: spool.produced(tokens))
+    finally:
+        capture.remove()
+        writer.close()
+
+
+def padded_tokens_cap(batch_size: int, seq_len: int, lengths: list[int]) -> int:
+    """The most positions one forward pads to: batch_size documents of the stream's mean length (at least one
+    whole sequence), so a batch of long documents holds fewer of them and pads little."""
+    mean = sum(lengths) / len(lengths) if lengths else seq_len
+    return max(seq_len, int(batch_size * mean))
+
+
+def batches(spool: Spool, tokens_of, batch_size: int, cap: int):
+    """The stream's batches: in each stretch of half the buffer (Spool.windows), longest first as extract sorts,
+    at most batch_size documents and `cap` padded positions each. The stream's own order mixes lengths (the plan
+    shuffles): batches of 64 of it, each padded to its longest, ran at 39-44 k tokens/s on an H200 beside the
+    trainer, where extract (sorted) did 162 k alone."""
+    for window in spool.windows(tokens_of):
+        batch: list = []
+        for e in sorted(window, key=lambda e: -tokens_of(e)):
+            if batch and (len(batch) == batch_size or (len(batch) + 1) * tokens_of(batch[0]) > cap):
+                yield batch
+                batch = []
+            batch.append(e)
+        if batch:
+            yield batch
 
 
 def run_vllm(args, spool: Spool, ds, layer_ids) -> None:
@@ -184,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--buffer-bytes", type=int, required=True)
     ap.add_argument("--bytes-per-token", type=int, required=True, help="a document's bytes in the spool per token")
     ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("--writers", type=int, default=min(4, os.cpu_count() or 1))
+    ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 1))   # as extract's
     args = ap.parse_args(argv)
     # The trainer started us with SIGTERM blocked (a stop lets it finish its step, which may need our documents):
     # we end on its SIGINT, or when it is gone.
