@@ -58,6 +58,7 @@ def train(args) -> dict:
 
 
 def _train(args, closing: contextlib.ExitStack) -> dict:
+    """The inputs checked, the run set up, the loop, the last held-out evaluation and the export: (result, code)."""
     t_start = time.time()
     out = os.path.abspath(args.output_dir)
     check_flags(args)
