@@ -1,4 +1,4 @@
-"""The learning-rate schedule: its shape at known steps (train.lr_at), and what a real train run used at every step
+"""The learning-rate schedule: its shape at known steps (optim.lr_at), and what a real train run used at every step
 (its history, logged each step, and the optimizer state it saved), also across a stop and a resume."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kimi_eagle_host.pipeline.train import lr_at
+from kimi_eagle_host.training.optim import lr_at
 from test_train import make_pipeline, run_train
 
 LR = 1e-3

@@ -246,7 +246,7 @@ def test_loss_and_gradients_equal_speculators_on_the_same_batch(trained, specula
 
     from kimi_eagle_host.data import packing
     from kimi_eagle_host.draft import draft_model as dm
-    from kimi_eagle_host.pipeline.train import full_vocab_argmax
+    from kimi_eagle_host.training.target_head import full_vocab_argmax
     from kimi_eagle_host.training import ttt_loss
     from test_train import H, SEQ
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kimi_eagle_host.pipeline import train as tr
+from kimi_eagle_host.draft.draft_model import RMSNorm
+from kimi_eagle_host.training.target_head import full_vocab_argmax
 from kimi_eagle_host.training import ttt_loss
 
 
@@ -56,8 +57,8 @@ def test_positions_across_a_document_boundary_are_not_scored():
 def test_full_vocab_argmax_matches_the_unchunked_head():
     torch.manual_seed(0)
     H, V = 8, 50
-    norm = tr.RMSNorm(H, 1e-6)
+    norm = RMSNorm(H, 1e-6)
     head = torch.randn(V, H)
     last = torch.randn(2, 7, H)
     want = torch.nn.functional.linear(norm(last), head).argmax(-1)
-    assert torch.equal(tr.full_vocab_argmax(last, norm, head, chunk=3), want)
+    assert torch.equal(full_vocab_argmax(last, norm, head, chunk=3), want)

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_train import make_pipeline, read_export, run_train, tr
+from test_train import make_pipeline, read_export, run_train
 
 from kimi_eagle_host.draft import draft_model as dm
 from kimi_eagle_host.data import packing
 from kimi_eagle_host.training import ttt_loss
+from kimi_eagle_host.training.checkpoints import restore_rng
 
 CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
            rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -164,18 +165,18 @@ def test_packing_places_every_document_once():
 def test_rng_restored_only_where_it_applies():
     set_cpu, set_cuda = [], []
     two_ranks = {"world_size": 2, "rng": [{"cpu": "c0", "cuda": "g0"}, {"cpu": "c1", "cuda": "g1"}]}
-    said = tr.restore_rng(two_ranks, 0, 1, 1, set_cpu.append, set_cuda.append)
+    said = restore_rng(two_ranks, 0, 1, 1, set_cpu.append, set_cuda.append)
     assert "not restored" in said and set_cpu == set_cuda == []
-    assert tr.restore_rng(two_ranks, 1, 2, 2, set_cpu.append, set_cuda.append) == "RNG state restored"
+    assert restore_rng(two_ranks, 1, 2, 2, set_cpu.append, set_cuda.append) == "RNG state restored"
     assert set_cpu == ["c1"] and set_cuda == ["g1"]
     # A checkpoint of the old layout from one process that saw 2 GPUs (get_rng_state_all), resumed with 1 GPU:
     # set_rng_state_all raised IndexError; now only this rank's own device state is used.
     set_cpu, set_cuda = [], []
     old = {"rng_cpu": "c", "rng_cuda": ("g0", "g1")}
-    assert tr.restore_rng(old, 0, 1, 1, set_cpu.append, set_cuda.append) == "RNG state restored"
+    assert restore_rng(old, 0, 1, 1, set_cpu.append, set_cuda.append) == "RNG state restored"
     assert set_cpu == ["c"] and set_cuda == ["g0"]
     old2 = {"rng_cpu": "c", "rng_cuda": ("g0", "g1"), "world_size": 2}
-    assert "not restored" in tr.restore_rng(old2, 0, 1, 1, set_cpu.append, set_cuda.append)
+    assert "not restored" in restore_rng(old2, 0, 1, 1, set_cpu.append, set_cuda.append)
 
 
 def test_resume_with_noise_and_loader_workers_matches_uninterrupted(tmp_path):

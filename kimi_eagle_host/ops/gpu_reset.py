@@ -486,6 +486,56 @@ def verify_stopped(report: dict, holders: list[dict], targets: list[dict], smi, 
     return snap
 
 
+def find_tools(device_paths: list[str] | None, nvidia_smi: str | None, fuser: str | None):
+    """(the device files, nvidia-smi, fuser) this host has: found, or None / empty."""
+    paths = expand_device_paths(device_paths or [DEFAULT_DEVICE_GLOB])
+    smi = find_nvidia_smi(nvidia_smi)
+    fuser_bin = shutil.which(fuser or "fuser") if not (fuser and os.sep in fuser) else (
+        fuser if os.access(fuser, os.X_OK) else None)
+    return paths, smi, fuser_bin
+
+
+def missing_tools(report: dict, device_paths, require_gpu: bool) -> bool:
+    """True, with the report's note (and a problem under --require-gpu) said, when a tool the reset needs is
+    missing: then nothing is done."""
+    src = report["sources"]
+    missing = []
+    if not src["nvidia_smi"] and not src["device_paths"]:
+        missing.append("no NVIDIA driver on this host (no nvidia-smi and no device file matches "
+                       f"{device_paths or [DEFAULT_DEVICE_GLOB]})")
+    if not src["fuser"]:
+        missing.append("fuser not found (install psmisc: apt-get install psmisc)")
+    if not missing:
+        return False
+    report["note"] = "; ".join(missing) + ": nothing done"
+    report["ok"] = not require_gpu
+    if require_gpu:
+        report["problems"].append(report["note"] + " and --require-gpu was given")
+    log(report["note"])
+    return True
+
+
+def watch_gpus(targets: list[dict], gpu_rows: list[dict], smi_mem) -> set[int]:
+    """The GPUs to verify: those a target was seen on; all of them when a target's GPU is unknown. Each checked
+    GPU's baseline set where it can be trusted."""
+    watched: set[int] = set()
+    for h in targets:
+        watched |= set(h["gpu"]) if h["gpu"] else {g["index"] for g in gpu_rows}
+    for g in gpu_rows:
+        g["checked"] = g["index"] in watched
+        on_gpu = [h for h in targets if g["index"] in h["gpu"] or not h["gpu"]]
+        if g["checked"] and all(h["pid"] in smi_mem for h in on_gpu):
+            g["baseline_mib"] = max(0.0, g["unattributed_mib_before"])
+    return watched
+
+
+def invisible_problems(holders: list[dict]) -> list[str]:
+    """--all: the holders it cannot signal from here, as problems."""
+    return [f"pid {h['pid']} holds {h['mem_mib']} MiB on GPU {h['gpu']} but is not in this PID "
+            "namespace: it cannot be signalled from here (stop it from the host or container "
+            "that runs it)" for h in holders if h["owner"] == "invisible"]
+
+
 def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None = None,
               fuser: str | None = None, runs_dir: str | None = None, stop_all: bool = False,
               dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0,
@@ -497,25 +547,9 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     mode = "dry-run" if dry_run else ("all" if stop_all else "ours")
     report: dict = {"ok": True, "mode": mode, "note": None, "holders": [], "gpus": [],
                     "problems": [], "elapsed_s": 0.0, "runs_dir": runs_dir}
-
-    paths = expand_device_paths(device_paths or [DEFAULT_DEVICE_GLOB])
-    smi = find_nvidia_smi(nvidia_smi)
-    fuser_bin = shutil.which(fuser or "fuser") if not (fuser and os.sep in fuser) else (
-        fuser if os.access(fuser, os.X_OK) else None)
+    paths, smi, fuser_bin = find_tools(device_paths, nvidia_smi, fuser)
     report["sources"] = {"device_paths": paths, "nvidia_smi": smi, "fuser": fuser_bin}
-
-    missing = []
-    if not smi and not paths:
-        missing.append("no NVIDIA driver on this host (no nvidia-smi and no device file matches "
-                       f"{device_paths or [DEFAULT_DEVICE_GLOB]})")
-    if not fuser_bin:
-        missing.append("fuser not found (install psmisc: apt-get install psmisc)")
-    if missing:
-        report["note"] = "; ".join(missing) + ": nothing done"
-        report["ok"] = not require_gpu
-        if require_gpu:
-            report["problems"].append(report["note"] + " and --require-gpu was given")
-        log(report["note"])
+    if missing_tools(report, device_paths, require_gpu):
         return report
 
     # ---- gather ---------------------------------------------------------------
@@ -539,23 +573,9 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     targets = plan_targets(holders, report["problems"], stop_all=stop_all, stale_only=stale_only,
                            dry_run=dry_run, only_pids=only_pids, protected=protected)
     target_pids = {h["pid"] for h in targets}
-    # GPUs to verify: those a target was seen on; all of them when a target's GPU is unknown.
-    watched: set[int] = set()
-    for h in targets:
-        watched |= set(h["gpu"]) if h["gpu"] else {g["index"] for g in gpu_rows}
-    for g in gpu_rows:
-        g["checked"] = g["index"] in watched
-        on_gpu = [h for h in targets if g["index"] in h["gpu"] or not h["gpu"]]
-        if g["checked"] and all(h["pid"] in smi_mem for h in on_gpu):
-            g["baseline_mib"] = max(0.0, g["unattributed_mib_before"])
-
+    watched = watch_gpus(targets, gpu_rows, smi_mem)
     if stop_all and not dry_run:
-        for h in holders:
-            if h["owner"] == "invisible":
-                report["problems"].append(
-                    f"pid {h['pid']} holds {h['mem_mib']} MiB on GPU {h['gpu']} but is not in this PID "
-                    "namespace: it cannot be signalled from here (stop it from the host or container "
-                    "that runs it)")
+        report["problems"] += invisible_problems(holders)
 
     log(f"mode={mode}: {len(holders)} holder(s), {len(targets)} target(s), "
         f"{sum(h['owner'] == 'ours' for h in holders)} ours, job pgids={sorted(job_pgids)}")

@@ -491,38 +491,32 @@ def write_report(rep: dict, out_dir: str) -> None:
         log("eval: no matplotlib on this host (pip install matplotlib): report.txt instead of report.png")
 
 
-def run(args):
-    from kimi_eagle_host.data.data_sources import is_source_name, resolve
-    from kimi_eagle_host.data.prompts import TokenBudget, check_lengths, read_conversations, spread_over_categories
-
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
-    out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
+def check_the_draft(args) -> None:
+    """--draft (default: this run's export) made absolute and checked against --model as vLLM will load it."""
     args.draft = os.path.abspath(args.draft or os.path.join(args.output_dir, "draft", "export"))
     _, tc = check_draft(args.draft, args.model)
     own = args.draft == os.path.abspath(os.path.join(args.output_dir, "draft", "export"))   # this run's vocab/ maps
     parity.check_export(args.draft, tc, None, os.path.join(args.output_dir, "vocab") if own else None,
                         min(args.max_model_len or parity.serving_context(tc), parity.serving_context(tc)),
                         exc=BadInput)
-    if not args.prompts:
-        if not args.smoke:
-            raise BadInput("--prompts: required (or --smoke alone: the served smoke test on bundled prompts)")
-        return served_smoke(args, out_dir)
-    wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
+
+
+def read_prompts(args):
+    """(whether --prompts names a dataset, its file, its provenance, the conversations to measure)."""
+    from kimi_eagle_host.data.data_sources import is_source_name, resolve
+    from kimi_eagle_host.data.prompts import read_conversations, spread_over_categories
+
     named = is_source_name(args.prompts)
     path, prov = resolve(args.prompts, "--prompts")
     convs = spread_over_categories(read_conversations(path, 0, label=args.prompts), args.num_prompts)
     if args.max_turns:
         for c in convs:
             c.user_turns = c.user_turns[:args.max_turns]
-    from transformers import AutoTokenizer
+    return named, path, prov, convs
 
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    budget = TokenBudget(tok, None, args.max_tokens)
-    # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
-    args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
-                                                               args.max_turns)
-    convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
-    k = args.num_speculative_tokens
+
+def pick_engine(args):
+    """(vllm or hf, why vLLM was not taken or None, the engine environment set before vLLM is imported)."""
     engine, why, engine_env = args.engine, None, {}
     if engine in ("auto", "vllm"):
         engine_env = engine_env_defaults()  # before vLLM is imported: it reads them at import and engine start
@@ -532,6 +526,53 @@ def run(args):
         else:
             why, engine, engine_env = info, "hf", {}
             log(f"eval: {info}; using the transformers evaluator instead")
+    return engine, why, engine_env
+
+
+def save_baseline(bfile: str, settings: dict, m: dict) -> None:
+    """The target's answers and tokens/s without the draft, for a later --reuse-baseline with the same settings."""
+    os.makedirs(os.path.dirname(bfile), exist_ok=True)
+    atomic_write(bfile, json.dumps({"settings": settings, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                    **m["baseline"]}, ensure_ascii=False))
+
+
+def publish(args, rep: dict, out_dir: str, k: int) -> None:
+    """The report written (report.json and its chart), given to the tracker, and its headline said."""
+    rep["job_id"] = os.environ.get("KIMI_EAGLE_JOB_ID")  # which job wrote it: `pull JOB` takes it only for that job
+    write_report(rep, out_dir)
+    rep["report"] = os.path.join(out_dir, "report.json")
+    tps = rep["tokens_per_s"] or {}
+    with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:
+        tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"],
+                        **({"eval/speedup": rep["speedup"]} if rep["speedup"] is not None else {}),
+                        **{f"eval/tokens_per_s_{key}": v for key, v in tps.items()},
+                        **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
+    log(HEADLINE_PREFIX + rep["headline"])
+    job_headline(HEADLINE_PREFIX + rep["headline"])
+
+
+def run(args):
+    from kimi_eagle_host.data.prompts import TokenBudget, check_lengths
+
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
+    check_the_draft(args)
+    if not args.prompts:
+        if not args.smoke:
+            raise BadInput("--prompts: required (or --smoke alone: the served smoke test on bundled prompts)")
+        return served_smoke(args, out_dir)
+    wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
+    named, path, prov, convs = read_prompts(args)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    budget = TokenBudget(tok, None, args.max_tokens)
+    # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
+    args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
+                                                               args.max_turns)
+    convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
+    k = args.num_speculative_tokens
+    engine, why, engine_env = pick_engine(args)
     if engine == "hf" and 1 not in batch_sizes:
         batch_sizes = [1, *batch_sizes]  # the one batch size it can time
     timing_n = args.timing_prompts or 2 * max(batch_sizes)
@@ -546,9 +587,7 @@ def run(args):
             f"{recorded['recorded_at']} with the same target, prompts and settings): no engine started for them")
     m = measure(open_runner, convs, budget, k, batch_sizes, timing_n, args.max_batch, recorded)
     if not recorded:
-        os.makedirs(os.path.dirname(bfile), exist_ok=True)
-        atomic_write(bfile, json.dumps({"settings": settings, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                        **m["baseline"]}, ensure_ascii=False))
+        save_baseline(bfile, settings, m)
     meta["baseline"] = {"file": bfile, "reused": bool(recorded), "recorded_at": (recorded or {}).get("recorded_at")}
     if why:
         meta["fallback_reason"] = why
@@ -564,17 +603,7 @@ def run(args):
         rep["headline"] += "; WARNING: " + "; ".join(warnings)
         for w in warnings:
             log(f"eval: warning: {w}")
-    rep["job_id"] = os.environ.get("KIMI_EAGLE_JOB_ID")  # which job wrote it: `pull JOB` takes it only for that job
-    write_report(rep, out_dir)
-    rep["report"] = os.path.join(out_dir, "report.json")
-    tps = rep["tokens_per_s"] or {}
-    with open_tracker(args.report_to, tracking_dir(args.output_dir, args.tracking_dir), config=vars(args)) as tracker:
-        tracker.log(k, {"eval/mean_acceptance_length": rep["mean_acceptance_length"],
-                        **({"eval/speedup": rep["speedup"]} if rep["speedup"] is not None else {}),
-                        **{f"eval/tokens_per_s_{key}": v for key, v in tps.items()},
-                        **{f"eval/acceptance_pos_{i}": a for i, a in enumerate(rep["acceptance_per_position"])}})
-    log(HEADLINE_PREFIX + rep["headline"])
-    job_headline(HEADLINE_PREFIX + rep["headline"])
+    publish(args, rep, out_dir, k)
     if smoke_failed:
         raise smoke_failed
     return rep

@@ -275,27 +275,18 @@ def validate(args, ds, out_dir, lo, hi, mine):
     return result, (1 if bad else 0)
 
 
-def run(args):
+def check_args(args) -> None:
     if args.batch_size <= 0:
         raise BadInput(f"--batch-size must be positive, got {args.batch_size}")
     if args.world_size <= 0 or not 0 <= args.rank < args.world_size:
         raise BadInput(f"--rank {args.rank} is not in 0..{args.world_size - 1} (--world-size {args.world_size})")
     if args.seq_len <= 0:
         raise BadInput(f"--seq-len must be positive, got {args.seq_len}")
-    prepared_dir = args.prepared_dir or os.path.join(args.output_dir, "prepared")
-    out_dir = args.out or os.path.join(args.output_dir, "hidden_states")
-    ds = PreparedDataset(prepared_dir)
-    # --rank/--world-size pick this host's contiguous share; torchrun's ranks split it further, striped
-    # over the samples sorted by length so that every rank gets the same mix of long and short ones.
-    lo, hi = shard_range(len(ds), args.rank, args.world_size)
-    w = dist_.world()
-    mine = dist_.stripe(sorted(range(lo, hi), key=lambda i: (-min(len(ds[i][0]), args.seq_len), i)), w.rank, w.size)
-    # A gloo group: extraction exchanges only a few small objects (barriers, counts), never tensors.
-    dist_.init(w, "gloo")
 
-    if args.validate:
-        return validate(args, ds, out_dir, lo, hi, mine)
 
+def choose_vllm_path(args) -> tuple[str | None, str | None]:
+    """(the vLLM path: native or speculators, speculators' version) of --engine vllm, refused before anything
+    expensive; (None, None) for --engine hf."""
     vllm_path = spec_version = None
     if args.engine == "vllm":  # refuse before anything expensive
         vllm_path, inst, why = extract_vllm.choose_path()
@@ -304,17 +295,22 @@ def run(args):
             spec_version, spec_location = extract_vllm.check_speculators_patch()
             log(f"[extract] speculators {spec_version} (patched) at {spec_location}")
         extract_vllm.prepare_environment()
+    return vllm_path, spec_version
 
-    info = model_info(args.model)
+
+def resolve_layer_ids(args, info: dict, vllm_path, spec_version) -> list[int]:
     try:
         layer_ids = parse_layer_ids(args.layer_ids, info["num_layers"])
         if vllm_path == "speculators":
             extract_vllm.to_speculators_layer_ids(layer_ids, info["num_layers"], spec_version)
     except LayerIdError as e:
         raise BadInput(str(e)) from None
-    device, dtype = resolve_device_dtype(args.device, args.dtype, args.engine)
-    args.device = device
-    data_config = {
+    return layer_ids
+
+
+def make_data_config(args, info: dict, ds, prepared_dir: str, layer_ids: list[int], dtype: str, vllm_path) -> dict:
+    """data_config.json: the extraction's identity (what train checks its inputs against)."""
+    return {
         "format": FORMAT,
         "layout": LAYOUT,
         # the target's identity: a local folder by its real path (resume from another cwd), a hub id as given
@@ -336,29 +332,22 @@ def run(args):
         "versions": package_versions(),
     }
 
-    # The torchrun main process continues the folder's extraction or starts it clean (under the folder's lock,
-    # so that shards of one job starting together agree), and says which; the others wait for it.
-    if w.main:
-        how = hs_manifest.begin(out_dir, data_config, args.overwrite)
-        log(f"[extract] {how}")
-        clean_stale_tmp(out_dir, lo, hi)
-    dist_.barrier()
 
-    # Resume: skip samples whose file is already valid (unless --overwrite).
+def samples_to_do(args, ds, mine: list[int], out_dir: str, n_ids: int, hidden: int) -> tuple[list[int], int]:
+    """Resume: skip samples whose file is already valid (unless --overwrite). (to do, skipped)"""
     todo, skipped = [], 0
-    n_ids = len(layer_ids)
     for i in progress(mine, total=len(mine), desc="scan"):
         ids, _ = ds[i]
         if not args.overwrite and check_sample(sample_path(out_dir, i), ids[:args.seq_len], None, n_ids,
-                                               info["hidden_size"]) is None:
+                                               hidden) is None:
             skipped += 1
         else:
             todo.append(i)
-    who = f"rank {args.rank}/{args.world_size}" + (f", process {w.rank}/{w.size}" if w.distributed else "")
-    log(f"[extract] {who}: samples [{lo}, {hi}){' (every ' + str(w.size) + 'th by length)' if w.distributed else ''}, "
-        f"{skipped} done already, {len(todo)} to do")
+    return todo, skipped
 
-    t0 = time.time()
+
+def extract_samples(args, ds, todo, layer_ids, data_config, out_dir, vllm_path, spec_version):
+    """(written, tokens, the steady state's seconds or None) of extracting `todo` with the chosen engine."""
     written = tokens = 0
     extract_s = None
     if todo:
@@ -371,7 +360,12 @@ def run(args):
             written, tokens = extract_vllm.extract_speculators(args, ds, todo, layer_ids, data_config, writer,
                                                                spec_version)
         extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
-    secs = time.time() - t0
+    return written, tokens, extract_s
+
+
+def gather_counts(w, out_dir, data_config, lo, hi, todo, written, tokens, skipped, extract_s):
+    """The ranks' counts together, and this range's shard manifest recorded by rank 0: (written, tokens, skipped,
+    extract seconds) of all ranks."""
     # One data_config.json at the end, by rank 0 once every rank is done (the gather is the barrier), with
     # what the ranks that loaded the model learnt from it.
     parts = dist_.gather({"written": written, "tokens": tokens, "skipped": skipped, "extract_s": extract_s,
@@ -386,6 +380,51 @@ def run(args):
         written, tokens, skipped = (sum(part[k] for part in parts) for k in ("written", "tokens", "skipped"))
         times = [part["extract_s"] for part in parts if part["extract_s"]]
         extract_s = max(times) if times else None  # the ranks ran side by side: the slowest is the wall time
+    return written, tokens, skipped, extract_s
+
+
+def run(args):
+    check_args(args)
+    prepared_dir = args.prepared_dir or os.path.join(args.output_dir, "prepared")
+    out_dir = args.out or os.path.join(args.output_dir, "hidden_states")
+    ds = PreparedDataset(prepared_dir)
+    # --rank/--world-size pick this host's contiguous share; torchrun's ranks split it further, striped
+    # over the samples sorted by length so that every rank gets the same mix of long and short ones.
+    lo, hi = shard_range(len(ds), args.rank, args.world_size)
+    w = dist_.world()
+    mine = dist_.stripe(sorted(range(lo, hi), key=lambda i: (-min(len(ds[i][0]), args.seq_len), i)), w.rank, w.size)
+    # A gloo group: extraction exchanges only a few small objects (barriers, counts), never tensors.
+    dist_.init(w, "gloo")
+
+    if args.validate:
+        return validate(args, ds, out_dir, lo, hi, mine)
+
+    vllm_path, spec_version = choose_vllm_path(args)
+    info = model_info(args.model)
+    layer_ids = resolve_layer_ids(args, info, vllm_path, spec_version)
+    device, dtype = resolve_device_dtype(args.device, args.dtype, args.engine)
+    args.device = device
+    data_config = make_data_config(args, info, ds, prepared_dir, layer_ids, dtype, vllm_path)
+
+    # The torchrun main process continues the folder's extraction or starts it clean (under the folder's lock,
+    # so that shards of one job starting together agree), and says which; the others wait for it.
+    if w.main:
+        how = hs_manifest.begin(out_dir, data_config, args.overwrite)
+        log(f"[extract] {how}")
+        clean_stale_tmp(out_dir, lo, hi)
+    dist_.barrier()
+
+    todo, skipped = samples_to_do(args, ds, mine, out_dir, len(layer_ids), info["hidden_size"])
+    who = f"rank {args.rank}/{args.world_size}" + (f", process {w.rank}/{w.size}" if w.distributed else "")
+    log(f"[extract] {who}: samples [{lo}, {hi}){' (every ' + str(w.size) + 'th by length)' if w.distributed else ''}, "
+        f"{skipped} done already, {len(todo)} to do")
+
+    t0 = time.time()
+    written, tokens, extract_s = extract_samples(args, ds, todo, layer_ids, data_config, out_dir, vllm_path,
+                                                 spec_version)
+    secs = time.time() - t0
+    written, tokens, skipped, extract_s = gather_counts(w, out_dir, data_config, lo, hi, todo, written, tokens,
+                                                        skipped, extract_s)
     return {"ok": True, "step": "extract", "engine": args.engine, "vllm_path": vllm_path,
             "out_dir": os.path.abspath(out_dir),
             "range": [lo, hi], "written": written, "skipped_existing": skipped, "layer_ids": layer_ids,

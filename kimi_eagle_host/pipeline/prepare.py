@@ -252,22 +252,8 @@ def read_rows(path: str, bad_row) -> list:
     return rows
 
 
-def run(args):
-    import numpy as np
-
-    from kimi_eagle_host.data.data_sources import is_source_name, resolve
-
-    named = is_source_name(args.dataset)
-    policy = policy_from_args(args, named)
-    if args.on_bad_row == "auto":  # a public dataset has rows without an answer to train on: those are skipped
-        args.on_bad_row = "skip" if named else "fail"
-    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
-    out_dir = args.out or os.path.join(args.output_dir, "prepared")
-
-    # Pass 1, structure only (no transformers import, so a bad file fails in a fraction of a second).
-    # Nothing is written before both passes succeed: with --on-bad-row fail, the output dir is untouched.
-    bad, dropped = [], 0
-
+def bad_row_handler(args, bad: list):
+    """`bad_row(lineno, error)`: a row left out, recorded in `bad`; BadInput instead with --on-bad-row fail."""
     def bad_row(lineno, err):
         msg = f"{args.dataset}:{lineno}: {err}"
         if args.on_bad_row == "fail":
@@ -275,21 +261,25 @@ def run(args):
         if len(bad) < 20:  # a public dataset may hold hundreds: the manifest lists them
             log(f"[prepare] skipping {msg}")
         bad.append({"line": lineno, "error": str(err)})
+    return bad_row
 
-    rows = read_rows(args.dataset, bad_row)
-    rows, kept_report = curated(rows, policy)
 
+def load_tokenizer(model: str):
+    """The target's tokenizer, refused (BadInput) without a chat template."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
     except Exception as e:
-        raise BadInput(f"{args.model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        raise BadInput(f"{model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if not getattr(tok, "chat_template", None):
-        raise BadInput(f"{args.model}: the tokenizer has no chat_template")
+        raise BadInput(f"{model}: the tokenizer has no chat_template")
+    return tok
 
-    # Pass 2: chat template + tokenization (a template may still reject a row, e.g. non-alternating roles).
-    samples = []
+
+def tokenize_rows(args, tok, rows, bad_row) -> tuple[list, int]:
+    """(samples: (ids, mask, line number) cut to --seq-len, rows dropped for having no trained token left)."""
+    samples, dropped = [], 0
     for lineno, messages, _ in progress(rows, total=len(rows), desc="prepare"):
         try:
             ids, mask = tokenize_with_mask(tok, messages)
@@ -303,16 +293,12 @@ def run(args):
         samples.append((ids, mask, lineno))
         if args.max_samples and len(samples) >= args.max_samples:
             break
-    if not samples:
-        raise BadInput(f"{args.dataset}: no usable samples ({len(bad)} bad rows, {dropped} without assistant tokens "
-                       f"after truncation to {args.seq_len})")
+    return samples, dropped
 
-    bad.sort(key=lambda b: b["line"])
-    vocab = target_vocab_size(args.model, tok)
-    freq = np.zeros(vocab, dtype=np.int64)
-    for ids, mask, _ in samples:
-        np.add.at(freq, ids[mask.astype(bool)], 1)
 
+def write_prepared(args, out_dir, samples, tok, vocab, freq, provenance, bad, dropped, kept_report) -> dict:
+    """The shards, token_freq.npy and manifest.json (last) in out_dir; leftovers of a larger run removed. The
+    manifest."""
     os.makedirs(out_dir, exist_ok=True)
     log(f"[prepare] {replaced(out_dir)}")
     old = {n for n in os.listdir(out_dir) if n.startswith("shard_") and n.endswith(".safetensors")}
@@ -342,11 +328,47 @@ def run(args):
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
     for name in old - {s["file"] for s in shards}:  # leftovers of an earlier, larger run
         os.unlink(os.path.join(out_dir, name))
+    return manifest
+
+
+def run(args):
+    import numpy as np
+
+    from kimi_eagle_host.data.data_sources import is_source_name, resolve
+
+    named = is_source_name(args.dataset)
+    policy = policy_from_args(args, named)
+    if args.on_bad_row == "auto":  # a public dataset has rows without an answer to train on: those are skipped
+        args.on_bad_row = "skip" if named else "fail"
+    args.dataset, provenance = resolve(args.dataset)  # a chat JSONL file, or a dataset name (e.g. sharegpt)
+    out_dir = args.out or os.path.join(args.output_dir, "prepared")
+
+    # Pass 1, structure only (no transformers import, so a bad file fails in a fraction of a second).
+    # Nothing is written before both passes succeed: with --on-bad-row fail, the output dir is untouched.
+    bad = []
+    bad_row = bad_row_handler(args, bad)
+    rows = read_rows(args.dataset, bad_row)
+    rows, kept_report = curated(rows, policy)
+    tok = load_tokenizer(args.model)
+
+    # Pass 2: chat template + tokenization (a template may still reject a row, e.g. non-alternating roles).
+    samples, dropped = tokenize_rows(args, tok, rows, bad_row)
+    if not samples:
+        raise BadInput(f"{args.dataset}: no usable samples ({len(bad)} bad rows, {dropped} without assistant tokens "
+                       f"after truncation to {args.seq_len})")
+
+    bad.sort(key=lambda b: b["line"])
+    vocab = target_vocab_size(args.model, tok)
+    freq = np.zeros(vocab, dtype=np.int64)
+    for ids, mask, _ in samples:
+        np.add.at(freq, ids[mask.astype(bool)], 1)
+
+    manifest = write_prepared(args, out_dir, samples, tok, vocab, freq, provenance, bad, dropped, kept_report)
     log(f"[prepare] {len(samples)} samples, {manifest['tokens']} tokens ({manifest['loss_tokens']} trained), "
         f"{len(bad)} bad rows skipped → {out_dir}")
     return {"ok": True, "step": "prepare", "out_dir": os.path.abspath(out_dir), "count": len(samples),
             "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"], "vocab_size": vocab,
-            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(shards),
+            "skipped_bad_rows": len(bad), "dropped_no_loss_tokens": dropped, "shards": len(manifest["shards"]),
             "curation": kept_report and {k: kept_report[k] for k in ("in", "out", "dropped")}}
 
 

@@ -212,6 +212,39 @@ def check_export(export_dir: str, aux_ids: list[int], d2t, t2d, hidden: int) -> 
     return problems
 
 
+def share_rows(files: list[str], data_dir: str, rank0: bool) -> None:
+    """speculators' rows of `files` in data_dir, written by rank 0. Under torchrun every rank runs this;
+    speculators joins the process group only later, so the other ranks wait for rank 0's rows by a marker naming
+    this run (no collective exists yet)."""
+    import time
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+    ready = os.path.join(data_dir, "READY")
+    if rank0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        write_rows(files, data_dir + ".tmp")
+        os.replace(data_dir + ".tmp", data_dir)
+        with open(ready, "w") as f:
+            f.write(run_id)
+    else:
+        deadline = time.time() + 3600
+        while not (os.path.isfile(ready) and open(ready).read() == run_id):
+            if time.time() > deadline:
+                raise RuntimeError(f"rank 0 wrote no speculators rows to {data_dir} within an hour")
+            time.sleep(1)
+
+
+def publish_export(ck: str, export_dir: str, rank0: bool, log) -> None:
+    """speculators' checkpoint `ck` copied to export_dir (by rank 0), replacing it whole."""
+    if rank0:
+        tmp = export_dir + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(ck, tmp)
+        shutil.rmtree(export_dir, ignore_errors=True)
+        os.replace(tmp, export_dir)
+        log(f"exported {export_dir} (speculators' checkpoint {ck})")
+
+
 def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hidden: int, lengths: list[int],
           log) -> dict:
     """Run speculators' trainer in this process (torchrun's ranks each run it), then check and publish its last
@@ -236,22 +269,7 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     root = os.path.join(out, "draft", "speculators")
     data_dir, save_dir = os.path.join(root, "data"), os.path.join(root, "checkpoints")
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    # Under torchrun every rank runs this; speculators joins the process group only later, so the other ranks wait
-    # for rank 0's rows by a marker naming this run (no collective exists yet).
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    ready = os.path.join(data_dir, "READY")
-    if rank0:
-        shutil.rmtree(data_dir, ignore_errors=True)
-        write_rows(files, data_dir + ".tmp")
-        os.replace(data_dir + ".tmp", data_dir)
-        with open(ready, "w") as f:
-            f.write(run_id)
-    else:
-        deadline = time.time() + 3600
-        while not (os.path.isfile(ready) and open(ready).read() == run_id):
-            if time.time() > deadline:
-                raise RuntimeError(f"rank 0 wrote no speculators rows to {data_dir} within an hour")
-            time.sleep(1)
+    share_rows(files, data_dir, rank0)
     requested = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
     tokens_per_step = spec_tokens_per_step(requested)
     if tokens_per_step != requested:
@@ -284,12 +302,6 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     if problems:
         raise RuntimeError(f"{ck}: speculators' checkpoint fails our export checks: {'; '.join(problems)}")
     export_dir = os.path.join(out, "draft", "export")
-    if rank0:
-        tmp = export_dir + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(ck, tmp)
-        shutil.rmtree(export_dir, ignore_errors=True)
-        os.replace(tmp, export_dir)
-        log(f"exported {export_dir} (speculators' checkpoint {ck})")
+    publish_export(ck, export_dir, rank0, log)
     result["export_dir"] = export_dir
     return result

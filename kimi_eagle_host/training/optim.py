@@ -1,0 +1,71 @@
+"""train's optimizers (AdamW, or Muon with AdamW) behind one interface, and its learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kimi_eagle_host.step_runtime import BadInput
+
+
+def lr_at(step: int, total: int, args) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup, then cosine to 10%, linear to 0, or constant."""
+    if args.warmup_steps and step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant" or total <= args.warmup_steps:
+        return args.lr
+    t = min((step - args.warmup_steps) / max(1, total - args.warmup_steps), 1.0)
+    if args.lr_schedule == "linear":
+        return args.lr * (1.0 - t)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class Optimizers:
+    """One optimizer or two (Muon on weight matrices + AdamW on the rest) behind one interface: param_groups
+    for the schedule, a single state dict for checkpoints."""
+
+    def __init__(self, named: dict):
+        self.named = named
+        self.params = [p for o in named.values() for g in o.param_groups for p in g["params"]]
+
+    @property
+    def param_groups(self):
+        return [g for o in self.named.values() for g in o.param_groups]
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.named.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.named.values():
+            o.step()
+
+    def state_dict(self):
+        if list(self.named) == ["adamw"]:
+            return self.named["adamw"].state_dict()   # the plain layout (FSDP's full_state reads it)
+        return {name: o.state_dict() for name, o in self.named.items()}
+
+    def load_state_dict(self, sd):
+        if list(self.named) == ["adamw"]:
+            return self.named["adamw"].load_state_dict(sd)
+        for name, o in self.named.items():
+            o.load_state_dict(sd[name])
+
+
+def make_optimizer(model, args, device):
+    """AdamW (fused on CUDA), or Muon on the 2-D weights (not the lm_head) with AdamW on the rest."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    fused = {"fused": True} if device.type == "cuda" else {}
+    adam_kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, **fused)
+    if args.optimizer == "adamw":
+        return Optimizers({"adamw": torch.optim.AdamW([p for _, p in trainable], **adam_kw)})
+    if not hasattr(torch.optim, "Muon"):
+        raise BadInput(f"--optimizer muon: torch {torch.__version__} has no torch.optim.Muon (2.9 and later)")
+    matrices = [p for n, p in trainable if p.ndim == 2 and "lm_head" not in n]
+    rest = [p for n, p in trainable if not (p.ndim == 2 and "lm_head" not in n)]
+    # match_rms_adamw scales Muon's update to AdamW's size, so one --lr serves both.
+    named = {"muon": torch.optim.Muon(matrices, lr=args.lr, weight_decay=args.weight_decay,
+                                      adjust_lr_fn="match_rms_adamw")}
+    if rest:
+        named["adamw"] = torch.optim.AdamW(rest, **adam_kw)
+    return Optimizers(named)
