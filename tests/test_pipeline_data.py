@@ -23,6 +23,7 @@ SAMPLE = os.path.join(REPO, "kimi_eagle_host", "sample_data", "chat.jsonl")
 from conftest import host_cmd, touch_weights
 from kimi_eagle_host.data.prepared_data import PreparedDataset
 from kimi_eagle_host.engine import extract_vllm
+from kimi_eagle_host.engine import extract_hf
 from kimi_eagle_host.pipeline import extract, tiny_model, vocab
 from kimi_eagle_host.target import hf_target, model_layers
 
@@ -400,7 +401,7 @@ def test_extract_resume_after_kill_matches_uninterrupted_run(models, pipeline, t
     common = ["--model", models["llama"], "--prepared-dir", prepared, "--batch-size", 1, "--seq-len", SEQ_LEN]
     ref_dir, dut_dir = tmp_path / "ref", tmp_path / "dut"
     ref = popen("extract", *common, "--out", ref_dir)  # runs concurrently with the killed one
-    slow = popen("extract", *common, "--out", dut_dir, env={**ENV, extract.SLOW_ENV: "0.4"})
+    slow = popen("extract", *common, "--out", dut_dir, env={**ENV, extract_hf.SLOW_ENV: "0.4"})
     deadline = time.time() + 120
     while time.time() < deadline:
         done = [n for n in os.listdir(dut_dir) if n.startswith("hs_")] if dut_dir.exists() else []

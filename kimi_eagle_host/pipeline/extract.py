@@ -29,120 +29,25 @@ stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad usage/in
 """
 import json
 import os
-import queue
 import sys
-import threading
 import time
 
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, model_info,
                                                  parse_layer_ids, resolve_decoder_stack)
-from kimi_eagle_host.target.hf_target import HiddenStateCapture, capture_batch, load_model, resolve_device_dtype
+from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model, resolve_device_dtype
 from kimi_eagle_host.data.hidden_state_files import (FORMAT, LAYOUT, check_sample, clean_stale_tmp,
-                                                     sample_path, tmp_path, write_safetensors)
+                                                     sample_path)
 from kimi_eagle_host.data.prepared_data import PreparedDataset
 from kimi_eagle_host.step_runtime import (BadInput, log, model_fingerprint, model_identity, progress)
 from kimi_eagle_host.training import distributed as dist_  # (ranks of a torchrun launch)
 from kimi_eagle_host.engine import extract_vllm
+from kimi_eagle_host.engine.extract_hf import Writer, extract_batches
 from kimi_eagle_host.data import hs_manifest
-
-# Test-only: seconds to sleep after each written sample, so a test can kill -9 the process mid-run.
-SLOW_ENV = "KIMI_EAGLE_TEST_WRITE_DELAY_S"
-
 
 def shard_range(n, rank, world_size):
     """Contiguous [lo, hi) of rank; the ranges of ranks 0..world_size-1 tile 0..n exactly once."""
     return rank * n // world_size, (rank + 1) * n // world_size
-
-
-class Writer:
-    """Background threads that save samples (tmp file + os.replace) so disk I/O overlaps the forward passes.
-
-    The queue is bounded so a slow disk applies back-pressure instead of filling host memory. Several threads,
-    because one sample's save is a single-threaded copy and write: one thread cannot keep up with a GPU.
-    """
-
-    def __init__(self, out_dir, maxsize=8, threads=1):
-        self.out_dir = out_dir
-        self.q = queue.Queue(maxsize=maxsize)
-        self.error = None
-        self.written = 0
-        self.lock = threading.Lock()
-        self.delay = float(os.environ.get(SLOW_ENV, "0") or 0)
-        self.threads = [threading.Thread(target=self._loop, name=f"hs-writer-{k}", daemon=True) for k in range(threads)]
-        for t in self.threads:
-            t.start()
-
-    def put(self, index, token_ids, hidden_states, loss_mask, done=None):
-        """`done()` is called once the sample is on disk (or failed): the caller may then reuse its memory."""
-        if self.error is not None:
-            raise self.error
-        self.q.put((index, token_ids, hidden_states, loss_mask, done))
-
-    def close(self):
-        for _ in self.threads:
-            self.q.put(None)
-        for t in self.threads:
-            t.join()
-        if self.error is not None:
-            raise self.error
-
-    def _loop(self):
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            index, token_ids, hidden_states, loss_mask, done = item
-            if self.error is not None:
-                if done:
-                    done()
-                continue  # keep draining so put() never blocks forever
-            final = sample_path(self.out_dir, index)
-            tmp = tmp_path(final)
-            try:
-                write_safetensors(tmp, {"token_ids": token_ids, "hidden_states": hidden_states, "loss_mask": loss_mask})
-                os.replace(tmp, final)
-                with self.lock:
-                    self.written += 1
-                if self.delay:
-                    time.sleep(self.delay)
-            except BaseException as e:
-                self.error = e
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            finally:
-                if done:
-                    done()
-
-
-class PinnedPool:
-    """A few pinned host buffers, made once and recycled: pinning memory (cudaHostAlloc) costs far more than
-    the copy it speeds up, so a fresh pinned tensor per batch would cost more than it saves."""
-
-    def __init__(self, torch, count, numel, dtype):
-        self.free = queue.Queue()
-        for _ in range(count):
-            self.free.put(torch.empty(numel, dtype=dtype, pin_memory=True))
-
-    def take(self, shape):
-        """(buffer, view of `shape`); blocks until the writer has released a buffer."""
-        buf = self.free.get()
-        n = 1
-        for d in shape:
-            n *= d
-        return buf, buf[:n].view(shape)
-
-    def releaser(self, buf, uses):
-        """A callback that returns `buf` to the pool after it was called `uses` times (once per sample)."""
-        left = [uses]
-        lock = threading.Lock()
-
-        def done():
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    self.free.put(buf)
-        return done
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,59 +79,28 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     info.update(model_class=type(model).__name__, decoder_path=path)
     log(f"[extract] loaded {type(model).__name__} in {time.time() - t0:.1f}s; layers at {path}; ids {layer_ids}"
         + (f"; rank {w.rank}/{w.size} on GPU(s) {gpus}" if gpus is not None else ""))
-    input_device = model.get_input_embeddings().weight.device
 
     capture = HiddenStateCapture(layers, layer_ids, early_stop=not args.no_early_stop)
-    writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+    writer = Writer(lambda i: sample_path(out_dir, i), maxsize=args.write_queue, threads=args.writers)
     # Longest first: similar lengths share a batch (little padding) and an OOM shows up immediately.
     order = sorted(todo, key=lambda i: (-min(len(ds[i][0]), args.seq_len), i))
-    tokens = 0
     # One bar per host: the controller renders tqdm bars from the log, and N interleaved bars would jump.
     bar = progress(None, total=len(order), desc=f"extract[rank 0/{w.size}]" if w.distributed else "extract") \
         if w.main else None
-    cuda = input_device.type == "cuda"
-    # On GPU the device→host copy of batch k runs on its own stream, into a recycled pinned buffer, while
-    # batch k+1 computes; batch k goes to the writer threads once its copy has finished, and its buffer
-    # returns to the pool once every sample in it is on disk.
-    copy_stream = torch.cuda.Stream(device=input_device) if cuda else None
-    pool = PinnedPool(torch, 3, args.batch_size * args.seq_len * len(layer_ids) * info["hidden_size"], torch_dtype) if cuda else None
-    pending = None
-    t_loop = time.time()
 
-    def hand_over(item):
-        batch, seqs, host, done_copy, release = item
-        if done_copy is not None:
-            done_copy.synchronize()
-        for j, (i, s) in enumerate(zip(batch, seqs)):
-            mask = ds[i][1][:args.seq_len]
-            # host[j, :n] is a contiguous view: no copy here, the writer serialises straight from it.
-            writer.put(i, torch.from_numpy(s.copy()), host[j, :len(s)], torch.from_numpy(mask.astype("int64")), release)
+    def sample_of(i):
+        ids, mask = ds[i]
+        return ids[:args.seq_len], mask[:args.seq_len]
+
+    def handed(batch, tokens):
         if hasattr(bar, "update"):
-            bar.update(len(batch), tokens=sum(len(s) for s in seqs))
+            bar.update(len(batch), tokens=tokens)
 
+    t_loop = time.time()
     try:
-        for b in range(0, len(order), args.batch_size):
-            batch = order[b:b + args.batch_size]
-            seqs = [ds[i][0][:args.seq_len] for i in batch]
-            with torch.inference_mode():
-                hs = capture_batch(capture, model, seqs, input_device, torch_dtype)
-                if cuda:
-                    buf, host = pool.take(tuple(hs.shape))
-                    copy_stream.wait_stream(torch.cuda.current_stream(input_device))
-                    with torch.cuda.stream(copy_stream):
-                        host.copy_(hs, non_blocking=True)
-                        done_copy = torch.cuda.Event()
-                        done_copy.record(copy_stream)
-                    hs.record_stream(copy_stream)
-                    release = pool.releaser(buf, len(batch))
-                else:
-                    host, done_copy, release = hs, None, None
-            if pending is not None:
-                hand_over(pending)
-            pending = (batch, seqs, host, done_copy, release)
-            tokens += sum(len(s) for s in seqs)
-        if pending is not None:
-            hand_over(pending)
+        tokens = extract_batches(model, capture, (order[b:b + args.batch_size] for b in range(0, len(order), args.batch_size)),
+                                 writer, torch_dtype, sample_of=sample_of, after=handed,
+                                 pool_numel=args.batch_size * args.seq_len * len(layer_ids) * info["hidden_size"])
     finally:
         capture.remove()
         if hasattr(bar, "close"):
@@ -235,8 +109,6 @@ def extract_hf(args, ds, todo, layer_ids, info, out_dir):
     info["extract_seconds"] = time.time() - t_loop  # the steady state: after the model load, until all is written
     return writer.written, tokens
 
-
-# ----------------------------------------------------------------------------------------------------
 
 def package_versions():
     from importlib import metadata
@@ -356,7 +228,7 @@ def extract_samples(args, ds, todo, layer_ids, data_config, out_dir, vllm_path, 
         elif vllm_path == "native":
             written, tokens = extract_vllm.extract_native(args, ds, todo, layer_ids, data_config, out_dir)
         else:
-            writer = Writer(out_dir, maxsize=args.write_queue, threads=args.writers)
+            writer = Writer(lambda i: sample_path(out_dir, i), maxsize=args.write_queue, threads=args.writers)
             written, tokens = extract_vllm.extract_speculators(args, ds, todo, layer_ids, data_config, writer,
                                                                spec_version)
         extract_s = data_config.pop("extract_seconds", None)  # a timing of this run, not a property of the data
