@@ -110,7 +110,8 @@ def pytest_collection_modifyitems(config, items):
     unit run stays fast, and tests/test_levels.py names it (levels.MISFILED). Every test also gets its xdist
     group: its unit of work (tests/spread.py)."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(spread.unit_of(str(item.fspath))))
+        function = getattr(item, "originalname", item.name)
+        item.add_marker(pytest.mark.xdist_group(spread.unit_of(str(item.fspath), function)))
         markers = {m.name for m in item.iter_markers()}
         level = level_of(Path(str(item.fspath)).name, getattr(item, "originalname", item.name), markers)
         if level is None:

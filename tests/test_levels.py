@@ -72,6 +72,10 @@ def test_the_spread_tables_name_test_files_and_units():
     assert set(spread.GROUPS) <= files, set(spread.GROUPS) - files
     units = {spread.unit_of(name) for name in files}
     assert set(spread.SECONDS) <= units, set(spread.SECONDS) - units
+    for name in spread.ALONE:
+        file_name, _, function = name.partition("::")
+        assert file_name in files and (not function or re.search(rf"^def {function}\(", (TESTS / file_name).read_text(),
+                                                                  re.M)), name
 
 
 def test_files_sharing_a_session_fixture_are_one_unit(request):
@@ -82,5 +86,5 @@ def test_files_sharing_a_session_fixture_are_one_unit(request):
         for name, defs in item._fixtureinfo.name2fixturedefs.items():
             d = defs[-1]
             if d.scope == "session" and name not in spread.CHEAP and Path(d.func.__code__.co_filename).parent == TESTS:
-                units.setdefault(name, set()).add(spread.unit_of(str(item.fspath)))
+                units.setdefault(name, set()).add(spread.unit_of(str(item.fspath), item.originalname))
     assert {name: u for name, u in units.items() if len(u) > 1} == {}
