@@ -69,7 +69,11 @@ def make_scheduler(config, log):
 
     class LongestFirst(LoadGroupScheduling):
         def _assign_work_unit(self, node):
-            units = [u for u in self.workqueue if u != ALONE_UNIT] or list(self.workqueue)
+            units = [u for u in self.workqueue if u != ALONE_UNIT]
+            if not units and not all(n.shutting_down for n in self.nodes if n is not node):
+                node.shutdown()   # ALONE is left: the last worker taking work runs it, beside the others' last tests
+                return
+            units = units or list(self.workqueue)
             longest = max(units, key=lambda u: (SECONDS.get(u, len(self.workqueue[u])), -units.index(u)))
             self.workqueue.move_to_end(longest, last=False)
             super()._assign_work_unit(node)
@@ -80,9 +84,7 @@ def make_scheduler(config, log):
             # while a long one had most of its time ahead.
             if node.shutting_down or self._pending_of(self.assigned_work[node]) > 1:
                 return
-            if list(self.workqueue) == [ALONE_UNIT] and not all(n.shutting_down for n in self.nodes if n is not node):
-                node.shutdown()   # the last worker taking work runs them, beside the others' last tests only
-            elif self.workqueue:
+            if self.workqueue:
                 self._assign_work_unit(node)
             else:
                 node.shutdown()
