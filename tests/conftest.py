@@ -19,7 +19,18 @@ sys.path.insert(0, str(REPO))  # this checkout's kimi_eagle and kimi_eagle_host,
 # Every subprocess of a test finds them too: the host package runs as `python -m kimi_eagle_host.<module>`.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 HOST_PACKAGE = REPO / "kimi_eagle_host"
+# One OpenMP thread per process (torch's intra-op threads): the suite runs several processes at once (xdist workers,
+# a job's ranks, an engine beside its trainer) on a few cores, and the threads of a process whose cores are taken
+# spin waiting for each other. A tiny model's training steps took 15x the CPU time with 2 threads than with 1 on the
+# busy 2-core box (and 8x the wall time). The sshd gives its sessions the same (tests/sshd.py); a test that wants
+# more threads says so (the quality run's SmolLM2 steps).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM's CPU build pins an engine's threads to cores it picks (on 2 cores: the same one for every engine, the other
+# kept for its front end), so engines started by several workers at once would share one core; unpinned, they follow
+# OMP_NUM_THREADS like the rest.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+import spread  # noqa: E402
 from levels import INTEGRATION, MISFILED, UNIT, level_of  # noqa: E402
 # Fixtures of several modules, defined here once: a session-scoped fixture that modules import by name is set up
 # again in each of them (pytest keeps one per definition site).
@@ -35,7 +46,10 @@ def pytest_configure(config):
     # the sshd sets the same for its sessions (tests/sshd.py).
     import tempfile
 
-    if "KIMI_EAGLE_MACHINE_DIR" not in os.environ:
+    # Under pytest-xdist each worker is a session of its own (its jobs and GPU claims must not meet another
+    # worker's), so the controller, which runs no test, makes none: the workers would inherit it.
+    xdist_controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    if "KIMI_EAGLE_MACHINE_DIR" not in os.environ and not xdist_controller:
         config._kimi_eagle_machine_dir = os.environ["KIMI_EAGLE_MACHINE_DIR"] = tempfile.mkdtemp(
             prefix="kimi-eagle-machine-")
 
@@ -84,11 +98,20 @@ def host_cmd(module: str, *args, python=None) -> list[str]:
     return [str(python or sys.executable), "-m", f"kimi_eagle_host.{module}", *map(str, args)]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return spread.make_scheduler(config, log) if config.option.dist == "loadgroup" else None
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Marks every test `unit`, `integration` or `e2e` from tests/levels.py (tests/test_levels.py fails for a test
     file that has no level there). A test the table calls unit but that starts the sshd runs as integration, so the
-    unit run stays fast, and tests/test_levels.py names it (levels.MISFILED)."""
+    unit run stays fast, and tests/test_levels.py names it (levels.MISFILED). Every test also gets its xdist
+    group: its unit of work (tests/spread.py)."""
     for item in items:
+        function = getattr(item, "originalname", item.name)
+        item.add_marker(pytest.mark.xdist_group(spread.unit_of(str(item.fspath), function)))
         markers = {m.name for m in item.iter_markers()}
         level = level_of(Path(str(item.fspath)).name, getattr(item, "originalname", item.name), markers)
         if level is None:

@@ -36,6 +36,7 @@ class Sshd:
         self.write_config()
 
     def write_config(self, extra: str = ""):
+        threads = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ)
         self.config.write_text(
             f"""Port {self.port}
 ListenAddress 127.0.0.1
@@ -54,8 +55,9 @@ LogLevel ERROR
 MaxSessions 50
 MaxStartups 50:30:100
 Subsystem sftp internal-sftp
-# This test session's machine registry (claims, GPU lock), not the real user's: see ops/machine_claims.py
-SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine
+# This test session's machine registry (claims, GPU lock), not the real user's (see ops/machine_claims.py), and the
+# tests' threads per process (conftest.py)
+SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine {threads}
 {extra}
 """
         )

@@ -6,6 +6,7 @@ import ast
 import re
 from pathlib import Path
 
+import spread
 from levels import E2E, E2E_MARKERS, EXCEPTIONS, FILES, LEVELS, MISFILED, UNIT, level_of
 
 TESTS = Path(__file__).resolve().parent
@@ -64,3 +65,26 @@ def test_levels_names_each_file_and_each_exception_once():
     assert repeated_keys((TESTS / "levels.py").read_text()) == [], "tests/levels.py: a key given twice"
     twice = 'E = {\n "a.py": {"t": 1},\n "b.py": {n: 1 for n in ("t", "u", "t")},\n "a.py": {"v": 1}}\n'
     assert sorted(repeated_keys(twice)) == ["line 3: t", "line 4: a.py"]
+
+
+def test_the_spread_tables_name_test_files_and_units():
+    files = {p.name for p in TESTS.glob("test_*.py")}
+    assert set(spread.GROUPS) <= files, set(spread.GROUPS) - files
+    units = {spread.unit_of(name) for name in files}
+    assert set(spread.SECONDS) <= units, set(spread.SECONDS) - units
+    for name in spread.ALONE:
+        file_name, _, function = name.partition("::")
+        assert file_name in files and (not function or re.search(rf"^def {function}\(", (TESTS / file_name).read_text(),
+                                                                  re.M)), name
+
+
+def test_files_sharing_a_session_fixture_are_one_unit(request):
+    """A session fixture is set up again on each worker that runs a test needing it: the files that share one (a
+    trained draft, installed wheels) are one unit of work (tests/spread.py GROUPS), so it is set up once."""
+    units: dict[str, set[str]] = {}
+    for item in request.session.items:
+        for name, defs in item._fixtureinfo.name2fixturedefs.items():
+            d = defs[-1]
+            if d.scope == "session" and name not in spread.CHEAP and Path(d.func.__code__.co_filename).parent == TESTS:
+                units.setdefault(name, set()).add(spread.unit_of(str(item.fspath), item.originalname))
+    assert {name: u for name, u in units.items() if len(u) > 1} == {}

@@ -55,8 +55,13 @@ pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 def step(script, *args, python=sys.executable, timeout=1200):
     t = time.time()
+    # This module is the suite's longest chain of work. Every core for SmolLM2's large matrices, as on a host (the
+    # suite's other processes get one thread each, conftest.py); and a session of its own: Linux shares the CPU
+    # between sessions first (autogroups, as sshd's sessions and detached jobs each are), so in the test workers'
+    # session the step got a thread's share of it (the training step ran out of its 1200 s at 4 workers).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     p = subprocess.run([str(python), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                       capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
     TIMES[script] = TIMES.get(script, 0.0) + time.time() - t
     assert p.returncode == 0, f"{script} exited {p.returncode}:\n{p.stderr[-4000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
