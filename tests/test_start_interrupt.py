@@ -125,3 +125,21 @@ def test_ctrl_c_during_a_group_start_leaves_a_named_group_job_or_nothing(tmp_pat
         outcomes.append((code, bool(new)))
     # Both ends of the start were hit: some runs were cut off before any job existed, some after jobs started.
     assert (130, False) in outcomes and any(started for _, started in outcomes), outcomes
+
+
+def test_a_ctrl_c_python_cannot_raise_where_it_lands_is_delivered_again():
+    """A Ctrl-C inside a weakref callback is "unraisable": Python printed 'Exception ignored in ... Traceback ...
+    KeyboardInterrupt' and the start went on as if it never came (seen in the test above). The CLI's hook raises it
+    again in the main thread, quietly."""
+    import importlib
+    import types
+
+    app = importlib.import_module("kimi_eagle.cli.app")   # the module (the package's `app` is the Typer app)
+    hook = app._keep_ctrl_c(lambda unraisable: pytest.fail(f"given to the default hook: {unraisable}"))
+    with pytest.raises(KeyboardInterrupt):
+        hook(types.SimpleNamespace(exc_value=KeyboardInterrupt(), exc_type=KeyboardInterrupt))
+        for _ in range(200):
+            time.sleep(0.01)
+    other = []
+    app._keep_ctrl_c(other.append)(types.SimpleNamespace(exc_value=ValueError("x"), exc_type=ValueError))
+    assert len(other) == 1   # anything else: the default hook, as before

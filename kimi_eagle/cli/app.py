@@ -104,7 +104,23 @@ def _say_started(interrupt) -> None:
         console_ui().error(interrupt.message)
 
 
+def _keep_ctrl_c(default):
+    """An unraisable-exception hook: a Ctrl-C that lands in a weakref callback or a __del__ cannot be raised there,
+    so Python prints 'Exception ignored in ...' with a traceback and goes on as if it never came (seen once in 12
+    interrupted starts). Deliver it again instead, at the main thread's next instruction, where the command's own
+    handling of Ctrl-C sees it; anything else goes to `default`."""
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            import _thread
+
+            _thread.interrupt_main()
+            return
+        default(unraisable)
+    return hook
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    sys.unraisablehook = _keep_ctrl_c(sys.__unraisablehook__)
     argv = _global_flags_first(list(sys.argv[1:] if argv is None else argv))
     state.argv = argv
     try:
