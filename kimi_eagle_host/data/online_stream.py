@@ -138,18 +138,6 @@ def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes,
     return (kinds, steps, docs), cached
 
 
-def available_memory() -> int | None:
-    """The host's MemAvailable in bytes (None where /proc/meminfo cannot say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 # The trainer's own tensors, the engine and the page cache need the rest.
 MEMORY_CACHE_SHARE = 0.8
 
@@ -320,8 +308,10 @@ class Source:
             args.online_cache_gb * 1e9, KEPT if self.in_memory else CACHED)
         self.first_step = {d: step for kind, step, d in zip(*stream) if kind == KEPT}
         if self.in_memory:
+            from kimi_eagle_host.vllm_compat import host_memory_available
+
             check_memory_cache(sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in self.cached),
-                               len(self.cached), available_memory())
+                               len(self.cached), host_memory_available()[0] or None)
         self.memory: dict[int, _Kept] = {}
         self.memory_lock = threading.Lock()
         self.held = HeldFiles(self, held_docs)
@@ -418,8 +408,7 @@ class Source:
             try:
                 path = self.wait_for(os.path.join(self.spool, entry_name(KEPT, step, d)))
                 entry.tensors = {k: v.clone() for k, v in map_sample(path).items()}   # off the file's pages
-                open(taken_path(path), "w").close()   # as StepFiles.done: the engine counts it as taken
-                os.unlink(path)
+                take(path)
             except BaseException as e:
                 entry.error = e
                 raise
@@ -486,6 +475,13 @@ class Source:
         self.close()
 
 
+def take(path: str) -> None:
+    """A document the trainer has read leaves the buffer: the tombstone first, so that at every moment the file or
+    its tombstone exists (the engine counts either as written)."""
+    open(taken_path(path), "w").close()
+    os.unlink(path)
+
+
 class _Kept:
     """A document in the trainer's memory cache: its tensors once the first position's reader has them."""
 
@@ -519,10 +515,8 @@ class StepFiles:
         return map_sample(self[d])
 
     def done(self, d: int) -> None:
-        if d not in self.source.cached:   # the tombstone first: at every moment the file or its tombstone exists
-            path = self._path(d)
-            open(taken_path(path), "w").close()
-            os.unlink(path)
+        if d not in self.source.cached:
+            take(self._path(d))
 
 
 class HeldFiles:
