@@ -103,15 +103,11 @@ def pytest_xdist_make_scheduler(config, log):
     return spread.make_scheduler(config, log) if config.option.dist == "loadgroup" else None
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Marks every test `unit`, `integration` or `e2e` from tests/levels.py (tests/test_levels.py fails for a test
     file that has no level there). A test the table calls unit but that starts the sshd runs as integration, so the
-    unit run stays fast, and tests/test_levels.py names it (levels.MISFILED). Every test also gets its xdist
-    group: its unit of work (tests/spread.py)."""
+    unit run stays fast, and tests/test_levels.py names it (levels.MISFILED)."""
     for item in items:
-        function = getattr(item, "originalname", item.name)
-        item.add_marker(pytest.mark.xdist_group(spread.unit_of(str(item.fspath), function)))
         markers = {m.name for m in item.iter_markers()}
         level = level_of(Path(str(item.fspath)).name, getattr(item, "originalname", item.name), markers)
         if level is None:

@@ -2,7 +2,9 @@
 
 A unit of work is a test file, or files that share an expensive session fixture (GROUPS): a worker runs a unit's
 tests in turn, so a module or session fixture (an engine, a trained draft, installed wheels) is set up once, on one
-worker. conftest.py marks every test with its unit as its xdist_group.
+worker. The scheduler reads a test's unit from its node id (unit_of_nodeid), not from xdist_group marks: xdist
+passes a mark on by renaming the test (`item._nodeid`), which pytest 9.2 no longer reads, and then every test was
+a unit of its own (CI, 2026-12-03: the quality run's two tests each trained a draft, at once, on two workers).
 
 The longest unit goes first (SECONDS, measured in CI), and a worker takes its next unit only when it is about to
 run the last test of the current one, so a long unit (the quality run, ~12 minutes) does not hold other units
@@ -66,11 +68,22 @@ def unit_of(path: str, function: str = "") -> str:
     return GROUPS.get(name, name)
 
 
+def unit_of_nodeid(nodeid: str) -> str:
+    """The unit of a test's node id as the controller sees it ("tests/test_x.py::Class::test_y[param]", with an
+    "@group" suffix where xdist's renaming works)."""
+    path, _, inside = nodeid.partition("::")
+    function = inside.split("[", 1)[0].split("@", 1)[0].rsplit("::", 1)[-1]
+    return unit_of(path, function)
+
+
 def make_scheduler(config, log):
     """xdist's loadgroup scheduling, longest unit first, the next unit taken only when a worker needs it."""
     from xdist.scheduler import LoadGroupScheduling
 
     class LongestFirst(LoadGroupScheduling):
+        def _split_scope(self, nodeid):
+            return unit_of_nodeid(nodeid)
+
         def _assign_work_unit(self, node):
             units = [u for u in self.workqueue if u != ALONE_UNIT]
             if not units and not all(n.shutting_down for n in self.nodes if n is not node):

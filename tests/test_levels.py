@@ -88,3 +88,39 @@ def test_files_sharing_a_session_fixture_are_one_unit(request):
             if d.scope == "session" and name not in spread.CHEAP and Path(d.func.__code__.co_filename).parent == TESTS:
                 units.setdefault(name, set()).add(spread.unit_of(str(item.fspath), item.originalname))
     assert {name: u for name, u in units.items() if len(u) > 1} == {}
+
+
+def test_a_units_tests_run_on_one_worker_and_alone_last(tmp_path):
+    """A real xdist run (2 workers) of a small suite under this scheduler: a file's tests share one worker and one
+    module fixture, and ALONE's tests run on one worker after every other test. Under pytest 9.2 xdist's group
+    marks stopped reaching the scheduler and each test was a unit of its own."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nimport spread\n\n"
+        "def pytest_xdist_make_scheduler(config, log):\n    return spread.make_scheduler(config, log)\n")
+    record = (f"import os, time\n\ndef record(what):\n    with open({str(log)!r}, 'a') as f:\n"
+              "        f.write(f\"{what} {os.environ['PYTEST_XDIST_WORKER']} {time.time()}\\n\")\n")
+    alone = sorted(n for n in spread.ALONE if "::" not in n)[0]
+    (suite / alone).write_text(record + "import pytest\n\n@pytest.fixture(scope='module')\ndef once():\n"
+                               "    record('fixture')\n\n"
+                               + "".join(f"def test_{i}(once):\n    record('alone')\n\n" for i in range(3)))
+    for n in range(4):
+        (suite / f"test_other{n}.py").write_text(
+            record + "".join(f"@__import__('pytest').mark.parametrize('x', [1, 2])\ndef test_{i}(x):\n"
+                             f"    time.sleep(0.2)\n    record('other{n}')\n\n" for i in range(2)))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", str(suite)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    rows = [line.split() for line in log.read_text().splitlines()]
+    by_unit: dict[str, set[str]] = {}
+    for what, worker, _ in rows:
+        by_unit.setdefault(what.replace("fixture", "alone"), set()).add(worker)
+    assert all(len(workers) == 1 for workers in by_unit.values()), by_unit
+    assert [what for what, _, _ in rows].count("fixture") == 1
+    first_alone = min(float(t) for what, _, t in rows if what == "alone")
+    assert all(float(t) < first_alone for what, _, t in rows if what.startswith("other")), rows
