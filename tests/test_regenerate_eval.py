@@ -29,7 +29,7 @@ def payload(script, *args, timeout=900):
 
 def render_all(tmp_path, pipeline_yaml):
     e = make_env(tmp_path, None, extra=pipeline_yaml)
-    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), timeout=60)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"))
     return r, (tmp_path / "r").rglob("*.sh")
 
 
@@ -404,6 +404,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
 
     wanted = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # this env has no flashinfer
     sized = "vLLM engine memory: KV cache 1 GiB of host memory (VLLM_CPU_KVCACHE_SPACE, sized from the step"
+    in_process = "; the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, a CPU host)"
     with memory_held() as (available, total):
         assert available < VLLM_CPU_DEFAULT_SHARE * total  # vLLM's default share cannot be had
         out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
@@ -411,6 +412,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
         rep = step("eval.py", "--model", tiny_llama, "--draft", draft, "--prompts", prompts, "--engine", "vllm",
                    "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
     assert out["engine"] == "vllm" and out["engine_env"] == wanted and out["engine_memory"].startswith(sized)
+    assert out["engine_memory"].endswith(in_process) and rep["engine_memory"].endswith(in_process)
     assert out["turns_answered_now"] == 8
     assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == "0.32.0"
     assert rep["engine_memory"].startswith(sized)

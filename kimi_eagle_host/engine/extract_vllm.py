@@ -200,7 +200,9 @@ def native_engine(args, layer_ids, info, out_dir, chunk):
     os.environ["PYTHONPATH"] = payload_root() + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     on_gpu = torch.cuda.is_available()
     # Before vLLM is imported: it reads its environment once. The prompt plus the one token vLLM samples.
-    memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk)
+    # Our connector saves a finished request's hidden states in a later engine step: only vLLM's engine process keeps
+    # stepping after generate() returns (in this process the last chunk's files were never written).
+    memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk, in_process_on_cpu=False)
     from vllm import LLM, EngineArgs, SamplingParams
 
     t0 = time.time()

@@ -142,5 +142,7 @@ def tokens_per_s_by_k(without: float, with_k: float, by_k: list[float]) -> list[
         return [None] * len(by_k)
     k = len(by_k)
     t0, tk = 1.0 / without, by_k[-1] / with_k    # seconds per step of one sequence
-    d = max(0.0, (tk - t0) / k)   # a negative draft cost is timing noise: the draft is then taken as free
+    if tk < t0:   # a step with the draft measured faster than one without is timing noise: the draft is taken as
+        t0 = tk   # free and a step as long as measured with it, so the figure at k stays the measured one
+    d = (tk - t0) / k
     return [round(a / (t0 + (i + 1) * d), 2) for i, a in enumerate(by_k)]
