@@ -163,12 +163,14 @@ class Env:
     workdir: Path
     sshd: Sshd | None = None
 
-    def cli(self, *args, timeout=300, env=None, input=None) -> CLIResult:
+    def cli(self, *args, timeout=300, env=None, input=None, under_bash=False) -> CLIResult:
+        """under_bash: the CLI as a child of a bash, as at a prompt (what Typer's shell detection looks for)."""
         e = {**os.environ, "HOME": str(self.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
         e.pop("KIMI_EAGLE_INVENTORY", None)
         e.update(env or {})
+        argv = [sys.executable, "-m", "kimi_eagle", "--inventory", str(self.inventory), *args]
         p = subprocess.run(
-            [sys.executable, "-m", "kimi_eagle", "--inventory", str(self.inventory), *args],
+            ["bash", "-c", '"$@"; exit $?', "bash", *argv] if under_bash else argv,
             capture_output=True, text=True, env=e, timeout=timeout, input=input, cwd=self.root,
         )
         return CLIResult(p.returncode, p.stdout, p.stderr)

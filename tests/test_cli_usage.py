@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, CLIResult, make_env
+from conftest import make_env
 
 USAGE_ERRORS = {
     "unknown option": (["--bogus"], "--bogus"),
@@ -71,10 +68,7 @@ def test_shell_completion_is_shown_and_completes_commands_and_options(tmp_path):
     # Typer finds the shell to show completion for among the command's ancestors (shellingham), as a user's shell
     # is: the CLI runs under a bash here, as it would at a prompt (a test runner's own ancestry may have none: a
     # suite started in the background under init failed here with "Shell  not supported").
-    cmd = [sys.executable, "-m", "kimi_eagle", "--inventory", str(e.inventory), "--show-completion", "bash"]
-    p = subprocess.run(["bash", "-c", '"$@"; exit $?', "bash", *cmd], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HOME": str(e.home), "PYTHONPATH": str(REPO)}, cwd=tmp_path)
-    r = CLIResult(p.returncode, p.stdout, p.stderr)
+    r = e.cli("--show-completion", "bash", under_bash=True)
     assert r.code == 0, r.stderr
     assert "_KIMI_EAGLE_COMPLETE=complete_bash" in r.stdout and "complete -o default -F _kimi_eagle_completion kimi-eagle" in r.stdout
     # What bash then asks for: the words so far, answered with the candidates.
