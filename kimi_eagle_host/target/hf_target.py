@@ -1,6 +1,7 @@
 """The target model under transformers: loading it (trust_remote_code, multimodal wrappers, one or several GPUs)
 and capturing its hidden states at the layer ids (extract's hf engine, and eval's transformers engine)."""
 
+from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.step_runtime import log
 
 
@@ -114,10 +115,10 @@ def resolve_device_dtype(device, dtype, engine="hf"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda: no CUDA device is visible")
-    if dtype == "auto":
+    if dtype == "auto" and engine == "vllm":
         # vLLM computes a float32 checkpoint in bfloat16 on every platform; say so instead of upcasting its output
-        dtype = "bfloat16" if device == "cuda" or engine == "vllm" else "float32"
-    return device, dtype
+        return device, "bfloat16"
+    return device, compute_dtype.resolve(dtype, device, log)
 
 
 def capture_batch(capture, model, seqs, input_device, torch_dtype):
