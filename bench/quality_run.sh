@@ -14,7 +14,8 @@
 # BATCH (4 packed rows a step) TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128)
 # TIMING (1: batch sizes timed)
 # DTYPE (bfloat16 where the CPU computes it, AMX or AVX512-BF16 -- measured on an AMX box: train ~2x the tokens/s
-# of float32 --, else float32: on an AVX2-only CPU bf16 matrix products run ~100x slower). Measured figures: docs/benchmarks.md, "Draft quality".
+# of float32 --, else float32: on an AVX2-only CPU bf16 matrix products run ~100x slower).
+# Measured figures: docs/benchmarks.md, "Draft quality".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The steps run as modules of this checkout's kimi_eagle_host, as on a host.
