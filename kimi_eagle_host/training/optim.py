@@ -72,13 +72,13 @@ class Float32Muon(torch.optim.Muon if hasattr(torch.optim, "Muon") else object):
     AMX or AVX512-BF16 computes in software: on such a CPU (AVX2 only) one 1536x576 matrix took 4.7 s against
     0.18 s in float32, every step, for every matrix of the draft. Same update rule, state and checkpoints."""
 
-    @torch.no_grad()
     def step(self, closure=None):
         from torch.optim import _muon
 
-        with contextlib.ExitStack() as stack:
-            if hasattr(_muon, "_zeropower_via_newtonschulz"):   # else torch's own, in bf16 (slow, still right)
-                stack.enter_context(_swapped(_muon, "_zeropower_via_newtonschulz", _newton_schulz_float32))
+        # Where torch names it otherwise, its own bf16 iteration runs (slow, still right).
+        swap = (_swapped(_muon, "_zeropower_via_newtonschulz", _newton_schulz_float32)
+                if hasattr(_muon, "_zeropower_via_newtonschulz") else contextlib.nullcontext())
+        with swap:
             return super().step(closure)
 
 
