@@ -148,6 +148,11 @@ GIB = 1 << 30
 # vLLM's own default share of the device (of host memory on its CPU build): what we ask for at most.
 DEFAULT_UTILIZATION = 0.9
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step holds at most
+# An engine that shares its GPU with the trainer (online, co-located) is sized for itself: weights, its KV cache and
+# this much for what vLLM's start-up profiling adds (activations of a max-size batch, CUDA graphs, NCCL, the CUDA
+# context). The 4-layer Kimi-K2.5-shaped target's engine at vLLM's default share left its trainer 14.6 of 139.8 GiB
+# on the H200, and the trainer needed more (CUDA out of memory).
+ENGINE_OVERHEAD_BYTES = 6 * GIB
 
 
 def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
@@ -184,14 +189,16 @@ def host_memory_available() -> tuple[int, int]:
 
 
 def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_total: tuple[int, int] | None = None,
-                  environ=os.environ) -> dict:
+                  beside_trainer_weights: int | None = None, environ=os.environ) -> dict:
     """How much memory one vLLM engine of a step takes, sized from what it needs and what is free.
 
     vLLM's default asks for a fixed share of the device (0.9-0.92 of it; of host memory on the CPU build) and dies
     at start-up when less than that is free (another process holds part of it). On a GPU host we ask for what is
     free now, at most the default share; on a CPU host for a KV cache of what the step wants (`need_bytes`, whole
     GiB; VLLM_CPU_KVCACHE_SPACE), at most half of what is available: a smaller cache only runs fewer sequences at
-    once. A value the user set wins. Returns {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one
+    once. An engine beside a trainer on the same GPU (`beside_trainer_weights`: the target's weight bytes on one GPU)
+    takes only its weights, `need_bytes` and ENGINE_OVERHEAD_BYTES, and leaves the rest to the trainer. A value the
+    user set wins. Returns {"env": to set before vLLM starts, "kwargs": for LLM(...), "says": one
     line for the log and preflight}; raises ValueError (one line) when not even `least_bytes` (default: all of
     `need_bytes`) fits."""
     least_bytes = need_bytes if least_bytes is None else least_bytes
@@ -201,14 +208,22 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
             share = _users_share(environ[GPU_SHARE_ENV])
         else:
             share = min(DEFAULT_UTILIZATION, free / total - 0.02) if total else DEFAULT_UTILIZATION
-        if share <= 0 or share * total < least_bytes:
+        weights = beside_trainer_weights or 0
+        own = weights + need_bytes + ENGINE_OVERHEAD_BYTES
+        beside = beside_trainer_weights is not None and not environ.get(GPU_SHARE_ENV) and total > 0
+        if beside:
+            share = min(share, own / total)
+        if share <= 0 or share * total < weights + least_bytes:
             raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free; the vLLM engine needs about "
                              f"{least_bytes / GIB:.1f} GiB of KV cache beside the weights (set {GPU_SHARE_ENV} to "
                              "override)")
+        how = "" if not beside else (
+            f"; sized for itself beside the trainer: weights {weights / GIB:.1f} + KV {need_bytes / GIB:.1f} + "
+            f"{ENGINE_OVERHEAD_BYTES / GIB:.0f} GiB for vLLM's start-up, the rest is the trainer's")
         return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
                 "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
                         f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start"
-                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''})"}
+                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''}{how})"}
     avail, total = host_memory_available()
     if environ.get(CPU_KV_ENV):
         return {"env": {}, "kwargs": {},
@@ -242,18 +257,26 @@ def _users_share(text: str) -> float:
 
 
 def step_engine_memory(model_dir: str | None, tp: int, seq_tokens: int, sequences: int, *,
-                       gpu_free_total: tuple[int, int] | None = None, environ=os.environ) -> dict:
+                       gpu_free_total: tuple[int, int] | None = None, beside_trainer: bool = False,
+                       extra_bytes_per_token: int = 0, environ=os.environ) -> dict:
     """engine_memory() for a step whose engine holds up to `sequences` sequences of `seq_tokens` tokens of the model
     in `model_dir` (its config.json says the KV bytes per token; none known: the 1 GiB floor). It wants room for all of
-    them at once (at most MAX_NUM_SEQS, vLLM's default batch) and needs room for one."""
-    per_token = (model_kv_bytes_per_token(model_dir, tp) if model_dir else None) or 0
+    them at once (at most MAX_NUM_SEQS, vLLM's default batch) and needs room for one. `beside_trainer`: the engine of
+    a co-located online run, which leaves the rest of the GPU to the trainer. `extra_bytes_per_token`: what the engine
+    caches per token beyond the model's KV (extraction's hidden states live in KV-cache blocks until saved)."""
+    per_token = ((model_kv_bytes_per_token(model_dir, tp) if model_dir else None) or 0) + extra_bytes_per_token
     one = per_token * seq_tokens
+    weights = None
+    if beside_trainer:
+        from kimi_eagle_host.model_size import stored_weight_bytes
+
+        weights = (stored_weight_bytes(model_dir)[0] or 0) // max(tp, 1) if model_dir else 0
     return engine_memory(one * min(max(sequences, 1), MAX_NUM_SEQS), least_bytes=one, gpu_free_total=gpu_free_total,
-                         environ=environ)
+                         beside_trainer_weights=weights, environ=environ)
 
 
 def size_engine(step: str, model_dir: str, tp: int, seq_tokens: int, sequences: int, environ=os.environ, *,
-                in_process_on_cpu: bool = True) -> dict:
+                in_process_on_cpu: bool = True, beside_trainer: bool = False, extra_bytes_per_token: int = 0) -> dict:
     """For a pipeline step about to start its vLLM engine (engines read their environment as they start): size it
     with step_engine_memory from the memory free now (the first visible GPU's, else the host's), set the environment
     it needs and log what it takes. Returns engine_memory()'s answer; refuses in one line when it cannot fit.
@@ -272,7 +295,9 @@ def size_engine(step: str, model_dir: str, tp: int, seq_tokens: int, sequences: 
             raise Refused(f"vLLM engine: the GPU has too little memory free to start CUDA ({first}); other processes "
                           "hold it: nvidia-smi shows which") from None
     try:
-        memory = step_engine_memory(model_dir, tp, seq_tokens, sequences, gpu_free_total=free_total, environ=environ)
+        memory = step_engine_memory(model_dir, tp, seq_tokens, sequences, gpu_free_total=free_total,
+                                    beside_trainer=beside_trainer, extra_bytes_per_token=extra_bytes_per_token,
+                                    environ=environ)
     except ValueError as e:
         raise Refused(f"vLLM engine: {e}") from None
     environ.update(memory["env"])

@@ -57,6 +57,42 @@ def test_a_share_the_user_set_that_is_no_fraction_is_one_line(value):
     assert "\n" not in str(e.value) and f"KIMI_EAGLE_GPU_MEMORY_UTILIZATION={value!r}" in str(e.value)
 
 
+def test_an_engine_beside_its_trainer_takes_what_it_needs_and_leaves_the_rest():
+    # The online run's engine on the trainer's GPU (co-located): vLLM's 90 % left the Kimi-shaped target's trainer
+    # 14.6 GiB of the H200 and it ran out of memory. Sized for itself: weights + KV + vLLM's start-up overhead.
+    from kimi_eagle_host.vllm_compat import ENGINE_OVERHEAD_BYTES
+
+    weights, kv = 8 * GIB, 3 * GIB
+    m = engine_memory(kv, gpu_free_total=(H200 - GIB, H200), beside_trainer_weights=weights, environ={})
+    taken = m["kwargs"]["gpu_memory_utilization"] * H200
+    assert taken == pytest.approx(weights + kv + ENGINE_OVERHEAD_BYTES, abs=H200 / 1000)   # a share of 3 decimals
+    assert H200 - taken > 100 * GIB and "the rest is the trainer's" in m["says"]
+    alone = engine_memory(kv, gpu_free_total=(H200 - GIB, H200), environ={})   # its own GPUs (split, extract)
+    assert alone["kwargs"]["gpu_memory_utilization"] == 0.9
+    users = engine_memory(kv, gpu_free_total=(H200, H200), beside_trainer_weights=weights,
+                          environ={"KIMI_EAGLE_GPU_MEMORY_UTILIZATION": "0.5"})
+    assert users["kwargs"] == {"gpu_memory_utilization": 0.5}
+
+
+def test_a_co_located_engine_is_sized_from_the_targets_weights_and_hidden_states(tmp_path):
+    # step_engine_memory reads the weights from the safetensors index (per tensor-parallel rank) and counts the
+    # hidden states extraction keeps in KV-cache blocks (one hidden_size vector per captured layer and token).
+    from kimi_eagle_host.engine.extract_vllm import hidden_state_bytes_per_token
+    from kimi_eagle_host.vllm_compat import ENGINE_OVERHEAD_BYTES, step_engine_memory
+
+    text = {"hidden_size": 7168, "num_hidden_layers": 4, "num_attention_heads": 64, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16 * GIB}}))
+    extra = hidden_state_bytes_per_token(str(tmp_path), [1, 2, 3, 4], "bfloat16")
+    assert extra == 4 * 7168 * 2
+    m = step_engine_memory(str(tmp_path), 2, 1025, 128, gpu_free_total=(H200, H200), beside_trainer=True,
+                           extra_bytes_per_token=extra, environ={})
+    kv = (4 * 576 * 2 + extra) * 1025 * 128
+    taken = m["kwargs"]["gpu_memory_utilization"] * H200
+    assert taken == pytest.approx(8 * GIB + kv + ENGINE_OVERHEAD_BYTES, abs=H200 / 1000)
+
+
 # ------------------------------------------------------------------ on a real GPU that another process partly holds
 # The steps themselves (extract, eval, regenerate through vLLM) beside a foreign process holding most of the GPU's
 # memory (bench/gpu/gpu_holder.py: a crashed worker, another user's job).

@@ -364,6 +364,8 @@ class Source:
         env = {**os.environ, SPOOL_ENV: self.spool}   # marks the engine and every process it starts (vLLM's)
         if getattr(a, "engine_visible", None) is not None:   # split_gpus: the engine's own GPUs
             env["CUDA_VISIBLE_DEVICES"] = a.engine_visible
+        else:   # co-located: the engine leaves this trainer the rest of its GPU
+            cmd.append("--beside-trainer")
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)   # not a torchrun worker: its engine (vLLM) must not join our process group
         # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.

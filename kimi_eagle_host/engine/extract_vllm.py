@@ -19,7 +19,7 @@ from kimi_eagle_host.target.model_layers import LayerIdError
 from kimi_eagle_host.step_runtime import Refused, log, payload_root, progress, stdout_for_result_only
 from kimi_eagle_host.versions import at_least
 from kimi_eagle_host.vllm_compat import (CPU_KV_ENV, engine_env_defaults, extraction_path, size_engine,
-                                         text_only_engine_kwargs, vllm_install)
+                                         text_config_of, text_only_engine_kwargs, vllm_install)
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CONNECTOR = "KimiEagleHiddenStatesConnector"
@@ -202,7 +202,9 @@ def native_engine(args, layer_ids, info, out_dir, chunk):
     # Before vLLM is imported: it reads its environment once. The prompt plus the one token vLLM samples.
     # Our connector saves a finished request's hidden states in a later engine step: only vLLM's engine process keeps
     # stepping after generate() returns (in this process the last chunk's files were never written).
-    memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk, in_process_on_cpu=False)
+    memory = size_engine("extract", args.model, args.tp_size, args.seq_len + 1, chunk, in_process_on_cpu=False,
+                         beside_trainer=getattr(args, "beside_trainer", False),
+                         extra_bytes_per_token=hidden_state_bytes_per_token(args.model, layer_ids, info["dtype"]))
     from vllm import LLM, EngineArgs, SamplingParams
 
     t0 = time.time()
@@ -225,6 +227,19 @@ def native_engine(args, layer_ids, info, out_dir, chunk):
                                       "num_writer_threads": max(1, args.writers)}})
     log(f"[extract] vLLM engine up in {time.time() - t0:.1f}s (native extract_hidden_states, ids {layer_ids})")
     return llm, SamplingParams, LOSS_MASK_KEY
+
+
+def hidden_state_bytes_per_token(model_dir, layer_ids, dtype) -> int:
+    """What extract_hidden_states keeps per token in the engine's KV-cache blocks until our connector saves it: one
+    hidden_size vector per captured layer (vLLM's CacheOnly attention layer). 0 when the config does not say."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hidden = int(text_config_of(json.load(f))["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return len(layer_ids) * hidden * (4 if dtype == "float32" else 2)
 
 
 def native_chunk(engine, ds, seq_len, part) -> int:

@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buffer-bytes", type=int, required=True)
     ap.add_argument("--bytes-per-token", type=int, required=True, help="a document's bytes in the spool per token")
     ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--beside-trainer", action="store_true",
+                    help="the trainer shares this GPU (co-located): a vLLM engine takes only what it needs")
     ap.add_argument("--writers", type=int, default=min(16, os.cpu_count() or 1))   # as extract's
     args = ap.parse_args(argv)
     # The trainer started us with SIGTERM blocked (a stop lets it finish its step, which may need our documents):
