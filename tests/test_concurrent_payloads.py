@@ -66,3 +66,27 @@ def test_payload_wrappers_carry_no_flags_and_are_named_by_content(env):
     import hashlib
 
     assert hashlib.sha256(text.encode()).hexdigest()[:12] in wrappers[0].name
+
+
+def test_a_checkout_edited_while_a_call_deploys_still_runs_the_call(env, monkeypatch):
+    # A developer saves a host-package file while a command runs: the set read for the first attempt (its digest)
+    # differs from the set deployed after that attempt found the host behind. The call runs against what was
+    # deployed; before, it failed with a bare "exit 222" (seen in the suite when the checkout was edited mid-run).
+    from kimi_eagle.config import inventory
+    from kimi_eagle.hosts import session, sync
+
+    reads = []
+
+    def items_then_an_edit():
+        items = list(session.sync.tree_items(session.payloads_dir(), session.payload_files()))
+        reads.append(len(reads))
+        if len(reads) > 1:   # every read after the first sees the file as saved since
+            items.append(sync.Item(remote="kimi_eagle_host/edited_meanwhile.py", data=b"# saved during the call\n"))
+        return items
+
+    monkeypatch.setattr(session, "_payload_items", items_then_an_edit)
+    h = inventory.load(env.inventory).hosts["gpu"]
+    with session.HostSession(h) as s:
+        res = s.call("ops.probe", [])
+    assert res.exited == 0, (res.exited, res.stderr)
+    assert len(reads) >= 2 and (env.workdir / session.PAYLOADS / "kimi_eagle_host" / "edited_meanwhile.py").exists()

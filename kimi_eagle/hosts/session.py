@@ -57,6 +57,7 @@ class HostSession:
         self.host = host
         self.transport = transport or open_transport(host)
         self._deployed = None
+        self._deployed_digest = None
 
     @property
     def name(self) -> str:
@@ -81,7 +82,8 @@ class HostSession:
         if self._deployed is None:
             items = _payload_items()
             report = sync.sync(self.transport, self.path(PAYLOADS), items)
-            sync.sync(self.transport, self.path(PAYLOADS), [sync.Item(remote=MANIFEST, data=_manifest(items).encode())])
+            self._deployed_digest = _manifest(items)
+            sync.sync(self.transport, self.path(PAYLOADS), [sync.Item(remote=MANIFEST, data=self._deployed_digest.encode())])
             self._deployed = report
         return self._deployed
 
@@ -90,18 +92,23 @@ class HostSession:
 
         The command checks MANIFEST first; on a mismatch (exit 222) the set is deployed and the call repeated.
         """
-        digest = _manifest(_payload_items())
         python = templating.sh_path(self.host.python)
-        cmd = (f"cd {templating.sh_path(self.host.workdir)} && "
-               f"[ \"$(cat {PAYLOADS}/{MANIFEST} 2>/dev/null)\" = {templating.quote(digest)} ] || exit 222; "
-               f"{pythonpath_export()}; exec {python} {templating.sh_join([*module_argv(module), *args])}")
+
+        def command(digest: str) -> str:
+            return (f"cd {templating.sh_path(self.host.workdir)} && "
+                    f"[ \"$(cat {PAYLOADS}/{MANIFEST} 2>/dev/null)\" = {templating.quote(digest)} ] || exit 222; "
+                    f"{pythonpath_export()}; exec {python} {templating.sh_join([*module_argv(module), *args])}")
+
         if self._deployed is None:
-            res = self.transport.run(cmd, timeout=timeout)
+            digest = _manifest(_payload_items())
+            res = self.transport.run(command(digest), timeout=timeout)
             if res.exited != 222:
-                self._deployed = sync.SyncReport(self.name, self.path(PAYLOADS))
+                self._deployed, self._deployed_digest = sync.SyncReport(self.name, self.path(PAYLOADS)), digest
                 return res
             self.deploy_payloads()
-        return self.transport.run(cmd, timeout=timeout)
+        # The digest of the set deployed, not one read before it: a checkout edited in between (a developer saving a
+        # file while a command runs) would otherwise fail this call with a bare exit 222.
+        return self.transport.run(command(self._deployed_digest), timeout=timeout)
 
     def payload_wrapper(self, name: str, module: str) -> tuple[str, str]:
         """The wrapper that runs payload `module` with the host's env and Python: (path under the workdir, text).
