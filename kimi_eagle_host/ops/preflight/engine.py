@@ -14,6 +14,7 @@ from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_m
 ENGINE_STEPS = ("regenerate", "choose", "eval")
 # extract's engine holds max(64, --batch-size) prompts of --seq-len + 1 tokens at once (extract_vllm.extract_native).
 EXTRACT_PROMPTS = 64
+DEFAULT_CAPTURED = 4   # the default layer ids: three aux layers and the last (target.model_layers.default_layer_ids)
 
 
 def check_engine_memory(args, ctx: dict) -> list[dict]:
@@ -35,8 +36,12 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
     gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
     free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
     for step, (tokens, sequences) in loads.items():
+        # extraction's engine also keeps each token's captured hidden states in its KV-cache blocks until saved
+        extra = (len(args.layer_ids_parsed or ()) or DEFAULT_CAPTURED) * int(ctx.get("hidden_size") or 0) * 2 \
+            if step == "extract" else 0
         try:
-            memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total)
+            memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total,
+                                        extra_bytes_per_token=extra)
             out.append(check("engine-memory", "pass", f"{step}: {memory['says']}"))
         except ValueError as e:
             out.append(check("engine-memory", "fail", f"{step}: {e}",
