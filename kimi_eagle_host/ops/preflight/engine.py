@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from kimi_eagle_host.engine.extract_vllm import hidden_state_bytes_per_token
 from kimi_eagle_host.ops.preflight.gpu import query_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check
+from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
 from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_memory
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
@@ -14,7 +16,6 @@ from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_m
 ENGINE_STEPS = ("regenerate", "choose", "eval")
 # extract's engine holds max(64, --batch-size) prompts of --seq-len + 1 tokens at once (extract_vllm.extract_native).
 EXTRACT_PROMPTS = 64
-DEFAULT_CAPTURED = 4   # the default layer ids: three aux layers and the last (target.model_layers.default_layer_ids)
 
 
 def check_engine_memory(args, ctx: dict) -> list[dict]:
@@ -36,9 +37,8 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
     gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
     free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
     for step, (tokens, sequences) in loads.items():
-        # extraction's engine also keeps each token's captured hidden states in its KV-cache blocks until saved
-        extra = (len(args.layer_ids_parsed or ()) or DEFAULT_CAPTURED) * int(ctx.get("hidden_size") or 0) * 2 \
-            if step == "extract" else 0
+        extra = hidden_state_bytes_per_token(args.model, captured_ids(args, ctx), "bfloat16") \
+            if step == "extract" and args.model else 0
         try:
             memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total,
                                         extra_bytes_per_token=extra)
@@ -47,6 +47,16 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
             out.append(check("engine-memory", "fail", f"{step}: {e}",
                              f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
     return out
+
+
+def captured_ids(args, ctx: dict) -> list[int]:
+    """The layer ids extraction will capture: those given, else the model's defaults (none known: none)."""
+    if args.layer_ids_parsed:
+        return list(args.layer_ids_parsed)
+    try:
+        return default_layer_ids(ctx["num_layers"]) if ctx.get("num_layers") else []
+    except LayerIdError:
+        return []
 
 
 def step_engine_load(step: str, settings: dict) -> tuple[int, int]:
