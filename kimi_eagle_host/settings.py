@@ -194,6 +194,9 @@ STEP_SETTINGS = [
     *_per_step(("train", "eval"), "tracking_dir", "text", None, "tensorboard's folder (default <output-dir>/tracking)",
                nonempty=True),
     _step("regenerate", "chunk_size", "int", 64, "conversations per resumable chunk", positive=True),
+    _step("regenerate", "batching", "choice", "auto", "vllm engine: stream (a conversation's next turn queued as "
+          "its answer arrives, 2 chunks at once) or rounds (one call per turn of a chunk); auto: stream; hf: rounds",
+          choices=("auto", "stream", "rounds")),
     _step("regenerate", "seed", "int", 0, "sampling seed"),
     _step("regenerate", "batch_size", "int", 16, "hf engine: prompts per generate call", positive=True),
     _step("regenerate", "self_prompt_tokens", "int", 256, "length cap of a prompt the target writes, in tokens",

@@ -393,6 +393,13 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
         {"id": f"c{i}", "category": "writing" if i % 2 else "math",
          "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "user", "content": "And why?"}]}
         for i in range(4)])
+    # Conversations of 1 to 5 turns, one whose 4th turn no longer fits the context: regenerate's stream (continuous
+    # batching, vLLM's default here) must give what the rounds give, chunk by chunk, and cut the same turns.
+    turns = [1, 5, 2, 4, 1, 3, 2]
+    multi = chat_file(tmp_path / "multi.jsonl", [
+        {"id": f"m{i}", "messages": [{"role": "user", "content": ("word " * 150 if (i, r) == (3, 3) else
+                                                                  f"Turn {r} of {i}?")} for r in range(n)]}
+        for i, n in enumerate(turns)])
     draft = export_untrained_draft(tmp_path, tiny_llama)
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_FLASHINFER_SAMPLER")}
 
@@ -409,11 +416,21 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
         assert available < VLLM_CPU_DEFAULT_SHARE * total  # vLLM's default share cannot be had
         out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
                    "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256)
+        answered = {}
+        for batching in ("stream", "rounds"):
+            answered[batching] = step("regenerate.py", "--model", tiny_llama, "--dataset", multi, "--engine", "vllm",
+                                      "--output-dir", tmp_path / batching, "--max-tokens", 4, "--max-model-len", 160,
+                                      "--chunk-size", 2, "--vllm-dtype", "float32", "--batching", batching)
         rep = step("eval.py", "--model", tiny_llama, "--draft", draft, "--prompts", prompts, "--engine", "vllm",
                    "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
     assert out["engine"] == "vllm" and out["engine_env"] == wanted and out["engine_memory"].startswith(sized)
     assert out["engine_memory"].endswith(in_process) and rep["engine_memory"].endswith(in_process)
-    assert out["turns_answered_now"] == 8
+    assert out["turns_answered_now"] == 8 and out["batching"] == "stream"
+    for batching, res in answered.items():
+        assert res["batching"] == batching and res["chunks_done_now"] == 4
+        assert res["turns_answered_now"] == sum(turns) - 1 and res["turns_cut_for_context_now"] == 1
+    stream, rounds = (answers_of(tmp_path / b)[0] for b in ("stream", "rounds"))
+    assert [len(a) for a in stream] == [1, 5, 2, 3, 1, 3, 2] and stream == rounds
     assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == "0.32.0"
     assert rep["engine_memory"].startswith(sized)
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0

@@ -693,6 +693,75 @@ def st_mtb_eval(gpu):
     return run("mtb_eval", cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
 
 
+# --- regenerate at scale (#37): continuous batching vs rounds, then the recipe's >= 50k conversations ------------
+RPIPE = SHM / "regen"
+OUT_FILES = WORK / "out_files"  # files collect() hands back beside side_by_side.json (<= 15 MiB each)
+
+
+def regen_cmd(out_dir: Path, *extra) -> list[str]:
+    """regenerate as recipes/smollm2-quality-gpu.yaml runs it: ShareGPT by name, every turn that fits 2048
+    tokens, answers <= 256 tokens, greedy, chunks of 512, vLLM with CUDA graphs."""
+    return [PY, *payload("regenerate.py"), "--model", str(SMOL), "--dataset", "sharegpt", "--output-dir", str(out_dir),
+            "--engine", "vllm" if not TINY else "hf", "--max-turns", "0",
+            "--max-tokens", os.environ.get("KE_MTB_MAX_TOKENS", "256" if not TINY else "8"),
+            "--max-model-len", "2048", "--chunk-size", os.environ.get("KE_REGEN_CHUNK", "512" if not TINY else "4"),
+            "--dedupe", "near", "--scripts", "latin", "--min-prompt-chars", "8",
+            *([] if TINY else ["--no-enforce-eager"]), *map(str, extra)]
+
+
+def answers_in(out_dir: Path) -> dict:
+    rows = [json.loads(x) for x in (out_dir / "regenerated" / "chat.jsonl").read_text().splitlines() if x]
+    return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in rows}
+
+
+def st_regen_ab(gpu):
+    """The same ShareGPT conversations (KE_REGEN_AB_CONVERSATIONS, all their turns) answered twice, one after the
+    other on the idle GPU: in rounds (one vLLM call per turn of a chunk: what LLM.chat in a loop does) and as a
+    stream (each conversation's next turn queued as its answer arrives). Answer tokens/s of both and the ratio."""
+    n = os.environ.get("KE_REGEN_AB_CONVERSATIONS", "3000" if not TINY else "8")
+    res = {}
+    for batching in ("rounds", "stream") if not TINY else ("rounds",):
+        shutil.rmtree(RPIPE / f"ab_{batching}", ignore_errors=True)
+        r = run("regen_ab", regen_cmd(RPIPE / f"ab_{batching}", "--max-prompts", n, "--batching", batching), gpu,
+                sites=("site-early", "site-vllm"), timeout=900)
+        t = r.get("throughput") or {}
+        res[batching] = {"turns": r.get("turns_answered_now"), "turns_cut": r.get("turns_cut_for_context_now"),
+                         "conversations": r.get("conversations"), "answer_tokens": t.get("answer_tokens_now"),
+                         "generating_s": t.get("generating_s_now"), "tokens_per_s": t.get("tokens_per_s_now"),
+                         "elapsed_s": r.get("elapsed_s"), "wall_s": r.get("wall_s"), "batching": r.get("batching")}
+    if "stream" in res:
+        a, b = (answers_in(RPIPE / f"ab_{x}") for x in ("rounds", "stream"))
+        turns = [(x, y) for k in a for x, y in zip(a[k], b.get(k, []))]
+        res["same_conversations"] = round(sum(a[k] == b.get(k) for k in a) / max(1, len(a)), 4)
+        res["same_turns"] = round(sum(x == y for x, y in turns) / max(1, len(turns)), 4)
+        res["stream_over_rounds_tokens_per_s"] = round(res["stream"]["tokens_per_s"] / res["rounds"]["tokens_per_s"], 2)
+    return res
+
+
+def st_regen_scale(gpu):
+    """The recipe's data: every usable ShareGPT conversation plus prompts SmolLM2 writes itself until the set holds
+    KE_REGEN_CONVERSATIONS (50,000), answered as a stream. The chunks, the target's prompts and the provenance come
+    back as .tar.xz parts (OUT_FILES) so that a later session resumes from them instead of generating again."""
+    out = RPIPE / "scale"
+    n = os.environ.get("KE_REGEN_CONVERSATIONS", "50000" if not TINY else "12")
+    limit = os.environ.get("KE_REGEN_MAX_PROMPTS")  # a rehearsal's few ShareGPT conversations (default: all)
+    r = run("regen_scale", regen_cmd(out, *(["--max-prompts", limit] if limit else []), "--self-prompts", n,
+                                     "--self-prompt-tokens", "256",
+                                     "--self-prompt-temperature", "1.0"), gpu, sites=("site-early", "site-vllm"),
+            timeout=float(os.environ.get("KE_REGEN_TIMEOUT_S", "1500")))
+    reg = out / "regenerated"
+    r["chat_jsonl_bytes"] = (reg / "chat.jsonl").stat().st_size if (reg / "chat.jsonl").exists() else None
+    OUT_FILES.mkdir(parents=True, exist_ok=True)
+    t0 = now()
+    tar = WORK / "regen_scale.tar.xz"
+    members = [p.name for p in (reg / "chunks", reg / "self_prompts", reg / "manifest.json") if p.exists()]
+    subprocess.run(["tar", "-C", str(reg), "-cf", str(tar), "-I", "xz -6 -T0", *members], check=True)
+    subprocess.run(["split", "-b", "15M", "-d", str(tar), str(OUT_FILES / "regen_scale.tar.xz.")], check=True)
+    r["packed"] = {"bytes": tar.stat().st_size, "parts": sorted(p.name for p in OUT_FILES.glob("regen_scale.*")),
+                   "sha256": sha256_file(tar), "seconds": round(now() - t0, 1)}
+    return r
+
+
 # --- offline vs online on the same prepared data and training tokens (hidden states never written) ----------
 OPIPE = SHM / "mtb_online"
 
@@ -894,7 +963,10 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          # the A/B: in this lane, after ours (on one GPU the lanes run one after the other)
          ("mtb_spec", st_mtb_spec, ["mtb_train", "bundle-early"]),
          ("mtb_eval_spec", st_mtb_eval_spec, ["mtb_spec", "bundle-vllm"]),
-         ("mtb_ab", st_mtb_ab, ["mtb_eval", "mtb_eval_spec"])]
+         ("mtb_ab", st_mtb_ab, ["mtb_eval", "mtb_eval_spec"]),
+         # regenerate at scale: stream vs rounds, then the GPU recipe's >= 50k conversations
+         ("regen_ab", st_regen_ab, ["smol_model", "bundle-vllm"]),
+         ("regen_scale", st_regen_scale, ["smol_model", "bundle-vllm"])]
 # After both lanes, on every GPU: (name, function, needs).
 FINAL = [("engine_mem", st_engine_mem, ["bundle-early", "bundle-vllm"]),
          ("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
@@ -1090,6 +1162,8 @@ def collect(out: Path) -> None:
     merged["_elapsed_s"] = round(now() - float((WORK / "runner.started").read_text()), 1) \
         if (WORK / "runner.started").exists() else None
     write_json(out / "side_by_side.json", merged)
+    for p in sorted(OUT_FILES.glob("*")) if OUT_FILES.exists() else []:  # data a stage hands back (regen_scale)
+        shutil.copy(p, out / p.name)
     with tarfile.open(out / "side_by_side_logs.tar.gz", "w:gz") as tar:
         for p in sorted(D["logs"].glob("*.log")):
             data = tail(p, 400_000).encode()

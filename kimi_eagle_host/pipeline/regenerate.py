@@ -70,7 +70,7 @@ def shard_chunks(n_chunks, rank, world_size):
 
 def code_version():
     return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py",
-                                        "data/curation.py", "data/self_prompts.py"))
+                                        "data/curation.py", "data/self_prompts.py", "data/answering.py"))
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -86,7 +86,7 @@ def engine_load(args):
 
 
 class VllmGenerator:
-    def __init__(self, args, memory):
+    def __init__(self, args, memory, tok):
         """`memory`: vllm_compat.size_engine's answer for this engine (its environment is set already)."""
         from vllm import LLM, EngineArgs
 
@@ -94,7 +94,7 @@ class VllmGenerator:
                        tensor_parallel_size=args.tp_size, trust_remote_code=True, seed=args.seed,
                        enforce_eager=args.enforce_eager, **memory["kwargs"],
                        **text_only_engine_kwargs(args.model, EngineArgs))
-        self.args = args
+        self.args, self.tok = args, tok
 
     def __call__(self, convs, seed):
         """[(answer text, answer tokens)] for a batch of chats."""
@@ -102,6 +102,24 @@ class VllmGenerator:
 
         sp = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.max_tokens, seed=seed)
         return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in self.llm.chat(convs, sp, use_tqdm=False)]
+
+    def start(self, request_id, chat, seed):
+        """Queue one turn on the engine (answering.Stream): continuous batching across conversations and turns.
+        The prompt is the chat template's tokens, as LLM.chat renders them."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = self.tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        sp = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.max_tokens, seed=seed,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(ids)}, sp)
+
+    def finished(self):
+        """One engine step: [(request id, answer text, answer tokens)] of the requests it finished. (vLLM versions
+        that suffix request ids internally report the caller's id; the split covers those that do not.)"""
+        return [(o.request_id.split("-", 1)[0], o.outputs[0].text, len(o.outputs[0].token_ids))
+                for o in self.llm.llm_engine.step() if o.finished]
 
     def complete(self, prompt_ids, n, seed):
         """n samples continuing the token ids `prompt_ids` (the self-written prompts), each with its own seed."""
@@ -188,6 +206,23 @@ class Counted:
     def complete(self, prompt_ids, n, seed):
         return self.gen.complete(prompt_ids, n, seed)
 
+    @property
+    def streams(self):
+        """Whether the engine batches continuously (answering.Stream) rather than in rounds."""
+        return hasattr(self.gen, "start")
+
+    def start(self, request_id, chat, seed):
+        t0 = time.time()  # rendering and tokenizing the chat: part of a stream's cost, as of LLM.chat's in rounds
+        self.gen.start(request_id, chat, seed)
+        self.seconds += time.time() - t0
+
+    def finished(self):
+        t0 = time.time()
+        out = self.gen.finished()
+        self.seconds += time.time() - t0
+        self.tokens += sum(n for _, _, n in out)
+        return out
+
     def throughput(self):
         return {"answer_tokens_now": self.tokens, "generating_s_now": round(self.seconds, 2),
                 "tokens_per_s_now": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None}
@@ -212,7 +247,7 @@ class Engine:
         if self.gen is None:
             if self.name == "vllm":
                 self.size()
-                self.gen = Counted(VllmGenerator(self.args, self.memory))
+                self.gen = Counted(VllmGenerator(self.args, self.memory, self.tok))
             else:
                 self.gen = Counted(HFGenerator(self.args, self.tok))
         return self.gen
@@ -241,33 +276,6 @@ def pick_engine(name):
 
 
 # ---------------------------------------------------------------------------------------------- answering
-
-def answer_conversations(gen, convs, budget, seed, max_turns):
-    """Each conversation's answers, turn by turn, batched across conversations; (answers, turns cut)."""
-    answers = [[] for _ in convs]
-    used = [c.first_tokens for c in convs]
-    cut = 0
-    rounds = max(len(c.user_turns) for c in convs)
-    if max_turns:
-        rounds = min(rounds, max_turns)
-    alive = set(range(len(convs)))  # conversations whose turns so far all fitted
-    for r in range(rounds):
-        batch = [i for i in sorted(alive) if r < len(convs[i].user_turns)]
-        if r > 0:  # does the next turn still fit the context after the answers so far?
-            grown = budget.count([convs[i].user_turns[r] for i in batch])
-            for i, n in zip(batch, grown):
-                used[i] += n + budget.per_message
-            stop = [i for i in batch if not budget.fits(used[i])]
-            cut += len(stop)
-            alive -= set(stop)
-            batch = [i for i in batch if i in alive]
-        if not batch:
-            break
-        for i, (text, n) in zip(batch, gen([convs[i].messages(answers[i]) for i in batch], seed + r)):
-            answers[i].append(text)
-            used[i] += n + budget.per_message
-    return answers, cut
-
 
 def conversation_row(conv, answers):
     msgs = list(conv.system)
@@ -439,25 +447,44 @@ def add_self_prompts(args, convs, tok, budget, curator, engine, out_dir):
     return added, record
 
 
+def chunk_seed(args, c):
+    """Chunk c's sampling seed; turn r of its conversations samples with this + r (rounds and stream alike)."""
+    return args.seed * 1_000_003 + c * 1009
+
+
 def answer_chunks(args, engine, convs, budget, chunks_dir, todo):
-    """Answer every chunk in `todo` and write it (atomically): (turns answered, turns cut for the context)."""
-    answered = cut = done_convs = 0
+    """Answer every chunk in `todo` and write each (atomically) as it completes: (turns answered, turns cut for
+    the context, how the engine was kept busy)."""
+    from kimi_eagle_host.data.answering import Stream, answer_in_rounds
+
     gen = engine.get()
     t0 = time.time()
+    totals = {"answered": 0, "cut": 0, "chunks": 0, "convs": 0}
     progress_line("regenerate", 0, len(todo))
-    for n, c in enumerate(todo, 1):
+
+    def write(c, answers, cut):
         rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
-        answers, chunk_cut = answer_conversations(gen, rows, budget, args.seed * 1_000_003 + c * 1009, args.max_turns)
         lines = [json.dumps(conversation_row(conv, a), ensure_ascii=False) for conv, a in zip(rows, answers)]
-        answered += sum(len(a) for a in answers)
-        cut += chunk_cut
         atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
-        log(f"regenerate: chunk {n}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
-        done_convs += len(rows)
+        totals["answered"] += sum(len(a) for a in answers)
+        totals["cut"] += cut
+        totals["chunks"] += 1
+        totals["convs"] += len(rows)
+        log(f"regenerate: chunk {totals['chunks']}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
         # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
         dt = max(time.time() - t0, 1e-9)
-        progress_line("regenerate", n, len(todo), every_s=0, tok_s=gen.tokens / dt, prompts_s=done_convs / dt)
-    return answered, cut
+        progress_line("regenerate", totals["chunks"], len(todo), every_s=0, tok_s=gen.tokens / dt,
+                      prompts_s=totals["convs"] / dt)
+
+    batching = "stream" if gen.streams and args.batching in ("auto", "stream") else "rounds"
+    if batching == "stream":
+        chunks = [(c, convs[c * args.chunk_size:(c + 1) * args.chunk_size], chunk_seed(args, c)) for c in todo]
+        Stream(gen, budget, args.max_turns, window=2 * args.chunk_size).run(chunks, write)
+    else:
+        for c in todo:
+            rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
+            write(c, *answer_in_rounds(gen, rows, budget, chunk_seed(args, c), args.max_turns))
+    return totals["answered"], totals["cut"], batching
 
 
 def check_args(args):
@@ -489,6 +516,8 @@ def run(args):
                                                                args.max_turns, least=least)
     convs, dropped_long = check_lengths(convs, budget, args.dataset, args.long_prompts)
     engine_name, engine_env = pick_engine(args.engine)
+    if args.batching == "stream" and engine_name != "vllm":
+        raise BadInput(f"--batching stream: needs the vllm engine (continuous batching); this run's is {engine_name}")
     engine = Engine(args, engine_name, tok)
     self_record = None
     if args.self_prompts > len(convs):
@@ -516,7 +545,7 @@ def run(args):
     log(f"regenerate: {len(convs)} conversations ({sum(len(c.user_turns) for c in convs)} user turns) in {n_chunks} "
         f"chunks; rank {args.rank}/{args.world_size} owns {len(mine)}, {len(mine) - len(todo)} already done")
     t0 = time.time()
-    answered, cut = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0)
+    answered, cut, batching = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0, None)
     throughput = engine.gen.throughput() if engine.gen else None
     engine.close()
     manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
@@ -529,7 +558,8 @@ def run(args):
             "engine_memory": engine.memory and engine.memory["says"], "run_key": key,
             "not_reused_because": changed if before else None, "conversations": len(convs),
             "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
-            "chunks_done_now": len(todo), "turns_answered_now": answered, "turns_cut_for_context_now": cut,
+            "chunks_done_now": len(todo), "batching": batching, "turns_answered_now": answered,
+            "turns_cut_for_context_now": cut,
             "rank": args.rank, "world_size": args.world_size, "dataset": final, "out_dir": out_dir,
             "source": prov, "curation": manifest["curation"] and {k: manifest["curation"][k] for k in
                                                                    ("in", "out", "dropped")},
