@@ -710,7 +710,8 @@ def regen_cmd(out_dir: Path, *extra) -> list[str]:
 
 
 def answers_in(out_dir: Path) -> dict:
-    rows = [json.loads(x) for x in (out_dir / "regenerated" / "chat.jsonl").read_text().splitlines() if x]
+    # split on "\n" only: str.splitlines() also splits on U+2028 and friends, which answers carry unescaped
+    rows = [json.loads(x) for x in (out_dir / "regenerated" / "chat.jsonl").read_text().split("\n") if x]
     return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in rows}
 
 
