@@ -721,9 +721,12 @@ def st_regen_ab(gpu):
     stream (each conversation's next turn queued as its answer arrives). Answer tokens/s of both and the ratio."""
     n = os.environ.get("KE_REGEN_AB_CONVERSATIONS", "3000" if not TINY else "8")
     res = {}
-    for batching in ("rounds", "stream") if not TINY else ("rounds",):
+    engines = os.environ.get("KE_REGEN_ENGINES", "4")  # the third run: that many engines share the GPU
+    runs = {"rounds": ["--batching", "rounds"], "stream": ["--batching", "stream"],
+            f"stream_{engines}_engines": ["--batching", "stream", "--engines", engines]}
+    for batching, flags in runs.items() if not TINY else [("rounds", ["--batching", "rounds"])]:
         shutil.rmtree(RPIPE / f"ab_{batching}", ignore_errors=True)
-        r = run("regen_ab", regen_cmd(RPIPE / f"ab_{batching}", "--max-prompts", n, "--batching", batching), gpu,
+        r = run("regen_ab", regen_cmd(RPIPE / f"ab_{batching}", "--max-prompts", n, *flags), gpu,
                 sites=("site-early", "site-vllm"), timeout=900)
         t = r.get("throughput") or {}
         res[batching] = {"turns": r.get("turns_answered_now"), "turns_cut": r.get("turns_cut_for_context_now"),
@@ -736,6 +739,8 @@ def st_regen_ab(gpu):
         res["same_conversations"] = round(sum(a[k] == b.get(k) for k in a) / max(1, len(a)), 4)
         res["same_turns"] = round(sum(x == y for x, y in turns) / max(1, len(turns)), 4)
         res["stream_over_rounds_tokens_per_s"] = round(res["stream"]["tokens_per_s"] / res["rounds"]["tokens_per_s"], 2)
+        several = res[f"stream_{engines}_engines"]
+        res["engines_over_one_tokens_per_s"] = round(several["tokens_per_s"] / res["stream"]["tokens_per_s"], 2)
     return res
 
 
@@ -747,6 +752,7 @@ def st_regen_scale(gpu):
     n = os.environ.get("KE_REGEN_CONVERSATIONS", "50000" if not TINY else "12")
     limit = os.environ.get("KE_REGEN_MAX_PROMPTS")  # a rehearsal's few ShareGPT conversations (default: all)
     r = run("regen_scale", regen_cmd(out, *(["--max-prompts", limit] if limit else []), "--self-prompts", n,
+                                     "--engines", os.environ.get("KE_REGEN_ENGINES", "4") if not TINY else "1",
                                      "--self-prompt-tokens", "256",
                                      "--self-prompt-temperature", "1.0"), gpu, sites=("site-early", "site-vllm"),
             timeout=float(os.environ.get("KE_REGEN_TIMEOUT_S", "1500")))

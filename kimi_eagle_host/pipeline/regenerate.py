@@ -28,8 +28,11 @@ sha256, the digest of the prompts kept and written, the model, every setting tha
 the same key skips finished chunks; a re-run with another prompts file or other settings starts a new key,
 says which settings changed, and never reports the old answers as its own.
 Sharded: --rank/--world-size take contiguous ranges of chunks (every rank can run on its own host or GPU);
-whichever rank finds every chunk present writes chat.jsonl. --self-prompts needs --world-size 1 (one process
-writes the prompts; its engine then answers them).
+whichever rank finds every chunk present writes chat.jsonl. The target's prompts are written by one process: a rank
+of several (--world-size > 1) reads them and refuses where they are not all written yet.
+--engines N: this process's chunks are answered by N processes of this step at once, each a rank of its own with its
+part of a GPU (engine/engine_processes.py; a small target's engine is bound by one CPU core, not by its GPU); the
+prompts are written first, by this process, and chat.jsonl once all have finished.
 Engines: vllm (LLM.chat, batched; when the host's vLLM imports) or hf (transformers generate, batched,
 left-padded). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
 the same answers as an uninterrupted one (per engine).
@@ -46,11 +49,12 @@ import time
 
 from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.step_runtime import parse_step_args
-from kimi_eagle_host.step_runtime import (BadInput, atomic_write, atomic_write_json, files_digest, log, package_dir,
-                                          model_fingerprint, model_identity, progress_line, run_step,
+from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, log,
+                                          model_fingerprint, model_identity, package_dir, progress_line, run_step,
                                           stdout_for_result_only)
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
+from kimi_eagle_host.engine.engine_processes import one_of_several, run_ranks
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
 KEYED = ("model", "weights", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
@@ -433,7 +437,13 @@ def add_self_prompts(args, convs, tok, budget, curator, engine, out_dir):
         lengths[cid] = n
         return curator.judge(cid, [text])
 
-    writer = Writer(folder, lambda ids, n, seed: engine.get().complete(ids, n, seed),
+    def complete(ids, n, seed):
+        if args.world_size > 1:  # ranks would each write other prompts: only one process writes them
+            raise BadInput(f"--self-prompts {args.self_prompts} with --world-size {args.world_size}: the target "
+                           "writes its prompts in one process; run regenerate with --world-size 1 first")
+        return engine.get().complete(ids, n, seed)
+
+    writer = Writer(folder, complete,
                     tok(opening, add_special_tokens=False)["input_ids"], stops, args.chunk_size, args.seed)
     kept = writer.fill(needed, accept)
     added = [Conversation(id=cid, line=0, user_turns=[text], first_tokens=lengths[cid]) for cid, text in kept]
@@ -487,6 +497,26 @@ def answer_chunks(args, engine, convs, budget, chunks_dir, todo):
     return totals["answered"], totals["cut"], batching
 
 
+def answer_with_engines(args):
+    """This process's chunks answered by --engines processes of this step at once (engine/engine_processes.py):
+    what they answered together; refused (exit 1) when one failed, after the others finished theirs."""
+    results = run_ranks(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
+                        args.engines, args.rank, args.world_size)
+    failed = [f"engine {i}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
+    if failed:
+        raise Refused(f"{len(failed)} of {args.engines} engines failed ({'; '.join(failed)}); the chunks the "
+                         "others answered are kept: a re-run answers the rest")
+    tokens = sum((r.get("throughput") or {}).get("answer_tokens_now") or 0 for r in results)
+    seconds = max((r.get("throughput") or {}).get("generating_s_now") or 0 for r in results)
+    return {"engines": args.engines, "turns_answered": sum(r["turns_answered_now"] for r in results),
+            "turns_cut": sum(r["turns_cut_for_context_now"] for r in results),
+            "batching": next((r["batching"] for r in results if r.get("batching")), None),
+            "throughput": {"answer_tokens_now": tokens, "generating_s_now": round(seconds, 2),
+                           "tokens_per_s_now": round(tokens / seconds, 1) if seconds > 0 else None},
+            "each": [{k: r.get(k) for k in ("rank", "world_size", "chunks_done_now", "turns_answered_now",
+                                             "throughput", "engine_memory")} for r in results]}
+
+
 def check_args(args):
     if not 0 <= args.rank < args.world_size:
         raise BadInput(f"--rank {args.rank}: must be in 0..{args.world_size - 1} (--world-size {args.world_size})")
@@ -494,9 +524,9 @@ def check_args(args):
         raise BadInput("--temperature and --max-turns must be >= 0, --max-tokens and --chunk-size >= 1")
     if args.self_prompts < 0 or args.self_prompt_tokens < 1 or args.self_prompt_temperature <= 0:
         raise BadInput("--self-prompts must be >= 0, --self-prompt-tokens >= 1, --self-prompt-temperature > 0")
-    if args.self_prompts and args.world_size > 1:
-        raise BadInput(f"--self-prompts {args.self_prompts} with --world-size {args.world_size}: the target writes "
-                       "its prompts in one process; run regenerate with --world-size 1")
+    if args.engines > 1 and args.tp_size > 1:
+        raise BadInput(f"--engines {args.engines} with --tp-size {args.tp_size}: several engines on a host are for a "
+                       "target one GPU holds; run one engine over the GPUs (--engines 1)")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise BadInput(f"{args.model}/config.json: missing (--model must be a local model folder)")
 
@@ -531,7 +561,7 @@ def run(args):
     n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
     mine = shard_chunks(n_chunks, args.rank, args.world_size)
     todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
-    if todo:
+    if todo and args.engines == 1:  # several engines size themselves, each in its own process
         engine.size()
     fresh = not os.path.isdir(chunks_dir)
     os.makedirs(chunks_dir, exist_ok=True)
@@ -545,13 +575,21 @@ def run(args):
     log(f"regenerate: {len(convs)} conversations ({sum(len(c.user_turns) for c in convs)} user turns) in {n_chunks} "
         f"chunks; rank {args.rank}/{args.world_size} owns {len(mine)}, {len(mine) - len(todo)} already done")
     t0 = time.time()
-    answered, cut, batching = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0, None)
-    throughput = engine.gen.throughput() if engine.gen else None
+    engines = None
+    if todo and args.engines > 1:
+        engine.close()  # the prompts' writer gives its memory to the engines that answer
+        engines = answer_with_engines(args)
+        answered, cut, batching, throughput = (engines["turns_answered"], engines["turns_cut"], engines["batching"],
+                                               engines["throughput"])
+    else:
+        answered, cut, batching = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0, None)
+        throughput = engine.gen.throughput() if engine.gen else None
     engine.close()
     manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
                 "dropped_long_prompts": dropped_long, "curation": curator.report() if curator.policy.active()
                 else None, "self_prompts": self_record, "throughput": throughput}
-    final = merge(out_dir, chunks_dir, n_chunks, args.chunk_size, manifest)
+    # one of several engines leaves chat.jsonl to the process that started them all
+    final = None if one_of_several() else merge(out_dir, chunks_dir, n_chunks, args.chunk_size, manifest)
     if final:
         log(f"regenerate: wrote {final}")
     return {"ok": True, "step": "regenerate", "engine": engine_name, "engine_env": engine_env,
@@ -565,11 +603,14 @@ def run(args):
                                                                    ("in", "out", "dropped")},
             "self_prompts": self_record and {k: self_record[k] for k in (
                 "written", "needed", "batches", "batches_written_now", "tokens_per_s_now", "stalled")},
-            "throughput": throughput, "elapsed_s": round(time.time() - t0, 2)}
+            "throughput": throughput, "engines": engines, "elapsed_s": round(time.time() - t0, 2)}
 
 
 def main(argv=None):
-    return run_step("regenerate", run, parse_step_args("regenerate", argv, __doc__))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_step_args("regenerate", argv, __doc__)
+    args.step_argv = [*argv, "--engines", "1"]  # what each of several engines runs (engine_processes.run_ranks)
+    return run_step("regenerate", run, args)
 
 
 if __name__ == "__main__":
