@@ -17,6 +17,22 @@ import re
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 
 
+def text_config_of(cfg: dict) -> dict:
+    """The text model's config: a multimodal wrapper's (Kimi-K2.5) text_config, else the config itself."""
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def read_text_config(model_dir) -> dict | None:
+    """The text part of <model_dir>/config.json as a dict; None where there is no readable one. Every reader of a
+    target's sizes (KV bytes, hidden size, positions, layers) starts here, without importing transformers."""
+    try:
+        with open(os.path.join(str(model_dir), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return text_config_of(cfg) if isinstance(cfg, dict) else None
+
+
 def _mla(t: dict) -> bool:
     return bool(t.get("kv_lora_rank")) and bool(t.get("qk_rope_head_dim"))
 
@@ -102,6 +118,19 @@ def stored_weight_bytes(model_dir: str) -> tuple[int | None, str]:
     if files:
         return sum(os.path.getsize(f) for f in files), f"sum of {len(files)} safetensors file(s)"
     return None, "unknown"
+
+
+def model_weight_bytes(model_dir, text_config: dict | None = None, dtype: str | None = None,
+                       quantization: dict | None = None) -> tuple[int | None, str]:
+    """(bytes, how) of a target's weights: as stored (stored_weight_bytes), else from its config's dims (a target
+    whose weights are not there yet: preflight before a download); (None, "unknown") when neither says."""
+    size, how = stored_weight_bytes(model_dir) if model_dir else (None, "unknown")
+    if size is not None:
+        return size, how
+    t = text_config if text_config is not None else (read_text_config(model_dir) if model_dir else None) or {}
+    if not (t.get("hidden_size") and t.get("num_hidden_layers") and t.get("num_attention_heads")):
+        return None, "unknown"
+    return weight_bytes(t, dtype or "bfloat16", quantization)
 
 
 def weight_bytes(t: dict, dtype: str = "bfloat16", quantization: dict | None = None) -> tuple[int, str]:

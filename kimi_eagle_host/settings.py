@@ -122,7 +122,7 @@ PIPELINE_SETTINGS = [
     _s("online_spool_dir", "text", "/dev/shm", "online: where the buffer lives (a memory file system; a folder "
        "unique to the job is made in it and removed at the end)", ("train",), nonempty=True),
     _s("engine_gpus", "ints", None, "online: the GPUs (of those visible) the engine uses (unset: the trainer's)",
-       ("train",)),
+       ("train", _PF)),
     _s("train_gpus", "ints", None, "online: the GPUs (of those visible) the trainer uses (unset: all)", ("train",)),
     _s("draft_vocab_size", "int", 32000, "draft vocabulary (most frequent target tokens)", ("vocab",), positive=True),
     _s("epochs", "float", 1.0, "passes over the samples (0.5 = half of them)", ("train",), positive=True),

@@ -158,21 +158,13 @@ ENGINE_OVERHEAD_BYTES = 6 * GIB
 def model_kv_bytes_per_token(model_dir: str, tp: int = 1) -> int | None:
     """KV-cache bytes per token of the model in `model_dir` (its config.json; a text_config inside counts), or None
     when the config does not say."""
-    import json
+    from kimi_eagle_host.model_size import kv_bytes_per_token, read_text_config
 
-    from kimi_eagle_host.model_size import kv_bytes_per_token
-
+    t = read_text_config(model_dir)
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        return kv_bytes_per_token(text_config_of(cfg), tp)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return kv_bytes_per_token(t, tp) if t else None
+    except (KeyError, TypeError, ZeroDivisionError):
         return None
-
-
-def text_config_of(cfg: dict) -> dict:
-    """The text model's config: a multimodal wrapper's (Kimi-K2.5) text_config, else the config itself."""
-    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def host_memory_available() -> tuple[int, int]:
@@ -268,9 +260,9 @@ def step_engine_memory(model_dir: str | None, tp: int, seq_tokens: int, sequence
     one = per_token * seq_tokens
     weights = None
     if beside_trainer:
-        from kimi_eagle_host.model_size import stored_weight_bytes
+        from kimi_eagle_host.model_size import model_weight_bytes
 
-        weights = (stored_weight_bytes(model_dir)[0] or 0) // max(tp, 1) if model_dir else 0
+        weights = (model_weight_bytes(model_dir)[0] or 0) // max(tp, 1) if model_dir else 0
     return engine_memory(one * min(max(sequences, 1), MAX_NUM_SEQS), least_bytes=one, gpu_free_total=gpu_free_total,
                          beside_trainer_weights=weights, environ=environ)
 

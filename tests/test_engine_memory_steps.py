@@ -142,6 +142,12 @@ def test_preflight_says_what_the_regenerate_and_eval_engines_take(v32):
         assert c["status"] == "pass" and c["detail"].startswith(f"{step}: {sized}"), c
     (c,) = preflight(v32, "eval", env={**v32["env"], "VLLM_CPU_KVCACHE_SPACE": "3"})
     assert c["status"] == "pass" and "KV cache 3 GiB of host memory (VLLM_CPU_KVCACHE_SPACE as set" in c["detail"]
+    # online, train runs extract's engine itself: preflight sizes that one (with the hidden states it keeps), not
+    # extract's, and says where it runs
+    (c,) = preflight(v32, "train", "--hidden-states", "online")
+    assert c["status"] == "pass" and c["detail"].startswith(f"train (online engine, beside the trainer): {sized}"), c
+    (c,) = preflight(v32, "all", "--hidden-states", "online", "--engine-gpus", "1")
+    assert c["status"] == "pass" and c["detail"].startswith(f"train (online engine): {sized}"), c
     (c,) = preflight(v32, "regenerate", "--step-settings", json.dumps({"regenerate": {"max_model_len": HUGE_CONTEXT}}))
     assert c["status"] == "fail" and c["detail"].startswith("regenerate: host memory:") and "\n" not in c["detail"]
     assert "VLLM_CPU_KVCACHE_SPACE" in c["fix"]

@@ -90,38 +90,38 @@ def test_the_target_writes_prompts_from_its_own_templates_opening_until_the_set_
 
 
 def test_several_engines_answer_their_shards_at_once_and_write_what_one_engine_writes(tmp_path, target):
-    """--engines 3: the step writes the target's prompts once, then three processes of itself answer a third of the
+    """--engines 2: the step writes the target's prompts once, then two processes of itself answer half of the
     chunks each at the same time; chat.jsonl is byte for byte one engine's, its manifest counts every turn, a second
     run finds every chunk done and starts no engine, and a failing engine fails the step after the others finish."""
     data = prompts_file(tmp_path / "p.jsonl", PUBLIC)
     code, one, err = self_prompted(target, data, tmp_path / "one", 14)
     assert code == 0, err
-    code, three, err = self_prompted(target, data, tmp_path / "three", 14, "--engines", 3)
+    code, two, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
     assert code == 0, err
-    assert three["engines"]["engines"] == 3 and three["chunks"] == 4
-    each = three["engines"]["each"]
-    assert [(e["rank"], e["world_size"]) for e in each] == [(0, 3), (1, 3), (2, 3)]
-    assert [e["chunks_done_now"] for e in each] == [2, 1, 1]  # the 4 chunks dealt out, none twice
-    chat = (tmp_path / "three" / "regenerated" / "chat.jsonl").read_bytes()
+    assert two["engines"]["engines"] == 2 and two["chunks"] == 4
+    each = two["engines"]["each"]
+    assert [(e["rank"], e["world_size"]) for e in each] == [(0, 2), (1, 2)]
+    assert [e["chunks_done_now"] for e in each] == [2, 2]  # the 4 chunks dealt out, none twice
+    chat = (tmp_path / "two" / "regenerated" / "chat.jsonl").read_bytes()
     assert chat == (tmp_path / "one" / "regenerated" / "chat.jsonl").read_bytes()
-    assert three["turns_answered_now"] == one["turns_answered_now"] == 14
-    assert three["self_prompts"]["batches_written_now"] == one["self_prompts"]["batches_written_now"] > 0
-    manifest = json.loads((tmp_path / "three" / "regenerated" / "manifest.json").read_text())
+    assert two["turns_answered_now"] == one["turns_answered_now"] == 14
+    assert two["self_prompts"]["batches_written_now"] == one["self_prompts"]["batches_written_now"] > 0
+    manifest = json.loads((tmp_path / "two" / "regenerated" / "manifest.json").read_text())
     assert manifest["throughput"]["answer_tokens_now"] == one["throughput"]["answer_tokens_now"]
-    code, again, err = self_prompted(target, data, tmp_path / "three", 14, "--engines", 3)
+    code, again, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
     assert code == 0 and again["chunks_done_now"] == 0 and again["engines"] is None, err
     # an engine that cannot write its last chunk (a folder stands where the file goes): the step fails naming it,
     # after the others wrote theirs, and writes no chat.jsonl
-    chunks = next((tmp_path / "three" / "regenerated" / "chunks").iterdir())
+    chunks = next((tmp_path / "two" / "regenerated" / "chunks").iterdir())
     for f in chunks.glob("c_*.jsonl"):
         f.unlink()
     (chunks / "c_00000012.jsonl" / "in-the-way").mkdir(parents=True)
-    (tmp_path / "three" / "regenerated" / "chat.jsonl").unlink()
-    code, out, err = self_prompted(target, data, tmp_path / "three", 14, "--engines", 3)
-    assert code == 1 and out["error"].startswith("1 of 3 engines failed (engine 2: "), err
+    (tmp_path / "two" / "regenerated" / "chat.jsonl").unlink()
+    code, out, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
+    assert code == 1 and out["error"].startswith("1 of 2 engines failed (engine 1: "), err
     assert sorted(f.name for f in chunks.glob("c_*.jsonl") if f.is_file()) == [
         "c_00000000.jsonl", "c_00000004.jsonl", "c_00000008.jsonl"]
-    assert not (tmp_path / "three" / "regenerated" / "chat.jsonl").exists()
+    assert not (tmp_path / "two" / "regenerated" / "chat.jsonl").exists()
 
 
 def test_a_stopped_prompt_writer_continues_its_batches_without_duplicates(tmp_path, target):

@@ -17,7 +17,7 @@ import sys
 
 from kimi_eagle_host.step_runtime import BadInput, Refused, run_step
 from kimi_eagle_host.target.model_layers import engine_default_aux_ids
-from kimi_eagle_host.vllm_compat import text_config_of
+from kimi_eagle_host.model_size import text_config_of
 
 # What vLLM's model runner does (0.16 and 0.32 alike): the draft config's eagle_aux_hidden_state_layer_ids when
 # the list is non-empty, else the target model's default (2, N//2, N-3); 0.32 then sorts and de-duplicates them.

@@ -5,11 +5,10 @@ answer of --max-tokens to every turn), at most the model's positions (max_positi
 wrapper's text config for a multimodal model). Given, it must fit the model: vLLM refuses a longer context at
 engine start with a validation traceback; here it is one line naming the flag and the model's limit (exit 2).
 """
-import json
 import os
 
 from kimi_eagle_host.step_runtime import BadInput
-from kimi_eagle_host.vllm_compat import text_config_of
+from kimi_eagle_host.model_size import read_text_config
 
 FLAG = "--max-model-len"
 # What preflight sizes an engine for when the step will derive its context from the prompts (it has none).
@@ -20,12 +19,7 @@ POSITION_FIELDS = ("max_position_embeddings", "max_sequence_length", "seq_length
 
 def model_positions(model_dir: str) -> tuple[int | None, str | None]:
     """(positions the model can attend over, the config field that says so); (None, None) where none says."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None, None
-    tc = text_config_of(cfg) if isinstance(cfg, dict) else {}
+    tc = read_text_config(model_dir) or {}
     for name in POSITION_FIELDS:
         value = tc.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

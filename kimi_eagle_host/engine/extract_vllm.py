@@ -18,8 +18,9 @@ from kimi_eagle_host.data.hidden_state_files import error_path, sample_path, tak
 from kimi_eagle_host.target.model_layers import LayerIdError
 from kimi_eagle_host.step_runtime import Refused, log, payload_root, progress, stdout_for_result_only
 from kimi_eagle_host.versions import at_least
+from kimi_eagle_host.model_size import read_text_config
 from kimi_eagle_host.vllm_compat import (CPU_KV_ENV, engine_env_defaults, extraction_path, size_engine,
-                                         text_config_of, text_only_engine_kwargs, vllm_install)
+                                         text_only_engine_kwargs, vllm_install)
 
 KIMI_EAGLE_PATCH_MARKER = "kimi-eagle-patch"
 CONNECTOR = "KimiEagleHiddenStatesConnector"
@@ -232,12 +233,9 @@ def native_engine(args, layer_ids, info, out_dir, chunk):
 def hidden_state_bytes_per_token(model_dir, layer_ids, dtype) -> int:
     """What extract_hidden_states keeps per token in the engine's KV-cache blocks until our connector saves it: one
     hidden_size vector per captured layer (vLLM's CacheOnly attention layer). 0 when the config does not say."""
-    import json
-
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            hidden = int(text_config_of(json.load(f))["hidden_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        hidden = int((read_text_config(model_dir) or {})["hidden_size"])
+    except (KeyError, ValueError, TypeError):
         return 0
     return len(layer_ids) * hidden * (4 if dtype == "float32" else 2)
 

@@ -8,7 +8,7 @@
   tokens_per_s_by_k   tokens/s at every k' <= k from the target alone and the run at k (step time linear in k)
 """
 from kimi_eagle_host.step_runtime import stdout_for_result_only
-from kimi_eagle_host.vllm_compat import text_config_of
+from kimi_eagle_host.model_size import text_config_of
 
 
 def vllm_support(target_cfg):

@@ -43,7 +43,8 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
                                           stdout_for_result_only)
 from kimi_eagle_host.training.tracker import open_tracker, tracking_dir, wanted
-from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_config_of
+from kimi_eagle_host.model_size import text_config_of
+from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine
 from kimi_eagle_host.engine import context_length
 # what choose serves with too: whether vLLM can serve EAGLE-3 here (bench/gpu/kimi_stage.py asks it here), and
 # vLLM's spec-decode counters

@@ -33,7 +33,7 @@ import os
 import sys
 
 from kimi_eagle_host.gpus import query_gpus
-from kimi_eagle_host.model_size import stored_weight_bytes
+from kimi_eagle_host.model_size import model_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
 
@@ -64,10 +64,10 @@ def _nvidia_smi_sizes() -> list[int]:
 
 
 def model_bytes(model: str | None) -> int | None:
-    """Size of a local model's weights as stored, None if unknown (not a local folder, no safetensors)."""
+    """Size of a local model's weights (as stored, else from its config's dims), None if unknown."""
     if not model or not os.path.isdir(model):
         return None
-    return stored_weight_bytes(model)[0] or None
+    return model_weight_bytes(model)[0] or None
 
 
 def replica_size(setting: str, gpus: list[int], model: str | None) -> int:

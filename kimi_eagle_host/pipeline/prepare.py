@@ -171,9 +171,10 @@ def target_vocab_size(model, tok):
     """Rows of the target's embedding (config vocab_size), never less than the tokenizer's id range."""
     n = len(tok)
     try:
-        from kimi_eagle_host.target.model_layers import local_text_config_dict, text_config
+        from kimi_eagle_host.model_size import read_text_config
+        from kimi_eagle_host.target.model_layers import text_config
 
-        local = local_text_config_dict(model)
+        local = read_text_config(model)
         if local and local.get("vocab_size"):
             return max(n, int(local["vocab_size"]))
         from transformers import AutoConfig

@@ -33,8 +33,9 @@ of several (--world-size > 1) reads them and refuses where they are not all writ
 --engines N: this process's chunks are answered by N processes of this step at once, each a rank of its own with its
 part of a GPU (engine/engine_processes.py; a small target's engine is bound by one CPU core, not by its GPU); the
 prompts are written first, by this process, and chat.jsonl once all have finished.
-Engines: vllm (LLM.chat, batched; when the host's vLLM imports) or hf (transformers generate, batched,
-left-padded). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
+Engines: vllm (when the host's vLLM imports: a conversation's next turn is queued the moment its answer arrives,
+data/answering.py's stream; --batching rounds: one LLM.chat call per turn of a chunk) or hf (transformers generate,
+batched, left-padded, in rounds). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
 the same answers as an uninterrupted one (per engine).
 
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input.
@@ -259,6 +260,7 @@ class Engine:
     def close(self):
         if self.gen is not None:
             self.gen.close()
+            self.gen = None  # closed once: the prompts' writer closes before several engines answer, then again
 
 
 def hf_dtype(args, device):
@@ -505,7 +507,7 @@ def answer_with_engines(args):
     failed = [f"engine {i}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
     if failed:
         raise Refused(f"{len(failed)} of {args.engines} engines failed ({'; '.join(failed)}); the chunks the "
-                         "others answered are kept: a re-run answers the rest")
+                      "others answered are kept: a re-run answers the rest")
     tokens = sum((r.get("throughput") or {}).get("answer_tokens_now") or 0 for r in results)
     seconds = max((r.get("throughput") or {}).get("generating_s_now") or 0 for r in results)
     return {"engines": args.engines, "turns_answered": sum(r["turns_answered_now"] for r in results),

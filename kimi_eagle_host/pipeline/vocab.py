@@ -55,9 +55,10 @@ def load_freq(path):
 
 
 def model_vocab_size(model):
-    from kimi_eagle_host.target.model_layers import local_text_config_dict, text_config
+    from kimi_eagle_host.model_size import read_text_config
+    from kimi_eagle_host.target.model_layers import text_config
 
-    local = local_text_config_dict(model)
+    local = read_text_config(model)
     if local and local.get("vocab_size"):
         return int(local["vocab_size"])
     from transformers import AutoConfig

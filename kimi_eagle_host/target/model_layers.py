@@ -170,31 +170,15 @@ def parse_layer_ids(text, num_layers):
     return sorted(ids)
 
 
-def local_text_config_dict(model_path):
-    """The text part of <model_path>/config.json as a dict, or None when there is no local config.json.
-
-    Lets light steps (vocab, argument checks) read sizes without importing transformers (seconds per process).
-    Falls back to the top level when there is no nested text_config.
-    """
-    import json
-    import os
-
-    path = os.path.join(str(model_path), "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        cfg = json.load(f)
-    tc = cfg.get("text_config")
-    return tc if isinstance(tc, dict) else cfg
-
-
 def model_info(model_path):
     """{num_layers, hidden_size, model_class} of a target: from its config.json alone when that says them (no
     transformers import), else through transformers' AutoConfig (trust_remote_code)."""
     import json
     import os
 
-    local = local_text_config_dict(model_path)
+    from kimi_eagle_host.model_size import read_text_config
+
+    local = read_text_config(model_path)
     if local and local.get("num_hidden_layers") and local.get("hidden_size"):
         with open(os.path.join(model_path, "config.json")) as f:
             arch = (json.load(f).get("architectures") or ["?"])[0]

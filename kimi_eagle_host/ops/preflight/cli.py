@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=1, help="training epochs, for the storage plan's hours (default 1)")
     p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
                    help="online: no hidden-state files; the storage check shows what the run costs instead")
+    p.add_argument("--engine-gpus", default=None,
+                   help="online: the GPUs the engine uses (unset: the trainer's, and the engine is sized beside it)")
     p.add_argument("--step-settings", default=None,
                    help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
                         "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")

@@ -22,8 +22,13 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
     """What each vLLM engine of this job will take: the sizing the steps use (vllm_compat.step_engine_memory), from
     the memory free now (the first GPU's, or the host's), one check per step that starts an engine."""
     loads = {}
-    if args.engine == "vllm" and args.step in ("extract", "all") and ctx.get("vllm_path") == "native":
-        loads["extract"] = (args.seq_len + 1, EXTRACT_PROMPTS)
+    online = args.hidden_states == "online" and args.step in ("train", "all")
+    if args.engine == "vllm" and ctx.get("vllm_path") == "native":
+        # online, train runs extract's engine itself (no extract step), beside the trainer unless engine_gpus says
+        if online:
+            loads["train"] = (args.seq_len + 1, EXTRACT_PROMPTS)
+        elif args.step in ("extract", "all"):
+            loads["extract"] = (args.seq_len + 1, EXTRACT_PROMPTS)
     out = []
     for step, settings in args.step_settings_parsed.items():
         transformers = not ctx.get("vllm") or settings.get("engine") == "hf" or \
@@ -38,13 +43,15 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
     free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
     for step, (tokens, sequences) in loads.items():
         extra = hidden_state_bytes_per_token(args.model, captured_ids(args, ctx), "bfloat16") \
-            if step == "extract" and args.model else 0
+            if step in ("extract", "train") and args.model else 0
+        beside = step == "train" and not args.engine_gpus
+        label = f"{step} (online engine{', beside the trainer' if beside else ''})" if step == "train" else step
         try:
             memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total,
-                                        extra_bytes_per_token=extra)
-            out.append(check("engine-memory", "pass", f"{step}: {memory['says']}"))
+                                        beside_trainer=beside, extra_bytes_per_token=extra)
+            out.append(check("engine-memory", "pass", f"{label}: {memory['says']}"))
         except ValueError as e:
-            out.append(check("engine-memory", "fail", f"{step}: {e}",
+            out.append(check("engine-memory", "fail", f"{label}: {e}",
                              f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
     return out
 

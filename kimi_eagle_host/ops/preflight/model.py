@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from kimi_eagle_host.model_size import stored_weight_bytes, weight_bytes
+from kimi_eagle_host.model_size import model_weight_bytes
 from kimi_eagle_host.ops.preflight.report import check
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
 from kimi_eagle_host.vllm_compat import final_layer_capture
@@ -126,13 +126,7 @@ def installed_engine_layers(args, ctx: dict, ids: list[int], n: int):
 
 def model_bytes(model: str, ctx: dict) -> tuple[int | None, str]:
     """Weight bytes on disk (safetensors index total_size, else file sizes), else from the config's dims."""
-    size, how = stored_weight_bytes(model)
-    if size is not None:
-        return size, how
-    t = ctx.get("text_config") or {}
-    if not (t.get("hidden_size") and t.get("num_hidden_layers") and t.get("num_attention_heads")):
-        return None, "unknown"
-    return weight_bytes(t, ctx.get("dtype") or "bfloat16", ctx.get("quantization"))
+    return model_weight_bytes(model, ctx.get("text_config") or {}, ctx.get("dtype"), ctx.get("quantization"))
 
 
 def model_source_checks(args) -> list[dict]:

