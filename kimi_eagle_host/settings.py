@@ -212,6 +212,7 @@ STEP_SETTINGS = [
           "skip for a dataset name, fail for a file", choices=("auto", "fail", "skip")),
     _step("prepare", "shard_size", "int", 10000, "samples per shard file", positive=True),
     _step("prepare", "max_samples", "int", 0, "stop after this many samples (0 = all)", minimum=0),
+    _step("prepare", "workers", "int", 0, "tokenizing processes (0: one per CPU core, at most 16)", minimum=0),
     _step("extract", "prepared_dir", "text", None, "read prepared samples here instead of <output-dir>/prepared",
           nonempty=True),
     _step("extract", "validate", "switch", False, "only check the outputs of this rank's range"),

@@ -191,6 +191,31 @@ def test_no_held_out_document_or_other_prepared_data_is_bad_input(trained, tmp_p
     assert code == 2 and "not the prepared data the candidates were trained on" in doc["error"], (doc, err)
 
 
+def test_eval_names_what_the_draft_was_trained_on_and_the_chosen_checkpoint(trained, tmp_path):
+    """eval's record says how many conversations trained the draft and which checkpoint it is: the last step's
+    export, then the candidate the choose step installed (its own install, as after serving)."""
+    from kimi_eagle_host.pipeline.choose import install
+
+    off, _ = trained["offline"]
+    out = tmp_path / "o"
+    for part in ("prepared", "vocab", "draft"):
+        shutil.copytree(off / part, out / part)
+    ev = ("eval", "--model", trained["model"], "--output-dir", out, "--prompts", SAMPLE, "--num-prompts", 1,
+          "--max-tokens", 4, "--engine", "hf", "--batch-sizes", 1, "--timing-prompts", 1, "--report-to", "none")
+    code, doc, err = run(*ev)
+    assert code == 0, err[-2000:]
+    assert doc["draft_training"] == {"conversations": 12, "held_out_conversations": 4, "steps": 6,
+                                     "chosen_step": None, "chosen_why": None, "candidates_served": None}
+    assert "12 training conversations, the last of 6 steps" in doc["card"], doc["card"]
+    install(str(out / "draft" / "candidates" / "step_00000002"), str(out / "draft" / "export"),
+            {"chosen_step": 2, "why": "highest acceptance length", "checkpoints": [{}, {}, {}]})
+    code, doc, err = run(*ev, "--no-reuse-baseline")
+    assert code == 0, err[-2000:]
+    assert doc["draft_training"]["chosen_step"] == 2 and doc["draft_training"]["candidates_served"] == 3
+    assert doc["draft_training"]["conversations"] == 12
+    assert "checkpoint of step 2 chosen by serving" in doc["card"], doc["card"]
+
+
 # ---------------------------------------------------------------------------------------------- choosing, unit
 
 def test_the_choice_is_the_best_served_and_none_accepted_is_a_failure():

@@ -310,6 +310,24 @@ def test_prepare_bad_rows_messages_and_skip(models, tmp_path):
     assert PreparedDataset(str(tmp_path / "o" / "prepared")).lines == [1, 4, 6, 7, 8]
 
 
+def test_prepare_in_several_processes_writes_what_one_writes(models, tmp_path):
+    """--workers N tokenizes in N processes: the same shards, byte for byte, as one process, --max-samples too."""
+    lines = open(SAMPLE, encoding="utf-8").read().splitlines()
+    data = tmp_path / "many.jsonl"   # more rows than one worker's block (256), so several workers get some
+    data.write_text("\n".join(lines * (1100 // len(lines) + 1)) + "\n", encoding="utf-8")
+    digests = {}
+    for workers, limit in (("1", "0"), ("3", "0"), ("1", "700"), ("3", "700")):
+        out = tmp_path / f"w{workers}_{limit}"
+        code, res, err = run("prepare", "--model", models["llama"], "--dataset", data, "--output-dir", out,
+                             "--seq-len", str(SEQ_LEN), "--workers", workers, "--max-samples", limit)
+        assert code == 0, err
+        assert ("tokenizing in 3 processes" in err) == (workers == "3")
+        man = json.load(open(out / "prepared" / "manifest.json"))
+        digests[workers, limit] = ([s["sha256"] for s in man["shards"]], man["token_freq_sha256"], res["count"])
+    assert digests["1", "0"] == digests["3", "0"] and digests["1", "0"][2] >= 1100
+    assert digests["1", "700"] == digests["3", "700"] and digests["1", "700"][2] == 700
+
+
 # ----------------------------------------------------------------------------------------------------
 # extract
 

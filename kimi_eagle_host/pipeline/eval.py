@@ -380,6 +380,11 @@ def summarize(m, k, convs, meta, batch_sizes):
     rep["card"] = (f"{meta['benchmark']} ({len(convs)} prompts, {m['turns']} turns), k={k}, {meta['engine_name']}: "
                    f"acceptance length {rep['mean_acceptance_length']:.2f} (per position "
                    f"{', '.join(f'{a:.0%}' for a in rep['acceptance_per_position'])}); {speed}")
+    trained = meta.get("draft_training") or {}
+    if trained.get("conversations") is not None:
+        rep["card"] += (f"; the draft: {trained['conversations']} training conversations, "
+                        + (f"checkpoint of step {trained['chosen_step']} chosen by serving"
+                           if trained.get("chosen_step") is not None else f"the last of {trained['steps']} steps"))
     rep["headline"] = (f"acceptance length {rep['mean_acceptance_length']:.2f} at k={k} on {meta['benchmark']} "
                        f"(per position {', '.join(f'{a:.0%}' for a in rep['acceptance_per_position'])}); {speed}; "
                        f"identical completions {rep['identical_completions']:.0%} [{meta['engine_name']}, "
@@ -594,7 +599,8 @@ def run(args):
     if why:
         meta["fallback_reason"] = why
     meta.update({"benchmark": benchmark_name(args.prompts, named, prov), "dataset": prov,
-                 "model": os.path.abspath(args.model), "draft": args.draft, "prompts_file": path,
+                 "model": os.path.abspath(args.model), "draft": args.draft, "draft_training": draft_training(args.draft),
+                 "prompts_file": path,
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
     warnings = drafting_problems(m, meta["engine_name"])
     rep = summarize(m, k, convs, meta, batch_sizes)
@@ -609,6 +615,25 @@ def run(args):
     if smoke_failed:
         raise smoke_failed
     return rep
+
+
+def draft_training(draft_dir: str) -> dict:
+    """What the measured draft was trained on and which checkpoint it is, for the record: train's
+    training_info.json (documents = conversations, held-out ones, steps) and, when the choose step installed it,
+    the step it chose and why. Empty fields for a draft made elsewhere (no training_info.json)."""
+    def optional(name):
+        try:
+            with open(os.path.join(draft_dir, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    meta, selection = optional("training_info.json").get("meta") or {}, optional("selection.json")
+    samples, held = meta.get("n_samples"), meta.get("holdout")
+    return {"conversations": samples - held if samples is not None and held is not None else None,
+            "held_out_conversations": held, "steps": meta.get("total_steps"),
+            "chosen_step": selection.get("chosen_step"), "chosen_why": selection.get("why"),
+            "candidates_served": len(selection.get("checkpoints") or []) or None}
 
 
 def benchmark_name(value, named, prov):

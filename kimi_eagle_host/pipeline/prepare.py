@@ -278,16 +278,67 @@ def load_tokenizer(model: str):
     return tok
 
 
-def tokenize_rows(args, tok, rows, bad_row) -> tuple[list, int]:
-    """(samples: (ids, mask, line number) cut to --seq-len, rows dropped for having no trained token left)."""
-    samples, dropped = [], 0
-    for lineno, messages, _ in progress(rows, total=len(rows), desc="prepare"):
+# Rows per task handed to a worker: large enough that pickling is a small part of the work, small enough that the
+# progress bar moves and --max-samples stops soon after it is reached.
+BLOCK_ROWS = 256
+_worker_job = None   # (tokenizer, seq_len): what a forked worker inherits from the parent
+
+
+def worker_count(setting: int, rows: int) -> int:
+    """Processes that tokenize: `setting`, or 0 = one per CPU core this process may use (at most 16); one for a
+    small input, where starting them costs more than it saves."""
+    if setting:
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 16, rows // (4 * BLOCK_ROWS)))
+
+
+def _tokenize_block(block):
+    """(line number, ids, mask) of each row of `block`, cut to seq_len; (line number, None, why) for a bad one."""
+    tok, seq_len = _worker_job
+    out = []
+    for lineno, messages in block:
         try:
             ids, mask = tokenize_with_mask(tok, messages)
         except BadRow as e:
-            bad_row(lineno, e)
+            out.append((lineno, None, str(e)))
             continue
-        ids, mask = ids[:args.seq_len], mask[:args.seq_len]
+        out.append((lineno, ids[:seq_len], mask[:seq_len]))
+    return out
+
+
+def tokenized(args, tok, rows):
+    """_tokenize_block's triples for every row, in row order whatever --workers is: the chat template is Python
+    (Jinja) and runs once per assistant turn, so 50k multi-turn conversations take minutes in one process."""
+    global _worker_job
+    _worker_job = (tok, args.seq_len)
+    blocks = [[(lineno, messages) for lineno, messages, _ in rows[i:i + BLOCK_ROWS]]
+              for i in range(0, len(rows), BLOCK_ROWS)]
+    workers = worker_count(args.workers, len(rows))
+    if workers == 1:
+        for block in blocks:
+            yield from _tokenize_block(block)
+        return
+    import multiprocessing
+
+    # The workers fork with the loaded tokenizer; its own thread pool must not be running across a fork.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    log(f"[prepare] tokenizing in {workers} processes")
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for result in pool.imap(_tokenize_block, blocks):
+            yield from result
+
+
+def tokenize_rows(args, tok, rows, bad_row) -> tuple[list, int]:
+    """(samples: (ids, mask, line number) cut to --seq-len, rows dropped for having no trained token left)."""
+    samples, dropped = [], 0
+    for lineno, ids, mask in progress(tokenized(args, tok, rows), total=len(rows), desc="prepare"):
+        if ids is None:
+            bad_row(lineno, BadRow(mask))
+            continue
         if not mask.any():  # everything trainable was truncated away
             dropped += 1
             continue
