@@ -38,3 +38,16 @@ def query_gpus(fields: str, nvidia_smi: str | None = None, timeout: float = 30,
     if res.returncode != 0:
         return None
     return [[cell.strip() for cell in line.split(",")] for line in res.stdout.splitlines() if line.strip()]
+
+
+def cuda_visible_names(environ=os.environ) -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names, in its order (indices or UUIDs); None when it is not set; [] when it
+    hides every GPU (empty, or a first name starting with "-": CUDA stops reading the list there)."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return None
+    names = [n.strip() for n in cvd.split(",") if n.strip()]
+    if names and names[0].startswith("-"):
+        return []
+    return names[:next((i for i, n in enumerate(names) if n.startswith("-")), len(names))]
+

@@ -175,6 +175,21 @@ def test_a_host_that_cannot_serve_fails_the_step_and_keeps_the_export(trained):
     assert not (out / "choose" / "report.json").exists()
 
 
+def test_candidates_without_a_held_out_document_are_refused_before_training(trained, tmp_path):
+    """choose_checkpoints with a holdout fraction that holds no document out would fail only in choose, after the
+    whole training: train refuses it first, in one line naming both settings, and writes no draft."""
+    off, _ = trained["offline"]
+    out = tmp_path / "o"
+    for part in ("prepared", "vocab", "hidden_states"):
+        shutil.copytree(off / part, out / part)
+    code, doc, err = run("train", "--model", trained["model"], "--output-dir", out,
+                         *[a if a != "0.25" else "0.02" for a in TRAIN])
+    assert code == 2, err[-2000:]
+    assert "--choose-checkpoints 3" in doc["error"] and "--holdout-fraction 0.02 of 16 documents holds none out" \
+        in doc["error"], doc
+    assert not (out / "draft").exists()
+
+
 def test_no_held_out_document_or_other_prepared_data_is_bad_input(trained, tmp_path):
     """Nothing to serve that training never saw, or candidates of other prepared data: exit 2 before any engine."""
     off, _ = trained["offline"]

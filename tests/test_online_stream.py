@@ -67,6 +67,22 @@ def test_engine_and_trainer_gpus_are_narrowed_among_the_visible_ones():
         online_stream.gpu_env({"CUDA_VISIBLE_DEVICES": "5,7"}, [2], "engine_gpus")
 
 
+def test_every_reader_of_cuda_visible_devices_takes_the_names_cuda_does():
+    """One reading of CUDA_VISIBLE_DEVICES for launch, the engines of a step and the online split: names in order,
+    blanks dropped, nothing after a name CUDA stops at ("-1"), none at all for "" or a leading "-1"."""
+    from kimi_eagle_host.engine.engine_processes import gpu_names
+    from kimi_eagle_host.gpus import cuda_visible_names
+    from kimi_eagle_host.pipeline.launch import visible_gpus
+
+    assert cuda_visible_names({}) is None
+    assert cuda_visible_names({"CUDA_VISIBLE_DEVICES": " 3, ,1 "}) == ["3", "1"]
+    assert cuda_visible_names({"CUDA_VISIBLE_DEVICES": "2,-1,0"}) == ["2"]
+    assert cuda_visible_names({"CUDA_VISIBLE_DEVICES": "-1"}) == [] == cuda_visible_names({"CUDA_VISIBLE_DEVICES": ""})
+    assert gpu_names({"CUDA_VISIBLE_DEVICES": "2,-1,0"}) == ["2"]
+    assert len(visible_gpus({"CUDA_VISIBLE_DEVICES": "2,-1,0"})) == 1 and visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert online_stream.gpu_env({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}, [1], "engine_gpus")["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+
+
 def test_the_online_settings_are_checked_like_every_setting():
     hs = settings.SETTINGS["hidden_states"]
     assert settings.check(hs, "online") == "online" and hs.default == "offline"

@@ -820,8 +820,8 @@ def st_scale_data(gpu):
     chat = scale_conversations()
     res = {"merge_s": round(now() - t0, 1), "chat_jsonl_sha256": sha256_file(str(chat))}
     res["prepare"] = run("scale_data", [PY, *payload("prepare.py"), "--model", str(SMOL), "--dataset", str(chat),
-                                        "--output-dir", str(SCALE), "--seq-len", "2048",
-                                        *(["--max-samples", os.environ.get("KE_SCALE_SAMPLES", "40")] if TINY else [])],
+                                        "--output-dir", str(SCALE), "--seq-len", "2048" if not TINY else "256",
+                                        *(["--max-samples", os.environ.get("KE_SCALE_SAMPLES", "60")] if TINY else [])],
                          None, timeout=900)
     res["vocab"] = run("scale_data", [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
                                       "--draft-vocab-size", "8192" if not TINY else "512"], None, timeout=300)

@@ -41,6 +41,7 @@ import threading
 import time
 
 from kimi_eagle_host.data.hidden_state_files import taken_path
+from kimi_eagle_host.gpus import cuda_visible_names
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
 
 SPOOL_PREFIX = "kimi-eagle-online-"
@@ -245,10 +246,10 @@ def gpu_env(env: dict, gpus: list[int] | None, what: str) -> dict:
     """env with CUDA_VISIBLE_DEVICES narrowed to `gpus` (indices among those visible now)."""
     if gpus is None:
         return env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = [v for v in visible.split(",") if v.strip()] if visible else None
+    ids = cuda_visible_names(env) or None   # none named (or all hidden): the indices as given
     if ids is not None and max(gpus) >= len(ids):
-        raise BadInput(f"{what} {gpus}: only {len(ids)} GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})")
+        raise BadInput(f"{what} {gpus}: only {len(ids)} GPU(s) visible "
+                       f"(CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})")
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(ids[g] if ids else str(g) for g in gpus)}
 
 

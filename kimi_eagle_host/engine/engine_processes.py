@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+from kimi_eagle_host.gpus import cuda_visible_names
 from kimi_eagle_host.vllm_compat import GPU_SHARE_ENV
 
 ENGINE_OF_ENV = "KIMI_EAGLE_ENGINE_OF"  # "i/N" in each process a parent started
@@ -27,9 +28,9 @@ DEFAULT_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, split between 
 
 def gpu_names(environ=os.environ) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none on a CPU host)."""
-    cvd = environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        return [n.strip() for n in cvd.split(",") if n.strip() and not n.strip().startswith("-")]
+    names = cuda_visible_names(environ)
+    if names is not None:
+        return names
     try:
         import torch
 

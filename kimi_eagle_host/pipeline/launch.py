@@ -32,7 +32,7 @@ import math
 import os
 import sys
 
-from kimi_eagle_host.gpus import query_gpus
+from kimi_eagle_host.gpus import cuda_visible_names, query_gpus
 from kimi_eagle_host.model_size import model_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
@@ -46,11 +46,8 @@ def visible_gpus(environ=None) -> list[int]:
     """GPU memory sizes in bytes (or 0 when unknown), one entry per GPU this process may use."""
     env = os.environ if environ is None else environ
     sizes = _nvidia_smi_sizes()
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        names = [n.strip() for n in cvd.split(",") if n.strip()]
-        if not names or names[0].startswith("-"):
-            return []
+    names = cuda_visible_names(env)
+    if names is not None:
         # Sizes by index when the names are indices; UUIDs keep an unknown size.
         return [sizes[int(n)] if n.isdigit() and int(n) < len(sizes) else 0 for n in names]
     return sizes
@@ -114,8 +111,7 @@ def decide(a, environ=None) -> dict:
     if a.gpus is not None:
         if a.gpus > len(gpus):
             raise LaunchError(f"--gpus {a.gpus} (the inventory's gpus:) but this host shows {len(gpus)} GPU(s)")
-        names = [n.strip() for n in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()] or \
-            [str(i) for i in range(len(gpus))]
+        names = cuda_visible_names(env) or [str(i) for i in range(len(gpus))]
         set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
         gpus = gpus[:a.gpus]
     single_reason = None

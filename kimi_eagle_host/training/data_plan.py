@@ -57,6 +57,10 @@ def packed(docs: list[int], lengths: list[int], pack_len: int, n_rows: int, seed
 def plan_data(args, lengths: list[int], n_layer_ids: int, hidden: int, device, flex: bool, world_size: int) -> DataPlan:
     """The run's data plan; BadInput when a step would leave a rank without a row."""
     train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed)
+    if getattr(args, "choose_checkpoints", 0) and not held_docs:   # refused now, not after the training
+        raise BadInput(f"--choose-checkpoints {args.choose_checkpoints}: the choose step serves documents training "
+                       f"never saw, but --holdout-fraction {args.holdout_fraction} of {len(lengths)} documents holds "
+                       f"none out (at least {1 / len(lengths):.3g} would hold one)")
     pack_len = args.pack_len or max(lengths[i] for i in train_docs)
     if args.pack_len is None and flex:
         pack_len = -(-pack_len // 128) * 128   # whole attention blocks
