@@ -851,19 +851,28 @@ def st_scale_train(gpu):
 
 def st_scale_choose(gpu):
     """choose: each candidate served by vLLM beside the target on held-out prepared documents (k = 1..5 from one
-    run at 5, tokens/s at batch 1 and 16); the best becomes draft/export, handed back as parts (OUT_FILES) so that
-    a later session can evaluate it without training again."""
-    cmd = [PY, *payload("choose.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
-           "--prompts", os.environ.get("KE_SCALE_CHOOSE_PROMPTS", "32"), "--max-tokens", "128" if not TINY else "8"]
-    res = run("scale_choose", cmd, gpu, sites=("site-early", "site-vllm"), timeout=900)
+    run at 5, tokens/s at batch 1 and 16); the best becomes draft/export. KE_SCALE_CANDIDATES=0: none served, the
+    last step's export stays. KE_SCALE_PACK_EXPORT=1: the export handed back as parts (OUT_FILES)."""
+    if results("scale_train").get("settings", {}).get("choose_checkpoints") == "0":
+        res = {"chosen": "none served: KE_SCALE_CANDIDATES=0, the export is the last step's"}
+    else:
+        res = run("scale_choose", choose_cmd(), gpu, sites=("site-early", "site-vllm"), timeout=900)
+        res.pop("checkpoints", None)   # in choose/report.json (the logs tarball)
+    if os.environ.get("KE_SCALE_PACK_EXPORT") != "1":   # ~80 MB in bf16 with the target's embed_tokens: 4+ parts
+        return res
     OUT_FILES.mkdir(parents=True, exist_ok=True)
     tar = WORK / "scale_export.tar.xz"
     subprocess.run(["tar", "-C", str(SCALE / "draft"), "-cf", str(tar), "-I", "xz -6 -T0", "export"], check=True)
     subprocess.run(["split", "-b", "15M", "-d", str(tar), str(OUT_FILES / "scale_export.tar.xz.")], check=True)
     res["packed_export"] = {"bytes": tar.stat().st_size, "sha256": sha256_file(str(tar)),
                             "parts": sorted(x.name for x in OUT_FILES.glob("scale_export.*"))}
-    res.pop("checkpoints", None)   # in choose/report.json (the logs tarball)
     return res
+
+
+def choose_cmd() -> list[str]:
+    return [PY, *payload("choose.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
+            "--prompts", os.environ.get("KE_SCALE_CHOOSE_PROMPTS", "32"), "--max-tokens", "128" if not TINY else "8",
+            *([] if TINY else ["--no-enforce-eager"])]   # as the recipe: eager, batch 1 ran at 53 tokens/s
 
 
 def scale_eval(stage: str, gpu, prompts: str, k: int, batch_sizes: str, num_prompts: str = "") -> dict:
@@ -883,7 +892,8 @@ def scale_eval(stage: str, gpu, prompts: str, k: int, batch_sizes: str, num_prom
 
 def st_scale_eval(gpu):
     """MT-Bench, 80 questions x 2 turns, k=3, tokens/s with and without the draft at batch 1 and 16: the judged figure."""
-    return scale_eval("scale_eval", gpu, "mt-bench", 3, "1,16", "" if not TINY else "4")
+    return scale_eval("scale_eval", gpu, "mt-bench", 3, os.environ.get("KE_SCALE_EVAL_BATCH_SIZES", "1,16"),
+                      "" if not TINY else "4")
 
 
 def st_scale_eval_k5(gpu):

@@ -89,6 +89,12 @@ class Engine(ServedEngine):
         return round(tokens / max(time.perf_counter() - t0, 1e-9), 2)
 
 
+def timing_prompts(batch_size: int) -> int:
+    """Prompts decoded to time a batch size: two batches, and at least 8 (batch 1 decodes them one after the other:
+    on an H200 with an eager engine, 32 of them took a minute per checkpoint, the larger part of choose's time)."""
+    return max(8, 2 * batch_size)
+
+
 def serve(args, draft, k, memory, prompts, timing, batch_sizes) -> dict:
     """One engine's figures: counters over every prompt (in batches of the larger batch size), tokens/s per batch."""
     eng = Engine(args, draft, k, memory)
@@ -100,7 +106,7 @@ def serve(args, draft, k, memory, prompts, timing, batch_sizes) -> dict:
             tokens += n
             counters = {"drafts": counters["drafts"] + c["drafts"], "accepted": counters["accepted"] + c["accepted"],
                         "per_pos": [a + b for a, b in zip(counters["per_pos"], c["per_pos"])]}
-        speeds = {b: eng.timed(timing, b) for b in batch_sizes}
+        speeds = {b: eng.timed(timing[:timing_prompts(b)], b) for b in batch_sizes}
     finally:
         eng.close()
     return {**counters, "output_tokens": tokens, "tokens_per_s": speeds}
@@ -193,11 +199,11 @@ def run(args):
                       f"exports the last checkpoint without serving)")
     stdout_for_result_only()   # vLLM logs to stdout, also from its workers
     k, batch_sizes = args.max_k, sorted({1, args.batch_size})
-    timing = prompts[:2 * batch_sizes[-1]]
+    timing = prompts[:timing_prompts(batch_sizes[-1])]
     memory = size_engine("choose", args.model, args.tp_size, *engine_load(args))
     log(f"choose: {len(record['candidates'])} checkpoints (steps {[c['step'] for c in record['candidates']]}), "
         f"{len(prompts)} held-out prompts, k={k}, max {args.max_tokens} tokens, tokens/s at batch sizes {batch_sizes} "
-        f"on {len(timing)} prompts, vLLM {info}")
+        f"on {'/'.join(str(len(timing[:timing_prompts(b)])) for b in batch_sizes)} prompts, vLLM {info}")
     baseline = serve(args, None, 0, memory, timing[:1], timing, batch_sizes)["tokens_per_s"]
     log(f"choose: the target alone: {baseline} tokens/s by batch size")
     records = []
