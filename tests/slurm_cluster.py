@@ -16,18 +16,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from sshd import free_port
+
 SLURMCTLD = shutil.which("slurmctld") or "/usr/sbin/slurmctld"
 SLURMD = shutil.which("slurmd") or "/usr/sbin/slurmd"
 
 
 def available() -> bool:
     return os.path.exists(SLURMCTLD) and os.path.exists(SLURMD) and shutil.which("sbatch") is not None and os.geteuid() == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -37,8 +33,8 @@ class SlurmCluster:
         self.root = root
         self.nodes = [f"n{i + 1}" for i in range(nodes)]
         self.cpus, self.gpus, self.partition = cpus, gpus, partition
-        self.ctld_port = _free_port()
-        self.node_ports = {n: _free_port() for n in self.nodes}
+        self.ctld_port = free_port()
+        self.node_ports = {n: free_port() for n in self.nodes}
         self.conf = root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         for d in ("state", "spool", "log"):

@@ -12,8 +12,37 @@ from pathlib import Path
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
+_handed_out: set[int] = set()
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands out as the local end of outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server a test starts later: from below the ephemeral range, never one handed out
+    before in this process. A port of the ephemeral range (bind to 0) can be taken in between as the local end
+    of any outgoing connection, and the tests make hundreds (ssh, torchrun's stores): a rendezvous port then was
+    'in use' now and then."""
+    import random
+
+    lo, hi = 20000, min(ephemeral_low(), 32768)
+    for _ in range(500 if hi - lo > 1000 else 0):
+        port = random.randrange(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:   # no room below the ephemeral range on this machine
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_PIPELINE, Env
-from sshd import Sshd, free_port
+from sshd import Sshd, ephemeral_low, free_port
 
 PY = sys.executable
 DDP = str(REPO / "tests" / "ddp_tiny.py")
@@ -205,6 +205,13 @@ def test_logs_follow_and_stop_cover_every_host(tmp_path, servers):
     data = env.cli("--json", "status", gid).json()
     assert data["state"] == "stopped" and {m["state"] for m in data["members"]} == {"stopped"}
     assert done_ranks(out) == []
+
+
+def test_the_ports_tests_listen_on_are_never_ones_the_kernel_lends_to_outgoing_connections():
+    """A rendezvous (or sshd) port picked early and bound later must not be taken in between as the local end of
+    one of the suite's outgoing connections: picked below the ephemeral range, each one once."""
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 < p < ephemeral_low() for p in ports), ports
 
 
 def test_two_node_training_through_c10d_rendezvous_on_the_first_host(tmp_path, servers):
