@@ -21,6 +21,7 @@ throughout; DeepSeek-V2/V3 and Kimi-K2.5 / Kimi-VL only from vLLM 0.18.
 from __future__ import annotations
 
 import importlib.metadata as md
+import math
 import os
 
 from kimi_eagle_host.versions import at_least, satisfies
@@ -148,6 +149,9 @@ GIB = 1 << 30
 # vLLM's own default share of the device (of host memory on its CPU build): what we ask for at most.
 DEFAULT_UTILIZATION = 0.9
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step holds at most
+# In the environment of each of N engines a step runs at once ("i/N", engine/engine_processes.py): they share the
+# host's memory (and a GPU's, by GPU_SHARE_ENV), so each sizes itself for its part.
+ENGINE_OF_ENV = "KIMI_EAGLE_ENGINE_OF"
 # An engine that shares its GPU with the trainer (online, co-located) is sized for itself: weights, its KV cache and
 # this much for what vLLM's start-up profiling adds (activations of a max-size batch, CUDA graphs, NCCL, the CUDA
 # context). The 4-layer Kimi-K2.5-shaped target's engine at vLLM's default share left its trainer 14.6 of 139.8 GiB
@@ -221,21 +225,37 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
         return {"env": {}, "kwargs": {},
                 "says": f"vLLM engine memory: KV cache {environ[CPU_KV_ENV]} GiB of host memory ({CPU_KV_ENV} as set; "
                         f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
-    cap = int(avail * 0.5 // GIB)
+    engines = engines_at_once(environ)
+    cap = int(avail * 0.5 / engines // GIB)
     want_gib, least_gib = _kv_gib(need_bytes), _kv_gib(least_bytes)
     if least_gib > cap:
-        raise ValueError(f"host memory: {avail / GIB:.1f} of {total / GIB:.1f} GiB available; the vLLM engine's KV cache "
+        raise ValueError(f"host memory: {avail / GIB:.1f} of {total / GIB:.1f} GiB available"
+                         f"{f' to {engines} engines' if engines > 1 else ''}; the vLLM engine's KV cache "
                          f"needs {least_gib} GiB (set {CPU_KV_ENV} to override)")
     gib = min(want_gib, cap)
+    part = "half of what is available" + (f", shared by {engines} engines" if engines > 1 else "")
     return {"env": {CPU_KV_ENV: str(gib)}, "kwargs": {},
             "says": f"vLLM engine memory: KV cache {gib} GiB of host memory ({CPU_KV_ENV}, sized from the step"
-                    f"{f', half of what is available' if gib < want_gib else ''}; "
+                    f"{f', {part}' if gib < want_gib else ''}; "
                     f"{avail / GIB:.1f} of {total / GIB:.1f} GiB available)"}
 
 
 def _kv_gib(nbytes: int) -> int:
     """Whole GiB of CPU KV cache for `nbytes`, a quarter more for block rounding, at least 1."""
     return max(1, -(-int(nbytes * 1.25) // GIB))
+
+
+def engines_at_once(environ=os.environ) -> int:
+    """How many engines of this step run at once on this host: ENGINE_OF_ENV's N, else 1."""
+    try:
+        return max(1, int(environ.get(ENGINE_OF_ENV, "0/1").split("/")[1]))
+    except (ValueError, IndexError):
+        return 1
+
+
+def shared_gpu_share(engines: int, gpus: int) -> float:
+    """Each engine's part of vLLM's default share of its GPU when `engines` are dealt round-robin over `gpus`."""
+    return DEFAULT_UTILIZATION / math.ceil(engines / max(1, gpus))
 
 
 def _users_share(text: str) -> float:

@@ -58,6 +58,31 @@ def test_a_step_wanting_more_than_half_of_what_is_available_gets_half(tmp_path):
     assert tokens * 1024 <= gib * GIB <= available / 2 + GIB and "half of what is available" in m["says"]
 
 
+def test_the_engines_one_step_runs_at_once_each_size_themselves_for_their_part(tmp_path):
+    """regenerate --engines N: on a CPU host the N engines split the half of host memory one engine may take; on a
+    GPU each gets its part of vLLM's default share of its GPU. The step's processes (engine_processes.process_env)
+    and preflight (several_engines_environ) give every engine the same environment to size itself in."""
+    from kimi_eagle_host.engine.engine_processes import process_env
+    from kimi_eagle_host.ops.preflight.engine import several_engines_environ
+    from kimi_eagle_host.vllm_compat import GPU_SHARE_ENV
+
+    model = llama_config(tmp_path / "m")
+    available, _ = meminfo()
+    tokens = available // 32 // 1024   # one sequence fits an eighth of what is available; 256 of them want more
+    one = int(step_engine_memory(str(model), 1, tokens, 256, environ={})["env"]["VLLM_CPU_KVCACHE_SPACE"])
+    env = {k: v for k, v in several_engines_environ(4, 0).items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    four = step_engine_memory(str(model), 1, tokens, 256, environ=env)
+    assert int(four["env"]["VLLM_CPU_KVCACHE_SPACE"]) <= one // 4 + 1 and "shared by 4 engines" in four["says"]
+    with pytest.raises(ValueError, match="available to 16 engines; the vLLM engine's KV cache needs"):
+        step_engine_memory(str(model), 1, tokens, 256, environ={**env, "KIMI_EAGLE_ENGINE_OF": "0/16"})
+    # GPUs: 4 engines on 2 GPUs, two a GPU: 0.45 each, whichever of the two says it
+    step_env = process_env(1, 4, ["0", "1"], environ={})
+    assert step_env[GPU_SHARE_ENV] == several_engines_environ(4, 2)[GPU_SHARE_ENV] == "0.450"
+    gpu = step_engine_memory(str(model), 1, 64, 1, gpu_free_total=(130 * GIB, 140 * GIB), environ=step_env)
+    assert gpu["kwargs"]["gpu_memory_utilization"] == 0.45
+    assert GPU_SHARE_ENV not in several_engines_environ(1, 2)   # one engine: vLLM's own sizing
+
+
 def test_on_a_cpu_host_the_engine_runs_in_the_steps_process_unless_told(tmp_path, capsys):
     """vLLM's engine core and worker would each be a process of their own, each importing vLLM again (half of an
     engine's CPU time on this box): a CPU host's steps keep the engine in their process. The user's setting wins,
@@ -148,6 +173,8 @@ def test_preflight_says_what_the_regenerate_and_eval_engines_take(v32):
     assert c["status"] == "pass" and c["detail"].startswith(f"train (online engine, beside the trainer): {sized}"), c
     (c,) = preflight(v32, "all", "--hidden-states", "online", "--engine-gpus", "1")
     assert c["status"] == "pass" and c["detail"].startswith(f"train (online engine): {sized}"), c
+    (c,) = preflight(v32, "regenerate", "--step-settings", json.dumps({"regenerate": {"engines": 2}}))
+    assert c["status"] == "pass" and c["detail"].startswith(f"regenerate (each of 2 engines): {sized}"), c
     (c,) = preflight(v32, "regenerate", "--step-settings", json.dumps({"regenerate": {"max_model_len": HUGE_CONTEXT}}))
     assert c["status"] == "fail" and c["detail"].startswith("regenerate: host memory:") and "\n" not in c["detail"]
     assert "VLLM_CPU_KVCACHE_SPACE" in c["fix"]

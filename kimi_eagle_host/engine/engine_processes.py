@@ -14,16 +14,12 @@ that the parent alone writes what needs every shard (regenerate's chat.jsonl).
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 
 from kimi_eagle_host.gpus import cuda_visible_names
-from kimi_eagle_host.vllm_compat import GPU_SHARE_ENV
-
-ENGINE_OF_ENV = "KIMI_EAGLE_ENGINE_OF"  # "i/N" in each process a parent started
-DEFAULT_SHARE = 0.9  # vLLM's own default gpu_memory_utilization, split between the engines of a GPU
+from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share
 
 
 def gpu_names(environ=os.environ) -> list[str]:
@@ -45,8 +41,7 @@ def process_env(i: int, n: int, gpus: list[str], environ=os.environ) -> dict:
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         if GPU_SHARE_ENV not in environ:
-            per_gpu = math.ceil(n / len(gpus))
-            env[GPU_SHARE_ENV] = f"{DEFAULT_SHARE / per_gpu:.3f}"
+            env[GPU_SHARE_ENV] = f"{shared_gpu_share(n, len(gpus)):.3f}"
     return env
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from kimi_eagle_host.engine.extract_vllm import hidden_state_bytes_per_token
 from kimi_eagle_host.ops.preflight.gpu import query_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
-from kimi_eagle_host.vllm_compat import CPU_KV_ENV, GPU_SHARE_ENV, step_engine_memory
+from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share, step_engine_memory
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
 # holds at once (engine_load), so preflight sizes it exactly as the step will.
@@ -21,7 +22,7 @@ EXTRACT_PROMPTS = 64
 def check_engine_memory(args, ctx: dict) -> list[dict]:
     """What each vLLM engine of this job will take: the sizing the steps use (vllm_compat.step_engine_memory), from
     the memory free now (the first GPU's, or the host's), one check per step that starts an engine."""
-    loads = {}
+    loads, engines = {}, {}
     online = args.hidden_states == "online" and args.step in ("train", "all")
     if args.engine == "vllm" and ctx.get("vllm_path") == "native":
         # online, train runs extract's engine itself (no extract step), beside the trainer unless engine_gpus says
@@ -37,6 +38,7 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
             continue
         try:
             loads[step] = step_engine_load(step, settings)
+            engines[step] = engines_of(step, settings)
         except ValueError as e:  # the step would refuse this setting itself (exit 2)
             out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
     gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
@@ -46,14 +48,38 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
             if step in ("extract", "train") and args.model else 0
         beside = step == "train" and not args.engine_gpus
         label = f"{step} (online engine{', beside the trainer' if beside else ''})" if step == "train" else step
+        n = engines.get(step, 1)
+        if n > 1:
+            label += f" (each of {n} engines)"
         try:
             memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total,
-                                        beside_trainer=beside, extra_bytes_per_token=extra)
+                                        beside_trainer=beside, extra_bytes_per_token=extra,
+                                        environ=several_engines_environ(n, len(gpus or [])))
             out.append(check("engine-memory", "pass", f"{label}: {memory['says']}"))
         except ValueError as e:
             out.append(check("engine-memory", "fail", f"{label}: {e}",
                              f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
     return out
+
+
+def engines_of(step: str, settings: dict) -> int:
+    """The engines `step` runs at once with these settings (regenerate's `engines`; 1 for the others)."""
+    from kimi_eagle_host.settings import BY_STEP
+
+    if step != "regenerate":
+        return 1
+    return int(settings.get("engines", BY_STEP[step]["engines"].default_for(step)))
+
+
+def several_engines_environ(n: int, gpus: int) -> dict:
+    """The environment one of n engines sizes itself in, as engine_processes.process_env gives it: its part of the
+    host's memory and, on a GPU host where the user set no share, an equal part of vLLM's default share."""
+    env = dict(os.environ)
+    if n > 1:
+        env[ENGINE_OF_ENV] = f"0/{n}"
+        if gpus and GPU_SHARE_ENV not in env:
+            env[GPU_SHARE_ENV] = f"{shared_gpu_share(n, gpus):.3f}"
+    return env
 
 
 def captured_ids(args, ctx: dict) -> list[int]:
