@@ -336,7 +336,7 @@ def tokenize_rows(args, tok, rows, bad_row) -> tuple[list, int]:
     """(samples: (ids, mask, line number) cut to --seq-len, rows dropped for having no trained token left)."""
     samples, dropped = [], 0
     for lineno, ids, mask in progress(tokenized(args, tok, rows), total=len(rows), desc="prepare"):
-        if ids is None:
+        if ids is None:   # a row the template refused: `mask` holds why
             bad_row(lineno, BadRow(mask))
             continue
         if not mask.any():  # everything trainable was truncated away
