@@ -314,9 +314,9 @@ def test_prepare_in_several_processes_writes_what_one_writes(models, tmp_path):
     """--workers N tokenizes in N processes: the same shards, byte for byte, as one process, --max-samples too."""
     lines = open(SAMPLE, encoding="utf-8").read().splitlines()
     data = tmp_path / "many.jsonl"   # more rows than one worker's block (256), so several workers get some
-    data.write_text("\n".join(lines * (1100 // len(lines) + 1)) + "\n", encoding="utf-8")
+    data.write_text("\n".join(lines * (600 // len(lines) + 1)) + "\n", encoding="utf-8")
     digests = {}
-    for workers, limit in (("1", "0"), ("3", "0"), ("1", "700"), ("3", "700")):
+    for workers, limit in (("1", "0"), ("3", "0"), ("1", "400"), ("3", "400")):
         out = tmp_path / f"w{workers}_{limit}"
         code, res, err = run("prepare", "--model", models["llama"], "--dataset", data, "--output-dir", out,
                              "--seq-len", str(SEQ_LEN), "--workers", workers, "--max-samples", limit)
@@ -324,8 +324,37 @@ def test_prepare_in_several_processes_writes_what_one_writes(models, tmp_path):
         assert ("tokenizing in 3 processes" in err) == (workers == "3")
         man = json.load(open(out / "prepared" / "manifest.json"))
         digests[workers, limit] = ([s["sha256"] for s in man["shards"]], man["token_freq_sha256"], res["count"])
-    assert digests["1", "0"] == digests["3", "0"] and digests["1", "0"][2] >= 1100
-    assert digests["1", "700"] == digests["3", "700"] and digests["1", "700"][2] == 700
+    assert digests["1", "0"] == digests["3", "0"] and digests["1", "0"][2] >= 600
+    assert digests["1", "400"] == digests["3", "400"] and digests["1", "400"][2] == 400
+
+
+def test_a_row_the_template_refuses_in_a_worker_is_reported_as_in_one_process(models, tmp_path):
+    """A template that raises on some rows (here: those saying REFUSE-ME): with skip, several processes record the
+    same rows as one; with fail, the same first FILE:LINE, and nothing written."""
+    model = tmp_path / "model"
+    shutil.copytree(models["llama"], model)
+    jinja = model / "chat_template.jinja"
+    jinja.write_text("{%- for m in messages -%}{%- if 'REFUSE-ME' in m['content'] -%}{{ raise_exception('refused') }}"
+                     "{%- endif -%}{%- endfor -%}" + jinja.read_text())
+    lines = open(SAMPLE, encoding="utf-8").read().splitlines()
+    refused = json.dumps({"messages": [{"role": "user", "content": "REFUSE-ME"}, {"role": "assistant", "content": "no"}]})
+    rows = [refused if i in (300, 500) else lines[i % len(lines)] for i in range(600)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    for mode in ("skip", "fail"):
+        seen = {}
+        for workers in ("1", "3"):
+            out = tmp_path / f"{mode}{workers}"
+            code, res, err = run("prepare", "--model", model, "--dataset", data, "--output-dir", out,
+                                 "--seq-len", str(SEQ_LEN), "--workers", workers, "--on-bad-row", mode)
+            if mode == "skip":
+                assert code == 0, err
+                seen[workers] = json.load(open(out / "prepared" / "manifest.json"))["bad_rows"]
+            else:
+                assert code == 2 and f"{data}:301: chat template failed" in err.strip().splitlines()[-1], err
+                assert not out.exists()
+        if mode == "skip":
+            assert seen["1"] == seen["3"] and [b["line"] for b in seen["1"]] == [301, 501]
 
 
 # ----------------------------------------------------------------------------------------------------
