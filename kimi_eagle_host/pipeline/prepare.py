@@ -281,7 +281,10 @@ def load_tokenizer(model: str):
 # Rows per task handed to a worker: large enough that pickling is a small part of the work, small enough that the
 # progress bar moves and --max-samples stops soon after it is reached.
 BLOCK_ROWS = 256
-_worker_job = None   # (tokenizer, seq_len): what a forked worker inherits from the parent
+# (tokenizer, seq_len, blocks of rows): what a forked worker inherits from the parent, so that a task is a block's
+# index. Tasks that carried the rows themselves filled the pipe to the workers, and stopping early (--max-samples)
+# then hung in Pool.terminate, its feeder thread blocked on that pipe.
+_worker_job = None
 
 
 def worker_count(setting: int, rows: int) -> int:
@@ -296,11 +299,11 @@ def worker_count(setting: int, rows: int) -> int:
     return max(1, min(cores, 16, rows // (4 * BLOCK_ROWS)))
 
 
-def _tokenize_block(block):
-    """(line number, ids, mask) of each row of `block`, cut to seq_len; (line number, None, why) for a bad one."""
-    tok, seq_len = _worker_job
+def _tokenize_block(index: int):
+    """(line number, ids, mask) of each row of block `index`, cut to seq_len; (line number, None, why) for a bad one."""
+    tok, seq_len, blocks = _worker_job
     out = []
-    for lineno, messages in block:
+    for lineno, messages in blocks[index]:
         try:
             ids, mask = tokenize_with_mask(tok, messages)
         except BadRow as e:
@@ -314,13 +317,13 @@ def tokenized(args, tok, rows):
     """_tokenize_block's triples for every row, in row order whatever --workers is: the chat template is Python
     (Jinja) and runs once per assistant turn, so 50k multi-turn conversations take minutes in one process."""
     global _worker_job
-    _worker_job = (tok, args.seq_len)
     blocks = [[(lineno, messages) for lineno, messages, _ in rows[i:i + BLOCK_ROWS]]
               for i in range(0, len(rows), BLOCK_ROWS)]
+    _worker_job = (tok, args.seq_len, blocks)
     workers = worker_count(args.workers, len(rows))
     if workers == 1:
-        for block in blocks:
-            yield from _tokenize_block(block)
+        for i in range(len(blocks)):
+            yield from _tokenize_block(i)
         return
     import multiprocessing
 
@@ -328,14 +331,23 @@ def tokenized(args, tok, rows):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     log(f"[prepare] tokenizing in {workers} processes")
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for result in pool.imap(_tokenize_block, blocks):
+        for result in pool.imap(_tokenize_block, range(len(blocks))):
             yield from result
 
 
 def tokenize_rows(args, tok, rows, bad_row) -> tuple[list, int]:
     """(samples: (ids, mask, line number) cut to --seq-len, rows dropped for having no trained token left)."""
+    rows_out = tokenized(args, tok, rows)
+    try:
+        return take_samples(args, progress(rows_out, total=len(rows), desc="prepare"), bad_row)
+    finally:
+        rows_out.close()   # stops the workers now when --max-samples ended it early
+
+
+def take_samples(args, triples, bad_row) -> tuple[list, int]:
+    """The samples among tokenized()'s triples, up to --max-samples."""
     samples, dropped = [], 0
-    for lineno, ids, mask in progress(tokenized(args, tok, rows), total=len(rows), desc="prepare"):
+    for lineno, ids, mask in triples:
         if ids is None:   # a row the template refused: `mask` holds why
             bad_row(lineno, BadRow(mask))
             continue
