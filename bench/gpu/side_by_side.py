@@ -762,15 +762,21 @@ def st_regen_scale(gpu):
             timeout=float(os.environ.get("KE_REGEN_TIMEOUT_S", "1500")))
     reg = out / "regenerated"
     r["chat_jsonl_bytes"] = (reg / "chat.jsonl").stat().st_size if (reg / "chat.jsonl").exists() else None
+    members = [p.name for p in (reg / "chunks", reg / "self_prompts", reg / "manifest.json") if p.exists()]
+    r["packed"] = hand_back("regen_scale", reg, members)
+    return r
+
+
+def hand_back(name: str, folder: Path, members: list[str]) -> dict:
+    """`members` of `folder` as <name>.tar.xz in parts of 15 MiB (OUT_FILES: collect() returns them beside
+    side_by_side.json); the record a later session checks them against."""
     OUT_FILES.mkdir(parents=True, exist_ok=True)
     t0 = now()
-    tar = WORK / "regen_scale.tar.xz"
-    members = [p.name for p in (reg / "chunks", reg / "self_prompts", reg / "manifest.json") if p.exists()]
-    subprocess.run(["tar", "-C", str(reg), "-cf", str(tar), "-I", "xz -6 -T0", *members], check=True)
-    subprocess.run(["split", "-b", "15M", "-d", str(tar), str(OUT_FILES / "regen_scale.tar.xz.")], check=True)
-    r["packed"] = {"bytes": tar.stat().st_size, "parts": sorted(p.name for p in OUT_FILES.glob("regen_scale.*")),
-                   "sha256": sha256_file(tar), "seconds": round(now() - t0, 1)}
-    return r
+    tar = WORK / f"{name}.tar.xz"
+    subprocess.run(["tar", "-C", str(folder), "-cf", str(tar), "-I", "xz -6 -T0", *members], check=True)
+    subprocess.run(["split", "-b", "15M", "-d", str(tar), str(OUT_FILES / f"{name}.tar.xz.")], check=True)
+    return {"bytes": tar.stat().st_size, "parts": sorted(p.name for p in OUT_FILES.glob(f"{name}.tar.xz.*")),
+            "sha256": sha256_file(tar), "seconds": round(now() - t0, 1)}
 
 
 # --- the judged run (#37): 50k conversations -> prepare -> train online -> choose by serving -> MT-Bench -------
@@ -788,9 +794,9 @@ def scale_parts_recorded() -> dict:
     return json.loads(REGEN_RECORD.read_text())["regen_scale"]["packed"]
 
 
-def scale_conversations() -> Path:
-    """chat.jsonl as regenerate's merge writes it from the carried chunks, checked against the sha256 its
-    manifest recorded (and the parts against parts.json)."""
+def scale_conversations() -> tuple[Path, str]:
+    """chat.jsonl as regenerate's merge writes it from the carried chunks: the parts checked against regen_scale's
+    record, the merged file against the sha256 its manifest recorded. Returns (its path, that sha256)."""
     from kimi_eagle_host.pipeline.regenerate import merge
 
     want = scale_parts_recorded()
@@ -811,14 +817,14 @@ def scale_conversations() -> Path:
                  manifest)
     if not chat or sha256_file(chat) != recorded:
         raise StageFailed(f"{reg}: the merged chat.jsonl is not the one regen_scale recorded ({recorded[:12]})")
-    return Path(chat)
+    return Path(chat), recorded
 
 
 def st_scale_data(gpu):
     """The carried conversations -> prepare (one process per core) -> vocab (8192), as the recipe's steps."""
     t0 = now()
-    chat = scale_conversations()
-    res = {"merge_s": round(now() - t0, 1), "chat_jsonl_sha256": sha256_file(str(chat))}
+    chat, digest = scale_conversations()
+    res = {"merge_s": round(now() - t0, 1), "chat_jsonl_sha256": digest}
     res["prepare"] = run("scale_data", [PY, *payload("prepare.py"), "--model", str(SMOL), "--dataset", str(chat),
                                         "--output-dir", str(SCALE), "--seq-len", "2048" if not TINY else "256",
                                         *(["--max-samples", os.environ.get("KE_SCALE_SAMPLES", "60")] if TINY else [])],
@@ -859,21 +865,15 @@ def st_scale_choose(gpu):
     else:
         res = run("scale_choose", choose_cmd(), gpu, sites=("site-early", "site-vllm"), timeout=900)
         res.pop("checkpoints", None)   # in choose/report.json (the logs tarball)
-    if os.environ.get("KE_SCALE_PACK_EXPORT") != "1":   # ~80 MB in bf16 with the target's embed_tokens: 4+ parts
-        return res
-    OUT_FILES.mkdir(parents=True, exist_ok=True)
-    tar = WORK / "scale_export.tar.xz"
-    subprocess.run(["tar", "-C", str(SCALE / "draft"), "-cf", str(tar), "-I", "xz -6 -T0", "export"], check=True)
-    subprocess.run(["split", "-b", "15M", "-d", str(tar), str(OUT_FILES / "scale_export.tar.xz.")], check=True)
-    res["packed_export"] = {"bytes": tar.stat().st_size, "sha256": sha256_file(str(tar)),
-                            "parts": sorted(x.name for x in OUT_FILES.glob("scale_export.*"))}
+    if os.environ.get("KE_SCALE_PACK_EXPORT") == "1":   # ~80 MB in bf16 with the target's embed_tokens: 4+ parts
+        res["packed_export"] = hand_back("scale_export", SCALE / "draft", ["export"])
     return res
 
 
 def choose_cmd() -> list[str]:
     return [PY, *payload("choose.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
             "--prompts", os.environ.get("KE_SCALE_CHOOSE_PROMPTS", "32"), "--max-tokens", "128" if not TINY else "8",
-            *([] if TINY else ["--no-enforce-eager"])]   # as the recipe: eager, batch 1 ran at 53 tokens/s
+            *([] if TINY else ["--no-enforce-eager"])]   # CUDA graphs, as the recipe (eager: 53 tokens/s at batch 1)
 
 
 def scale_eval(stage: str, gpu, prompts: str, k: int, batch_sizes: str, num_prompts: str = "") -> dict:
@@ -886,8 +886,8 @@ def scale_eval(stage: str, gpu, prompts: str, k: int, batch_sizes: str, num_prom
              else ["--batch-sizes", "1", "--timing-prompts", "1"]),
            *([] if TINY else ["--no-enforce-eager"])]
     res = run(stage, cmd, gpu, sites=("site-early", "site-vllm"), timeout=MTB_EVAL_TIMEOUT_S)
-    for kind in ("per_category",):   # keep the record readable; report.json (in the logs tarball) has them all
-        res[kind] = {c: v.get("mean_acceptance_length") for c, v in (res.get(kind) or {}).items()}
+    # keep the record readable: acceptance length per category (report.json, in the logs tarball, has the rest)
+    res["per_category"] = {c: v.get("mean_acceptance_length") for c, v in (res.get("per_category") or {}).items()}
     return res
 
 
