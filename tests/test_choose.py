@@ -301,6 +301,10 @@ def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
     for b in ("1", "2"):
         t = good["tokens_per_s"][b]
         assert t["without_draft"] > 0 and t["by_k"]["3"] == t["with_draft_k3"] > 0
+        assert t["without_draft"] == rep["without_draft"]["tokens_per_s"][b]
+    # the target alone served the same prompts before it was timed, as each candidate did (both sides equally warm,
+    # their timed prompts in vLLM's prefix cache): the same greedy answers, token for token in count
+    assert rep["without_draft"]["output_tokens"] == good["output_tokens"] == bad["output_tokens"] > 3
     # the export is the chosen candidate, whole, with the record of the choice
     export = out / "draft" / "export"
     assert digest(export) == digest(Path(candidates.folder(str(out), 1)))
