@@ -248,6 +248,20 @@ def test_the_choice_is_the_best_served_and_none_accepted_is_a_failure():
         choose([{"step": 1, "acceptance_length": 1.0, "accepted_tokens": 0}] * 2, 5)
 
 
+def test_the_served_prompts_are_spread_over_the_held_out_documents_not_the_first_ones():
+    """The held-out list is sorted by index, and a dataset holds its sources in blocks (ShareGPT, then the prompts the
+    target wrote): the prompts choose serves come from the whole list, each document once, the same every time."""
+    from kimi_eagle_host.pipeline.choose import serving_order
+
+    held = list(range(0, 2000, 2))              # 1,000 documents: 0..998 one source, 1000..1998 the other
+    order = serving_order(held, 32)
+    first = order[:32]
+    assert sorted(order) == held and len(set(order)) == len(held)
+    assert sum(d < 1000 for d in first) == 16 and first[0] == 0 and max(first) > 1900
+    assert serving_order(held, 32) == order
+    assert serving_order(held[:5], 32) == held[:5]   # fewer documents than prompts: all of them, in order
+
+
 def test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measurements():
     from kimi_eagle_host.evaluation.served import acceptance_by_k, tokens_per_s_by_k
 
