@@ -62,3 +62,32 @@ def test_full_vocab_argmax_matches_the_unchunked_head():
     last = torch.randn(2, 7, H)
     want = torch.nn.functional.linear(norm(last), head).argmax(-1)
     assert torch.equal(full_vocab_argmax(last, norm, head, chunk=3), want)
+
+
+def test_served_like_rounds_start_where_the_last_round_ended():
+    """The held-out figure serving would count on the same text: a round at index j accepts the chain from j, the
+    next starts at j + chain + 1, and each scored span (answer) starts afresh. The same hits as above: averaged over
+    every index 5/6, 3/6, 2/6; replayed as rounds the easy chains at 3 and 5 are partly jumped over."""
+    hits = [[1, 1, 0, 1, 1, 1, 1, 1],
+            [1, 0, 1, 1, 0, 1, 1],
+            [0, 1, 1, 1, 1, 1]]
+    draft_to_target = torch.arange(4)
+    target = torch.zeros(1, 8, dtype=torch.long)
+    tops = [torch.tensor([h]).long() * 0 + (1 - torch.tensor([h]).long()) for h in hits]
+    scored = ttt_loss.step_masks(torch.ones(1, 8, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.long), 3)
+    counts = ttt_loss.round_counts(tops, draft_to_target, target, scored)
+    # chains from j = 0..5: 2, 1, 0, 3, 1, 3: rounds at 0 (2 accepted) -> 3 (3 accepted) -> 7 (not scored at every
+    # step: the span ends)
+    assert counts.tolist() == [2, 2, 2, 1]
+    fig = ttt_loss.summarize_rounds(counts, 3)
+    assert fig == {"rounds": 2, "cond_acc": [1.0, 1.0, 0.5], "accept_len": 3.5}
+    # two answers in one row (a user turn between them, not in the loss): the second starts its own rounds at its
+    # first index, whatever the first's last round jumped to
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    scored = ttt_loss.step_masks(mask, torch.zeros(1, 10, dtype=torch.long), 1)
+    wrong_at = {1, 6}                                          # one miss in each answer
+    top = torch.tensor([[1 if j in wrong_at else 0 for j in range(10)]])
+    counts = ttt_loss.round_counts([top], draft_to_target, torch.zeros(1, 10, dtype=torch.long), scored)
+    # answer 1, indices 0..3: round 0 accepts 1 -> round 2 accepts 1 -> (4 is not scored); answer 2, 6..9: round 6
+    # accepts 0 -> 7 accepts 1 -> 9 accepts 1
+    assert counts.tolist() == [5, 4]   # 5 rounds, 4 tokens accepted

@@ -212,6 +212,13 @@ def test_heldout_figures_per_position(tmp_path):
     assert all(x >= y for x, y in zip(last["cond_acc"], last["cond_acc"][1:]))
     assert last["accept_len"] == pytest.approx(1 + sum(last["cond_acc"]), abs=1e-3)
     assert last["accept_len"] > first["accept_len"] and last["accept_len"] > 2.0, doc["heldout_history"]
+    # the rounds serving would run on the same text: one per draft, each position at most as often as the one
+    # before, and never more than the average over every index promises on this learnable data
+    served = last["served_like"]
+    assert served["rounds"] > 0 and len(served["cond_acc"]) == 3
+    assert all(x >= y for x, y in zip(served["cond_acc"], served["cond_acc"][1:]))
+    assert served["accept_len"] == pytest.approx(1 + sum(served["cond_acc"]), abs=1e-3)
+    assert 1.0 < served["accept_len"] <= last["accept_len"] + 1e-6, (served, last)
 
 
 def test_muon_and_seven_ttt_steps(tmp_path, capsys):

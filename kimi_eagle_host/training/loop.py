@@ -100,8 +100,9 @@ def finite_or_none(value):
     return value
 
 
-def measure(run: TrainRun, batch, noise_gen=None):
-    """Forward (and the loss) of one batch already on the device: (loss, per-step losses, counts)."""
+def measure(run: TrainRun, batch, noise_gen=None, rounds=False):
+    """Forward (and the loss) of one batch already on the device: (loss, per-step losses, counts); with `rounds`,
+    the counts end with ttt_loss.round_counts' S + 1 (held-out evaluation only: it syncs with the host)."""
     args, h, dtype, device, S = run.args, run.head, run.dtype, run.device, run.args.ttt_steps
     with torch.no_grad():
         target_h = h.norm(batch["last"].float()).to(dtype)
@@ -124,26 +125,31 @@ def measure(run: TrainRun, batch, noise_gen=None):
                                        run.flex, loss_fn=loss_fn)
     with torch.no_grad():
         counts = ttt_loss.acceptance_counts(tops, h.draft_to_target, target_ids, scored)
+        if rounds:
+            counts = torch.cat([counts, ttt_loss.round_counts(tops, h.draft_to_target, target_ids, scored)])
     return loss, step_l, counts
 
 
 def evaluate(run: TrainRun, files) -> dict:
-    """Loss, accuracy and conditional acceptance per position on the held-out documents (all ranks)."""
+    """Loss, accuracy and conditional acceptance per position on the held-out documents (all ranks): averaged over
+    every answer index, and over the rounds greedy serving would run on the same text (`served_like`, what vLLM
+    counts on it: ttt_loss.round_counts)."""
     d, w, S = run.data, run.w, run.args.ttt_steps
     run.model.eval()
     tot_l = torch.zeros(S, dtype=torch.float64, device=run.device)
-    tot_c = torch.zeros(3 * S + 1, dtype=torch.float64, device=run.device)
+    tot_c = torch.zeros(3 * S + 1 + S + 1, dtype=torch.float64, device=run.device)
     with torch.no_grad():
         with StepBatches(d.held, 0, d.held.steps_per_epoch, w.rank, w.size, files, d.pack_len, d.aux_dim,
                          run.inputs.hidden, run.feat_dtype, run.device, 0, run.tops) as batches:
             for batch in batches:
-                _, step_l, counts = measure(run, batch)
+                _, step_l, counts = measure(run, batch, rounds=True)
                 tot_l += step_l.double()
                 tot_c += counts
     run.model.train()
     sums = dist_.all_sum([*tot_l.tolist(), *tot_c.tolist()])
     n_batches = d.held.steps_per_epoch
-    res = ttt_loss.summarize(sums[S:], [x / n_batches for x in sums[:S]], S)
+    res = ttt_loss.summarize(sums[S:4 * S + 1], [x / n_batches for x in sums[:S]], S)
+    res["served_like"] = ttt_loss.summarize_rounds(sums[4 * S + 1:], S)
     res["documents"] = len(d.held_docs)
     return res
 
@@ -155,6 +161,7 @@ def held_out(run: TrainRun, o: Outcome, tracker=None) -> None:
         log(f"held-out at step {o.done}: {json.dumps(o.evals[-1])}")
         if tracker is not None:
             tracker.log(o.done, {"heldout/accept_len": o.evals[-1]["accept_len"],
+                                 "heldout/served_like_accept_len": o.evals[-1]["served_like"]["accept_len"],
                                  **{f"heldout/cond_acc_{k}": a for k, a in enumerate(o.evals[-1]["cond_acc"])}})
 
 
