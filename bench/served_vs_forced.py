@@ -82,8 +82,10 @@ class Forced:
         packing.fill_rows(slot, SimpleNamespace(sample=lambda d: sample), [[0]], tops)
         _, _, counts = loop.measure(self.run, slot)
         d2t, tid = self.head.draft_to_target, slot["target_ids"][0]
+        # consecutive hits from step 0 at each index; unlike ttt_loss.chain_lengths not cut to the indices scored at
+        # all S steps, so that rounds at k < S can be replayed up to the answer's end
         chain, alive = torch.zeros(n, dtype=torch.long), True
-        for k, t in enumerate(self.tops):   # consecutive hits from step 0 at each index
+        for k, t in enumerate(self.tops):
             hit = torch.zeros(n, dtype=torch.bool)
             hit[:n - k] = d2t[t[0]] == tid[k:]
             alive = hit & alive

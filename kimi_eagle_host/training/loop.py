@@ -137,7 +137,8 @@ def evaluate(run: TrainRun, files) -> dict:
     d, w, S = run.data, run.w, run.args.ttt_steps
     run.model.eval()
     tot_l = torch.zeros(S, dtype=torch.float64, device=run.device)
-    tot_c = torch.zeros(3 * S + 1 + S + 1, dtype=torch.float64, device=run.device)
+    per_index = 3 * S + 1   # acceptance_counts' figures, then round_counts' S + 1
+    tot_c = torch.zeros(per_index + S + 1, dtype=torch.float64, device=run.device)
     with torch.no_grad():
         with StepBatches(d.held, 0, d.held.steps_per_epoch, w.rank, w.size, files, d.pack_len, d.aux_dim,
                          run.inputs.hidden, run.feat_dtype, run.device, 0, run.tops) as batches:
@@ -148,8 +149,8 @@ def evaluate(run: TrainRun, files) -> dict:
     run.model.train()
     sums = dist_.all_sum([*tot_l.tolist(), *tot_c.tolist()])
     n_batches = d.held.steps_per_epoch
-    res = ttt_loss.summarize(sums[S:4 * S + 1], [x / n_batches for x in sums[:S]], S)
-    res["served_like"] = ttt_loss.summarize_rounds(sums[4 * S + 1:], S)
+    res = ttt_loss.summarize(sums[S:S + per_index], [x / n_batches for x in sums[:S]], S)
+    res["served_like"] = ttt_loss.summarize_rounds(sums[S + per_index:], S)
     res["documents"] = len(d.held_docs)
     return res
 

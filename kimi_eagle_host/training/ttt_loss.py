@@ -135,6 +135,19 @@ def acceptance_counts(tops, draft_to_target, target_ids, scored) -> torch.Tensor
     return torch.stack([*plain, *cond, every.sum()]).double()
 
 
+def chain_lengths(tops, draft_to_target, target_ids, scored) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every, chain), both [B, T-S+1]: whether an index is scored at every step, and there the number of
+    consecutive accepted guesses from step 0 (0..S; 0 where not scored at every step)."""
+    every = scored_at_every_step(scored)
+    n = every.shape[1]
+    chain = torch.zeros_like(every, dtype=torch.long)
+    alive = every
+    for k, top in enumerate(tops):
+        alive = alive & (draft_to_target[top[:, :n]] == target_ids[:, k:k + n])
+        chain += alive
+    return every, chain
+
+
 def round_counts(tops, draft_to_target, target_ids, scored) -> torch.Tensor:
     """[rounds, accepted at step 0, ..., at step S-1] of greedy speculative decoding replayed over the text: a round
     at index j accepts the chain of consecutive hits from j (at most S) and the next round starts after it and the
@@ -145,13 +158,7 @@ def round_counts(tops, draft_to_target, target_ids, scored) -> torch.Tensor:
     import numpy as np
 
     S = len(tops)
-    every = scored_at_every_step(scored)
-    n = every.shape[1]
-    chain = torch.zeros_like(every, dtype=torch.long)
-    alive = every
-    for k, top in enumerate(tops):
-        alive = alive & (draft_to_target[top[:, :n]] == target_ids[:, k:k + n])
-        chain += alive
+    every, chain = chain_lengths(tops, draft_to_target, target_ids, scored)
     out = np.zeros(S + 1)
     for ok, c in zip(every.cpu().numpy(), chain.cpu().numpy()):
         starts = np.flatnonzero(ok)
