@@ -219,6 +219,9 @@ def test_heldout_figures_per_position(tmp_path):
     assert all(x >= y for x, y in zip(served["cond_acc"], served["cond_acc"][1:]))
     assert served["accept_len"] == pytest.approx(1 + sum(served["cond_acc"]), abs=1e-3)
     assert 1.0 < served["accept_len"] <= last["accept_len"] + 1e-6, (served, last)
+    # the same rounds at every k <= 3 tokens a round: each more token can only add, k = 3 is the figure above
+    by_k = [last["served_like_by_k"][k] for k in ("1", "2", "3")]
+    assert 1.0 < by_k[0] <= by_k[1] <= by_k[2] == served["accept_len"], by_k
 
 
 def test_muon_and_seven_ttt_steps(tmp_path, capsys):

@@ -224,15 +224,16 @@ def env_for(gpu: str | None, sites=()) -> dict:
     return env
 
 
-def run(stage: str, args: list[str], gpu: str | None, sites=(), timeout: float = 600, check=True):
-    """Run one command for a stage; stdout's last JSON line is the result. stderr goes to the stage log."""
+def run(stage: str, args: list[str], gpu: str | None, sites=(), timeout: float = 600, check=True, env=None):
+    """Run one command for a stage; stdout's last JSON line is the result. stderr goes to the stage log. `env`: more
+    variables for this command."""
     log = D["logs"] / f"{stage}.log"
     t0 = now()
     with open(log, "a") as lf:
         lf.write(f"\n$ {' '.join(args)}\n")
         lf.flush()
         try:
-            p = subprocess.run(args, cwd=ROOT, env=env_for(gpu, sites), stdout=subprocess.PIPE, stderr=lf,
+            p = subprocess.run(args, cwd=ROOT, env={**env_for(gpu, sites), **(env or {})}, stdout=subprocess.PIPE, stderr=lf,
                                text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise StageFailed(f"{Path(args[1]).name if len(args) > 1 else args[0]}: timed out after {timeout:.0f} s") from e
@@ -757,13 +758,15 @@ def st_regen_scale(gpu):
     limit = os.environ.get("KE_REGEN_MAX_PROMPTS")  # a rehearsal's few ShareGPT conversations (default: all)
     r = run("regen_scale", regen_cmd(out, *(["--max-prompts", limit] if limit else []), "--self-prompts", n,
                                      "--engines", os.environ.get("KE_REGEN_ENGINES", "4") if not TINY else "1",
-                                     "--self-prompt-tokens", "256",
+                                     "--self-prompt-tokens", "256" if not TINY else "16",
                                      "--self-prompt-temperature", "1.0"), gpu, sites=("site-early", "site-vllm"),
             timeout=float(os.environ.get("KE_REGEN_TIMEOUT_S", "1500")))
     reg = out / "regenerated"
     r["chat_jsonl_bytes"] = (reg / "chat.jsonl").stat().st_size if (reg / "chat.jsonl").exists() else None
     members = [p.name for p in (reg / "chunks", reg / "self_prompts", reg / "manifest.json") if p.exists()]
     r["packed"] = hand_back("regen_scale", reg, members)
+    if (reg / "chat.jsonl").exists():
+        set_state("data-scale", "done")   # the scale stages of this run read these conversations (scale_conversations)
     return r
 
 
@@ -796,9 +799,13 @@ def scale_parts_recorded() -> dict:
 
 def scale_conversations() -> tuple[Path, str]:
     """chat.jsonl as regenerate's merge writes it from the carried chunks: the parts checked against regen_scale's
-    record, the merged file against the sha256 its manifest recorded. Returns (its path, that sha256)."""
+    record, the merged file against the sha256 its manifest recorded. Returns (its path, that sha256). When this
+    run's regen_scale answered them, its own chat.jsonl (nothing carried)."""
     from kimi_eagle_host.pipeline.regenerate import merge
 
+    fresh = RPIPE / "scale" / "regenerated" / "chat.jsonl"
+    if state("regen_scale") == "done" and fresh.exists():
+        return fresh, sha256_file(fresh)
     want = scale_parts_recorded()
     parts = [SCALE_DIR / name for name in want["parts"]]
     h = hashlib.sha256()
@@ -856,6 +863,76 @@ def st_scale_train(gpu):
     res.pop("history", None)
     res["settings"] = settings
     res["hidden_state_files_left"] = du(SCALE / "hidden_states")
+    return res
+
+
+AB = SHM / "scale_ab"
+AB_BASE = {"epochs": "1", "lr": "1e-3", "ttt_steps": "3", "optimizer": "adamw", "draft_vocab_size": "8192"}
+# name:key=value,... ; ... -- each against AB_BASE (the GPU recipe's settings); draft_vocab_size builds its own vocab
+AB_VARIANTS = "base:;ttt5:ttt_steps=5;vocab32k:draft_vocab_size=32768;muon:optimizer=muon,lr=3e-3,warmup_steps=10"
+
+
+def ab_variants(spec: str) -> dict[str, dict]:
+    """KE_SCALE_AB's variants: {name: AB_BASE with that variant's settings}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        name, _, kv = item.partition(":")
+        out[name] = {**AB_BASE, **dict(pair.split("=", 1) for pair in filter(None, kv.split(",")))}
+    return out
+
+
+def st_scale_ab(gpu):
+    """The recipe A/B (#37): KE_SCALE_AB's variants (optimizer, TTT steps, lr, vocabulary) trained at once on the one
+    GPU, each online with its own hf engine (the 135M target's engine is bound by a CPU core, not the GPU), on
+    scale_data's prepared data for the same KE_SCALE_AB_STEPS steps of 16 x 2,048 (the same documents in the same
+    order), no cache; ranked by the held-out `served_like_by_k` at k = 3 (the rounds greedy serving runs on the same
+    text) and read beside each one's own k."""
+    variants = ab_variants(os.environ.get("KE_SCALE_AB", AB_VARIANTS))
+    steps = os.environ.get("KE_SCALE_AB_STEPS", "450" if not TINY else "4")
+    threads_each = str(max(1, (os.cpu_count() or 2) // len(variants)))
+    shutil.rmtree(AB, ignore_errors=True)
+    res: dict = {"steps": steps, "variants": {}, "base_settings": AB_BASE}
+
+    def one(name: str, st: dict) -> None:
+        pipe = AB / name
+        pipe.mkdir(parents=True)
+        (pipe / "prepared").symlink_to(SCALE / "prepared")
+        stage = f"scale_ab_{name}"
+        r: dict = {"settings": st}
+        try:
+            if st["draft_vocab_size"] == AB_BASE["draft_vocab_size"]:
+                (pipe / "vocab").symlink_to(SCALE / "vocab")
+            else:
+                run(stage, [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+                            "--draft-vocab-size", st["draft_vocab_size"]], None, timeout=300)
+            flags = {k: v for k, v in st.items() if k != "draft_vocab_size"}
+            flags.update({"max_steps": steps, "batch_size": "16" if not TINY else "2", "hidden_states": "online",
+                          "engine": "hf", "engine_batch_size": "64", "online_cache_gb": "0",
+                          "online_buffer_gb": os.environ.get("KE_SCALE_AB_BUFFER_GB", "4" if not TINY else "0.05"),
+                          "online_spool_dir": str(SHM), "choose_checkpoints": "0", "log_every": "50",
+                          "save_every": "100000", "device": DEVICE, **({"holdout_fraction": "0.25"} if TINY else {})})
+            cmd = [PY, *payload("train.py"), "--model", str(SMOL), "--output-dir", str(pipe),
+                   *[a for k, v in flags.items() for a in ("--" + k.replace("_", "-"), v)]]
+            t = run(stage, cmd, gpu, env={"OMP_NUM_THREADS": threads_each},
+                    timeout=float(os.environ.get("KE_SCALE_AB_TIMEOUT_S", "900")))
+            held = t.get("heldout") or {}
+            r.update({k: t.get(k) for k in ("step", "train_tokens", "train_seconds", "train_tokens_per_s",
+                                             "final_loss", "online", "wall_s")})
+            r.update(heldout_accept_len=held.get("accept_len"), heldout_cond_acc=held.get("cond_acc"),
+                     served_like=held.get("served_like"), served_like_by_k=held.get("served_like_by_k"))
+        except Exception as e:  # noqa: BLE001 - one failed variant leaves the others' figures
+            r["error"] = f"{type(e).__name__}: {e}"[-1500:]
+        res["variants"][name] = r
+
+    threads = [threading.Thread(target=one, args=(n, st)) for n, st in variants.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    at3 = {n: (r.get("served_like_by_k") or {}).get("3") for n, r in res["variants"].items()}
+    res["served_like_k3"] = dict(sorted(((n, v) for n, v in at3.items() if v is not None), key=lambda x: -x[1]))
+    if not res["served_like_k3"]:
+        raise StageFailed(f"no variant finished: {json.dumps(res)[-2000:]}")
     return res
 
 
@@ -1134,6 +1211,7 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("regen_scale", st_regen_scale, ["smol_model", "bundle-vllm"]),
          # the judged run (#37): the carried 50k conversations through the GPU recipe's later steps
          ("scale_data", st_scale_data, ["smol_model", "data-scale"]),
+         ("scale_ab", st_scale_ab, ["scale_data"]),
          ("scale_train", st_scale_train, ["scale_data"]),
          ("scale_choose", st_scale_choose, ["scale_train", "bundle-vllm"]),
          ("scale_eval", st_scale_eval, ["scale_choose"]),

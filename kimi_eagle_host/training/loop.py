@@ -102,7 +102,8 @@ def finite_or_none(value):
 
 def measure(run: TrainRun, batch, noise_gen=None, rounds=False):
     """Forward (and the loss) of one batch already on the device: (loss, per-step losses, counts); with `rounds`,
-    the counts end with ttt_loss.round_counts' S + 1 (held-out evaluation only: it syncs with the host)."""
+    the counts end with ttt_loss.round_counts' S + 1 for each k = 1..S tokens served a round (held-out evaluation
+    only: it syncs with the host)."""
     args, h, dtype, device, S = run.args, run.head, run.dtype, run.device, run.args.ttt_steps
     with torch.no_grad():
         target_h = h.norm(batch["last"].float()).to(dtype)
@@ -126,19 +127,21 @@ def measure(run: TrainRun, batch, noise_gen=None, rounds=False):
     with torch.no_grad():
         counts = ttt_loss.acceptance_counts(tops, h.draft_to_target, target_ids, scored)
         if rounds:
-            counts = torch.cat([counts, ttt_loss.round_counts(tops, h.draft_to_target, target_ids, scored)])
+            counts = torch.cat([counts, *(ttt_loss.round_counts(tops, h.draft_to_target, target_ids, scored, k)
+                                          for k in range(1, S + 1))])
     return loss, step_l, counts
 
 
 def evaluate(run: TrainRun, files) -> dict:
     """Loss, accuracy and conditional acceptance per position on the held-out documents (all ranks): averaged over
     every answer index, and over the rounds greedy serving would run on the same text (`served_like`, what vLLM
-    counts on it: ttt_loss.round_counts)."""
+    counts on it: ttt_loss.round_counts) at k = S tokens a round, and its acceptance length at every k <= S
+    (`served_like_by_k`: drafts trained with different TTT steps compared at the k they are served with)."""
     d, w, S = run.data, run.w, run.args.ttt_steps
     run.model.eval()
     tot_l = torch.zeros(S, dtype=torch.float64, device=run.device)
-    per_index = 3 * S + 1   # acceptance_counts' figures, then round_counts' S + 1
-    tot_c = torch.zeros(per_index + S + 1, dtype=torch.float64, device=run.device)
+    per_index = 3 * S + 1   # acceptance_counts' figures, then round_counts' S + 1 for each k = 1..S
+    tot_c = torch.zeros(per_index + S * (S + 1), dtype=torch.float64, device=run.device)
     with torch.no_grad():
         with StepBatches(d.held, 0, d.held.steps_per_epoch, w.rank, w.size, files, d.pack_len, d.aux_dim,
                          run.inputs.hidden, run.feat_dtype, run.device, 0, run.tops) as batches:
@@ -150,7 +153,10 @@ def evaluate(run: TrainRun, files) -> dict:
     sums = dist_.all_sum([*tot_l.tolist(), *tot_c.tolist()])
     n_batches = d.held.steps_per_epoch
     res = ttt_loss.summarize(sums[S:S + per_index], [x / n_batches for x in sums[:S]], S)
-    res["served_like"] = ttt_loss.summarize_rounds(sums[S + per_index:], S)
+    by_k = [ttt_loss.summarize_rounds(sums[S + per_index + (k - 1) * (S + 1):S + per_index + k * (S + 1)], k)
+            for k in range(1, S + 1)]
+    res["served_like"] = by_k[-1]
+    res["served_like_by_k"] = {str(k): f["accept_len"] for k, f in enumerate(by_k, 1)}
     res["documents"] = len(d.held_docs)
     return res
 
