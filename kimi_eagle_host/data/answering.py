@@ -71,21 +71,32 @@ class Stream:
     """Conversations of several chunks answered with continuous batching.
 
     `engine` has `start(request_id, chat, seed)` (queue one turn) and `finished()` (run one engine step; the
-    requests it finished as (request_id, text, tokens)). `chunks` is [(chunk index, conversations, seed)] in
-    order; `done(chunk index, answers, cut)` is called as each chunk's last conversation ends (so a chunk is
-    written while later ones are still being answered). At most `window` conversations are in the engine."""
+    requests it finished as (request_id, text, tokens)). `chunks` yields (chunk index, conversations, seed) in
+    order, and is asked for the next one only when the engine has room for more conversations (so that engines
+    sharing the chunks take each as late as they can); `done(chunk index, answers, cut)` is called as each chunk's
+    last conversation ends (so a chunk is written while later ones are still being answered). At most `window`
+    conversations are in the engine."""
 
     def __init__(self, engine, budget, max_turns, window):
         self.engine, self.budget, self.max_turns, self.window = engine, budget, max_turns, max(1, int(window))
 
     def run(self, chunks, done):
+        chunks = iter(chunks)
         waiting = deque()  # (chunk index, position) of conversations not started yet, in order
         state = {}  # chunk index -> [dialogues, conversations still open, seed]
-        for index, convs, seed in chunks:
-            state[index] = [dialogues(convs, self.budget), len(convs), seed]
-            waiting.extend((index, k) for k in range(len(convs)))
         asked = {}  # request id -> (chunk index, position)
         open_convs = 0
+        more = True
+
+        def pull():
+            """The next chunk's conversations queued; False when there is none."""
+            item = next(chunks, None)
+            if item is None:
+                return False
+            index, convs, seed = item
+            state[index] = [dialogues(convs, self.budget), len(convs), seed]
+            waiting.extend((index, k) for k in range(len(convs)))
+            return True
 
         def ask(index, k):
             """Queue the conversation's next turn; False when it has ended."""
@@ -105,14 +116,18 @@ class Stream:
                 done(index, [d.answers for d in entry[0]], sum(d.cut for d in entry[0]))
                 del state[index]
 
-        while waiting or asked:
-            while waiting and open_convs < self.window:
+        while True:
+            while open_convs < self.window and (waiting or (more and (more := pull()))):
+                if not waiting:
+                    continue
                 index, k = waiting.popleft()
                 if ask(index, k):
                     open_convs += 1
                 else:
                     ended(index)
             if not asked:
+                if not waiting and not more:
+                    return
                 continue
             for rid, text, n in self.engine.finished():
                 index, k = asked.pop(rid)

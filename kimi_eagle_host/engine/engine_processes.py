@@ -1,18 +1,24 @@
-"""Several engines at once on one host: a step runs as N processes of itself, each a rank answering its shard.
+"""Several engines at once on one host: a step runs as N processes of itself that share its shard's work.
 
 Why: a small target's vLLM engine is bound by one CPU core (scheduling, sampling and detokenising ~1,000 sequences a
 step), not by its GPU: SmolLM2-135M on an H200 kept the GPU 23 % busy with its engine core at ~110 % of a core
 (docs/benchmarks.md, "The data at scale"). The host's other cores can drive more engines on the same GPU.
 
-Each process gets the step's own arguments with `--rank R --world-size W` appended (argparse keeps the last), where
-this process's shard (rank r of w) is split again: R = r * N + i, W = w * N, so the chunks a process owns are exactly
-the ones r owned. GPUs are dealt round-robin (CUDA_VISIBLE_DEVICES names one per process) and, unless the user set
-KIMI_EAGLE_GPU_MEMORY_UTILIZATION, each engine on a GPU takes an equal part of vLLM's 0.9. The processes share
-stderr (the job's log); each one's stdout is its result. ENGINE_OF_ENV tells a process it is one of several, so
-that the parent alone writes what needs every shard (regenerate's chat.jsonl).
+Each process gets the step's own arguments (its rank and world size unchanged) and ENGINE_OF_ENV = "i/N". The work is
+not dealt out in advance: each process claims the next unit nobody holds (Claims: a flock per unit, released when the
+unit is written or when its process dies), so an engine that starts late, runs slow or dies leaves its work to the
+others, and a resumed run spreads what is left over every engine. The engines start one at a time (start_turn): vLLM
+sizes its KV cache from the GPU memory it sees in use while it profiles, and another engine allocating its cache at
+that moment made one of four starting at once on an H200 find no room at all (twenty-second session). GPUs are dealt
+round-robin (CUDA_VISIBLE_DEVICES names one per process) and, unless the user set KIMI_EAGLE_GPU_MEMORY_UTILIZATION,
+each engine on a GPU takes an equal part of vLLM's 0.9. The processes share stderr (the job's log); each one's stdout
+is its result. ENGINE_OF_ENV tells a process it is one of several, so that the parent alone writes what needs every
+unit (regenerate's chat.jsonl).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -45,14 +51,14 @@ def process_env(i: int, n: int, gpus: list[str], environ=os.environ) -> dict:
     return env
 
 
-def run_ranks(module: str, argv: list[str], n: int, rank: int, world_size: int, environ=os.environ) -> list[dict]:
-    """Run `python -m module argv` as n processes (ranks rank*n+i of world_size*n) at once; their results, in order.
-    A process that fails gives {"ok": False, "error": ..., "exit_code": ...}; the others run to their end (what they
-    finish is kept: the step resumes from it)."""
+def run_engines(module: str, argv: list[str], n: int, environ=os.environ) -> list[dict]:
+    """Run `python -m module argv` as n processes at once, sharing the work (Claims); their results, in order.
+    A process that fails gives {"ok": False, "error": ..., "exit_code": ...}; the others run to their end and take
+    what it left (what they finish is kept: the step resumes from it)."""
     gpus = gpu_names(environ)
     procs = []
     for i in range(n):
-        cmd = [sys.executable, "-m", module, *argv, "--rank", str(rank * n + i), "--world-size", str(world_size * n)]
+        cmd = [sys.executable, "-m", module, *argv]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=process_env(i, n, gpus, environ)))
     results = []
     for p in procs:
@@ -74,3 +80,62 @@ def run_ranks(module: str, argv: list[str], n: int, rank: int, world_size: int, 
 
 def one_of_several(environ=os.environ) -> bool:
     return bool(environ.get(ENGINE_OF_ENV))
+
+
+def engine_index(environ=os.environ) -> tuple[int, int]:
+    """(i, N) of a process run_engines started; (0, 1) otherwise."""
+    i, _, n = environ.get(ENGINE_OF_ENV, "0/1").partition("/")
+    return int(i), int(n)
+
+
+@contextlib.contextmanager
+def start_turn(lock_path: str):
+    """Held while one engine of several starts (every engine of the step waits for the one before to be up): see the
+    module's docstring. Yields the seconds waited. Released when the block ends or the process dies."""
+    import time
+
+    t0 = time.time()
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield time.time() - t0
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Claims:
+    """Units of work (ints) shared by several processes through `folder`: claim(u) holds u's flock until done(u) or
+    the process ends, so no unit is worked on twice at once and a dead process's units are free again."""
+
+    def __init__(self, folder: str):
+        self.folder, self.held = folder, {}
+        os.makedirs(folder, exist_ok=True)
+
+    def claim(self, unit: int) -> bool:
+        fd = os.open(os.path.join(self.folder, f"{unit:08d}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.held[unit] = fd
+        return True
+
+    def done(self, unit: int) -> None:
+        fd = self.held.pop(unit, None)
+        if fd is not None:
+            os.close(fd)
+
+    def next_free(self, units, finished, first: int = 0):
+        """Claim and yield, one at a time as asked, each unit of `units` not `finished(u)` (looked at again after its
+        claim: another process may have written it meanwhile) and not held elsewhere; starting at index `first` of
+        the list and wrapping, so that engines starting together begin apart."""
+        units = list(units)
+        order = units[first % len(units):] + units[:first % len(units)] if units else []
+        for u in order:
+            if finished(u) or not self.claim(u):
+                continue
+            if finished(u):
+                self.done(u)
+                continue
+            yield u

@@ -30,9 +30,11 @@ says which settings changed, and never reports the old answers as its own.
 Sharded: --rank/--world-size take contiguous ranges of chunks (every rank can run on its own host or GPU);
 whichever rank finds every chunk present writes chat.jsonl. The target's prompts are written by one process: a rank
 of several (--world-size > 1) reads them and refuses where they are not all written yet.
---engines N: this process's chunks are answered by N processes of this step at once, each a rank of its own with its
-part of a GPU (engine/engine_processes.py; a small target's engine is bound by one CPU core, not by its GPU); the
-prompts are written first, by this process, and chat.jsonl once all have finished.
+--engines N: this process's chunks are answered by N processes of this step at once, each with its part of a GPU
+(engine/engine_processes.py; a small target's engine is bound by one CPU core, not by its GPU), started one at a time
+and each claiming the next chunk nobody holds (a chunk claimed by an engine that dies is taken by another); the
+prompts are written first, by this process, and chat.jsonl once all have finished. An engine that fails while the
+others answer every chunk is reported, not fatal.
 Engines: vllm (when the host's vLLM imports: a conversation's next turn is queued the moment its answer arrives,
 data/answering.py's stream; --batching rounds: one LLM.chat call per turn of a chunk) or hf (transformers generate,
 batched, left-padded, in rounds). --temperature 0 is greedy; > 0 samples with a seed per chunk and turn, so a resumed run gives
@@ -55,7 +57,7 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           stdout_for_result_only)
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
-from kimi_eagle_host.engine.engine_processes import one_of_several, run_ranks
+from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
 KEYED = ("model", "weights", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
@@ -464,28 +466,33 @@ def chunk_seed(args, c):
     return args.seed * 1_000_003 + c * 1009
 
 
-def answer_chunks(args, engine, convs, budget, chunks_dir, todo):
-    """Answer every chunk in `todo` and write each (atomically) as it completes: (turns answered, turns cut for
-    the context, how the engine was kept busy)."""
+def answer_chunks(args, engine, convs, budget, chunks_dir, todo, total=None, written=None):
+    """Answer every chunk `todo` yields and write each (atomically) as it completes: (turns answered, turns cut for
+    the context, how the engine was kept busy, chunks written). `total`: the chunks left to the step (its progress
+    bar, when `todo` is shared with other engines); `written(c)` is told of each chunk written."""
     from kimi_eagle_host.data.answering import Stream, answer_in_rounds
 
     gen = engine.get()
     t0 = time.time()
     totals = {"answered": 0, "cut": 0, "chunks": 0, "convs": 0}
-    progress_line("regenerate", 0, len(todo))
+    total = len(todo) if total is None else total
+    progress_line("regenerate", 0, total)
 
     def write(c, answers, cut):
         rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
         lines = [json.dumps(conversation_row(conv, a), ensure_ascii=False) for conv, a in zip(rows, answers)]
         atomic_write(chunk_path(chunks_dir, c * args.chunk_size), ("\n".join(lines) + "\n").encode("utf-8"))
+        if written:
+            written(c)
         totals["answered"] += sum(len(a) for a in answers)
         totals["cut"] += cut
         totals["chunks"] += 1
         totals["convs"] += len(rows)
-        log(f"regenerate: chunk {totals['chunks']}/{len(todo)} ({len(rows)} conversations) {time.time() - t0:.0f}s")
+        log(f"regenerate: chunk {c + 1} of {chunk_count(convs, args)} ({len(rows)} conversations; {totals['chunks']} "
+            f"written here) {time.time() - t0:.0f}s")
         # The bar of `kimi-eagle logs`: chunks done of all, ETA, the answers' tokens/s and conversations/s.
         dt = max(time.time() - t0, 1e-9)
-        progress_line("regenerate", totals["chunks"], len(todo), every_s=0, tok_s=gen.tokens / dt,
+        progress_line("regenerate", totals["chunks"], total, every_s=0, tok_s=gen.tokens / dt,
                       prompts_s=totals["convs"] / dt)
 
     batching = "stream" if gen.streams and args.batching in ("auto", "stream") else "rounds"
@@ -496,26 +503,50 @@ def answer_chunks(args, engine, convs, budget, chunks_dir, todo):
         for c in todo:
             rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
             write(c, *answer_in_rounds(gen, rows, budget, chunk_seed(args, c), args.max_turns))
-    return totals["answered"], totals["cut"], batching
+    return totals["answered"], totals["cut"], batching, totals["chunks"]
 
 
-def answer_with_engines(args):
+def chunk_count(convs, args) -> int:
+    return (len(convs) + args.chunk_size - 1) // args.chunk_size
+
+
+def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
+    """One of --engines processes: start this engine when the one before is up (start_turn), then answer the chunks
+    of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
+    i, n = engine_index()
+    with start_turn(os.path.join(chunks_dir, ".engine_start.lock")) as waited:
+        engine.size()
+        engine.get()
+    log(f"regenerate: engine {i + 1} of {n} started ({waited:.0f} s waiting for the engines before it to start)")
+    claims = Claims(os.path.join(chunks_dir, ".claims"))
+    mine = claims.next_free(todo, lambda c: os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size)),
+                            first=i * len(todo) // max(n, 1))
+    return answer_chunks(args, engine, convs, budget, chunks_dir, mine, total=len(todo), written=claims.done)
+
+
+def answer_with_engines(args, chunks_dir, todo):
     """This process's chunks answered by --engines processes of this step at once (engine/engine_processes.py):
-    what they answered together; refused (exit 1) when one failed, after the others finished theirs."""
-    results = run_ranks(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
-                        args.engines, args.rank, args.world_size)
-    failed = [f"engine {i}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
+    what they answered together. An engine that failed is reported when the others answered every chunk; refused
+    (exit 1) when chunks are left, after the others finished what they could."""
+    results = run_engines(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
+                          args.engines)
+    failed = [f"engine {i + 1}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
+    left = [c for c in todo if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
+    if failed and left:
+        raise Refused(f"{len(failed)} of {args.engines} engines failed ({'; '.join(failed)}); {len(left)} chunks "
+                      "left: the chunks answered are kept, a re-run answers the rest")
     if failed:
-        raise Refused(f"{len(failed)} of {args.engines} engines failed ({'; '.join(failed)}); the chunks the "
-                      "others answered are kept: a re-run answers the rest")
+        log(f"regenerate: {len(failed)} of {args.engines} engines failed, the others answered every chunk: "
+            + "; ".join(failed))
+    results = [r for r in results if r.get("ok")]
     tokens = sum((r.get("throughput") or {}).get("answer_tokens_now") or 0 for r in results)
     seconds = max((r.get("throughput") or {}).get("generating_s_now") or 0 for r in results)
-    return {"engines": args.engines, "turns_answered": sum(r["turns_answered_now"] for r in results),
+    return {"engines": args.engines, "failed": failed, "turns_answered": sum(r["turns_answered_now"] for r in results),
             "turns_cut": sum(r["turns_cut_for_context_now"] for r in results),
             "batching": next((r["batching"] for r in results if r.get("batching")), None),
             "throughput": {"answer_tokens_now": tokens, "generating_s_now": round(seconds, 2),
                            "tokens_per_s_now": round(tokens / seconds, 1) if seconds > 0 else None},
-            "each": [{k: r.get(k) for k in ("rank", "world_size", "chunks_done_now", "turns_answered_now",
+            "each": [{k: r.get(k) for k in ("engine_of", "chunks_done_now", "turns_answered_now",
                                              "throughput", "engine_memory")} for r in results]}
 
 
@@ -560,10 +591,10 @@ def run(args):
     key = run_key(settings)
     chunks_root = os.path.join(out_dir, "chunks")
     chunks_dir = os.path.join(chunks_root, key)
-    n_chunks = (len(convs) + args.chunk_size - 1) // args.chunk_size
+    n_chunks = chunk_count(convs, args)
     mine = shard_chunks(n_chunks, args.rank, args.world_size)
     todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
-    if todo and args.engines == 1:  # several engines size themselves, each in its own process
+    if todo and args.engines == 1 and not one_of_several():  # several engines size themselves, in turn
         engine.size()
     fresh = not os.path.isdir(chunks_dir)
     os.makedirs(chunks_dir, exist_ok=True)
@@ -580,11 +611,14 @@ def run(args):
     engines = None
     if todo and args.engines > 1:
         engine.close()  # the prompts' writer gives its memory to the engines that answer
-        engines = answer_with_engines(args)
+        engines = answer_with_engines(args, chunks_dir, todo)
         answered, cut, batching, throughput = (engines["turns_answered"], engines["turns_cut"], engines["batching"],
                                                engines["throughput"])
+        done_now = sum(e["chunks_done_now"] for e in engines["each"])
     else:
-        answered, cut, batching = answer_chunks(args, engine, convs, budget, chunks_dir, todo) if todo else (0, 0, None)
+        answer = answer_as_one_of_several if one_of_several() else answer_chunks
+        answered, cut, batching, done_now = (answer(args, engine, convs, budget, chunks_dir, todo) if todo
+                                             else (0, 0, None, 0))
         throughput = engine.gen.throughput() if engine.gen else None
     engine.close()
     manifest = {"run_key": key, "settings": settings, "source": prov, "conversations": len(convs),
@@ -598,7 +632,8 @@ def run(args):
             "engine_memory": engine.memory and engine.memory["says"], "run_key": key,
             "not_reused_because": changed if before else None, "conversations": len(convs),
             "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
-            "chunks_done_now": len(todo), "batching": batching, "turns_answered_now": answered,
+            "chunks_done_now": done_now, "batching": batching, "turns_answered_now": answered,
+            "engine_of": "{}/{}".format(engine_index()[0] + 1, engine_index()[1]) if one_of_several() else None,
             "turns_cut_for_context_now": cut,
             "rank": args.rank, "world_size": args.world_size, "dataset": final, "out_dir": out_dir,
             "source": prov, "curation": manifest["curation"] and {k: manifest["curation"][k] for k in
@@ -611,7 +646,7 @@ def run(args):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_step_args("regenerate", argv, __doc__)
-    args.step_argv = [*argv, "--engines", "1"]  # what each of several engines runs (engine_processes.run_ranks)
+    args.step_argv = [*argv, "--engines", "1"]  # what each of several engines runs (engine_processes.run_engines)
     return run_step("regenerate", run, args)
 
 

@@ -1,0 +1,119 @@
+"""Several engines of one step on one host (kimi_eagle_host/engine/engine_processes.py): they start one at a time
+(start_turn) and share the work by claims that a dead process gives up (Claims), with real processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kimi_eagle_host.engine.engine_processes import Claims, start_turn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def python(code: str, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO)
+
+
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    while not path.exists():
+        assert proc.poll() is None, "the other process ended early"
+        time.sleep(0.01)
+
+
+def test_an_engine_starts_only_when_the_one_before_is_up(tmp_path):
+    """While this process holds the turn, another that asks for it does not get in; it does once the turn is
+    released (the lock also goes with a process that dies: the kernel drops a flock with its file)."""
+    lock, asking, inside = tmp_path / "start.lock", tmp_path / "asking", tmp_path / "inside"
+    code = ("import sys, pathlib; from kimi_eagle_host.engine.engine_processes import start_turn\n"
+            "pathlib.Path(sys.argv[2]).touch()\n"
+            "with start_turn(sys.argv[1]):\n    pathlib.Path(sys.argv[3]).touch()\n")
+    with start_turn(str(lock)) as waited:
+        assert waited < 60
+        other = python(code, lock, asking, inside)
+        wait_for(asking, other)
+        time.sleep(0.3)   # time enough to get in if nothing kept it out
+        assert not inside.exists()
+    assert other.wait(timeout=60) == 0 and inside.exists()
+
+
+def test_a_unit_is_claimed_once_and_freed_by_its_writer_or_its_death(tmp_path):
+    folder = tmp_path / "claims"
+    mine, theirs = Claims(str(folder)), Claims(str(folder))
+    assert mine.claim(3) and not theirs.claim(3)      # held: nobody else works on it
+    mine.done(3)
+    assert theirs.claim(3)
+    theirs.done(3)
+    # another process claims 5 and dies without a word: 5 is free again
+    ready = tmp_path / "ready"
+    holder = python("import sys, time, pathlib; from kimi_eagle_host.engine.engine_processes import Claims\n"
+                    "c = Claims(sys.argv[1]); assert c.claim(5); pathlib.Path(sys.argv[2]).touch(); time.sleep(600)\n",
+                    folder, ready)
+    wait_for(ready, holder)
+    assert not mine.claim(5)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=60)
+    assert mine.claim(5)
+    mine.done(5)
+
+
+def test_next_free_skips_what_is_written_or_held_and_starts_where_told(tmp_path):
+    folder = tmp_path / "claims"
+    written = {2}
+    other = Claims(str(folder))
+    assert other.claim(4)
+    mine = Claims(str(folder))
+    units = mine.next_free(range(6), written.__contains__, first=3)
+    assert next(units) == 3
+    written.add(5)                       # written by another engine before this one came to it
+    assert list(units) == [0, 1]         # 4 held, 5 written, wrapped round to 0 and 1, 2 written
+    assert sorted(mine.held) == [0, 1, 3]
+
+
+def test_a_stream_takes_the_next_chunk_only_when_the_engine_has_room():
+    """answering.Stream asks for a chunk when it can start its conversations, not before: an engine sharing chunks
+    with others claims each as late as it can. Every conversation still gets each of its turns answered in order."""
+    from kimi_eagle_host.data.answering import Stream
+    from kimi_eagle_host.data.prompts import Conversation
+
+    class Words:   # token counts by words; every prompt fits
+        per_message = 1
+
+        def count(self, texts):
+            return [len(t.split()) for t in texts]
+
+        def fits(self, used):
+            return True
+
+    class OneAStep:   # an engine that finishes the oldest request each step
+        def __init__(self):
+            self.queue = []
+
+        def start(self, rid, chat, seed):
+            self.queue.append((rid, chat))
+
+        def finished(self):
+            rid, chat = self.queue.pop(0)
+            return [(rid, f"answer to {chat[-1]['content']}", 3)]
+
+    events = []
+
+    def chunks():
+        for c in range(3):
+            events.append(("pull", c))
+            convs = [Conversation(id=f"{c}.{k}", line=0, user_turns=[f"q{c}{k}a", f"q{c}{k}b"]) for k in range(2)]
+            yield c, convs, 0
+
+    answers = {}
+
+    def done(c, got, cut):
+        events.append(("done", c))
+        answers[c] = got
+
+    Stream(OneAStep(), Words(), 0, window=2).run(chunks(), done)
+    assert events.index(("pull", 1)) > 0 and events.index(("pull", 2)) > events.index(("done", 0)), events
+    assert sorted(answers) == [0, 1, 2]
+    assert answers[1] == [["answer to q10a", "answer to q10b"], ["answer to q11a", "answer to q11b"]]
