@@ -889,6 +889,8 @@ def st_scale_ab(gpu):
     text) and read beside each one's own k."""
     variants = ab_variants(os.environ.get("KE_SCALE_AB", AB_VARIANTS))
     steps = os.environ.get("KE_SCALE_AB_STEPS", "450" if not TINY else "4")
+    # each variant is stopped where the runner's budget ends; a held-out figure halfway is kept if it is
+    timeout = float(os.environ.get("KE_SCALE_AB_TIMEOUT_S", max(120.0, BUDGET_S + 60 - (now() - T0))))
     threads_each = str(max(1, (os.cpu_count() or 2) // len(variants)))
     shutil.rmtree(AB, ignore_errors=True)
     res: dict = {"steps": steps, "variants": {}, "base_settings": AB_BASE}
@@ -910,15 +912,20 @@ def st_scale_ab(gpu):
                           "engine": "hf", "engine_batch_size": "64", "online_cache_gb": "0",
                           "online_buffer_gb": os.environ.get("KE_SCALE_AB_BUFFER_GB", "4" if not TINY else "0.05"),
                           "online_spool_dir": str(SHM), "choose_checkpoints": "0", "log_every": "50",
+                          "eval_every": str(max(1, int(steps) // 2)),
                           "save_every": "100000", "device": DEVICE, **({"holdout_fraction": "0.25"} if TINY else {})})
             cmd = [PY, *payload("train.py"), "--model", str(SMOL), "--output-dir", str(pipe),
                    *[a for k, v in flags.items() for a in ("--" + k.replace("_", "-"), v)]]
-            t = run(stage, cmd, gpu, env={"OMP_NUM_THREADS": threads_each},
-                    timeout=float(os.environ.get("KE_SCALE_AB_TIMEOUT_S", "900")))
+            try:
+                t = run(stage, cmd, gpu, env={"OMP_NUM_THREADS": threads_each}, timeout=timeout)
+            except StageFailed as e:
+                t = {"stopped": str(e)[-500:], "heldout": last_heldout(D["logs"] / f"{stage}.log")}
+                if not t["heldout"]:
+                    raise
             held = t.get("heldout") or {}
             r.update({k: t.get(k) for k in ("step", "train_tokens", "train_seconds", "train_tokens_per_s",
-                                             "final_loss", "online", "wall_s")})
-            r.update(heldout_accept_len=held.get("accept_len"), heldout_cond_acc=held.get("cond_acc"),
+                                             "final_loss", "online", "wall_s", "stopped")})
+            r.update(heldout_step=held.get("step"), heldout_accept_len=held.get("accept_len"), heldout_cond_acc=held.get("cond_acc"),
                      served_like=held.get("served_like"), served_like_by_k=held.get("served_like_by_k"))
         except Exception as e:  # noqa: BLE001 - one failed variant leaves the others' figures
             r["error"] = f"{type(e).__name__}: {e}"[-1500:]
@@ -934,6 +941,15 @@ def st_scale_ab(gpu):
     if not res["served_like_k3"]:
         raise StageFailed(f"no variant finished: {json.dumps(res)[-2000:]}")
     return res
+
+
+HELDOUT_RE = re.compile(r"held-out at step \d+: (\{.*\})")
+
+
+def last_heldout(log: Path) -> dict | None:
+    """The last held-out evaluation a train step logged (for a run stopped before its result)."""
+    found = HELDOUT_RE.findall(log.read_text(errors="replace")) if log.exists() else []
+    return json.loads(found[-1]) if found else None
 
 
 def st_scale_choose(gpu):
