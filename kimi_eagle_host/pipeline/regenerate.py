@@ -47,6 +47,7 @@ import sys
 
 
 import hashlib
+import itertools
 import json
 import time
 
@@ -514,14 +515,19 @@ def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     """One of --engines processes: start this engine when the one before is up (start_turn), then answer the chunks
     of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
     i, n = engine_index()
+    claims = Claims(os.path.join(chunks_dir, ".claims"))
+    mine = claims.next_free(todo, lambda c: os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size)),
+                            first=i * len(todo) // max(n, 1))
+    first = next(mine, None)   # claimed before the engine starts: none left, no engine started for nothing
+    if first is None:
+        log(f"regenerate: engine {i + 1} of {n}: the others hold or wrote every chunk; not started")
+        return 0, 0, None, 0
     with start_turn(os.path.join(chunks_dir, ".engine_start.lock")) as waited:
         engine.size()
         engine.get()
     log(f"regenerate: engine {i + 1} of {n} started ({waited:.0f} s waiting for the engines before it to start)")
-    claims = Claims(os.path.join(chunks_dir, ".claims"))
-    mine = claims.next_free(todo, lambda c: os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size)),
-                            first=i * len(todo) // max(n, 1))
-    return answer_chunks(args, engine, convs, budget, chunks_dir, mine, total=len(todo), written=claims.done)
+    return answer_chunks(args, engine, convs, budget, chunks_dir, itertools.chain([first], mine), total=len(todo),
+                         written=claims.done)
 
 
 def answer_with_engines(args, chunks_dir, todo):
