@@ -264,7 +264,7 @@ STEP_SETTINGS = [
     _step("train", "norm_key", "text", None, "exact tensor name of the target final norm", nonempty=True),
     _step("train", "lm_head_key", "text", None, "exact tensor name of the target lm_head", nonempty=True),
     _step("choose", "prompts", "int", 32, "held-out training documents served per checkpoint (their first user "
-          "turn)", positive=True),
+          "turn), spread over the whole held-out list", positive=True),
     _step("choose", "max_tokens", "int", 128, "new tokens per served prompt", positive=True),
     _step("choose", "max_k", "int", 5, "draft tokens served; acceptance at every k up to it comes from that one run",
           positive=True, maximum=10),
