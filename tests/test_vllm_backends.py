@@ -335,8 +335,11 @@ def test_trained_draft_serves_as_eagle3_in_vllm(v32):
                     m[metric.name] = getattr(metric, "value", None) if not hasattr(metric, "values") else metric.values
             print("RESULT " + json.dumps({"tokens": [len(o.outputs[0].token_ids) for o in outs], "metrics": m}))
         """)
+    # The engine core in this process, as eval and choose run it on a CPU host (vllm_compat.size_engine): vLLM's
+    # default starts two more processes, each importing vLLM again (twice the CPU, docs/benchmarks.md).
     r = subprocess.run([str(v32["py"]), "-c", script, str(v32["model"]), str(export)], capture_output=True,
-                       text=True, timeout=1200, env={**os.environ, **HOST_ENV, "PYTHONPATH": ""})
+                       text=True, timeout=1200,
+                       env={**os.environ, **HOST_ENV, "PYTHONPATH": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(line[0][len("RESULT "):])
