@@ -216,11 +216,17 @@ def test_speculators_030_llama_matches_hf(spec030_llama, hf16):
     assert_matches_hf(spec030_llama[0], hf16["llama"] / "hidden_states")
 
 
-def test_speculators_030_batches_equal_batch_size_one(v16, hf16, spec030_llama, tmp_path_factory, sshd):
+@pytest.fixture(scope="module")
+def spec040_llama_one_at_a_time(v16, hf16, tmp_path_factory, sshd):
+    """0.4.0's extraction, one request at a time: what 0.3.0's batches are compared with (one engine start for both
+    checks; both versions' generators run the same patched vLLM 0.16 engine on the same samples)."""
+    return extract_speculators(v16, hf16, tmp_path_factory, sshd, "0.4.0", "llama", batch_size=1)
+
+
+def test_speculators_030_batches_equal_batch_size_one(spec030_llama, spec040_llama_one_at_a_time):
     """speculators bug #279 (upstream): batched prefill and repeated generate() calls (4 calls of 4 here) must give what
     one request at a time gives."""
-    one, _ = extract_speculators(v16, hf16, tmp_path_factory, sshd, "0.3.0", "llama", batch_size=1)
-    errs = mean_rel_err(spec030_llama[0], one)
+    errs = mean_rel_err(spec030_llama[0], spec040_llama_one_at_a_time[0])
     assert max(errs) < 5e-3, errs
 
 
@@ -238,9 +244,8 @@ def test_speculators_030_llava_hub_layout_matches_hf(v16, hf16, tmp_path_factory
     assert_matches_hf(out, hf16["llava"] / "hidden_states")
 
 
-def test_speculators_040_llama_matches_hf(v16, hf16, tmp_path_factory, sshd):
-    out, _ = extract_speculators(v16, hf16, tmp_path_factory, sshd, "0.4.0", "llama")
-    assert_matches_hf(out, hf16["llama"] / "hidden_states")
+def test_speculators_040_llama_matches_hf(spec040_llama_one_at_a_time, hf16):
+    assert_matches_hf(spec040_llama_one_at_a_time[0], hf16["llama"] / "hidden_states")
 
 
 def test_vllm_016_cpu_backend_refuses_mla():
