@@ -174,7 +174,7 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
 
 
 def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
-    extra = ["--dtype", DTYPE, "--threads", THREADS] if engine == "hf" else []
+    extra = ["--dtype", DTYPE, "--threads", 2 if ON_ITS_OWN else 1] if engine == "hf" else []
     return step("eval.py", "--model", model, "--draft", draft, "--prompts", prompts, "--engine", engine,
                 "--num-prompts", EVAL_QUESTIONS, "--max-tokens", 48, "-k", K, "--batch-sizes", "1", "--timing-prompts",
                 1, "--out", out, "--output-dir", out, "--report-to", "none", "--baseline-dir", out.parent / "baselines",
