@@ -7,8 +7,8 @@ passes a mark on by renaming the test (`item._nodeid`), which pytest 9.2 no long
 a unit of its own (CI, 2026-12-03: the quality run's two tests each trained a draft, at once, on two workers).
 
 The longest unit goes first (SECONDS, measured in CI), and a worker takes its next unit only when it is about to
-run the last test of the current one, so a long unit (the quality run, ~12 minutes) does not hold other units
-queued behind it while the other workers run dry: the suite ends when its longest chain of work does.
+run the last test of the current one, so a long unit (the quality run, ~15 minutes beside the others) does not hold
+other units queued behind it while the other workers run dry: the suite ends when its longest chain of work does.
 
 The tests in ALONE run last, one worker on its own, once the other workers have stopped taking work.
 """
@@ -36,6 +36,9 @@ CHEAP = {"sshd"}
 # Seconds a unit took in CI run serially (the JUnit XML of the run of 2026-12-03, rounded), longest first; a unit not
 # listed counts a second per test. Only the order matters: a stale figure costs time, never a result.
 SECONDS = {
+    # The quality run first: one thread beside the other workers (test_quality.py), so it runs while they do. Run last
+    # and alone (until 2026-12-04) it held both cores for ~11 minutes at 1.46 of them, the others idle.
+    "test_quality.py": 1500,
     "test_vllm_backends.py": 404, "test_regenerate_eval.py": 331, "test_kimi_vllm.py": 175,
     "slurm": 167, "test_choose.py": 143, "test_torchrun.py": 141, "test_known_acceptance.py": 137,
     "test_group_jobs.py": 136, "trained": 116, "test_self_prompts.py": 113,
@@ -50,10 +53,7 @@ SECONDS = {
 # box loaded by three other workers a later start ran so much faster or slower than the measured one that an
 # outcome was missed (test_start_interrupt [local], and a stop's grace period, at 4 workers on 2 cores). A file, or a
 # file::function.
-# And the quality run (the suite's longest chain, ~10 minutes of both cores alone): beside three workers its draft's
-# training did not end within the module's 30 minutes (the whole suite at 4 workers on the idle box, 2026-12-03).
 ALONE = {
-    "test_quality.py",
     "test_start_interrupt.py",
     "test_machine_claims.py::test_a_stop_cut_short_by_ctrl_c_leaves_the_job_running_and_a_second_stop_ends_it",
 }

@@ -57,18 +57,43 @@ TIMES: dict[str, float] = {}
 pytestmark = [pytest.mark.quality, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
+# This module is the suite's longest chain of work. Run on its own (-n 0, or one worker), every core for SmolLM2's
+# large matrices, as on a host. Beside the other workers (tests/spread.py starts it first, so that it runs while they
+# do instead of after them, with a core left idle by its one-threaded stretches), one thread, as every other test
+# process has (conftest.py): two OpenMP threads on a box whose other core is busy spin waiting for each other (the
+# draft's training ran out of the module's 30 minutes that way beside three workers, 2026-12-03).
+ON_ITS_OWN = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1) <= 1
+THREADS = (os.cpu_count() or 1) if ON_ITS_OWN else 1
+# A step's priority beside the other workers: its session's CPU weight (Linux shares the CPU between sessions first,
+# its autogroups; sshd's sessions and detached jobs are each one) raised to about three sessions', so that its one
+# thread has a core of its own while the other workers share the other. Root only; elsewhere it runs at the weight
+# of any session.
+AUTOGROUP_NICE = "-5"
+
+
 def step(script, *args, python=sys.executable, timeout=1200):
     t = time.time()
-    # This module is the suite's longest chain of work. Every core for SmolLM2's large matrices, as on a host (the
-    # suite's other processes get one thread each, conftest.py); and a session of its own: Linux shares the CPU
-    # between sessions first (autogroups, as sshd's sessions and detached jobs each are), so in the test workers'
-    # session the step got a thread's share of it (the training step ran out of its 1200 s at 4 workers).
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    p = subprocess.run([str(python), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(THREADS)}
+    # A session of its own: in the test workers' session the step got a thread's share of the CPU (the training step
+    # ran out of its 1200 s at 4 workers).
+    p = subprocess.Popen([str(python), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"),
+                          *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    if not ON_ITS_OWN:
+        try:
+            with open(f"/proc/{p.pid}/autogroup", "w") as f:
+                f.write(AUTOGROUP_NICE)
+        except OSError:
+            pass
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.communicate()
+        raise
     TIMES[script] = TIMES.get(script, 0.0) + time.time() - t
-    assert p.returncode == 0, f"{script} exited {p.returncode}:\n{p.stderr[-4000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0, f"{script} exited {p.returncode}:\n{stderr[-4000:]}"
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,7 +174,7 @@ def drafts(smollm2, vllm_python, tmp_path_factory):
 
 
 def evaluate(model, draft, prompts, out, engine="hf", python=sys.executable):
-    extra = ["--dtype", DTYPE, "--threads", 2] if engine == "hf" else []
+    extra = ["--dtype", DTYPE, "--threads", 2 if ON_ITS_OWN else 1] if engine == "hf" else []
     return step("eval.py", "--model", model, "--draft", draft, "--prompts", prompts, "--engine", engine,
                 "--num-prompts", EVAL_QUESTIONS, "--max-tokens", 48, "-k", K, "--batch-sizes", "1", "--timing-prompts",
                 1, "--out", out, "--output-dir", out, "--report-to", "none", "--baseline-dir", out.parent / "baselines",

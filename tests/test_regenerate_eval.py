@@ -113,7 +113,7 @@ def test_eval_refuses_a_draft_that_does_not_fit_the_target_before_loading_it(tmp
     assert not (tmp_path / "o" / "eval").exists()
 
 
-def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
+def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path, tiny_llama):
     """Here the tests' interpreter has no vLLM: --engine vllm falls back, saying why, and still reports."""
     pytest.importorskip("transformers")
     try:
@@ -121,7 +121,7 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
         pytest.skip("this interpreter has vLLM")
     except ImportError:
         pass
-    model = build_tiny_llama(tmp_path)
+    model = tiny_llama
     draft = export_untrained_draft(tmp_path, model)
     code, out, err = payload("eval.py", "--model", model, "--draft", draft, "--engine", "vllm",
                              "--prompts", PROMPTS / "prompts_eval.jsonl", "--num-prompts", 2, "--max-tokens", 8,
@@ -140,8 +140,8 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path):
 
 # ------------------------------------------------------------------------------------------ regenerate
 
-def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path):
-    model = build_tiny_llama(tmp_path)
+def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama):
+    model = tiny_llama
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Question number {i}?"}]} for i in range(5)]
     rows.append({"conversations": [{"from": "human", "value": "Old question"}, {"from": "gpt", "value": "old answer"}]})
@@ -380,7 +380,11 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     at start-up on a GPU host without flashinfer) and sizes the engine's memory from what it needs and what is free:
     here another process holds part of the memory, so vLLM's own default share ("Available memory ... is less than
     desired CPU memory utilization") cannot start, and the host's env sets no VLLM_CPU_KVCACHE_SPACE. Both steps
-    start a real vLLM 0.32 and decode."""
+    start a real vLLM 0.32 and decode.
+
+    The first regenerate also writes prompts of the target's own (--self-prompts: sampled from its chat template's
+    opening of a user turn, each with its own seed, so no two alike) and answers them with the same engine: one engine
+    start for both checks (tests/test_self_prompts.py tests the same on transformers)."""
     from held_memory import VLLM_CPU_DEFAULT_SHARE, memory_held
     from vllm_envs import env_python
 
@@ -415,7 +419,8 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     with memory_held() as (available, total):
         assert available < VLLM_CPU_DEFAULT_SHARE * total  # vLLM's default share cannot be had
         out = step("regenerate.py", "--model", tiny_llama, "--dataset", prompts, "--output-dir", tmp_path / "o",
-                   "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256)
+                   "--engine", "vllm", "--max-tokens", 4, "--max-model-len", 256, "--chunk-size", 4,
+                   "--self-prompts", 8, "--self-prompt-tokens", 8)
         answered = {}
         for batching in ("stream", "rounds"):
             answered[batching] = step("regenerate.py", "--model", tiny_llama, "--dataset", multi, "--engine", "vllm",
@@ -425,7 +430,15 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
                    "--max-tokens", 4, "--max-model-len", 256, "--batch-sizes", "1,2", "--output-dir", tmp_path / "o")
     assert out["engine"] == "vllm" and out["engine_env"] == wanted and out["engine_memory"].startswith(sized)
     assert out["engine_memory"].endswith(in_process) and rep["engine_memory"].endswith(in_process)
-    assert out["turns_answered_now"] == 8 and out["batching"] == "stream"
+    assert out["batching"] == "stream"
+    # the 4 public conversations (2 user turns each) and the 4 prompts the target wrote, every turn answered
+    assert out["conversations"] == 8 and out["self_prompts"]["written"] == 4 and out["turns_answered_now"] == 12
+    rows = [json.loads(line) for line in (tmp_path / "o" / "regenerated" / "chat.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows[:4]] == ["c0", "c1", "c2", "c3"] and len(rows) == 8
+    users = [r["messages"][0]["content"] for r in rows]
+    assert len(set(users)) == 8 and all(u.strip() for u in users[4:])
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert out["throughput"]["tokens_per_s_now"] > 0 and out["self_prompts"]["tokens_per_s_now"] > 0
     for batching, res in answered.items():
         assert res["batching"] == batching and res["chunks_done_now"] == 4
         assert res["turns_answered_now"] == sum(turns) - 1 and res["turns_cut_for_context_now"] == 1

