@@ -185,7 +185,7 @@ def test_torchrun_extract_equals_one_process_and_validates_all(prepared):
     (root / "two" / "hidden_states" / "hs_12.safetensors").unlink()
     code, out, err = step("extract.py", *args, "--output-dir", root / "two", nproc=2)
     doc = answer(out)
-    assert code == 0 and doc["written"] == 2 and doc["skipped_existing"] == 18
+    assert code == 0 and doc["written"] == 2 and doc["skipped_existing"] == 18, (doc, err[-3000:])
     for name in ("hs_7.safetensors", "hs_12.safetensors"):
         again = read_samples(root / "two" / "hidden_states")[name]
         assert torch.equal(again["hidden_states"], one[name]["hidden_states"])
