@@ -511,12 +511,16 @@ def chunk_count(convs, args) -> int:
     return (len(convs) + args.chunk_size - 1) // args.chunk_size
 
 
+def chunk_written(chunks_dir, c, args) -> bool:
+    return os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))
+
+
 def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     """One of --engines processes: start this engine when the one before is up (start_turn), then answer the chunks
     of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
     i, n = engine_index()
     claims = Claims(os.path.join(chunks_dir, ".claims"))
-    mine = claims.next_free(todo, lambda c: os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size)),
+    mine = claims.next_free(todo, lambda c: chunk_written(chunks_dir, c, args),
                             first=i * len(todo) // max(n, 1))
     first = next(mine, None)   # claimed before the engine starts: none left, no engine started for nothing
     if first is None:
@@ -537,7 +541,7 @@ def answer_with_engines(args, chunks_dir, todo):
     results = run_engines(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
                           args.engines)
     failed = [f"engine {i + 1}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
-    left = [c for c in todo if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
+    left = [c for c in todo if not chunk_written(chunks_dir, c, args)]
     if failed and left:
         raise Refused(f"{len(failed)} of {args.engines} engines failed ({'; '.join(failed)}); {len(left)} chunks "
                       "left: the chunks answered are kept, a re-run answers the rest")
@@ -599,7 +603,7 @@ def run(args):
     chunks_dir = os.path.join(chunks_root, key)
     n_chunks = chunk_count(convs, args)
     mine = shard_chunks(n_chunks, args.rank, args.world_size)
-    todo = [c for c in mine if not os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))]
+    todo = [c for c in mine if not chunk_written(chunks_dir, c, args)]
     if todo and args.engines == 1 and not one_of_several():  # several engines size themselves, in turn
         engine.size()
     fresh = not os.path.isdir(chunks_dir)
