@@ -18,7 +18,9 @@ import pytest
 ROOT = "/sys/fs/cgroup/cpuacct"
 OUT = os.environ.get("KE_SUITE_CPU_DIR", "/tmp/kimi-eagle-suite-cpu")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-GROUP = f"{ROOT}/kimi_eagle_{WORKER}"
+# one group per worker of this run: two runs measured at once (their workers both named gw0, ...) must not share one
+RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))[:12]
+GROUP = f"{ROOT}/kimi_eagle_{RUN}_{WORKER}"
 
 
 def pytest_configure(config):
