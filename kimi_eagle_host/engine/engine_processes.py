@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from kimi_eagle_host.gpus import cuda_visible_names
 from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share
@@ -92,8 +93,6 @@ def engine_index(environ=os.environ) -> tuple[int, int]:
 def start_turn(lock_path: str):
     """Held while one engine of several starts (every engine of the step waits for the one before to be up): see the
     module's docstring. Yields the seconds waited. Released when the block ends or the process dies."""
-    import time
-
     t0 = time.time()
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

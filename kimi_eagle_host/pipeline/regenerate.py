@@ -515,6 +515,12 @@ def chunk_written(chunks_dir, c, args) -> bool:
     return os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))
 
 
+def engine_of() -> str | None:
+    """"i/N" (from 1) of one of several engines, as its result and the parent's `each` name it."""
+    i, n = engine_index()
+    return f"{i + 1}/{n}" if one_of_several() else None
+
+
 def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     """One of --engines processes: start this engine when the one before is up (start_turn), then answer the chunks
     of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
@@ -643,7 +649,7 @@ def run(args):
             "not_reused_because": changed if before else None, "conversations": len(convs),
             "prompts": len(convs), "dropped_long_prompts": dropped_long, "chunks": n_chunks,
             "chunks_done_now": done_now, "batching": batching, "turns_answered_now": answered,
-            "engine_of": "{}/{}".format(engine_index()[0] + 1, engine_index()[1]) if one_of_several() else None,
+            "engine_of": engine_of(),
             "turns_cut_for_context_now": cut,
             "rank": args.rank, "world_size": args.world_size, "dataset": final, "out_dir": out_dir,
             "source": prov, "curation": manifest["curation"] and {k: manifest["curation"][k] for k in

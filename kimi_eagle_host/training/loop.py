@@ -127,8 +127,8 @@ def measure(run: TrainRun, batch, noise_gen=None, rounds=False):
     with torch.no_grad():
         counts = ttt_loss.acceptance_counts(tops, h.draft_to_target, target_ids, scored)
         if rounds:
-            counts = torch.cat([counts, *(ttt_loss.round_counts(tops, h.draft_to_target, target_ids, scored, k)
-                                          for k in range(1, S + 1))])
+            counts = torch.cat([counts, ttt_loss.round_counts(tops, h.draft_to_target, target_ids, scored,
+                                                              range(1, S + 1))])
     return loss, step_l, counts
 
 

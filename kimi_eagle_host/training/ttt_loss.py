@@ -148,30 +148,31 @@ def chain_lengths(tops, draft_to_target, target_ids, scored) -> tuple[torch.Tens
     return every, chain
 
 
-def round_counts(tops, draft_to_target, target_ids, scored, k: int | None = None) -> torch.Tensor:
-    """[rounds, accepted at step 0, ..., at step S-1] of greedy speculative decoding replayed over the text: a round
-    at index j accepts the chain of consecutive hits from j (at most k <= S, the tokens served per round; S when not
-    given) and the next round starts after it and the target's own token, at j + chain + 1, as served rounds do; a
-    span's first round starts at its first index scored at every step (of S: a draft trained with more steps than it
-    is served with is compared with another at the same k, on the same starts). acceptance_counts averages every index instead, and rounds skip the accepted, easy stretches: on
-    the same text the served figure is this one (bench/served_vs_forced.py: 57 % at position 1 where every index
-    gave 66 %). For held-out evaluation (a host sync and a loop over rounds per row), not every training step."""
+def round_counts(tops, draft_to_target, target_ids, scored, ks=None) -> torch.Tensor:
+    """[rounds, accepted at step 0, ..., at step S-1] of greedy speculative decoding replayed over the text, for each k
+    of `ks` (tokens served a round, each <= S; default (S,)), concatenated. A round at index j accepts the chain of
+    consecutive hits from j (at most k) and the next round starts after it and the target's own token, at
+    j + chain + 1, as served rounds do; a span's first round starts at its first index scored at every step (of S: a
+    draft trained with more steps than it is served with is compared with another at the same k, on the same
+    starts). acceptance_counts averages every index instead, and rounds skip the accepted, easy stretches: on the
+    same text the served figure is this one (bench/served_vs_forced.py: 57 % at position 1 where every index gave
+    66 %). For held-out evaluation (one host sync, then a loop over rounds per row), not every training step."""
     import numpy as np
 
     S = len(tops)
-    every, chain = chain_lengths(tops, draft_to_target, target_ids, scored)
-    if k is not None:
-        chain = chain.clamp(max=k)
-    out = np.zeros(S + 1)
-    for ok, c in zip(every.cpu().numpy(), chain.cpu().numpy()):
-        starts = np.flatnonzero(ok)
-        i = 0
-        while i < len(starts):
-            j = starts[i]
-            out[0] += 1
-            out[1:1 + c[j]] += 1
-            i = np.searchsorted(starts, j + c[j] + 1)   # the next round, or the next span's first index
-    return torch.tensor(out, dtype=torch.float64, device=target_ids.device)
+    ks = (S,) if ks is None else tuple(ks)
+    every, chain = (x.cpu().numpy() for x in chain_lengths(tops, draft_to_target, target_ids, scored))
+    out = np.zeros((len(ks), S + 1))
+    for row, k in enumerate(ks):
+        for ok, c in zip(every, np.minimum(chain, k)):
+            starts = np.flatnonzero(ok)
+            i = 0
+            while i < len(starts):
+                j = starts[i]
+                out[row, 0] += 1
+                out[row, 1:1 + c[j]] += 1
+                i = np.searchsorted(starts, j + c[j] + 1)   # the next round, or the next span's first index
+    return torch.tensor(out.ravel(), dtype=torch.float64, device=target_ids.device)
 
 
 def summarize_rounds(counts, S: int) -> dict:
