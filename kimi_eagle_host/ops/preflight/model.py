@@ -135,14 +135,19 @@ def model_source_checks(args) -> list[dict]:
         return []
     if args.model_source == "tiny":
         return [check("model", "pass", f"{args.model}: a tiny random model the job builds first")]
-    from kimi_eagle_host.target.model_sources import SOURCES, locate
+    from kimi_eagle_host.target.model_sources import GGUF_READERS, SOURCES, locate, missing_gguf_readers
     from kimi_eagle_host.step_runtime import BadInput
 
+    cannot = f"{args.model} does not exist yet and cannot be built: "
     try:
         weights = locate(args.model_source)
     except BadInput as e:
-        return [check("model", "fail", f"{args.model} does not exist yet and cannot be built: "
-                      f"{str(e).removeprefix('--source ')}", SOURCES[args.model_source][2])]
+        return [check("model", "fail", cannot + str(e).removeprefix("--source "), SOURCES[args.model_source][2])]
+    # the models step runs as the job's second step: a missing reader would fail it after the record is written
+    missing = missing_gguf_readers()
+    if missing:
+        return [check("model", "fail", cannot + missing,
+                      f"install them in the host's Python: pip install {' '.join(GGUF_READERS)}")]
     return [check("model", "pass", f"{args.model}: built by the job from {weights}")]
 
 
