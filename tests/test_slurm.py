@@ -151,7 +151,7 @@ def test_a_job_is_rendered_once_and_what_was_rendered_is_what_runs(tmp_path, ssh
 def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, sshd, cluster):
     """A real SIGINT at moments spread over `run`'s start on a Slurm host: either the job is in jobs.json and was
     named, or nothing was queued and no job folder is left; never a Slurm job nobody was told about."""
-    from test_start_interrupt import FRACTIONS, _job_dirs, interrupted_at, start_cli
+    from test_start_interrupt import FRACTIONS, _job_dirs, interrupted_at, warm_start_seconds
 
     env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
     index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
@@ -160,12 +160,8 @@ def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, s
     def queued() -> set[str]:
         return set(cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split())
 
-    t0 = time.monotonic()
-    first = start_cli(env, *args)
-    out, err = first.communicate(timeout=120)
-    took = time.monotonic() - t0
-    assert first.returncode == 0, err
-    assert env.cli("stop", out.strip().splitlines()[-1], "--grace", "1").code == 0
+    took = warm_start_seconds(env, lambda _: args,
+                              lambda job: env.cli("stop", job, "--grace", "1").code)
     seen, outcomes = set(_job_dirs(env.workdir)), []
     for fraction in FRACTIONS:
         before = queued()

@@ -95,7 +95,13 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
         if interrupted:
             remove_job_dir(session, job_id)
             raise KeyboardInterrupt
-        code, data = _call_host_jobs(session, args)
+        try:
+            code, data = _call_host_jobs(session, args)
+        except CommandError as e:
+            if interrupted and e.result is not None and interrupts.ended_before_it_ran(e.result.exited):
+                remove_job_dir(session, job_id)
+                raise KeyboardInterrupt from None
+            raise
         if not data.get("started"):
             remove_job_dir(session, job_id)
             held = data.get("held_by") or {}

@@ -42,6 +42,13 @@ def naming_job(host: str, job_id: str, step: str):
     return naming(StartInterrupted.for_job(host, job_id, step))
 
 
+def ended_before_it_ran(exited: int | None) -> bool:
+    """Whether a host call of a start died of the Ctrl-C its deferred() block holds back, before it ran. A local
+    call's child sits in the terminal's process group from fork to setsid, with CPython's vfork child already back on
+    the default handlers: a Ctrl-C there ends it before it runs (once in its own session, it is out of reach)."""
+    return exited == -signal.SIGINT
+
+
 class Noted:
     """The SIGINTs a deferred() block noted: truthy once one came. `owner`: this block holds them back, so its
     caller reports them; a block inside another one (or in a thread the other one waits for) shares that one's

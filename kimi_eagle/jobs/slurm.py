@@ -177,6 +177,9 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
             direct.remove_job_dir(session, job_id)
             raise KeyboardInterrupt
         res = session.transport.run(cmd, timeout=120)
+        if interrupted and interrupts.ended_before_it_ran(res.exited):
+            direct.remove_job_dir(session, job_id)
+            raise KeyboardInterrupt
         if res.exited != 0:
             raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
                                result=res)
