@@ -8,6 +8,7 @@ array task, a cancel with a grace signal, preflight against sinfo, and a real pr
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -179,3 +180,29 @@ def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, s
         seen |= set(new)
         outcomes.append((code, bool(new)))
     assert (130, False) in outcomes and any(started for _, started in outcomes), outcomes
+
+
+def test_a_ctrl_c_that_ends_sbatch_on_a_local_login_node_before_it_runs_leaves_nothing(tmp_path, cluster):
+    """The controller on the login node itself (transport local): sbatch's shell is a child in the terminal's process
+    group until setsid, so a Ctrl-C can end it before it runs. That is an interrupt with nothing queued and no folder
+    left, not "sbatch refused the job". Here `sbatch` on the host's PATH is a wrapper that makes that moment happen
+    every time: it sends the controller its SIGINT, then ends its shell and itself with theirs."""
+    from test_start_interrupt import _job_dirs, start_cli
+
+    wrappers = tmp_path / "bin"
+    wrappers.mkdir()
+    (wrappers / "sbatch").write_text("#!/usr/bin/env bash\n"
+                                     'kill -INT "$(ps -o ppid= -p "$PPID" | tr -d " ")"; kill -INT "$PPID"; kill -INT $$\n')
+    (wrappers / "sbatch").chmod(0o755)
+    env = make_env(tmp_path, None)
+    host_env = {"SLURM_CONF": str(cluster.conf), "PATH": f"{wrappers}:{os.environ['PATH']}"}
+    env.inventory.write_text(env.inventory.read_text().replace(
+        "    transport: local\n",
+        f"    transport: local\n    scheduler: slurm\n    slurm: {json.dumps({'partition': 'debug'})}\n"
+        f"    env: {json.dumps(host_env)}\n", 1))
+    before = set(cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split())
+    run = start_cli(env, "run", "exec", "--host", "local", "--detach", "--no-preflight", "--", "sleep", "60")
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130 and "Traceback" not in err and "refused" not in err, (run.returncode, out, err)
+    assert _job_dirs(tmp_path / "localwork") == {}
+    assert set(cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()) <= before
