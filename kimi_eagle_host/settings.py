@@ -259,6 +259,8 @@ STEP_SETTINGS = [
     _step("train", "draft_num_heads", "int", None, "draft attention heads (default: the target's)", positive=True),
     _step("train", "draft_num_kv_heads", "int", None, "draft KV heads (default: the target's)", positive=True),
     _step("train", "draft_intermediate_size", "int", None, "draft MLP width (default: the target's)", positive=True),
+    _step("train", "draft_layers", "int", 1, "draft decoder layers (EAGLE-3's is 1; vLLM serves more)", minimum=1,
+          maximum=4),
     _step("train", "export_embed_tokens", "toggle", True, "include the target's embed_tokens in the export"),
     _step("train", "embed_key", "text", None, "exact tensor name of the target embedding", nonempty=True),
     _step("train", "norm_key", "text", None, "exact tensor name of the target final norm", nonempty=True),

@@ -133,9 +133,15 @@ def cycle_target(tmp_path):
     return model
 
 
-def known_draft(target, out, lead):
+# A deeper known draft splits its rotation unevenly over its layers: each layer's MLP turns the point by its share of
+# `lead` steps. Skip a layer, or run one twice, and the point lands on another token of the cycle.
+LAYER_SHARES = {1: (1.0,), 2: (0.3, 0.7)}
+
+
+def known_draft(target, out, lead, layers=1):
     """An export (our export_speculators) of the cycle target's draft that runs `lead` steps along the cycle:
-    lead 1 proposes the target's own next tokens, lead 2 a token the target never chooses (module doc)."""
+    lead 1 proposes the target's own next tokens, lead 2 a token the target never chooses (module doc); `layers`
+    2: a draft of two decoder layers whose rotations add up to the same (LAYER_SHARES)."""
     import torch
 
     from kimi_eagle_host.draft.draft_model import Eagle3Draft, draft_layer_config, export_speculators, \
@@ -144,28 +150,28 @@ def known_draft(target, out, lead):
     tcfg, archs = load_target_config(str(target))
     N, H = tcfg["num_hidden_layers"], tcfg["hidden_size"]
     c = draft_layer_config(tcfg, argparse.Namespace(draft_num_heads=None, draft_num_kv_heads=None,
-                                                    draft_intermediate_size=None))
+                                                    draft_intermediate_size=None, draft_layers=layers))
     aux = [2, N // 2, N - 3]
     draft = Eagle3Draft(c, len(aux), len(DRAFT_IDS), False)
     from safetensors.torch import load_file
 
     target_sd = load_file(str(Path(target) / "model.safetensors"))
     ids = torch.tensor(list(DRAFT_IDS))
-    angle = 2 * math.pi * lead / len(CYCLE)
-    rot = torch.tensor([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
     gate = 30.0                               # silu(30) = 30 to 1e-12: the MLP is linear where it is used
-    scale = math.sqrt(H / 2)                  # RMSNorm of U[m] multiplies it by this
+    scale = math.sqrt(H / 2)                  # RMSNorm of U[m] (or of any turn of it) multiplies it by this
     with torch.no_grad():
         for p in draft.parameters():
             p.zero_()
-        for norm in (draft.norm, draft.layers[0].input_layernorm, draft.layers[0].hidden_norm,
-                     draft.layers[0].post_attention_layernorm):
+        for norm in (m for m in draft.modules() if type(m).__name__ == "RMSNorm"):
             norm.weight.fill_(1.0)
         draft.fc.weight[:, :H] = torch.eye(H)                 # the first aux layer's features: U[phi(x_j)]
-        mlp = draft.layers[0].mlp
-        mlp.gate_proj.weight[:2, 2] = gate / scale             # gates on the constant coordinate
-        mlp.up_proj.weight[:2, :2] = rot - torch.eye(2)
-        mlp.down_proj.weight[:2, :2] = torch.eye(2) / (gate * scale)   # h + (R^lead - I) h = R^lead h
+        for layer, share in zip(draft.layers, LAYER_SHARES[layers]):
+            angle = 2 * math.pi * lead * share / len(CYCLE)
+            rot = torch.tensor([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+            mlp = layer.mlp
+            mlp.gate_proj.weight[:2, 2] = gate / scale         # gates on the constant coordinate
+            mlp.up_proj.weight[:2, :2] = rot - torch.eye(2)
+            mlp.down_proj.weight[:2, :2] = torch.eye(2) / (gate * scale)   # h + (R - I) h = R h
         draft.lm_head.weight.copy_(target_sd["lm_head.weight"][ids])   # the target's rows of the mapped ids
     V = tcfg["vocab_size"]
     d2t = ids - torch.arange(len(ids))

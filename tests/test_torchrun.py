@@ -258,6 +258,19 @@ def test_fsdp_two_ranks_same_curve_and_export(train_inputs, reference):
         assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), k
 
 
+def test_fsdp_two_ranks_train_a_two_layer_draft_as_one_process(train_inputs):
+    """draft_layers 2 under FSDP: each decoder layer is a shard unit of its own, and the TTT keys/values of both
+    layers pass between them; the curve is one process's."""
+    one_code, one, err = train(train_inputs, fresh_out(train_inputs, "deep-ref"), "--draft-layers", 2)
+    assert one_code == 0 and one["finished"], err
+    out = fresh_out(train_inputs, "deep-fsdp")
+    code, two, err = train(train_inputs, out, "--draft-layers", 2, "--parallel", "fsdp", nproc=2)
+    assert code == 0 and two["parallel"] == "fsdp" and two["finished"], err
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4)
+    config = json.loads((out / "draft" / "export" / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_diverging_run_on_two_ranks_stops_on_both_at_the_same_step(train_inputs, parallel):
     """Every rank must take the decision to stop together, or one waits forever in a collective the other

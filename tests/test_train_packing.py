@@ -27,9 +27,9 @@ CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_di
 K_DRAFT, VOCAB = 24, 64
 
 
-def tiny_draft(seed=0):
+def tiny_draft(seed=0, layers=1):
     torch.manual_seed(seed)
-    m = dm.Eagle3Draft(CFG, 3, K_DRAFT, True)
+    m = dm.Eagle3Draft({**CFG, "num_hidden_layers": layers}, 3, K_DRAFT, True)
     for p in m.parameters():
         p.data.normal_(0, 0.2)
     return m, torch.randn(VOCAB, 32)
@@ -42,18 +42,21 @@ def dense_mask_reference(m, embed, aux, ids, valid, steps):
     idx = torch.arange(T)
     causal = (idx[:, None] >= idx[None, :])[None] & valid[:, None, :]
     diag = torch.eye(T, dtype=torch.bool).expand(B, T, T)
-    h, kv, out, x = m.fc(aux), [], [], ids
+    h, kv, out, x = m.fc(aux), [[] for _ in m.layers], [], ids
     for k in range(steps):
         mask = torch.cat([causal] + [diag] * k, -1)[:, None]
-        h = m.layers[0].incremental(F.embedding(x, embed), h, pos + k, mask, kv)
+        h = m.incremental(F.embedding(x, embed), h, pos + k, mask, kv)
         out.append(m.lm_head(m.norm(h)))
         x = torch.cat([ids[:, k + 1:], ids.new_zeros(B, min(k + 1, T))], 1)[:, :T]
     return out
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("flex", [False, True])
-def test_attention_without_dense_mask_equals_the_dense_one(flex):
-    m, embed = tiny_draft()
+def test_attention_without_dense_mask_equals_the_dense_one(flex, layers):
+    """Also for a draft of two layers (draft_layers 2): training's TTT unroll equals the incremental path eval's
+    proposer runs, layer by layer, each layer with its own keys and values."""
+    m, embed = tiny_draft(layers=layers)
     B, T = 2, 20
     aux, ids = torch.randn(B, T, 96), torch.randint(0, VOCAB, (B, T))
     valid = torch.ones(B, T, dtype=torch.bool)
@@ -233,3 +236,33 @@ def test_muon_and_seven_ttt_steps(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:   # the schema's range, checked as the flags are read
         run_train(p, "--ttt-steps", "8")
     assert refused.value.code == 2 and "expected an integer from 1 to 7 (got 8)" in capsys.readouterr().err
+
+
+def test_a_two_layer_draft_trains_exports_and_loads(tmp_path, capsys):
+    """draft_layers 2: the trainer fits a draft of two decoder layers, the export says so and holds both layers'
+    tensors (what vLLM loads: tests/test_known_acceptance.py serves one), eval's loader reads it back as trained;
+    a resume with another depth, and speculators' trainer (which builds one layer) asked for two, are refused."""
+    from kimi_eagle_host.evaluation.spec_hf import load_draft
+
+    p = make_pipeline(tmp_path)
+    rc, doc = run_train(p, "--max-steps", "8", "--draft-layers", "2", "--log-every", "1", "--save-every", "4")
+    assert rc == 0 and doc["finished"], doc
+    assert doc["history"][-1]["loss"] < doc["history"][0]["loss"]
+    cfg, tensors = read_export(p["out"])
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    second = sorted(k for k in tensors if k.startswith("layers.1."))
+    assert "layers.1.self_attn.q_proj.weight" in second and "layers.1.mlp.down_proj.weight" in second
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == tensors["fc.weight"].shape[0]  # reads H, not 2H
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * tensors["fc.weight"].shape[0]
+    draft = load_draft(str(p["out"] / "draft" / "export"), None, "cpu")[0]
+    assert len(draft.layers) == 2
+    assert torch.equal(draft.layers[1].mlp.up_proj.weight, tensors["layers.1.mlp.up_proj.weight"].float())
+
+    rc, bad = run_train(p, "--max-steps", "8", "--draft-layers", "1", "--resume")
+    assert rc == 2 and "different settings" in bad["error"] and "draft_shape" in bad["error"], bad
+    rc, bad = run_train(p, "--max-steps", "8", "--draft-layers", "2", "--trainer", "speculators")
+    assert rc == 2 and bad["error"].startswith("--draft-layers: only with --trainer ours"), bad
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:   # the schema's range
+        run_train(p, "--draft-layers", "5")
+    assert refused.value.code == 2 and "from 1 to 4 (got 5)" in capsys.readouterr().err

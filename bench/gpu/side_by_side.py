@@ -884,7 +884,8 @@ def st_scale_train(gpu):
 AB = SHM / "scale_ab"
 AB_BASE = {"epochs": "1", "lr": "1e-3", "ttt_steps": "3", "optimizer": "adamw", "draft_vocab_size": "8192"}
 # name:key=value,... ; ... -- each against AB_BASE (the GPU recipe's settings); draft_vocab_size builds its own vocab
-AB_VARIANTS = "base:;ttt5:ttt_steps=5;vocab32k:draft_vocab_size=32768;muon:optimizer=muon,lr=3e-3,warmup_steps=10"
+AB_VARIANTS = ("base:;ttt5:ttt_steps=5;vocab32k:draft_vocab_size=32768;muon:optimizer=muon,lr=3e-3,warmup_steps=10;"
+               "layers2:draft_layers=2")
 
 
 def ab_variants(spec: str) -> dict[str, dict]:
@@ -897,8 +898,8 @@ def ab_variants(spec: str) -> dict[str, dict]:
 
 
 def st_scale_ab(gpu):
-    """The recipe A/B (#37): KE_SCALE_AB's variants (optimizer, TTT steps, lr, vocabulary) trained at once on the one
-    GPU, each online with its own hf engine (the 135M target's engine is bound by a CPU core, not the GPU), on
+    """The recipe A/B (#37): KE_SCALE_AB's variants (optimizer, TTT steps, lr, vocabulary, depth) trained at once on
+    the one GPU, each online with its own hf engine (the 135M target's engine is bound by a CPU core, not the GPU), on
     scale_data's prepared data for the same KE_SCALE_AB_STEPS steps of 16 x 2,048 (the same documents in the same
     order), no cache; ranked by the held-out `served_like_by_k` at k = 3 (the rounds greedy serving runs on the same
     text) and read beside each one's own k."""

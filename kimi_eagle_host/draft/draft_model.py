@@ -5,6 +5,8 @@ Shared by train (which fits it), eval (which loads an export to propose tokens) 
 The draft mirrors speculators' ``Eagle3DraftModel`` (v0.9) with a Llama first layer, tensor for tensor:
   fc: [L_aux*H -> H] fuses the aux hidden states,
   layers.0: a Llama decoder layer whose q/k/v take concat[input_layernorm(embed(tok)), hidden_norm(h)] (2H),
+  layers.1..: with `draft_layers` > 1, plain Llama decoder layers on the residual stream (what vLLM's Eagle3 Llama
+    serves after its first layer; speculators' trainer builds one layer),
   norm + lm_head over the draft vocabulary (initialised from the target lm_head rows selected by t2d).
 We re-implement it instead of importing speculators because the host's speculators version is not pinned
 and its import pulls in openai/datasets/hs_connectors; tests/test_train.py loads our export with
@@ -145,14 +147,13 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, in_features: int):
         super().__init__()
         H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         self.nh, self.nkv, self.hd = nh, nkv, hd
-        # q/k/v read concat[embeds, hidden] (2H), the EAGLE-3 change to a Llama layer.
-        self.q_proj = nn.Linear(2 * H, nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.q_proj = nn.Linear(in_features, nh * hd, bias=False)
+        self.k_proj = nn.Linear(in_features, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(in_features, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, H, bias=False)
         inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -264,14 +265,23 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Eagle3FirstLayer(nn.Module):
+class _ResidualAttentionMLP:
+    """What every draft layer ends with: the attention output added to the residual stream, then the MLP's."""
+
+    def _finish(self, residual, attn_out):
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3FirstLayer(_ResidualAttentionMLP, nn.Module):
     def __init__(self, c: dict, norm_before_residual: bool):
         super().__init__()
         H, eps = c["hidden_size"], c["rms_norm_eps"]
         self.input_layernorm = RMSNorm(H, eps)   # normalises the token embeddings
         self.hidden_norm = RMSNorm(H, eps)       # normalises the fused / previous-step hidden state
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.self_attn = Attention(c)
+        # q/k/v read concat[embeds, hidden] (2H), the EAGLE-3 change to a Llama layer.
+        self.self_attn = Attention(c, 2 * H)
         self.mlp = MLP(c)
         self.norm_before_residual = norm_before_residual
 
@@ -282,10 +292,6 @@ class Eagle3FirstLayer(nn.Module):
         if self.norm_before_residual:
             residual = hidden
         return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
-
-    def _finish(self, residual, attn_out):
-        h = residual + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
 
     def incremental(self, embeds, hidden, positions, mask, kv_cache):
         """Incremental use (spec_hf's proposer): kv_cache is a list this call appends its keys/values to."""
@@ -303,6 +309,29 @@ class Eagle3FirstLayer(nn.Module):
         return self._finish(residual, self.self_attn.out(o)), keys, values
 
 
+class Eagle3LaterLayer(_ResidualAttentionMLP, nn.Module):
+    """A draft layer after the first (draft_layers > 1): a plain pre-norm Llama decoder layer on the residual stream,
+    as vLLM's Eagle3 Llama runs its layers 1.. (q/k/v read the normed stream alone, no embeddings). Same call
+    signatures as Eagle3FirstLayer; `embeds` is unused."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        H, eps = c["hidden_size"], c["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = Attention(c, H)
+        self.mlp = MLP(c)
+
+    def incremental(self, embeds, hidden, positions, mask, kv_cache):
+        return self._finish(hidden, self.self_attn(self.input_layernorm(hidden), positions, mask, kv_cache))
+
+    def forward(self, embeds, hidden, positions, attn, keys: tuple, values: tuple):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(hidden), positions)
+        keys, values = (*keys, k), (*values, v)
+        o = ttt_attention(q, keys, values, attn)
+        return self._finish(hidden, self.self_attn.out(o)), keys, values
+
+
 class Eagle3Draft(nn.Module):
     """Trainable draft. The frozen target tensors (embedding table, target norm, target lm_head rows)
     live outside the parameter set, so checkpoints stay small and the optimizer never sees them."""
@@ -313,7 +342,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         H = c["hidden_size"]
         self.fc = nn.Linear(num_aux * H, H, bias=False)
-        self.layers = nn.ModuleList([Eagle3FirstLayer(c, norm_before_residual)])
+        self.layers = nn.ModuleList([Eagle3FirstLayer(c, norm_before_residual),
+                                     *(Eagle3LaterLayer(c) for _ in range(c.get("num_hidden_layers", 1) - 1))])
         self.norm = RMSNorm(H, c["rms_norm_eps"])
         self.lm_head = nn.Linear(H, draft_vocab, bias=False)
 
@@ -338,11 +368,14 @@ class Eagle3Draft(nn.Module):
         masks = block_masks(doc_ids, ttt_steps) if flex else [doc_ids] * ttt_steps
         hidden = self.fc(aux)
         compute_dtype = hidden.dtype      # the residual stream stays in it (RMSNorm's fp32 weight would widen it)
-        keys = values = ()
+        keys = [()] * len(self.layers)     # per layer: its keys/values of each TTT step so far
+        values = [()] * len(self.layers)
         normed = []
         ids = input_ids
         for k in range(ttt_steps):
-            hidden, keys, values = self.layers[0](embed_fn(ids), hidden, positions + k, masks[k], keys, values)
+            embeds = embed_fn(ids)
+            for i, layer in enumerate(self.layers):
+                hidden, keys[i], values[i] = layer(embeds, hidden, positions + k, masks[k], keys[i], values[i])
             hidden = hidden.to(compute_dtype)
             normed.append(self.norm(hidden))
             # Teacher forcing for the next step: ground-truth tokens shifted k+1 left, zero padded. In a packed
@@ -351,6 +384,12 @@ class Eagle3Draft(nn.Module):
         if loss_fn is not None:
             return loss_fn(normed, self.lm_head.weight)
         return [self.lm_head(h) for h in normed]
+
+    def incremental(self, embeds, hidden, positions, mask, kv_caches: list):
+        """Incremental use (spec_hf's proposer): every layer in turn, kv_caches[i] the list layer i appends to."""
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden = layer.incremental(embeds, hidden, positions, mask, kv)
+        return hidden
 
 
 def nonfinite_weights(st_path: str) -> list[str]:
@@ -373,7 +412,7 @@ def draft_layer_config(tcfg: dict, args) -> dict:
     The draft is always Llama-style (speculators/vLLM load 'llama' and 'qwen3' Eagle3 layers; DeepSeek/
     Kimi targets have MLA, which a GQA Llama layer replaces). Heads default to the target's count with
     head_dim = H / heads; plain RoPE with the target's theta (the target's YaRN scaling is not needed for
-    a one-layer head trained on <= seq-len tokens).
+    a draft head trained on <= seq-len tokens).
     """
     H = tcfg["hidden_size"]
     nh = args.draft_num_heads or tcfg["num_attention_heads"]
@@ -388,6 +427,7 @@ def draft_layer_config(tcfg: dict, args) -> dict:
         "num_key_value_heads": nkv,
         "head_dim": H // nh,
         "intermediate_size": args.draft_intermediate_size or tcfg.get("intermediate_size") or 4 * H,
+        "num_hidden_layers": args.draft_layers,
         "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-6),
         "rope_theta": float(theta),
         "max_position_embeddings": tcfg.get("max_position_embeddings", 4096),
@@ -411,7 +451,7 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
 
     tl = LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=1, num_attention_heads=c["num_attention_heads"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
         num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rms_norm_eps=c["rms_norm_eps"],
         max_position_embeddings=c["max_position_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},

@@ -33,6 +33,7 @@ def load_draft(export_dir, target_embed, device):
          "num_key_value_heads": tl.get("num_key_value_heads") or tl["num_attention_heads"],
          "head_dim": tl.get("head_dim") or tl["hidden_size"] // tl["num_attention_heads"],
          "intermediate_size": tl["intermediate_size"], "rms_norm_eps": tl.get("rms_norm_eps", 1e-6),
+         "num_hidden_layers": int(tl.get("num_hidden_layers") or 1),
          "rope_theta": float(rope.get("rope_theta") or tl.get("rope_theta") or 10000.0)}
     aux = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
     sd = load_file(os.path.join(export_dir, "model.safetensors"))
@@ -54,11 +55,11 @@ class DraftProposer:
 
     def __init__(self, draft, draft_to_target, embed):
         self.m, self.map, self.embed = draft, draft_to_target, embed
-        self.k0 = self.v0 = None     # step-0 keys/values of every processed position
+        self.k0 = self.v0 = None     # per draft layer: step-0 keys/values of every processed position
         self.n = 0                   # positions processed by step 0
 
-    def _layer(self, ids, hidden, positions, mask, kv):
-        return self.m.layers[0].incremental(F.embedding(ids, self.embed), hidden, positions, mask, kv)
+    def _layers(self, ids, hidden, positions, mask, kv):
+        return self.m.incremental(F.embedding(ids, self.embed), hidden, positions, mask, kv)
 
     @torch.no_grad()
     def propose(self, feats, next_ids, k):
@@ -67,29 +68,28 @@ class DraftProposer:
         m = feats.shape[0]
         dev = feats.device
         pos = torch.arange(self.n + 1, self.n + 1 + m, device=dev)[None]
-        kv = [] if self.k0 is None else [(self.k0, self.v0)]
+        n_layers = len(self.m.layers)
+        kv = [[] if self.k0 is None else [(self.k0[i], self.v0[i])] for i in range(n_layers)]
         causal = torch.ones(m, self.n + m, dtype=torch.bool, device=dev)
         causal[:, self.n:] = torch.tril(torch.ones(m, m, dtype=torch.bool, device=dev))
-        h = self._layer(next_ids[None], self.m.fc(feats[None]), pos, causal[None, None], kv)
-        k_new, v_new = kv[-1]
-        self.k0 = k_new if self.k0 is None else torch.cat([self.k0, k_new], dim=2)
-        self.v0 = v_new if self.v0 is None else torch.cat([self.v0, v_new], dim=2)
+        h = self._layers(next_ids[None], self.m.fc(feats[None]), pos, causal[None, None], kv)
+        new = [layer_kv[-1] for layer_kv in kv]
+        if self.k0 is None:
+            self.k0, self.v0 = [kk for kk, _ in new], [vv for _, vv in new]
+        else:
+            self.k0 = [torch.cat([old, kk], dim=2) for old, (kk, _) in zip(self.k0, new)]
+            self.v0 = [torch.cat([old, vv], dim=2) for old, (_, vv) in zip(self.v0, new)]
         self.n += m
         h = h[:, -1:]
         out = []
-        kv = [(self.k0, self.v0)]
+        kv = [[(k0, v0)] for k0, v0 in zip(self.k0, self.v0)]
         last_pos = pos[:, -1:]
         for s in range(k):
             tok = self.map[self.m.lm_head(self.m.norm(h)).argmax(-1)]        # [1,1] target ids
             out.append(int(tok))
             if s + 1 < k:
-                h = self._layer(tok, h, last_pos + s + 1, None, kv)
+                h = self._layers(tok, h, last_pos + s + 1, None, kv)
         return out
-
-    def rewind(self, n):
-        """Forget step-0 state past position n (never needed: only accepted positions reach step 0)."""
-        self.n = n
-        self.k0, self.v0 = self.k0[:, :, :n], self.v0[:, :, :n]
 
 
 class HFEngine:

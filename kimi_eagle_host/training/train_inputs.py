@@ -72,6 +72,13 @@ def check_flags(args) -> None:
         raise BadInput(f"--ttt-steps {args.ttt_steps}: at most 7 (EAGLE-3's depth)")
     if not 0 <= args.holdout_fraction < 1:
         raise BadInput(f"--holdout-fraction {args.holdout_fraction}: must be in [0, 1)")
+    if args.trainer == "speculators":   # its trainer builds its own one-layer draft: these would be ignored
+        shaped = [f"--{n.replace('_', '-')}" for n in ("draft_num_heads", "draft_num_kv_heads",
+                                                         "draft_intermediate_size") if getattr(args, n) is not None]
+        shaped += ["--draft-layers"] if args.draft_layers != 1 else []
+        if shaped:
+            raise BadInput(f"{', '.join(shaped)}: only with --trainer ours (speculators' trainer builds a one-layer "
+                           f"draft of the target's shape)")
 
 
 def read_data_config(args, out: str) -> tuple[dict, str, list | None, list[int] | None]:

@@ -97,7 +97,8 @@ def build_draft(args, inputs: TrainInputs, embed, target_lm_rows, w, device, com
         raise BadInput("--optimizer muon: not with --parallel fsdp (Muon orthogonalises whole matrices)")
     model = dist_.wrap(model, sharding, device)  # before the optimizer: FSDP replaces the parameters
     if compiled:
-        dist_.unwrap(model).layers[0].compile(dynamic=False)
+        for layer in dist_.unwrap(model).layers:
+            layer.compile(dynamic=False)
     opt = make_optimizer(model, args, device)
     return model, opt, sharding, trainable_names, n_trainable
 
@@ -107,6 +108,9 @@ def run_meta(args, inputs: TrainInputs, data: DataPlan) -> dict:
             "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed, "aux_ids": inputs.aux_ids,
             "draft_vocab": inputs.draft_vocab, "n_samples": len(inputs.lengths), "holdout": len(data.held_docs),
             "optimizer": args.optimizer,
+            # the draft's shape: a checkpoint of another shape cannot load (said as a setting, not a tensor error)
+            "draft_shape": {k: inputs.draft_cfg[k] for k in ("num_hidden_layers", "num_attention_heads",
+                                                             "num_key_value_heads", "intermediate_size")},
             # the target: resuming a checkpoint against another model's features/head must refuse
             "model": model_identity(args.model)}
 
