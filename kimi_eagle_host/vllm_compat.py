@@ -139,7 +139,39 @@ def engine_env_defaults(environ=os.environ) -> dict:
     added = {}
     if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in environ:
         environ["VLLM_USE_FLASHINFER_SAMPLER"] = added["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    llvmlite_library_refuses_dunders()
     return added
+
+
+def llvmlite_library_refuses_dunders() -> bool:
+    """Make llvmlite's library wrapper refuse dunder names, as the ctypes.CDLL it stands for does. True if patched.
+
+    vLLM 0.32's CPU build, starting an engine, rebinds its Triton kernels by scanning every loaded module's objects
+    with vars(). llvmlite (loaded with numba, which vLLM's own Kimi-K2.5 image processor imports as the model's
+    config is read) answers `__dict__` on its lazy library object like any C symbol, with a function wrapper, and
+    the scan dies: "'_lib_fn_wrapper' object has no attribute 'get'" (every eval of a Kimi-K2.5 target on a CPU
+    host, numba 0.65 / llvmlite 0.47). With dunders refused, vars() finds no __dict__ and the scan passes it by."""
+    import importlib.util
+
+    if importlib.util.find_spec("llvmlite") is None:
+        return False
+    try:
+        from llvmlite.binding import ffi
+    except Exception:  # noqa: BLE001 - a broken llvmlite is vLLM's concern, not this guard's
+        return False
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    lookup = getattr(wrapper, "__getattr__", None)
+    if lookup is None or getattr(lookup, "refuses_dunders", False):
+        return False
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    __getattr__.refuses_dunders = True
+    wrapper.__getattr__ = __getattr__
+    return True
 
 
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"

@@ -867,12 +867,15 @@ def st_scale_train(gpu):
     beside the trainer on the GPU, a buffer of KE_SCALE_BUFFER_GB in /dev/shm (half of it a window the engine sorts
     by length), KE_SCALE_EPOCHS (3), the first KE_SCALE_CACHE_GB (60) of documents kept in the trainer's memory for
     the later epochs, 16 rows of 2,048 a step, lr KE_SCALE_LR (1e-3) cosine, TTT KE_SCALE_TTT (3), KE_SCALE_CANDIDATES
-    checkpoints for choose. Three epochs took 561 s on the H200 (twenty-first session)."""
+    checkpoints for choose; KE_SCALE_EXTRA (`key=value,...`, as a KE_SCALE_AB variant) for the A/B's winner, e.g.
+    `optimizer=muon,lr=3e-3,warmup_steps=10` or `draft_layers=2`. Three epochs took 561 s on the H200 (twenty-first
+    session)."""
+    extra = dict(pair.split("=", 1) for pair in filter(None, os.environ.get("KE_SCALE_EXTRA", "").split(",")))
     settings = {**scale_online(), "epochs": os.environ.get("KE_SCALE_EPOCHS", "3" if not TINY else "1"),
                 "lr": os.environ.get("KE_SCALE_LR", "1e-3"), "ttt_steps": os.environ.get("KE_SCALE_TTT", "3"),
                 "online_buffer_gb": os.environ.get("KE_SCALE_BUFFER_GB", "8" if not TINY else "0.05"),
                 "online_cache_gb": os.environ.get("KE_SCALE_CACHE_GB", "60" if not TINY else "0"),
-                "choose_checkpoints": os.environ.get("KE_SCALE_CANDIDATES", "3"), "log_every": "25"}
+                "choose_checkpoints": os.environ.get("KE_SCALE_CANDIDATES", "3"), "log_every": "25", **extra}
     cmd = train_cmd(SCALE, settings)
     res = run("scale_train", cmd, gpu, timeout=float(os.environ.get("KE_SCALE_TRAIN_TIMEOUT_S", "1500")))
     res.pop("history", None)
