@@ -117,3 +117,58 @@ def test_a_stream_takes_the_next_chunk_only_when_the_engine_has_room():
     assert events.index(("pull", 1)) > 0 and events.index(("pull", 2)) > events.index(("done", 0)), events
     assert sorted(answers) == [0, 1, 2]
     assert answers[1] == [["answer to q10a", "answer to q10b"], ["answer to q11a", "answer to q11b"]]
+
+
+def test_answer_chunks_draws_each_claim_as_the_stream_needs_it(tmp_path):
+    """regenerate's answer_chunks hands the stream its claims one at a time: with several engines, `todo` claims a
+    chunk each time it is drawn, so drawing them all up front left the first engine up holding every free chunk
+    (seen on the H200: 95 of 98 chunks on one engine, the three others ended after their first)."""
+    import argparse
+
+    from kimi_eagle_host.data.prompts import Conversation
+    from kimi_eagle_host.pipeline.regenerate import answer_chunks
+
+    events = []
+
+    class Gen:   # a streaming engine that finishes the oldest request each step
+        streams, tokens = True, 0
+
+        def __init__(self):
+            self.queue = []
+
+        def start(self, rid, chat, seed):
+            self.queue.append((rid, chat))
+
+        def finished(self):
+            rid, chat = self.queue.pop(0)
+            return [(rid, f"answer to {chat[-1]['content']}", 3)]
+
+    class Engine:
+        gen = Gen()
+
+        def get(self):
+            return self.gen
+
+    class Budget:   # every prompt fits
+        per_message = 1
+
+        def count(self, texts):
+            return [len(t.split()) for t in texts]
+
+        def fits(self, used):
+            return True
+
+    def claims():
+        for c in range(4):
+            events.append(("claim", c))
+            yield c
+
+    convs = [Conversation(id=f"{i}", line=0, user_turns=[f"q{i}"]) for i in range(8)]
+    args = argparse.Namespace(chunk_size=2, batching="auto", max_turns=0, seed=0)
+    answered, _, batching, written = answer_chunks(args, Engine(), convs, Budget(), str(tmp_path), claims(), total=4,
+                                                   written=lambda c: events.append(("written", c)))
+    assert (answered, batching, written) == (8, "stream", 4)
+    # the window holds two chunks' conversations (2 x chunk_size): a chunk is claimed as a conversation ends, so the
+    # last claim comes after the first chunk is written (drawn all at once, every claim came first)
+    assert events[:2] == [("claim", 0), ("claim", 1)], events
+    assert events.index(("claim", 3)) > events.index(("written", 0)), events
