@@ -73,31 +73,35 @@ def test_next_free_skips_what_is_written_or_held_and_starts_where_told(tmp_path)
     assert sorted(mine.held) == [0, 1, 3]
 
 
+class Words:   # a token budget counting words; every prompt fits
+    per_message = 1
+
+    def count(self, texts):
+        return [len(t.split()) for t in texts]
+
+    def fits(self, used):
+        return True
+
+
+class OneAStep:   # a streaming engine that finishes the oldest request each step
+    streams, tokens = True, 0
+
+    def __init__(self):
+        self.queue = []
+
+    def start(self, rid, chat, seed):
+        self.queue.append((rid, chat))
+
+    def finished(self):
+        rid, chat = self.queue.pop(0)
+        return [(rid, f"answer to {chat[-1]['content']}", 3)]
+
+
 def test_a_stream_takes_the_next_chunk_only_when_the_engine_has_room():
     """answering.Stream asks for a chunk when it can start its conversations, not before: an engine sharing chunks
     with others claims each as late as it can. Every conversation still gets each of its turns answered in order."""
     from kimi_eagle_host.data.answering import Stream
     from kimi_eagle_host.data.prompts import Conversation
-
-    class Words:   # token counts by words; every prompt fits
-        per_message = 1
-
-        def count(self, texts):
-            return [len(t.split()) for t in texts]
-
-        def fits(self, used):
-            return True
-
-    class OneAStep:   # an engine that finishes the oldest request each step
-        def __init__(self):
-            self.queue = []
-
-        def start(self, rid, chat, seed):
-            self.queue.append((rid, chat))
-
-        def finished(self):
-            rid, chat = self.queue.pop(0)
-            return [(rid, f"answer to {chat[-1]['content']}", 3)]
 
     events = []
 
@@ -130,33 +134,11 @@ def test_answer_chunks_draws_each_claim_as_the_stream_needs_it(tmp_path):
 
     events = []
 
-    class Gen:   # a streaming engine that finishes the oldest request each step
-        streams, tokens = True, 0
-
-        def __init__(self):
-            self.queue = []
-
-        def start(self, rid, chat, seed):
-            self.queue.append((rid, chat))
-
-        def finished(self):
-            rid, chat = self.queue.pop(0)
-            return [(rid, f"answer to {chat[-1]['content']}", 3)]
-
     class Engine:
-        gen = Gen()
+        gen = OneAStep()
 
         def get(self):
             return self.gen
-
-    class Budget:   # every prompt fits
-        per_message = 1
-
-        def count(self, texts):
-            return [len(t.split()) for t in texts]
-
-        def fits(self, used):
-            return True
 
     def claims():
         for c in range(4):
@@ -165,7 +147,7 @@ def test_answer_chunks_draws_each_claim_as_the_stream_needs_it(tmp_path):
 
     convs = [Conversation(id=f"{i}", line=0, user_turns=[f"q{i}"]) for i in range(8)]
     args = argparse.Namespace(chunk_size=2, batching="auto", max_turns=0, seed=0)
-    answered, _, batching, written = answer_chunks(args, Engine(), convs, Budget(), str(tmp_path), claims(), total=4,
+    answered, _, batching, written = answer_chunks(args, Engine(), convs, Words(), str(tmp_path), claims(), total=4,
                                                    written=lambda c: events.append(("written", c)))
     assert (answered, batching, written) == (8, "stream", 4)
     # the window holds two chunks' conversations (2 x chunk_size): a chunk is claimed as a conversation ends, so the
