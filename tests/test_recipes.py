@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -210,3 +211,49 @@ def test_the_serve_hint_uses_the_runs_k_also_when_followed_later(tmp_path, sshd)
     job = re.search(r"started job (\S+) ", r.stderr).group(1)
     later = e.cli("logs", job, "--follow")
     assert '"num_speculative_tokens": 5' in later.stdout.strip().splitlines()[-1], later.stdout
+
+
+def test_the_gpu_campaign_trains_what_the_gpu_recipe_renders(tmp_path, monkeypatch):
+    """bench/gpu's judged run (scale_data, scale_train, scale_ab's base) reads recipes/smollm2-quality-gpu.yaml, so
+    the H200 figure is the recipe's: every setting it gives train is the one the controller renders for a user of
+    that recipe, and its vocab has the recipe's size."""
+    import importlib.util
+
+    from kimi_eagle_host.settings import section_to_argv
+
+    for knob in ("KE_TINY", "KE_SCALE_EXTRA", "KE_SCALE_EPOCHS", "KE_SCALE_LR", "KE_SCALE_TTT", "KE_SCALE_VOCAB",
+                 "KE_SCALE_BUFFER_GB", "KE_SCALE_CACHE_GB", "KE_SCALE_CANDIDATES", "KE_SCALE_ENGINE_BATCH"):
+        monkeypatch.delenv(knob, raising=False)
+    monkeypatch.setenv("KE_WORK", str(tmp_path / "work"))
+    spec = importlib.util.spec_from_file_location("side_by_side_bench", REPO / "bench" / "gpu" / "side_by_side.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ours = {**bench.scale_online(), **bench.scale_settings()}
+
+    e = make_env(tmp_path, None)
+    e.write_inventory((REPO / "inventory.example.yaml").read_text())
+    out = tmp_path / "r"
+    r = e.cli("render", "job", "all", "--host", "blackwell-01", "--out", str(out),
+              "-c", str(REPO / "recipes" / "smollm2-quality-gpu.yaml"))
+    assert r.code == 0, r.stderr
+    sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
+    argv = section_to_argv("train", sections["train"])
+    rendered = {a[2:].replace("-", "_"): b for a, b in zip(argv, argv[1:] + [""]) if a.startswith("--")}
+
+    def same(a: str, b: str) -> bool:
+        try:
+            return float(a) == float(b)
+        except ValueError:
+            return a == b
+
+    shared = ("epochs", "lr", "ttt_steps", "optimizer", "warmup_steps", "online_buffer_gb", "online_cache_gb",
+              "choose_checkpoints", "batch_size", "engine_batch_size", "hidden_states")
+    for key in shared:
+        assert key in ours, key
+        assert same(ours[key], rendered.get(key, str(sections["train"].get(key)))), (key, ours[key], rendered.get(key))
+    assert int(ours["draft_vocab_size"]) == sections["vocab"]["draft_vocab_size"]
+    assert bench.ab_base()["optimizer"] == ours["optimizer"] and bench.ab_base()["epochs"] == "1"
+    # an A/B's knob still moves one setting off the recipe
+    monkeypatch.setenv("KE_SCALE_EXTRA", "draft_layers=2,optimizer=adamw")
+    assert bench.scale_settings()["draft_layers"] == "2" and bench.scale_settings()["optimizer"] == "adamw"
+    sys.modules.pop("side_by_side_bench", None)

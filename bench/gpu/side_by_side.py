@@ -834,8 +834,8 @@ def scale_conversations() -> tuple[Path, str]:
 
 
 def st_scale_data(gpu):
-    """The carried conversations -> prepare (one process per core) -> vocab (KE_SCALE_VOCAB, 8192: 95.5 % of the
-    trained tokens), as the recipe's steps."""
+    """The carried conversations -> prepare (one process per core) -> vocab of the recipe's draft_vocab_size
+    (KE_SCALE_VOCAB overrides), as the recipe's steps."""
     t0 = now()
     chat, digest = scale_conversations()
     res = {"merge_s": round(now() - t0, 1), "chat_jsonl_sha256": digest}
@@ -844,17 +844,49 @@ def st_scale_data(gpu):
                                         *(["--max-samples", os.environ.get("KE_SCALE_SAMPLES", "60")] if TINY else [])],
                          None, timeout=900)
     res["vocab"] = run("scale_data", [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
-                                      "--draft-vocab-size", os.environ.get("KE_SCALE_VOCAB", "8192" if not TINY else "512")],
+                                      "--draft-vocab-size", scale_settings()["draft_vocab_size"]],
                        None, timeout=300)
     return res
 
 
+GPU_RECIPE = ROOT / "recipes" / "smollm2-quality-gpu.yaml"
+# The recipe's settings that train or vocab take, and the KE_SCALE_* knob that overrides each for an A/B.
+RECIPE_TRAIN = {"epochs": "KE_SCALE_EPOCHS", "lr": "KE_SCALE_LR", "ttt_steps": "KE_SCALE_TTT",
+                "optimizer": None, "warmup_steps": None, "draft_layers": None,
+                "draft_vocab_size": "KE_SCALE_VOCAB", "online_buffer_gb": "KE_SCALE_BUFFER_GB",
+                "online_cache_gb": "KE_SCALE_CACHE_GB", "choose_checkpoints": "KE_SCALE_CANDIDATES"}
+TINY_SIZES = {"epochs": "1", "online_buffer_gb": "0.05", "online_cache_gb": "0", "draft_vocab_size": "512"}
+
+
+def recipe_settings() -> dict[str, str]:
+    """recipes/smollm2-quality-gpu.yaml's settings, top level and steps.train, flat, as strings: the judged run
+    trains what a user of that recipe trains (the GPU machine's Python has PyYAML)."""
+    import yaml
+
+    r = yaml.safe_load(GPU_RECIPE.read_text())
+    flat = {**{k: v for k, v in r.items() if k != "steps"}, **((r.get("steps") or {}).get("train") or {})}
+    return {k: str(v) for k, v in flat.items()}
+
+
+def scale_settings() -> dict[str, str]:
+    """The scale stages' train and vocab settings: the recipe's, toy sizes under KE_TINY, then the KE_SCALE_* knobs
+    and KE_SCALE_EXTRA (`key=value,...`, as a KE_SCALE_AB variant) for an A/B's variant."""
+    recipe = recipe_settings()
+    out = {k: recipe[k] for k in RECIPE_TRAIN if k in recipe}
+    if TINY:
+        out.update(TINY_SIZES)
+    out.update({k: os.environ[env] for k, env in RECIPE_TRAIN.items() if env and os.environ.get(env)})
+    out.update(pair.split("=", 1) for pair in filter(None, os.environ.get("KE_SCALE_EXTRA", "").split(",")))
+    return out
+
+
 def scale_online() -> dict:
-    """The GPU recipe's train settings that every scale run shares: online, the hf engine beside the trainer, 16 rows
-    of 2,048 a step, the spool in /dev/shm, no checkpoint before the end."""
-    return {"batch_size": "16" if not TINY else "2", "hidden_states": "online", "engine": "hf",
-            "engine_batch_size": os.environ.get("KE_SCALE_ENGINE_BATCH", "64"), "online_spool_dir": str(SHM),
-            "save_every": "100000", "device": DEVICE}
+    """The GPU recipe's train settings that every scale run shares: online, the hf engine beside the trainer, the
+    recipe's rows of 2,048 a step and engine batch, the spool in /dev/shm, no checkpoint before the end."""
+    recipe = recipe_settings()
+    return {"batch_size": recipe["batch_size"] if not TINY else "2", "hidden_states": "online", "engine": "hf",
+            "engine_batch_size": os.environ.get("KE_SCALE_ENGINE_BATCH", recipe["engine_batch_size"]),
+            "online_spool_dir": str(SHM), "save_every": "100000", "device": DEVICE}
 
 
 def train_cmd(out: Path, settings: dict) -> list[str]:
@@ -864,18 +896,12 @@ def train_cmd(out: Path, settings: dict) -> list[str]:
 
 def st_scale_train(gpu):
     """The recipe's train, online (117 GB of hidden states for 50k conversations: not a 64 GiB disk): the hf engine
-    beside the trainer on the GPU, a buffer of KE_SCALE_BUFFER_GB in /dev/shm (half of it a window the engine sorts
-    by length), KE_SCALE_EPOCHS (3), the first KE_SCALE_CACHE_GB (60) of documents kept in the trainer's memory for
-    the later epochs, 16 rows of 2,048 a step, lr KE_SCALE_LR (1e-3) cosine, TTT KE_SCALE_TTT (3), KE_SCALE_CANDIDATES
-    checkpoints for choose; KE_SCALE_EXTRA (`key=value,...`, as a KE_SCALE_AB variant) for the A/B's winner, e.g.
-    `optimizer=muon,lr=3e-3,warmup_steps=10` or `draft_layers=2`. Three epochs took 561 s on the H200 (twenty-first
-    session)."""
-    extra = dict(pair.split("=", 1) for pair in filter(None, os.environ.get("KE_SCALE_EXTRA", "").split(",")))
-    settings = {**scale_online(), "epochs": os.environ.get("KE_SCALE_EPOCHS", "3" if not TINY else "1"),
-                "lr": os.environ.get("KE_SCALE_LR", "1e-3"), "ttt_steps": os.environ.get("KE_SCALE_TTT", "3"),
-                "online_buffer_gb": os.environ.get("KE_SCALE_BUFFER_GB", "8" if not TINY else "0.05"),
-                "online_cache_gb": os.environ.get("KE_SCALE_CACHE_GB", "60" if not TINY else "0"),
-                "choose_checkpoints": os.environ.get("KE_SCALE_CANDIDATES", "3"), "log_every": "25", **extra}
+    beside the trainer on the GPU, a buffer in /dev/shm (half of it a window the engine sorts by length), the first
+    documents that fit the cache kept in the trainer's memory for the later epochs, the recipe's epochs, optimizer,
+    lr, TTT and draft shape (scale_settings: KE_SCALE_* for an A/B), its checkpoints for choose. Three epochs of
+    AdamW, vocab 8192, took 561 s on the H200 (twenty-first session)."""
+    settings = {**scale_online(), **{k: v for k, v in scale_settings().items() if k != "draft_vocab_size"},
+                "log_every": "25"}
     cmd = train_cmd(SCALE, settings)
     res = run("scale_train", cmd, gpu, timeout=float(os.environ.get("KE_SCALE_TRAIN_TIMEOUT_S", "1500")))
     res.pop("history", None)
@@ -885,18 +911,26 @@ def st_scale_train(gpu):
 
 
 AB = SHM / "scale_ab"
-AB_BASE = {"epochs": "1", "lr": "1e-3", "ttt_steps": "3", "optimizer": "adamw", "draft_vocab_size": "8192"}
-# name:key=value,... ; ... -- each against AB_BASE (the GPU recipe's settings); draft_vocab_size builds its own vocab
-AB_VARIANTS = ("base:;ttt5:ttt_steps=5;vocab32k:draft_vocab_size=32768;muon:optimizer=muon,lr=3e-3,warmup_steps=10;"
-               "layers2:draft_layers=2")
+# name:key=value,... ; ... -- each against ab_base() (the GPU recipe's settings, one epoch), one lever moved; a
+# variant with another draft_vocab_size builds its own vocab
+AB_VARIANTS = ("base:;adamw:optimizer=adamw,lr=1e-3,warmup_steps=0;vocab8k:draft_vocab_size=8192;"
+               "layers2:draft_layers=2;ttt5:ttt_steps=5")
+AB_KEYS = ("lr", "ttt_steps", "optimizer", "warmup_steps", "draft_layers", "draft_vocab_size")
+
+
+def ab_base() -> dict[str, str]:
+    """The A/B's base: the recipe's own training settings for one epoch."""
+    recipe = recipe_settings()
+    return {"epochs": "1", **{k: recipe[k] for k in AB_KEYS if k in recipe},
+            **({"draft_vocab_size": TINY_SIZES["draft_vocab_size"]} if TINY else {})}
 
 
 def ab_variants(spec: str) -> dict[str, dict]:
-    """KE_SCALE_AB's variants: {name: AB_BASE with that variant's settings}."""
+    """KE_SCALE_AB's variants: {name: ab_base() with that variant's settings}."""
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         name, _, kv = item.partition(":")
-        out[name] = {**AB_BASE, **dict(pair.split("=", 1) for pair in filter(None, kv.split(",")))}
+        out[name] = {**ab_base(), **dict(pair.split("=", 1) for pair in filter(None, kv.split(",")))}
     return out
 
 
@@ -907,12 +941,13 @@ def st_scale_ab(gpu):
     order), no cache; ranked by the held-out `served_like_by_k` at k = 3 (the rounds greedy serving runs on the same
     text) and read beside each one's own k."""
     variants = ab_variants(os.environ.get("KE_SCALE_AB", AB_VARIANTS))
-    steps = os.environ.get("KE_SCALE_AB_STEPS", "450" if not TINY else "4")
+    steps = os.environ.get("KE_SCALE_AB_STEPS", "761" if not TINY else "4")   # one epoch of the 50k
     # each variant is stopped where the runner's budget ends; a held-out figure halfway is kept if it is
     timeout = float(os.environ.get("KE_SCALE_AB_TIMEOUT_S", max(120.0, BUDGET_S + 60 - (now() - T0))))
     threads_each = str(max(1, (os.cpu_count() or 2) // len(variants)))
     shutil.rmtree(AB, ignore_errors=True)
-    res: dict = {"steps": steps, "variants": {}, "base_settings": AB_BASE}
+    res: dict = {"steps": steps, "variants": {}, "base_settings": ab_base()}
+    built_vocab = scale_settings()["draft_vocab_size"]   # what scale_data built
 
     def one(name: str, st: dict) -> None:
         pipe = AB / name
@@ -921,7 +956,7 @@ def st_scale_ab(gpu):
         stage = f"scale_ab_{name}"
         r: dict = {"settings": st}
         try:
-            if st["draft_vocab_size"] == AB_BASE["draft_vocab_size"]:
+            if st["draft_vocab_size"] == built_vocab:
                 (pipe / "vocab").symlink_to(SCALE / "vocab")
             else:
                 run(stage, [PY, *payload("vocab.py"), "--model", str(SMOL), "--output-dir", str(pipe),
@@ -1386,6 +1421,9 @@ def runner_settings() -> dict:
 def restart() -> None:
     """Stop the runner (its whole process group), forget what failed or was skipped, refresh the runner's copy of
     bench/ and the overlay, start again: finished stages stay finished."""
+    if not (WORK / "runner.started").exists():
+        sys.exit(f"restart: no runner was started in {WORK} (a machine given back between calls comes back bare): "
+                 "carry .gpu/manifest.json and the pieces again")
     pid_file = WORK / "runner.pid"
     if pid_file.exists():
         try:
@@ -1462,12 +1500,53 @@ def collect(out: Path) -> None:
                     tar.add(f, arcname=f"{p.name}/{f.relative_to(p)}")
 
 
+def missing_pieces(bundle: str) -> list[str]:
+    """The pieces of `bundle` not on this machine (every one when no call has carried the manifest)."""
+    if not (WORK / "manifest.json").exists():
+        return ["manifest.json and its pieces"]
+    man = json.loads((WORK / "manifest.json").read_text())
+    piece = man["piece_bytes"]
+    for b in man["bundles"]:
+        if b["name"] == bundle:
+            first, last = b["offset"] // piece, (b["offset"] + b["bytes"] - 1) // piece
+            return [f"p{i}" for i in range(first, last + 1) if not (D["pieces"] / f"p{i}").exists()]
+    return []
+
+
+def waiting_on_carry() -> str | None:
+    """What the runner waits for that only a carrying call can bring, when nothing runs meanwhile: then a wait
+    cannot end in progress. A machine given back between calls comes back bare, and the twenty-fifth session's
+    call waited 560 s of device time on one for pieces nobody carried."""
+    if not (WORK / "runner.started").exists() or (WORK / "runner.finished").exists():
+        return None
+    if any(state(n) == "running" for n in ALL):
+        return None
+    wanted = []
+    for name, _, needs in LANE0 + LANE1 + FINAL:
+        if (SELECTED and name not in SELECTED) or state(name) in TERMINAL:
+            continue
+        wanted += [n for n in needs if n in ("bundle-early", "bundle-vllm", "data-scale") and state(n) != "done"]
+    if not wanted:
+        return None
+    said = [f"{n} ({' '.join(missing_pieces(n[len('bundle-'):]))} not here)" if n.startswith("bundle-")
+            else f"{n} (.scale/ parts not here)" for n in dict.fromkeys(wanted)]
+    return ("nothing runs until a call carries " + ", ".join(said)
+            + "; a machine given back between calls comes back bare: carry again what the runner needs")
+
+
 def wait(seconds: float, until: list[str], out: Path) -> None:
     end = now() + seconds
+    stuck_since = None
     while now() < end:
         if (WORK / "runner.finished").exists():
             break
         if until and all(state(n) in TERMINAL for n in until):
+            break
+        # a lane takes up to a second between stages: stuck only when it stays so
+        stuck = waiting_on_carry()
+        stuck_since = (stuck_since or now()) if stuck else None
+        if stuck and now() - stuck_since >= 6:
+            print(f"wait: {stuck}")
             break
         time.sleep(2)
     collect(out)

@@ -1,0 +1,84 @@
+"""bench/gpu/side_by_side.py, the GPU campaign's runner, on a bare machine. A device machine idle for 30 s is given
+back and the next call gets a bare one; in the twenty-fifth session such a call sat out its whole wait (560 s of the
+session's 1,800 s of device time) for pieces nobody carried. A wait that cannot end in progress now ends at once and
+says what has to be carried; a restart with no runner says so instead of a traceback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = REPO / "bench" / "gpu" / "side_by_side.py"
+
+
+def campaign(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
+           "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable}
+    return subprocess.run([sys.executable, str(RUNNER), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def stop_runner(tmp_path: Path) -> None:
+    pid_file = tmp_path / "work" / "runner.pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_wait_on_a_bare_machine_ends_saying_what_to_carry(tmp_path):
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    try:
+        assert campaign(tmp_path, "absorb", "--from", str(nothing)).returncode == 0
+        started = campaign(tmp_path, "start")
+        assert "runner started" in started.stdout, started.stdout + started.stderr
+        t0 = time.monotonic()
+        waited = campaign(tmp_path, "wait", "--seconds", "150", "--out", str(tmp_path / "out"))
+        took = time.monotonic() - t0
+    finally:
+        stop_runner(tmp_path)
+    assert waited.returncode == 0, waited.stderr
+    assert "nothing runs until a call carries bundle-early (manifest.json and its pieces not here)" in waited.stdout
+    assert took < 100, f"the wait sat for {took:.0f} s on what no call had carried"
+    # the report the call hands back is still written
+    assert (tmp_path / "out" / "side_by_side.json").exists()
+
+
+def test_a_wait_names_the_pieces_a_bundle_still_lacks(tmp_path):
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    piece = 1024
+    manifest = {"piece_bytes": piece, "total_bytes": 3 * piece,
+                "bundles": [{"name": "early", "format": "tar-of-wheels", "offset": 0, "bytes": 2 * piece,
+                             "sha256": "0" * 64},
+                            {"name": "vllm", "format": "tar-of-wheels", "offset": 2 * piece, "bytes": piece,
+                             "sha256": "0" * 64}],
+                "pieces": [{"name": f"p{i}", "bytes": piece, "sha256": "0" * 64} for i in range(3)]}
+    (carried / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        campaign(tmp_path, "absorb", "--from", str(carried))
+        campaign(tmp_path, "start")
+        waited = campaign(tmp_path, "wait", "--seconds", "150", "--out", str(tmp_path / "out"))
+    finally:
+        stop_runner(tmp_path)
+    assert "bundle-early (p0 p1 not here)" in waited.stdout, waited.stdout
+    # a wait is not stuck while a stage runs: the same runner with its first stage running waits its time out
+    flags = tmp_path / "work" / "flags"
+    (flags / "smol_model.running").write_text("0")
+    t0 = time.monotonic()
+    again = campaign(tmp_path, "wait", "--seconds", "12", "--out", str(tmp_path / "out"))
+    assert "nothing runs" not in again.stdout and time.monotonic() - t0 >= 12
+
+
+def test_restart_on_a_bare_machine_says_there_is_no_runner(tmp_path):
+    res = campaign(tmp_path, "restart")
+    assert res.returncode != 0
+    assert "no runner was started" in res.stderr and "carry .gpu/manifest.json" in res.stderr
+    assert "Traceback" not in res.stderr
