@@ -303,13 +303,21 @@ def test_a_checkpoint_that_cannot_be_swapped_in_gets_a_new_engine(monkeypatch):
     said = []
     monkeypatch.setattr(choose, "Engine", Stand)
     monkeypatch.setattr(choose, "log", said.append)
-    engines = choose.CandidateEngines(None, 3, {})
+    import argparse
+
+    engines = choose.CandidateEngines(argparse.Namespace(swap_drafts=True), 3, {})
     served_by = [engines.serving(d, step)[1] for step, d in enumerate(["a", "b", "other-shape", "c"], 1)]
     engines.close()
     assert served_by == ["a new engine", "swapped into the running engine", "a new engine",
                          "swapped into the running engine"]
     assert events == [("start", "a", True), ("close", "b"), ("start", "other-shape", True), ("close", "c")]
     assert engines.started == 2 and any("step 3's draft could not be swapped" in line for line in said), said
+    # swap_drafts off: an engine each, none asked to swap
+    events.clear()
+    engines = choose.CandidateEngines(argparse.Namespace(swap_drafts=False), 3, {})
+    assert {engines.serving(d, step)[1] for step, d in enumerate(["a", "b"], 1)} == {"a new engine"}
+    engines.close()
+    assert events == [("start", "a", False), ("close", "a"), ("start", "b", False), ("close", "b")]
 
 
 def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):

@@ -122,12 +122,15 @@ def serve(eng, k, prompts, timing, batch_sizes) -> dict:
 
 class CandidateEngines:
     """The engine serving the candidates: the one started for the first, each later checkpoint swapped into it in
-    place (draft_swap: one target load for all of them); a new engine where that cannot be done, said in the log."""
+    place (draft_swap: one target load for all of them); a new engine where that cannot be done, said in the log,
+    or for each with --no-swap-drafts."""
 
     def __init__(self, args, k, memory):
         self.args, self.k, self.memory, self.eng, self.started = args, k, memory, None, 0
 
     def serving(self, draft: str, step: int) -> tuple[Engine, str]:
+        if self.eng is not None and not self.args.swap_drafts:
+            self.close()
         if self.eng is not None:
             try:
                 self.eng.swap(draft)
@@ -135,7 +138,7 @@ class CandidateEngines:
             except Exception as e:  # noqa: BLE001 - any failure: a fresh engine serves it as before
                 log(f"choose: step {step}'s draft could not be swapped into the running engine ({e}): a new engine")
                 self.close()
-        self.eng = Engine(self.args, draft, self.k, self.memory, swappable=True)
+        self.eng = Engine(self.args, draft, self.k, self.memory, swappable=self.args.swap_drafts)
         self.started += 1
         return self.eng, "a new engine"
 
