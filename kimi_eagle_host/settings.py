@@ -272,6 +272,8 @@ STEP_SETTINGS = [
           positive=True, maximum=10),
     _step("choose", "batch_size", "int", 16, "the larger batch whose tokens/s is measured (besides batch 1)",
           positive=True),
+    _step("choose", "swap_drafts", "toggle", True, "serve the later checkpoints by swapping each into the engine the "
+          "first started, in place (one target load); off: an engine each"),
     *_per_step(("choose",), "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
     *_per_step(("choose",), "max_model_len", "int", None, "vllm engine context (unset: the longest prompt plus "
                "max_tokens)", positive=True),

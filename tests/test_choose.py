@@ -280,11 +280,53 @@ def test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measur
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
+def test_a_checkpoint_that_cannot_be_swapped_in_gets_a_new_engine(monkeypatch):
+    """The candidates' engine: the first checkpoint starts it, later ones are swapped in; where a swap fails (another
+    shape, an older vLLM) that engine is closed and a new one serves the checkpoint, and the log says so."""
+    from kimi_eagle_host.pipeline import choose
+
+    events = []
+
+    class Stand(list):   # stands for a vLLM engine: what happened to it, in order
+        def __init__(self, args, draft, k, memory, swappable=False):
+            super().__init__([draft])
+            events.append(("start", draft, swappable))
+
+        def swap(self, draft):
+            if draft == "other-shape":
+                raise RuntimeError("its config.json is not the first's")
+            self.append(draft)
+
+        def close(self):
+            events.append(("close", self[-1]))
+
+    said = []
+    monkeypatch.setattr(choose, "Engine", Stand)
+    monkeypatch.setattr(choose, "log", said.append)
+    import argparse
+
+    engines = choose.CandidateEngines(argparse.Namespace(swap_drafts=True), 3, {})
+    served_by = [engines.serving(d, step)[1] for step, d in enumerate(["a", "b", "other-shape", "c"], 1)]
+    engines.close()
+    assert served_by == ["a new engine", "swapped into the running engine", "a new engine",
+                         "swapped into the running engine"]
+    assert events == [("start", "a", True), ("close", "b"), ("start", "other-shape", True), ("close", "c")]
+    assert engines.started == 2 and any("step 3's draft could not be swapped" in line for line in said), said
+    # swap_drafts off: an engine each, none asked to swap
+    events.clear()
+    engines = choose.CandidateEngines(argparse.Namespace(swap_drafts=False), 3, {})
+    assert {engines.serving(d, step)[1] for step, d in enumerate(["a", "b"], 1)} == {"a new engine"}
+    engines.close()
+    assert events == [("start", "a", False), ("close", "a"), ("start", "b", False), ("close", "b")]
+
+
 def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
-    """Two candidates of the cycle target: step 1 proposes the target's own tokens (accepted at every position),
-    step 2 runs a token ahead (never accepted). vLLM 0.32 serves both next to the target on held-out prepared
-    documents: step 1 is exported, its figures at k = 1..3 follow from the per-position counts (k + 1 here), step 2's
-    are exactly 1.00, and the report names a k per batch size."""
+    """Three candidates of the cycle target: steps 1 and 3 run a token ahead (never accepted), step 2 proposes the
+    target's own tokens (accepted at every position). vLLM 0.32 serves them next to the target on held-out prepared
+    documents, the later two swapped into the engine started for the first (one target load for all): step 2 is
+    exported, its figures at k = 1..3 follow from the per-position counts (k + 1 here), steps 1 and 3 are exactly
+    1.00 (a swap that kept the old draft, or a prefix cache holding its keys, would show), and the report names a
+    k per batch size."""
     from drafts import cycle_target, known_draft
     from kimi_eagle_host.draft import candidates
     from vllm_envs import env_python
@@ -294,23 +336,26 @@ def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
     out = tmp_path / "out"
     code, _, err = run("prepare", "--model", target, "--dataset", SAMPLE, "--output-dir", out, "--max-samples", 6)
     assert code == 0, err
-    known_draft(target, candidates.folder(str(out), 1), lead=1)
-    known_draft(target, candidates.folder(str(out), 2), lead=2)
+    for step, lead in ((1, 2), (2, 1), (3, 2)):
+        known_draft(target, candidates.folder(str(out), step), lead=lead)
     sha = hashlib.sha256((out / "prepared" / "manifest.json").read_bytes()).hexdigest()
-    candidates.record(str(out), [1, 3, 5], sha, 2)
+    candidates.record(str(out), [1, 3, 5], sha, 3)
     code, doc, err = run("choose", "--model", target, "--output-dir", out, "--prompts", 3, "--max-tokens", 16,
                          "--max-k", 3, "--batch-size", 2, python=py, timeout=850)
     assert code == 0, err[-3000:]
     rep = json.loads((out / "choose" / "report.json").read_text())
-    assert rep["chosen_step"] == 1 and rep["last_step"] == 2 and "not the last" in doc["headline"], doc["headline"]
-    assert rep["prompts"] == 3 and "step 2: 1.00" in rep["why"], rep["why"]
-    good, bad = rep["checkpoints"]
-    for r in (good, bad):   # acceptance length at k' = 1 + accepted through position k' / drafts
+    assert rep["chosen_step"] == 2 and rep["last_step"] == 3 and "not the last" in doc["headline"], doc["headline"]
+    assert rep["prompts"] == 3 and "step 1: 1.00" in rep["why"] and "step 3: 1.00" in rep["why"], rep["why"]
+    before, good, after = rep["checkpoints"]
+    assert [r["served_by"] for r in rep["checkpoints"]] == ["a new engine"] + ["swapped into the running engine"] * 2
+    assert rep["engines_started"] == 2   # the target alone's and the one every candidate was served by
+    for r in (before, good, after):   # acceptance length at k' = 1 + accepted through position k' / drafts
         assert r["drafts"] > 0
         want = [round(1 + sum(r["accepted_per_position"][:i + 1]) / r["drafts"], 4) for i in range(3)]
         assert list(r["acceptance_length_by_k"].values()) == want
     assert list(good["acceptance_length_by_k"].values()) == pytest.approx([2, 3, 4], abs=0.1)   # the last round of an answer cut at max_tokens
-    assert bad["acceptance_length"] == 1.0 and bad["accepted_tokens"] == 0
+    for bad in (before, after):
+        assert bad["acceptance_length"] == 1.0 and bad["accepted_tokens"] == 0
     assert set(rep["chosen_k"]) == {"1", "2"} and all(1 <= k <= 3 for k in rep["chosen_k"].values())
     for b in ("1", "2"):
         t = good["tokens_per_s"][b]
@@ -318,8 +363,8 @@ def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
         assert t["without_draft"] == rep["without_draft"]["tokens_per_s"][b]
     # the target alone served the same prompts before it was timed, as each candidate did (both sides equally warm,
     # their timed prompts in vLLM's prefix cache): the same greedy answers, token for token in count
-    assert rep["without_draft"]["output_tokens"] == good["output_tokens"] == bad["output_tokens"] > 3
+    assert rep["without_draft"]["output_tokens"] == good["output_tokens"] == before["output_tokens"] > 3
     # the export is the chosen candidate, whole, with the record of the choice
     export = out / "draft" / "export"
-    assert digest(export) == digest(Path(candidates.folder(str(out), 1)))
-    assert json.loads((export / "selection.json").read_text())["chosen_step"] == 1
+    assert digest(export) == digest(Path(candidates.folder(str(out), 2)))
+    assert json.loads((export / "selection.json").read_text())["chosen_step"] == 2

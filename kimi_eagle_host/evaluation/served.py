@@ -91,18 +91,38 @@ class ServedEngine:
     vllm_compat.size_engine's answer (its environment is set already). counted(call) runs call(llm, sampling) and
     returns (its result, the spec-decode counters of that call: drafts, accepted, per_pos over k positions)."""
 
-    def __init__(self, args, draft, k, memory):
+    def __init__(self, args, draft, k, memory, swappable=False):
         from vllm import LLM, EngineArgs, SamplingParams
 
+        from kimi_eagle_host.evaluation import draft_swap
         from kimi_eagle_host.vllm_compat import text_only_engine_kwargs
 
         spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if k else None
+        # swappable: another checkpoint of the same draft can be swapped in later (swap), where this vLLM can
+        self.cannot_swap = "no draft" if not k else draft_swap.unsupported(EngineArgs) if swappable else "not asked"
+        extension = {"worker_extension_cls": draft_swap.EXTENSION} if self.cannot_swap is None else {}
         self.llm = LLM(model=args.model, dtype=args.vllm_dtype, max_model_len=args.max_model_len, seed=0,
                        enforce_eager=args.enforce_eager, disable_log_stats=False, trust_remote_code=True,
                        tensor_parallel_size=args.tp_size, speculative_config=spec, **memory["kwargs"],
-                       **text_only_engine_kwargs(args.model, EngineArgs))
+                       **text_only_engine_kwargs(args.model, EngineArgs), **extension)
         self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         self.k = k
+        self.draft = draft
+
+    def swap(self, draft):
+        """Serve `draft`, another checkpoint of the same shape, from now on, without a new engine (draft_swap).
+        Raises when it cannot; the engine is then left half-loaded: close it."""
+        from kimi_eagle_host.evaluation import draft_swap
+
+        if self.cannot_swap:
+            raise RuntimeError(f"the engine cannot swap drafts: {self.cannot_swap}")
+        if not draft_swap.same_shape(self.draft, draft):
+            raise RuntimeError(f"{draft}: its config.json is not {self.draft}'s")
+        self.llm.collective_rpc(draft_swap.METHOD, args=(str(draft),))
+        # the cached prefixes hold the old draft's keys and values beside the target's
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
+        self.draft = draft
 
     def counted(self, call):
         before = vllm_counters(self.llm)

@@ -7,7 +7,9 @@ train exported for this (choose_checkpoints = N, draft/candidates.py) is served 
 on a held-out slice of the *training* distribution: the first user turn (the prompt up to the first answer token)
 of documents train never trained on, as prepared (never the eval benchmark).
 
-Per checkpoint, one engine at k = --max-k:
+Per checkpoint, served at k = --max-k by one engine: the one started for the first checkpoint, the later ones
+swapped into it in place (evaluation/draft_swap.py: for a 1T target, one half-hour load instead of one per
+checkpoint; a new engine where the host's vLLM cannot swap):
   acceptance per position (vLLM's counters), hence acceptance length at every k = 1..max-k (served.acceptance_by_k)
   tokens/s at batch 1 and at --batch-size, measured at max-k; at the smaller k modelled from that and the target
   alone (served.tokens_per_s_by_k: a step's time linear in k, through both measurements)
@@ -105,21 +107,45 @@ def timing_prompts(batch_size: int) -> int:
     return max(8, 2 * batch_size)
 
 
-def serve(args, draft, k, memory, prompts, timing, batch_sizes) -> dict:
-    """One engine's figures: counters over every prompt (in batches of the larger batch size), tokens/s per batch."""
-    eng = Engine(args, draft, k, memory)
-    try:
-        eng(prompts[:1])   # warm-up: the first call pays one-time costs
-        counters, tokens = {"drafts": 0, "accepted": 0, "per_pos": [0] * k}, 0
-        for i in range(0, len(prompts), batch_sizes[-1]):
-            n, c = eng(prompts[i:i + batch_sizes[-1]])
-            tokens += n
-            counters = {"drafts": counters["drafts"] + c["drafts"], "accepted": counters["accepted"] + c["accepted"],
-                        "per_pos": [a + b for a, b in zip(counters["per_pos"], c["per_pos"])]}
-        speeds = {b: eng.timed(timing[:timing_prompts(b)], b) for b in batch_sizes}
-    finally:
-        eng.close()
+def serve(eng, k, prompts, timing, batch_sizes) -> dict:
+    """An engine's figures: counters over every prompt (in batches of the larger batch size), tokens/s per batch."""
+    eng(prompts[:1])   # warm-up: the first call pays one-time costs
+    counters, tokens = {"drafts": 0, "accepted": 0, "per_pos": [0] * k}, 0
+    for i in range(0, len(prompts), batch_sizes[-1]):
+        n, c = eng(prompts[i:i + batch_sizes[-1]])
+        tokens += n
+        counters = {"drafts": counters["drafts"] + c["drafts"], "accepted": counters["accepted"] + c["accepted"],
+                    "per_pos": [a + b for a, b in zip(counters["per_pos"], c["per_pos"])]}
+    speeds = {b: eng.timed(timing[:timing_prompts(b)], b) for b in batch_sizes}
     return {**counters, "output_tokens": tokens, "tokens_per_s": speeds}
+
+
+class CandidateEngines:
+    """The engine serving the candidates: the one started for the first, each later checkpoint swapped into it in
+    place (draft_swap: one target load for all of them); a new engine where that cannot be done, said in the log,
+    or for each with --no-swap-drafts."""
+
+    def __init__(self, args, k, memory):
+        self.args, self.k, self.memory, self.eng, self.started = args, k, memory, None, 0
+
+    def serving(self, draft: str, step: int) -> tuple[Engine, str]:
+        if self.eng is not None and not self.args.swap_drafts:
+            self.close()
+        if self.eng is not None:
+            try:
+                self.eng.swap(draft)
+                return self.eng, "swapped into the running engine"
+            except Exception as e:  # noqa: BLE001 - any failure: a fresh engine serves it as before
+                log(f"choose: step {step}'s draft could not be swapped into the running engine ({e}): a new engine")
+                self.close()
+        self.eng = Engine(self.args, draft, self.k, self.memory, swappable=self.args.swap_drafts)
+        self.started += 1
+        return self.eng, "a new engine"
+
+    def close(self):
+        if self.eng is not None:
+            self.eng.close()
+            self.eng = None
 
 
 def figures(step, draft, served, baseline, k, batch_sizes, n_prompts) -> dict:
@@ -218,19 +244,30 @@ def run(args):
     # The target alone serves the same prompts as every candidate before it is timed: the timed prompts are then in
     # vLLM's prefix cache on both sides, and both engines are equally warm (timed after one prompt, the H200's
     # baseline read 325 tokens/s at batch 1 where eval, after a full pass, read 444).
-    alone = serve(args, None, 0, memory, prompts, timing, batch_sizes)
+    alone_engine = Engine(args, None, 0, memory)
+    try:
+        alone = serve(alone_engine, 0, prompts, timing, batch_sizes)
+    finally:
+        alone_engine.close()
     baseline = alone["tokens_per_s"]
     log(f"choose: the target alone: {alone['output_tokens']} tokens on the {len(prompts)} prompts, {baseline} tokens/s "
         f"by batch size")
     records = []
     progress_line("choose", 0, len(record["candidates"]))   # `kimi-eagle logs` draws its bar from these
-    for c in record["candidates"]:
-        served = serve(args, c["dir"], k, memory, prompts, timing, batch_sizes)
-        records.append(figures(c["step"], c["dir"], served, baseline, k, batch_sizes, len(prompts)))
-        r = records[-1]
-        log(f"choose: step {c['step']}: acceptance length {r['acceptance_length_by_k']} by k, per position "
-            f"{r['acceptance_per_position']}, tokens/s {served['tokens_per_s']} by batch size at k={k}")
-        progress_line("choose", len(records), len(record["candidates"]), every_s=0, accept_len=r["acceptance_length"])
+    engines = CandidateEngines(args, k, memory)
+    try:
+        for c in record["candidates"]:
+            eng, served_by = engines.serving(c["dir"], c["step"])
+            served = serve(eng, k, prompts, timing, batch_sizes)
+            records.append({**figures(c["step"], c["dir"], served, baseline, k, batch_sizes, len(prompts)),
+                            "served_by": served_by})
+            r = records[-1]
+            log(f"choose: step {c['step']} ({served_by}): acceptance length {r['acceptance_length_by_k']} by k, per "
+                f"position {r['acceptance_per_position']}, tokens/s {served['tokens_per_s']} by batch size at k={k}")
+            progress_line("choose", len(records), len(record["candidates"]), every_s=0,
+                          accept_len=r["acceptance_length"])
+    finally:
+        engines.close()
     best, why = choose(records, k)
     chosen_k = {b: best["tokens_per_s"][b]["best_k"] for b in best["tokens_per_s"]}
     export_dir = os.path.join(out, "draft", "export")
@@ -241,6 +278,7 @@ def run(args):
                  "tokens_per_s_by_k": f"measured without the draft and at k={k}; at smaller k modelled (a step's time "
                                       f"linear in k through both measurements)",
                  "engine": f"vLLM {info}", "engine_env": engine_env, "export_dir": export_dir,
+                 "engines_started": 1 + engines.started,   # the target alone's, then the candidates'
                  "last_step": max(r["step"] for r in records),
                  "without_draft": {"output_tokens": alone["output_tokens"], "tokens_per_s": baseline},
                  "checkpoints": records,

@@ -1,0 +1,68 @@
+"""Another checkpoint of the same draft into a running vLLM engine, in place.
+
+choose serves every candidate checkpoint of a run next to the target. An engine per candidate loads the target again
+each time: for Kimi-K2.5 a half-hour load per candidate, for SmolLM2 on an H200 about a minute of CUDA-graph capture.
+The candidates of one run share their shape, so the engine started for the first serves the others: vLLM mixes
+DraftSwap into its workers (`worker_extension_cls`), collective_rpc calls its method in each worker by name (no
+code is pickled), and vLLM's layer-wise reload (0.25 and later) takes checkpoint-format tensors into weights the
+engine has already processed (repacked on a CPU), copying the result into the same storage, so captured CUDA graphs
+and compiled code keep reading the new values.
+
+The caller resets the prefix cache after a swap: its blocks hold the old draft's keys and values next to the
+target's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+EXTENSION = "kimi_eagle_host.evaluation.draft_swap.DraftSwap"
+METHOD = "kimi_eagle_swap_draft"
+
+
+def unsupported(engine_args_cls) -> str | None:
+    """None when this vLLM can swap a draft in place, else why not (then each candidate gets its own engine)."""
+    if "worker_extension_cls" not in getattr(engine_args_cls, "__dataclass_fields__", {}):
+        return "this vLLM has no worker extensions"
+    try:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_processing,  # noqa: F401
+                                                             initialize_layerwise_reload)
+    except ImportError:
+        return "this vLLM has no layer-wise weight reload"
+    return None
+
+
+def same_shape(a: str, b: str) -> bool:
+    """Whether two exported drafts have the same config.json: the same modules and tensor shapes."""
+    def config(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    return config(a) == config(b)
+
+
+def export_tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+    if not tensors:
+        raise FileNotFoundError(f"{path}: no .safetensors files")
+    return tensors
+
+
+class DraftSwap:
+    """Mixed into vLLM's worker class: `self` is the worker."""
+
+    def kimi_eagle_swap_draft(self, path: str) -> list[str]:
+        """Load the exported draft at `path` into this worker's drafter; returns the names of the tensors read."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_processing, initialize_layerwise_reload
+
+        runner = self.model_runner
+        model = runner.drafter.model
+        tensors = export_tensors(path)
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(tensors.items()))
+        finalize_layerwise_processing(model, runner.vllm_config.speculative_config.draft_model_config)
+        return sorted(tensors)
