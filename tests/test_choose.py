@@ -280,6 +280,24 @@ def test_acceptance_at_every_k_from_one_run_and_tokens_per_s_through_both_measur
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
+def test_only_a_checkpoint_with_the_same_tensors_is_swapped_in(tmp_path):
+    """A swap takes only a checkpoint whose config and tensors (names and shapes) are the first's: vLLM's reload
+    puts back the old values of whatever it is not given, so a missing tensor would serve the old draft's."""
+    from safetensors.torch import load_file, save_file
+
+    from drafts import stub_draft
+    from kimi_eagle_host.evaluation.draft_swap import same_shape
+
+    first = stub_draft(tmp_path / "a", 64, 256)
+    assert same_shape(first, stub_draft(tmp_path / "b", 64, 256))
+    assert not same_shape(first, stub_draft(tmp_path / "c", 64, 256, draft_vocab=64))   # config and shapes
+    lacking = stub_draft(tmp_path / "d", 64, 256)
+    tensors = load_file(str(lacking / "model.safetensors"))
+    del tensors["fc.weight"]
+    save_file(tensors, str(lacking / "model.safetensors"))
+    assert not same_shape(first, lacking)
+
+
 def test_a_checkpoint_that_cannot_be_swapped_in_gets_a_new_engine(monkeypatch):
     """The candidates' engine: the first checkpoint starts it, later ones are swapped in; where a swap fails (another
     shape, an older vLLM) that engine is closed and a new one serves the checkpoint, and the log says so."""

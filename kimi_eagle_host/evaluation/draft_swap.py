@@ -33,11 +33,20 @@ def unsupported(engine_args_cls) -> str | None:
 
 
 def same_shape(a: str, b: str) -> bool:
-    """Whether two exported drafts have the same config.json: the same modules and tensor shapes."""
-    def config(path):
+    """Whether two exported drafts have the same config.json and the same tensors by name and shape. A tensor the
+    second lacks would keep the first's values after a swap (vLLM's reload puts back what it was not given)."""
+    def shape(path):
+        from safetensors import safe_open
+
         with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)
-    return config(a) == config(b)
+            config = json.load(f)
+        tensors = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    tensors.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        return config, tensors
+    return shape(a) == shape(b)
 
 
 def export_tensors(path: str) -> dict:

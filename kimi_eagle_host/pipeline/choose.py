@@ -206,6 +206,26 @@ def install(chosen_dir: str, export_dir: str, selection: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def serve_candidates(args, cands, k, memory, prompts, timing, batch_sizes, baseline) -> tuple[list[dict], int]:
+    """Every candidate served (CandidateEngines): their figures, and how many engines they took."""
+    records = []
+    progress_line("choose", 0, len(cands))   # `kimi-eagle logs` draws its bar from these
+    engines = CandidateEngines(args, k, memory)
+    try:
+        for c in cands:
+            eng, served_by = engines.serving(c["dir"], c["step"])
+            served = serve(eng, k, prompts, timing, batch_sizes)
+            records.append({**figures(c["step"], c["dir"], served, baseline, k, batch_sizes, len(prompts)),
+                            "served_by": served_by})
+            r = records[-1]
+            log(f"choose: step {c['step']} ({served_by}): acceptance length {r['acceptance_length_by_k']} by k, per "
+                f"position {r['acceptance_per_position']}, tokens/s {served['tokens_per_s']} by batch size at k={k}")
+            progress_line("choose", len(records), len(cands), every_s=0, accept_len=r["acceptance_length"])
+    finally:
+        engines.close()
+    return records, engines.started
+
+
 def run(args):
     from kimi_eagle_host.draft import candidates, parity
 
@@ -252,22 +272,8 @@ def run(args):
     baseline = alone["tokens_per_s"]
     log(f"choose: the target alone: {alone['output_tokens']} tokens on the {len(prompts)} prompts, {baseline} tokens/s "
         f"by batch size")
-    records = []
-    progress_line("choose", 0, len(record["candidates"]))   # `kimi-eagle logs` draws its bar from these
-    engines = CandidateEngines(args, k, memory)
-    try:
-        for c in record["candidates"]:
-            eng, served_by = engines.serving(c["dir"], c["step"])
-            served = serve(eng, k, prompts, timing, batch_sizes)
-            records.append({**figures(c["step"], c["dir"], served, baseline, k, batch_sizes, len(prompts)),
-                            "served_by": served_by})
-            r = records[-1]
-            log(f"choose: step {c['step']} ({served_by}): acceptance length {r['acceptance_length_by_k']} by k, per "
-                f"position {r['acceptance_per_position']}, tokens/s {served['tokens_per_s']} by batch size at k={k}")
-            progress_line("choose", len(records), len(record["candidates"]), every_s=0,
-                          accept_len=r["acceptance_length"])
-    finally:
-        engines.close()
+    records, candidate_engines = serve_candidates(args, record["candidates"], k, memory, prompts, timing,
+                                                  batch_sizes, baseline)
     best, why = choose(records, k)
     chosen_k = {b: best["tokens_per_s"][b]["best_k"] for b in best["tokens_per_s"]}
     export_dir = os.path.join(out, "draft", "export")
@@ -278,7 +284,7 @@ def run(args):
                  "tokens_per_s_by_k": f"measured without the draft and at k={k}; at smaller k modelled (a step's time "
                                       f"linear in k through both measurements)",
                  "engine": f"vLLM {info}", "engine_env": engine_env, "export_dir": export_dir,
-                 "engines_started": 1 + engines.started,   # the target alone's, then the candidates'
+                 "engines_started": 1 + candidate_engines,   # the target alone's, then the candidates'
                  "last_step": max(r["step"] for r in records),
                  "without_draft": {"output_tokens": alone["output_tokens"], "tokens_per_s": baseline},
                  "checkpoints": records,
