@@ -4,7 +4,7 @@ choose serves every candidate checkpoint of a run next to the target. An engine 
 each time: for Kimi-K2.5 a half-hour load per candidate, for SmolLM2 on an H200 about a minute of CUDA-graph capture.
 The candidates of one run share their shape, so the engine started for the first serves the others: vLLM mixes
 DraftSwap into its workers (`worker_extension_cls`), collective_rpc calls its method in each worker by name (no
-code is pickled), and vLLM's layer-wise reload (0.25 and later) takes checkpoint-format tensors into weights the
+code is pickled), and vLLM's layer-wise reload (0.16, 0.25.1 and 0.32 have it) takes checkpoint-format tensors into weights the
 engine has already processed (repacked on a CPU), copying the result into the same storage, so captured CUDA graphs
 and compiled code keep reading the new values.
 

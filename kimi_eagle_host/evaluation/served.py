@@ -117,7 +117,7 @@ class ServedEngine:
         if self.cannot_swap:
             raise RuntimeError(f"the engine cannot swap drafts: {self.cannot_swap}")
         if not draft_swap.same_shape(self.draft, draft):
-            raise RuntimeError(f"{draft}: its config.json is not {self.draft}'s")
+            raise RuntimeError(f"{draft}: its config or tensors are not those of {self.draft}")
         self.llm.collective_rpc(draft_swap.METHOD, args=(str(draft),))
         # the cached prefixes hold the old draft's keys and values beside the target's
         if not self.llm.reset_prefix_cache():
