@@ -138,8 +138,7 @@ def absorb(src: Path) -> None:
         name = b["name"]
         if state(f"bundle-{name}") == "done":
             continue
-        first, last = b["offset"] // piece, (b["offset"] + b["bytes"] - 1) // piece
-        missing = [f"p{i}" for i in range(first, last + 1) if not (D["pieces"] / f"p{i}").exists()]
+        missing = missing_pieces(name)
         if missing:
             print(f"absorb: bundle {name} waits for {' '.join(missing)}")
             continue
@@ -151,11 +150,17 @@ def absorb(src: Path) -> None:
             write_json(D["results"] / f"install_{name}.json", {"ok": False, "error": f"{type(e).__name__}: {e}"})
             print(f"absorb: bundle {name} FAILED: {e}")
             continue
+        first, last = bundle_pieces(b, piece)
         info = {"ok": True, "bundle": name, "bytes_carried": b["bytes"], "install_s": round(now() - t0, 1),
                 "pieces": last - first + 1}
         write_json(D["results"] / f"install_{name}.json", info)
         set_state(f"bundle-{name}", "done")
         print(f"absorb: bundle {name} installed in {info['install_s']} s")
+
+
+def bundle_pieces(b: dict, piece: int) -> tuple[int, int]:
+    """The first and last piece holding bundle `b`'s bytes."""
+    return b["offset"] // piece, (b["offset"] + b["bytes"] - 1) // piece
 
 
 def bundle_stream(b: dict, piece: int):
@@ -876,8 +881,13 @@ def scale_settings() -> dict[str, str]:
     if TINY:
         out.update(TINY_SIZES)
     out.update({k: os.environ[env] for k, env in RECIPE_TRAIN.items() if env and os.environ.get(env)})
-    out.update(pair.split("=", 1) for pair in filter(None, os.environ.get("KE_SCALE_EXTRA", "").split(",")))
+    out.update(settings_list(os.environ.get("KE_SCALE_EXTRA", "")))
     return out
+
+
+def settings_list(spec: str) -> dict[str, str]:
+    """`key=value,...` (KE_SCALE_EXTRA, a KE_SCALE_AB variant) as a dict."""
+    return dict(pair.split("=", 1) for pair in filter(None, spec.split(",")))
 
 
 def scale_online() -> dict:
@@ -930,7 +940,7 @@ def ab_variants(spec: str) -> dict[str, dict]:
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         name, _, kv = item.partition(":")
-        out[name] = {**ab_base(), **dict(pair.split("=", 1) for pair in filter(None, kv.split(",")))}
+        out[name] = {**ab_base(), **settings_list(kv)}
     return out
 
 
@@ -1510,10 +1520,9 @@ def missing_pieces(bundle: str) -> list[str]:
     if not (WORK / "manifest.json").exists():
         return ["manifest.json and its pieces"]
     man = json.loads((WORK / "manifest.json").read_text())
-    piece = man["piece_bytes"]
     for b in man["bundles"]:
         if b["name"] == bundle:
-            first, last = b["offset"] // piece, (b["offset"] + b["bytes"] - 1) // piece
+            first, last = bundle_pieces(b, man["piece_bytes"])
             return [f"p{i}" for i in range(first, last + 1) if not (D["pieces"] / f"p{i}").exists()]
     return []
 

@@ -32,6 +32,10 @@ def unsupported(engine_args_cls) -> str | None:
     return None
 
 
+def safetensors_files(path: str) -> list[str]:
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+
+
 def same_shape(a: str, b: str) -> bool:
     """Whether two exported drafts have the same config.json and the same tensors by name and shape. A tensor the
     second lacks would keep the first's values after a swap (vLLM's reload puts back what it was not given)."""
@@ -41,10 +45,9 @@ def same_shape(a: str, b: str) -> bool:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         tensors = {}
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                with safe_open(os.path.join(path, name), framework="pt") as f:
-                    tensors.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt") as f:
+                tensors.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         return config, tensors
     return shape(a) == shape(b)
 
@@ -53,9 +56,8 @@ def export_tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
     tensors = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, name)))
+    for file in safetensors_files(path):
+        tensors.update(load_file(file))
     if not tensors:
         raise FileNotFoundError(f"{path}: no .safetensors files")
     return tensors
