@@ -347,9 +347,9 @@ def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
     k per batch size."""
     from drafts import cycle_target, known_draft
     from kimi_eagle_host.draft import candidates
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     target = cycle_target(tmp_path)
     out = tmp_path / "out"
     code, _, err = run("prepare", "--model", target, "--dataset", SAMPLE, "--output-dir", out, "--max-samples", 6)

@@ -232,11 +232,11 @@ def test_a_set_the_host_refuses_is_exit_2_naming_it(tmp_path, install, monkeypat
 def test_a_host_that_needs_no_patch_says_skipped_and_exits_0(tmp_path, sshd, install):
     """speculators 0.9.0 (no set covers it) next to vLLM 0.32 (native extraction) on the host: a clear
     "skipped, nothing to patch", exit 0, in --check and apply; nothing written on the host."""
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
     site = install("0.9.0")
     e = make_env(tmp_path, sshd, host_env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}"},
-                 python=str(env_python("0.32.0")))
+                 python=str(env_python(SUITE_VLLM)))
     before = tree_hashes(site)
     for mode in (["--check"], []):
         r = e.cli("--json", "deploy-patch", "--host", "gpu", *mode)

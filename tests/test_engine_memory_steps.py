@@ -109,9 +109,9 @@ def test_a_step_whose_one_sequence_does_not_fit_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def v32(tmp_path_factory):
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     root = tmp_path_factory.mktemp("v32")
     model = root / "tiny-llama"
     subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--heads", "2",

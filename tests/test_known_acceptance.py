@@ -151,9 +151,9 @@ def test_vllm_serving_the_same_drafts_counts_the_same(pair, hf_reports, tmp_path
     """vLLM 0.32 (CPU, bf16) serves the drafts next to the target: its counters give exactly 1.00 for the draft the
     target never follows and k + 1 for the ones that propose its own tokens (one layer and two), as the transformers
     evaluator does."""
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     target, exact, ahead, prompts, deep = pair
     served_exact = evaluate(target, exact, prompts, tmp_path / "exact", "vllm", python=py)
     served_ahead = evaluate(target, ahead, prompts, tmp_path / "ahead", "vllm", python=py)

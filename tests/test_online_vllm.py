@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, host_cmd
 from test_online import same_as_extracted
-from vllm_envs import env_python
+from vllm_envs import SUITE_VLLM, env_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -37,7 +37,7 @@ def step(py, name, *args, env=None):
 
 
 def test_online_vllm_receives_what_extract_writes_and_trains(tmp_path):
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     model = tmp_path / "llama"
     subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline.tiny_model", "--out", str(model), "--kind", "llama",
                     "--layers", "6", "--hidden", "64", "--heads", "2"], check=True, capture_output=True, timeout=600,

@@ -232,9 +232,9 @@ def test_smoke_on_real_vllm_serves_the_export_and_counts_accepted_tokens(tmp_pat
     """vLLM 0.32 (CPU) loads a target and an export of ours and accepts draft tokens. The acceptance is known by
     construction (tests/drafts.py): the target walks a cycle of tokens and the draft proposes its next ones."""
     from drafts import cycle_target, known_draft
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     target = cycle_target(tmp_path)
     draft = known_draft(target, tmp_path / "draft", lead=1)
     r = subprocess.run(host_cmd("pipeline.eval", "--model", target, "--draft", draft, "--output-dir", tmp_path / "o",

@@ -353,9 +353,9 @@ def test_no_matching_set_without_native_vllm_is_a_refusal_naming_the_ranges(inst
 def test_no_matching_set_on_native_vllm_is_not_needed(install, tmp_path, mode):
     """The same install next to a real vLLM >= 0.18 (the 0.32 CPU build): extraction is native there, so the
     patch would fix code that never runs: ok, exit 0, saying so; nothing written, in every mode."""
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     site = install("0.4.0")
     before = tree_hashes(site)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_EAGLE")}

@@ -117,9 +117,9 @@ def smollm2():
 @pytest.fixture(scope="module")
 def vllm_python():
     sys.path.insert(0, str(REPO / "tests"))
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    return env_python("0.32.0")
+    return env_python(SUITE_VLLM)
 
 
 def regenerate(python, sharegpt):

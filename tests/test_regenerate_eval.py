@@ -386,9 +386,9 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     opening of a user turn, each with its own seed, so no two alike) and answers them with the same engine: one engine
     start for both checks (tests/test_self_prompts.py tests the same on transformers)."""
     from held_memory import VLLM_CPU_DEFAULT_SHARE, memory_held
-    from vllm_envs import env_python
+    from vllm_envs import SUITE_VLLM, env_python
 
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     tiny_llama = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention kernels start there
     p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.tiny_model", "--kind", "llama", "--heads", "2", "--out",
                         str(tiny_llama)], capture_output=True, text=True, timeout=300)
@@ -444,7 +444,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
         assert res["turns_answered_now"] == sum(turns) - 1 and res["turns_cut_for_context_now"] == 1
     stream, rounds = (answers_of(tmp_path / b)[0] for b in ("stream", "rounds"))
     assert [len(a) for a in stream] == [1, 5, 2, 3, 1, 3, 2] and stream == rounds
-    assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == "0.32.0"
+    assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == SUITE_VLLM
     assert rep["engine_memory"].startswith(sized)
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
     assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import REPO, make_env
 from fixtures_speculators import _wheel
-from vllm_envs import env_python
+from vllm_envs import SUITE_VLLM, env_python
 
 # Engine loads take minutes on 2 shared cores; the module fixtures run inside the first test that needs them.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -263,7 +263,7 @@ def test_vllm_016_cpu_backend_refuses_mla():
 def v32(tmp_path_factory, sshd):
     """The host's env sets no VLLM_CPU_KVCACHE_SPACE, as a user's would not: the product sizes the engine's memory
     (test_native_extraction_sizes_its_engine_from_free_memory)."""
-    py = env_python("0.32.0")
+    py = env_python(SUITE_VLLM)
     tmp = tmp_path_factory.mktemp("v32")
     model = build_model(py, tmp / "llama", "llama")
     e = host_env(tmp, sshd, py, model, tmp / "out", kv_space=False)

