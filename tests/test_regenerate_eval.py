@@ -448,7 +448,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     assert rep["engine_memory"].startswith(sized)
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
     assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]
-    assert "vLLM 0.32.0" in rep["card"] and "k=3" in rep["card"]
+    assert f"vLLM {SUITE_VLLM}" in rep["card"] and "k=3" in rep["card"]
 
 
 def test_a_second_eval_takes_the_targets_answers_from_the_first(tmp_path, tiny_llama):

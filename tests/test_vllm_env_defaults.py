@@ -46,9 +46,9 @@ def test_a_cpu_engine_starts_with_numba_loaded():
     target's processor imports it) llvmlite's library object answered `__dict__` and the scan died, so eval of a
     Kimi-K2.5 target on a CPU host failed. engine_env_defaults (every engine step calls it first) prevents that."""
     from conftest import REPO
-    from vllm_envs import SUITE_VLLM, env_python
+    from vllm_envs import env_python
 
-    py = env_python(SUITE_VLLM)
+    py = env_python("0.32.0")   # the scan is 0.32's CPU worker's, whatever KE_VLLM_VERSION says
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     bare = subprocess.run([str(py), "-c", GUARD_SCAN, "bare"], capture_output=True, text=True, env=env, timeout=300)
     guarded = subprocess.run([str(py), "-c", GUARD_SCAN, "guarded"], capture_output=True, text=True, env=env,

@@ -279,13 +279,15 @@ def parse_gpus(text, what: str) -> list[int] | None:
     return gpus
 
 
-def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w) -> "Source":
+def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w,
+          gather) -> "Source":
     """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
-    Under torchrun every rank calls it: rank 0 starts the engine, which serves the trainer processes of its host."""
+    Under torchrun every rank calls it: rank 0 starts the engine, which serves the trainer processes of its host;
+    `gather` (every rank's value, in rank order, on every rank: the trainer's collective) tells the others its spool."""
     if w.size != w.local_size:
         raise BadInput("hidden_states: online: the trainer processes of one host for now (its engine serves them); "
                        "use hidden_states: offline for multi-node training")
-    return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w)
+    return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w, gather)
 
 
 class Source:
@@ -293,7 +295,7 @@ class Source:
     stop the engine and remove the spool on close (use it as a context manager)."""
 
     def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
-                 device_type: str, w):
+                 device_type: str, w, gather):
         self.args, self.main = args, w.main
         self.proc = self.engine_pid = self.spool = None
         self.waited_s = 0.0
@@ -326,9 +328,7 @@ class Source:
                 failed = e
         shared = self.spool if failed is None else None
         if w.distributed:
-            from kimi_eagle_host.training import distributed as dist_
-
-            shared = dist_.gather(shared)[0]
+            shared = gather(shared)[0]
         if failed is not None:
             self.close()
             raise failed
