@@ -82,3 +82,40 @@ def test_restart_on_a_bare_machine_says_there_is_no_runner(tmp_path):
     assert res.returncode != 0
     assert "no runner was started" in res.stderr and "carry .gpu/manifest.json" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_conversations_carried_by_the_first_call_are_seen(tmp_path):
+    """A first call may carry .scale/ (the scale stages' conversations) with everything else: start copies it into
+    the runner's copy after absorb has looked. The runner must see it there, not wait for ever on parts it has (a
+    rehearsal in one call did: `data-scale (.scale/ parts not here)`)."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(".git", ".gpu", ".scale", ".whl", ".debs", ".specwhl",
+                                                                   "out", "__pycache__", ".pytest_cache", "*.egg-info"))
+    kept = json.loads((REPO / "docs" / "results" / "regen_scale_kept.json").read_text())["regen_scale"]["packed"]
+    scale = checkout / ".scale"
+    scale.mkdir()
+    sizes = [kept["bytes"] // len(kept["parts"])] * len(kept["parts"])
+    sizes[-1] += kept["bytes"] - sum(sizes)
+    for name, size in zip(kept["parts"], sizes):   # the sizes the record names (their sha256 is checked when read)
+        with open(scale / name, "wb") as f:
+            f.truncate(size)
+    runner = checkout / "bench" / "gpu" / "side_by_side.py"
+    env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
+           "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable}
+
+    def call(*args):
+        return subprocess.run([sys.executable, str(runner), *args], env=env, capture_output=True, text=True,
+                              timeout=200, cwd=checkout)
+
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    try:
+        call("absorb", "--from", str(nothing))
+        call("start")
+        waited = call("wait", "--seconds", "150", "--out", str(tmp_path / "out"))
+    finally:
+        stop_runner(tmp_path)
+    assert "nothing runs until a call carries bundle-early" in waited.stdout, waited.stdout + waited.stderr
+    assert "data-scale" not in waited.stdout, waited.stdout

@@ -103,6 +103,16 @@ def last_json(text: str):
 # ------------------------------------------------------------------------------------------------------
 # carried pieces -> installed bundles
 
+def note_scale_parts() -> None:
+    """`data-scale` is done once the runner's copy holds all of the scale stages' conversations (their sha256 is
+    checked when they are read). Called by absorb and by start: a first call that carries .scale/ with everything
+    else copies it at start, after absorb ran (a rehearsal in one call waited on it for ever)."""
+    if state("data-scale") != "done" and (D["repo"] / "bench").exists():
+        want = scale_parts_recorded()
+        if sum(os.path.getsize(p) for p in (D["repo"] / ".scale").glob("regen_scale.tar.xz.*")) == want["bytes"]:
+            set_state("data-scale", "done")
+
+
 def absorb(src: Path) -> None:
     for d in D.values():
         d.mkdir(parents=True, exist_ok=True)
@@ -110,10 +120,7 @@ def absorb(src: Path) -> None:
     for name in (".whl", ".debs", ".scale"):
         if (ROOT / name).is_dir() and (D["repo"] / "bench").exists():
             shutil.copytree(ROOT / name, D["repo"] / name, dirs_exist_ok=True)
-    if state("data-scale") != "done" and (D["repo"] / "bench").exists():
-        want = scale_parts_recorded()   # the scale stages' conversations, all there (their sha256: when read)
-        if sum(os.path.getsize(p) for p in (D["repo"] / ".scale").glob("regen_scale.tar.xz.*")) == want["bytes"]:
-            set_state("data-scale", "done")
+    note_scale_parts()
     if (src / "manifest.json").exists():
         shutil.copy(src / "manifest.json", WORK / "manifest.json")
     if not (WORK / "manifest.json").exists():
@@ -1415,6 +1422,7 @@ def start() -> None:
         shutil.copytree(ROOT, repo, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__"))
         apply_overlay()
+        note_scale_parts()
     log = open(D["logs"] / "runner.log", "a")
     p = subprocess.Popen([PY, str(repo / "bench" / "gpu" / "side_by_side.py"), "run"], cwd=repo, stdout=log, stderr=log,
                          start_new_session=True, env={**os.environ, **runner_settings(), "KE_WORK": str(WORK), "KE_SHM": str(SHM)})
