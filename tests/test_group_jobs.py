@@ -246,18 +246,27 @@ def test_rendezvous_problems_refuse_the_start_naming_the_host(tmp_path, servers)
     assert not list((tmp_path / "2" / "work-b").glob("runs/*/job.sh"))
 
 
-def test_train_over_two_hosts_is_one_torchrun_job(tmp_path, servers):
-    """The real train step across the group: kimi_eagle_host.pipeline.launch on each host joins the c10d rendezvous on a."""
+@pytest.mark.parametrize("hidden_states", ["offline", "online"])
+def test_train_over_two_hosts_is_one_torchrun_job(tmp_path, servers, hidden_states):
+    """The real train step across the group: kimi_eagle_host.pipeline.launch on each host joins the c10d rendezvous
+    on a. Online, each host's first rank runs an engine of its own for its ranks' rows: no hidden-state files on
+    either host."""
     port = free_port()
     env = group_env(tmp_path, servers, {h: {"rdzv_port": port} for h in "ab"},
                     pipeline=TINY_PIPELINE + "  epochs: 1\n  draft_vocab_size: 128\n")
-    for step in ("prepare", "extract", "vocab"):
+    online = hidden_states == "online"
+    for step in ("prepare", "vocab") if online else ("prepare", "extract", "vocab"):
         r = env.cli("run", step, "--host", "a", "--no-preflight", "--no-gpu", timeout=600)
         assert r.code == 0, (step, r.stderr[-2000:])
     shutil.copytree(tmp_path / "work-a" / "models", tmp_path / "work-b" / "models")
     shutil.copytree(tmp_path / "work-a" / "out", tmp_path / "work-b" / "out")  # each node reads its own copy
-    r = env.cli("run", "train", "--group", "pair", "--no-preflight", "--no-gpu", timeout=900)
+    r = env.cli("run", "train", "--group", "pair", "--no-preflight", "--no-gpu", f"hidden_states={hidden_states}",
+                timeout=900)
     assert r.code == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    engines = sorted(re.findall(r"^\[([ab])\].*online: engine hf started", r.stdout, re.M))
+    assert engines == (["a", "b"] if online else []), r.stdout
+    for h in "ab":
+        assert (tmp_path / f"work-{h}" / "out" / "hidden_states").exists() is not online
     assert "torchrun-multinode: 1 process(es) per node x 2 node(s)" in r.stdout
     answers = {line[1]: json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines()
                if re.match(r'^\[[ab]\] \{"ok"', line)}

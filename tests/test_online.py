@@ -255,6 +255,76 @@ def test_two_trainer_processes_share_one_engine(made):
     assert p.stderr.count("online: engine hf started") == 1 and leftovers(base) == []
 
 
+def test_two_hosts_each_extract_their_own_rows(made):
+    """torchrun across two hosts of two trainer processes each (two_host_train; each host its own spool folder,
+    standing for its memory): each host's first rank starts an engine that extracts the held-out documents and
+    only the rows its host's ranks take, so two engines work at once; the run trains what one process trains
+    offline, step for step. Into the second epoch each host's ranks share, in its spool, the documents that come
+    back to that host."""
+    rows = ("--batch-size", "4")   # one row for each of the 4 ranks
+    straight = made["root"] / "hosts-offline"
+    shutil.copytree(made["offline"], straight)
+    code, trained, err = run("train", "--model", made["model"], "--output-dir", straight, *COMMON, *rows)
+    assert code == 0, err
+    bases = [spool_base(made, f"host{i}") for i in range(2)]
+    ends = two_host_train(made, "hosts", bases, *COMMON, *rows, "--max-steps", "6", "--online-cache-gb", "1")
+    for code, _, err in ends:
+        assert code == 0, err[-4000:]
+    (line,) = [ln for ln in ends[0][1].splitlines() if ln.strip()]   # one answer, rank 0's
+    doc = json.loads(line)
+    assert doc["world_size"] == 4 and doc["step"] == 6, doc
+    assert [h["loss"] for h in doc["history"]] == pytest.approx([h["loss"] for h in trained["history"][:6]],
+                                                                rel=1e-4)
+    started = [re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents", err) for _, _, err in ends]
+    assert [len(s) for s in started] == [1, 1], [err[-2000:] for _, _, err in ends]   # one engine a host
+    # each engine extracted the held-out documents and its host's 2 of each step's 4 rows (one document a row here:
+    # 18 training documents, 4 steps an epoch), never the other host's
+    held = doc["heldout"]["documents"]
+    counts = [int(s[0]) - held for s in started]
+    assert all(0 < c <= 6 * 2 for c in counts), counts
+    assert all(re.search(r"\d+ documents cached for later epochs \(in the spool\)", err) for _, _, err in ends)
+    assert leftovers(bases[0]) == [] and leftovers(bases[1]) == []
+
+
+def test_an_engine_that_cannot_start_on_one_host_fails_the_run_on_every_host(made):
+    """The second host cannot make its spool (its folder takes no files): every rank of both hosts ends with an
+    error in one line, none waits in a collective for a host that is gone, and the first host's engine is stopped
+    and its spool removed."""
+    base = spool_base(made, "host-ok")
+    ends = two_host_train(made, "hosts-down", [base, "/proc/1"], *COMMON, "--batch-size", "4")
+    assert [code for code, _, _ in ends] == [1, 1], [err[-3000:] for _, _, err in ends]
+    first, second = ends[0][2], ends[1][2]
+    assert "online: the engine did not start on the host of rank 2 (its error is in that host's log)" in first
+    (said,) = [json.loads(ln.split("result: ", 1)[1]) for ln in second.splitlines()
+               if ln.startswith("[rank 2] result: ")]
+    assert said["error"] == "online: the buffer's folder cannot be made in online_spool_dir /proc/1: No such file " \
+                           "or directory", said
+    assert leftovers(base) == []
+
+
+def two_host_train(made, name: str, spool_dirs: list, *args: str) -> list[tuple[int, str, str]]:
+    """train under torchrun as two hosts (two agents on this machine, static rendezvous over loopback, gloo on CPU),
+    two trainer processes each, host i's spool in spool_dirs[i]: (exit code, stdout, stderr) of each agent."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = online_dir(made, name)   # one output folder, as on a shared file system
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"], "--output-dir",
+                               str(out), *args, *ONLINE, "--online-spool-dir", str(spool_dirs[i])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**ENV, "CUDA_VISIBLE_DEVICES": ""}) for i in range(2)]
+    try:
+        ends = [p.communicate(timeout=900) for p in procs]
+        return [(p.returncode, out_, err) for p, (out_, err) in zip(procs, ends)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def test_online_refusals(made, tmp_path):
     """Settings online cannot honour are one line, exit 2, before any engine starts."""
     out = online_dir(made, "refused")

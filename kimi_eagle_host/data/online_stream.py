@@ -27,6 +27,10 @@ step's documents, packs them (packing.fill_rows) and deletes each one once it is
 Resume needs nothing more: a resumed run's stream starts at the checkpoint's step. The engine dying is one error
 in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
 ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
+
+Under torchrun each host runs one engine for its own trainer processes (started by its LOCAL_RANK 0, in its own
+memory): the stream of a host is the held-out documents and the rows its ranks take, so N hosts extract with N
+engines at once, and the global batch is the one a single process would train.
 """
 from __future__ import annotations
 
@@ -107,23 +111,35 @@ def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> in
     return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
 
 
+def host_rows(plan, step: int, ranks: tuple[int, int, int] | None) -> list[list[int]]:
+    """The rows of a step that the trainer processes of one host take: ranks = (its first rank, how many, the
+    world's size); rank r takes rows r, r + world, ... (packing.Plan.rank_rows). None: every row."""
+    rows = plan.step_rows(step)
+    if ranks is None:
+        return rows
+    first, count, size = ranks
+    return [row for j, row in enumerate(rows) if first <= j % size < first + count]
+
+
 def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float,
-                   cache_kind: int = CACHED):
+                   cache_kind: int = CACHED, ranks: tuple[int, int, int] | None = None):
     """The engine's work in order, as (kinds, steps, docs) lists, and the set of cached documents: the held-out
-    documents, then every document of steps first..last-1 in the order the trainer takes them. A document that
-    comes again later is cached while the first of those fit in cache_bytes; it is extracted once, at its first
-    position, as cache_kind (CACHED: kept in the spool; KEPT: kept by the trainer)."""
+    documents, then every document of steps first..last-1 that the host's ranks take (host_rows), in the order the
+    trainer takes them. A document that comes again later is cached while the first of those fit in cache_bytes;
+    it is extracted once, at its first position, as cache_kind (CACHED: kept in the spool; KEPT: kept by the
+    trainer). On several hosts a later epoch may give a document to another host: it is cached only where it comes
+    again on the same host."""
     kinds, steps, docs = [HELD] * len(held_docs), [0] * len(held_docs), list(held_docs)
     seen, cached, room = set(), set(), cache_bytes
     repeats = set()
     if cache_bytes > 0:   # which documents come again (worth keeping)
         for step in range(first, last):
-            for row in plan.step_rows(step):
+            for row in host_rows(plan, step, ranks):
                 repeats.update(d for d in row if d in seen)
                 seen.update(row)
         seen = set()
     for step in range(first, last):
-        for row in plan.step_rows(step):
+        for row in host_rows(plan, step, ranks):
             for d in row:
                 if d in cached:
                     continue   # read from the cache
@@ -282,33 +298,36 @@ def parse_gpus(text, what: str) -> list[int] | None:
 def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w,
           gather) -> "Source":
     """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
-    Under torchrun every rank calls it: rank 0 starts the engine, which serves the trainer processes of its host;
-    `gather` (every rank's value, in rank order, on every rank: the trainer's collective) tells the others its spool."""
-    if w.size != w.local_size:
-        raise BadInput("hidden_states: online: the trainer processes of one host for now (its engine serves them); "
-                       "use hidden_states: offline for multi-node training")
+    Under torchrun every rank calls it: the first rank of each host (LOCAL_RANK 0) starts that host's engine, which
+    extracts the rows its host's ranks take and the held-out documents into a spool in the host's memory; `gather`
+    (every rank's value, in rank order, on every rank: the trainer's collective) tells the host's other ranks the
+    spool and every rank whether every host's engine started. Hosts add engines: across N hosts N engines extract
+    at once (torchrun numbers a host's ranks contiguously, its first one LOCAL_RANK 0)."""
     return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w, gather)
 
 
 class Source:
-    """The trainer's side of the spool: start the engine (rank 0), hand out each step's documents as they appear,
-    stop the engine and remove the spool on close (use it as a context manager)."""
+    """The trainer's side of the spool: start the host's engine (its first rank), hand out each step's documents as
+    they appear, stop the engine and remove the spool on close (use it as a context manager)."""
 
     def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
                  device_type: str, w, gather):
-        self.args, self.main = args, w.main
+        # this host's first rank starts and stops its engine; the host's ranks take its rows (host_rows)
+        self.args, self.main = args, w.local_rank == 0
+        self.host_first_rank = w.rank - w.local_rank
         self.proc = self.engine_pid = self.spool = None
         self.waited_s = 0.0
         self.closed = False
         self.copy_to = os.environ.get(COPY_ENV)
         itemsize = 4 if dc["dtype"] == "float32" else 2
         n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
-        # One trainer process keeps the cache in its own memory; several share it as files in the spool (a later
-        # epoch may hand a document to another rank).
-        self.in_memory = w.size == 1
+        # One trainer process on the host keeps the cache in its own memory; several share it as files in the spool
+        # (a later epoch may hand a document to another of the host's ranks).
+        self.in_memory = w.local_size == 1
         stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
             plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
-            args.online_cache_gb * 1e9, KEPT if self.in_memory else CACHED)
+            args.online_cache_gb * 1e9, KEPT if self.in_memory else CACHED,
+            (self.host_first_rank, w.local_size, w.size) if w.distributed else None)
         self.first_step = {d: step for kind, step, d in zip(*stream) if kind == KEPT}
         if self.in_memory:
             from kimi_eagle_host.vllm_compat import host_memory_available
@@ -326,17 +345,21 @@ class Source:
                 self._start_engine(dc, device_type)
             except BaseException as e:   # said to the other ranks first: none is left waiting for a spool
                 failed = e
-        shared = self.spool if failed is None else None
-        if w.distributed:
-            shared = gather(shared)[0]
+        # every rank learns its host's spool, and whether every host's engine started: a host whose engine failed
+        # fails the run on every host, not a hang in the next collective
+        mine = (w.local_rank, self.spool if failed is None else None)
+        spools = gather(mine) if w.distributed else [mine]
         if failed is not None:
             self.close()
             raise failed
-        if shared is None:
-            raise Refused("online: the engine did not start on rank 0 (its error is in the log)")
+        down = [rank for rank, (local, spool) in enumerate(spools) if local == 0 and spool is None]
+        if down:
+            self.close()
+            raise Refused(f"online: the engine did not start on the host of rank {down[0]} (its error is in that "
+                          "host's log)")
         if not self.main:
-            self.spool = shared
-            with open(os.path.join(shared, ENGINE_PID)) as f:
+            self.spool = spools[self.host_first_rank][1]
+            with open(os.path.join(self.spool, ENGINE_PID)) as f:
                 self.engine_pid = int(f.read())
 
     def _make_spool(self, stream) -> None:
@@ -345,7 +368,11 @@ class Source:
         base = self.args.online_spool_dir
         sweep_stale(base)
         job = os.environ.get("KIMI_EAGLE_JOB_ID", "")
-        self.spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX + (f"{job}-" if job else ""), dir=base)
+        try:
+            self.spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX + (f"{job}-" if job else ""), dir=base)
+        except OSError as e:
+            raise Refused(f"online: the buffer's folder cannot be made in online_spool_dir {base}: "
+                          f"{e.strerror or e}") from None
         with open(os.path.join(self.spool, OWNER), "w") as f:
             json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
         for sub in ("held", "cache"):
@@ -431,7 +458,7 @@ class Source:
                 raise Refused(f"online: the engine failed: {f.read().strip()}")
         if self.proc is not None:
             rc = self.proc.poll()
-        else:   # another rank's engine: gone, or a zombie its parent (rank 0) has not reaped yet
+        else:   # the host's engine, started by its first rank: gone, or a zombie that rank has not reaped yet
             rc = None if _alive(self.engine_pid) and _state(self.engine_pid) != "Z" else "unknown"
         if rc is not None and not os.path.exists(path):
             if os.path.exists(err):
@@ -458,7 +485,7 @@ class Source:
         """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""
         self.closed = True
         if not self.main:
-            return   # rank 0's engine and spool
+            return   # the host's first rank stops its engine and removes its spool
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
