@@ -284,6 +284,12 @@ def test_two_hosts_each_extract_their_own_rows(made):
     assert all(0 < c <= 6 * 2 for c in counts), counts
     assert all(re.search(r"\d+ documents cached for later epochs \(in the spool\)", err) for _, _, err in ends)
     assert leftovers(bases[0]) == [] and leftovers(bases[1]) == []
+    # the answer and the progress points speak of both engines: their tokens/s added up
+    assert doc["online"]["engines"] == 2 and doc["online"]["engine_tok_s"] > 0, doc["online"]
+    points = [json.loads(ln.split(" ", 1)[1]) for ln in ends[0][2].splitlines()
+              if ln.startswith("@kimi-eagle-progress")]
+    flows = [p for p in points if "engine_tok_s" in p]
+    assert flows and all(p["engines"] == 2 for p in flows), points[-3:]
 
 
 def test_an_engine_that_cannot_start_on_one_host_fails_the_run_on_every_host(made):

@@ -480,6 +480,19 @@ class Source:
                 # the most hidden-state bytes the spool held at once: the run's footprint (offline: every file)
                 "spool_peak_bytes": eng.get("spool_peak_bytes")}
 
+    def run_figures(self, w, gather) -> dict:
+        """figures() for the whole run: on several hosts (every rank calls it then; gather is the trainer's
+        collective) the engines' tokens/s added up and, of the hosts' buffers, the fullest, the longest waits and
+        the largest spool peak (each host's memory holds its own), with `engines` = how many; on one host its own."""
+        if w.size == w.local_size:
+            return self.figures()
+        hosts = [f for f in gather(self.figures() if self.main else None) if f is not None]
+        rates = [f["engine_tok_s"] for f in hosts if f["engine_tok_s"] is not None]
+        peaks = [f["spool_peak_bytes"] for f in hosts if f["spool_peak_bytes"] is not None]
+        return {"engine_tok_s": round(sum(rates), 1) if rates else None,
+                **{k: max(f[k] for f in hosts) for k in ("buffer_fill", "engine_wait_s", "trainer_wait_s")},
+                "spool_peak_bytes": max(peaks) if peaks else None, "engines": len(hosts)}
+
     # --- the end ----------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""

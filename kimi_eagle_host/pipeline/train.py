@@ -108,7 +108,7 @@ def result_of(run: TrainRun, o: Outcome, t_start: float) -> dict:
               "train_tokens_per_s": round(o.tok_loop / o.loop_s, 1) if o.loop_s > 0 and o.tok_loop else None,
               "elapsed_s": round(time.time() - t_start, 2), "hidden_states": args.hidden_states}
     if i.online:
-        result["online"] = {**o.source.figures(), "cached_documents": len(o.source.cached)}
+        result["online"] = {**o.source.run_figures(run.w, dist_.gather), "cached_documents": len(o.source.cached)}
     if interrupted:
         result["error"] = f"stopped by {interrupted} after step {done}; checkpoint saved, continue with --resume"
     if diverged:

@@ -205,9 +205,9 @@ def log_interval(run: TrainRun, o: Outcome, iv: Interval, lr: float, tracker) ->
     fig = ttt_loss.summarize(sums[1 + S:-1], [x / iv.n for x in sums[1:1 + S]], S)
     entry = {"step": done, "loss": sums[0] / iv.n, **fig, "lr": lr, "tokens_per_s": round(tok_g / dt, 1),
              "tokens": int(tok_g), "seconds": round(dt, 4)}   # the interval since the last log
+    # online: the engine's tokens/s, the buffer's fill, and who waited for whom (every host's: all ranks ask)
+    flow = o.source.run_figures(run.w, dist_.gather) if run.inputs.online else {}
     if run.w.main:
-        # online: the engine's tokens/s, the buffer's fill, and who waited for whom
-        flow = o.source.figures() if run.inputs.online else {}
         acc_s = " ".join(f"acc[{k}]={a:.2f}" for k, a in enumerate(fig["acc"]))
         log(f"step {done}/{total} loss {entry['loss']:.4f} {acc_s} accept_len {fig['accept_len']:.2f} "
             f"lr {lr:.2e} tok/s {tok_g / dt:.0f}")
