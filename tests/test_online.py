@@ -311,11 +311,9 @@ def test_an_engine_that_cannot_start_on_one_host_fails_the_run_on_every_host(mad
 def two_host_train(made, name: str, spool_dirs: list, *args: str) -> list[tuple[int, str, str]]:
     """train under torchrun as two hosts (two agents on this machine, static rendezvous over loopback, gloo on CPU),
     two trainer processes each, host i's spool in spool_dirs[i]: (exit code, stdout, stderr) of each agent."""
-    import socket
+    from sshd import free_port   # below the ephemeral range: a rendezvous port no outgoing connection takes
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = online_dir(made, name)   # one output folder, as on a shared file system
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
