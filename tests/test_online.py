@@ -293,32 +293,32 @@ def test_two_hosts_each_extract_their_own_rows(made):
 
 
 def test_an_engine_that_cannot_start_on_one_host_fails_the_run_on_every_host(made):
-    """The second host cannot make its spool (its folder takes no files): every rank of both hosts ends with an
+    """The second host cannot make its spool (its folder takes no files): both hosts' trainers end with an
     error in one line, none waits in a collective for a host that is gone, and the first host's engine is stopped
     and its spool removed."""
     base = spool_base(made, "host-ok")
-    ends = two_host_train(made, "hosts-down", [base, "/proc/1"], *COMMON, "--batch-size", "4")
+    ends = two_host_train(made, "hosts-down", [base, "/proc/1"], *COMMON, per_host=1)
     assert [code for code, _, _ in ends] == [1, 1], [err[-3000:] for _, _, err in ends]
     first, second = ends[0][2], ends[1][2]
-    assert "online: the engine did not start on the host of rank 2 (its error is in that host's log)" in first
+    assert "online: the engine did not start on the host of rank 1 (its error is in that host's log)" in first
     (said,) = [json.loads(ln.split("result: ", 1)[1]) for ln in second.splitlines()
-               if ln.startswith("[rank 2] result: ")]
+               if ln.startswith("[rank 1] result: ")]
     assert said["error"] == "online: the buffer's folder cannot be made in online_spool_dir /proc/1: No such file " \
                            "or directory", said
     assert leftovers(base) == []
 
 
-def two_host_train(made, name: str, spool_dirs: list, *args: str) -> list[tuple[int, str, str]]:
+def two_host_train(made, name: str, spool_dirs: list, *args: str, per_host: int = 2) -> list[tuple[int, str, str]]:
     """train under torchrun as two hosts (two agents on this machine, static rendezvous over loopback, gloo on CPU),
-    two trainer processes each, host i's spool in spool_dirs[i]: (exit code, stdout, stderr) of each agent."""
+    per_host trainer processes each, host i's spool in spool_dirs[i]: (exit code, stdout, stderr) of each agent."""
     from sshd import free_port   # below the ephemeral range: a rendezvous port no outgoing connection takes
 
     port = free_port()
     out = online_dir(made, name)   # one output folder, as on a shared file system
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
-                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"], "--output-dir",
-                               str(out), *args, *ONLINE, "--online-spool-dir", str(spool_dirs[i])],
+                               "--nproc-per-node", str(per_host), "--master-addr", "127.0.0.1", "--master-port",
+                               str(port), "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"],
+                               "--output-dir", str(out), *args, *ONLINE, "--online-spool-dir", str(spool_dirs[i])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**ENV, "CUDA_VISIBLE_DEVICES": ""}) for i in range(2)]
     try:
