@@ -1037,7 +1037,7 @@ def st_scale_choose(gpu):
 def choose_cmd() -> list[str]:
     return [PY, *payload("choose.py"), "--model", str(SMOL), "--output-dir", str(SCALE),
             "--prompts", os.environ.get("KE_SCALE_CHOOSE_PROMPTS", "32"), "--max-tokens", "128" if not TINY else "8",
-            # KE_SCALE_SWAP=0: an engine per checkpoint, as before the swap in place (not yet run on a GPU; on CPU 0.25.1)
+            # KE_SCALE_SWAP=0: an engine per checkpoint, as before the swap (on a GPU not yet; on 0.25.1's CPU build)
             *(["--no-swap-drafts"] if os.environ.get("KE_SCALE_SWAP") == "0" else []),
             *([] if TINY else ["--no-enforce-eager"])]   # CUDA graphs, as the recipe (eager: 53 tokens/s at batch 1)
 
