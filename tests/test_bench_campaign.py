@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "bench" / "gpu" / "side_by_side.py"
 
 
-def campaign(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+def campaign(tmp_path: Path, *args: str, timeout: float = 200, **knobs: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
-           "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable}
+           "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable, **knobs}
     return subprocess.run([sys.executable, str(RUNNER), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -119,3 +119,21 @@ def test_conversations_carried_by_the_first_call_are_seen(tmp_path):
         stop_runner(tmp_path)
     assert "nothing runs until a call carries bundle-early" in waited.stdout, waited.stdout + waited.stderr
     assert "data-scale" not in waited.stdout, waited.stdout
+
+
+def test_no_stage_starts_after_the_budget_even_with_its_needs_done(tmp_path):
+    """KE_BUDGET_S is when the runner starts nothing more: a stage whose needs are already done must not start after
+    it either (it did: a late stage then ran past the session's device time, and the call reading it got nothing)."""
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    try:
+        assert campaign(tmp_path, "absorb", "--from", str(nothing)).returncode == 0
+        (tmp_path / "work" / "flags" / "bundle-early.done").write_text("0")   # smol_model's one need, met
+        assert "runner started" in campaign(tmp_path, "start", KE_BUDGET_S="0").stdout
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "work" / "runner.finished").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop_runner(tmp_path)
+    result = json.loads((tmp_path / "work" / "results" / "smol_model.json").read_text())
+    assert result == {"ok": False, "skipped": True, "why": "out of time"}, result

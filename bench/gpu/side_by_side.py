@@ -1326,13 +1326,14 @@ def lane(stages, gpu):
             continue
         while True:
             states = {n: state(n) for n in needs}
-            if all(s == "done" for s in states.values()):
-                break
             bad = [n for n, s in states.items() if s in ("failed", "skipped")]
+            # the budget holds for a stage whose needs are done too: one started late runs past the device time
             if bad or now() - T0 > BUDGET_S:
                 set_state(name, "skipped")
                 write_json(D["results"] / f"{name}.json", {"ok": False, "skipped": True,
                                                             "why": f"needs {bad}" if bad else "out of time"})
+                break
+            if all(s == "done" for s in states.values()):
                 break
             time.sleep(1)
         if state(name) == "skipped":
