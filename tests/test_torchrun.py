@@ -81,6 +81,35 @@ def decide(*args, env):
     return json.loads(p.stdout)
 
 
+def test_the_split_layout_starts_one_trainer_rank_per_train_gpu(fake_gpus, tmp_path):
+    """Online with engine_gpus/train_gpus: the trainer gets as many ranks as train_gpus names, not one per visible
+    GPU. On two GPUs, the engine on 1 and the trainer on 0 was two trainer ranks, both narrowed to GPU 0 (the
+    second's cuda:1 not there); CUDA_VISIBLE_DEVICES stays whole for the engine that rank 0 starts."""
+    train = ["--", "-m", "kimi_eagle_host.pipeline.train", "--hidden-states", "online"]
+    two = fake_gpus(81920, 81920)
+    d = decide(*train, "--engine-gpus", "1", "--train-gpus", "0", env=two)
+    assert (d["mode"], d["nproc_per_node"]) == ("single", 1), d
+    assert "CUDA_VISIBLE_DEVICES" not in d["env"]
+    d = decide(*train, "--engine-gpus", "3", "--train-gpus", "0,1,2", env=fake_gpus(81920, 81920, 81920, 81920))
+    assert (d["mode"], d["nproc_per_node"]) == ("torchrun", 3), d
+    two = fake_gpus(81920, 81920)   # the one nvidia-smi on PATH reports two again
+    # the same from the job's settings.json, as a job's train reads them
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"steps": {"train": {"hidden_states": "online", "engine_gpus": [1],
+                                                         "train_gpus": [0]}}}))
+    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--settings", settings, env=two)
+    assert (d["mode"], d["nproc_per_node"]) == ("single", 1), d
+    # offline, train_gpus means nothing (the step ignores it): one rank per GPU as before
+    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--train-gpus", "0", env=two)
+    assert d["nproc_per_node"] == 2, d
+    # a GPU the host does not have: one line, exit 2, nothing started
+    e = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", *train, "--train-gpus", "0,2"],
+                       capture_output=True, text=True, env={**e, **two}, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "launch.py: --train-gpus 0,2: this host shows 2 GPU(s) (numbered from 0)"], p.stderr
+
+
 def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     env = fake_gpus(81920, 81920, 81920, 81920)
     d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--model", "m", env=env)

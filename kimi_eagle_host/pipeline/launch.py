@@ -15,7 +15,8 @@ process group, signals and exit code are the step's or torchrun's own.
 - --gpus-per-replica (extract): GPUs one model copy is spread over. auto = the smallest count whose
   memory holds the step's --model weights with 25% headroom (its safetensors size); 1 when unknown.
 - --nproc-per-node: auto = GPUs // gpus-per-replica (at least 1; 1 on a host without GPUs). A number
-  forces it (on CPU too: gloo workers, e.g. for tests).
+  forces it (on CPU too: gloo workers, e.g. for tests). An online train's GPUs are its `train_gpus` when set
+  (the split layout: the engine on the others).
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
 - A step that cannot use ranks runs as one process whatever is asked: extract with --engine vllm (vLLM
@@ -78,12 +79,14 @@ def replica_size(setting: str, gpus: list[int], model: str | None) -> int:
 
 
 def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
-    """The step's own --model and --engine (argparse rules: the last value wins), from its section of the job's
-    settings.json (--settings) where not given as flags."""
+    """The step's own --model, --engine, --hidden-states and --train-gpus (argparse rules: the last value wins),
+    from its section of the job's settings.json (--settings) where not given as flags."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--engine")
     p.add_argument("--backend", dest="engine")  # its old name (the step says so)
+    p.add_argument("--hidden-states")
+    p.add_argument("--train-gpus")
     p.add_argument("--settings")
     flags = p.parse_known_args(argv)[0]
     if flags.settings:
@@ -94,7 +97,24 @@ def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
             raise LaunchError(f"--settings {flags.settings}: {e}") from None
         flags.model = flags.model or section.get("model")
         flags.engine = flags.engine or section.get("engine") or section.get("backend")  # a job rendered before
+        flags.hidden_states = flags.hidden_states or section.get("hidden_states")
+        if flags.train_gpus is None:
+            flags.train_gpus = section.get("train_gpus")
     return flags
+
+
+def trainer_gpus(train_gpus, gpus: list[int]) -> list[int]:
+    """The GPUs an online run's trainer ranks get: `train_gpus` (indices among the visible ones; the split layout,
+    the engine on others). Only counted here: CUDA_VISIBLE_DEVICES stays whole, since rank 0 starts the engine
+    on its own GPUs from it and each rank then narrows itself (online_stream.split_gpus)."""
+    text = ",".join(map(str, train_gpus)) if isinstance(train_gpus, list) else str(train_gpus)
+    try:
+        picked = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise LaunchError(f"--train-gpus {text}: expected GPU numbers like 0,1") from None
+    if gpus and max(picked) >= len(gpus):
+        raise LaunchError(f"--train-gpus {text}: this host shows {len(gpus)} GPU(s) (numbered from 0)")
+    return [gpus[i] for i in picked] if gpus else []
 
 
 def decide(a, environ=None) -> dict:
@@ -114,6 +134,12 @@ def decide(a, environ=None) -> dict:
         names = cuda_visible_names(env) or [str(i) for i in range(len(gpus))]
         set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
         gpus = gpus[:a.gpus]
+    where = f"this host shows {len(gpus)}"
+    if step == "train" and flags.hidden_states == "online" and flags.train_gpus not in (None, "", []):
+        # the split layout: the trainer's ranks on train_gpus only, not one per visible GPU (two ranks would
+        # share the one trainer GPU, the second's cuda:1 not there)
+        gpus = trainer_gpus(flags.train_gpus, gpus)
+        where = f"--train-gpus gives the trainer {len(gpus)}"
     single_reason = None
     if flags.engine == "vllm":
         single_reason = "--engine vllm: vLLM spreads over the GPUs itself"
@@ -132,7 +158,7 @@ def decide(a, environ=None) -> dict:
             raise LaunchError(f"--nproc-per-node must be >= 1, got {nproc}")
         if gpus and nproc * per_replica > len(gpus):
             raise LaunchError(f"{nproc} processes x {per_replica} GPUs each need {nproc * per_replica} "
-                             f"GPUs; this host shows {len(gpus)}")
+                             f"GPUs; {where}")
     if single_reason:
         nproc, nnodes = 1, 1
     else:
