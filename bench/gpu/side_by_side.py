@@ -1093,6 +1093,63 @@ def st_scale_eval_code(gpu):
                                                                                       "80" if not TINY else "4"))
 
 
+# --- the split layout (#36): the engine on one GPU, the trainer on the other, against co-located --------------
+SPLIT = SHM / "split"
+# name: (CUDA_VISIBLE_DEVICES, train settings beyond scale_split_settings()); each run goes through launch.py
+SPLIT_LAYOUTS = {"colocated_1gpu": ("0", {}),
+                 "split": ("0,1", {"engine_gpus": "1", "train_gpus": "0"}),
+                 "colocated_2gpu": ("0,1", {})}
+
+
+def scale_split_settings() -> dict:
+    """The GPU recipe's online training (scale_train's) for KE_SPLIT_STEPS steps of scale_data's documents: no
+    cache (one pass over them), no candidates; every layout trains the same documents in the same order."""
+    return {**scale_online(), **{k: v for k, v in scale_settings().items() if k != "draft_vocab_size"},
+            "max_steps": os.environ.get("KE_SPLIT_STEPS", "400" if not TINY else "4"), "epochs": "1",
+            "online_cache_gb": "0", "choose_checkpoints": "0", "log_every": "25"}
+
+
+def st_scale_split(gpu):
+    """The same online training in each layout of KE_SPLIT_LAYOUTS (all three by default), one after the other on
+    the idle two-GPU machine, each started as a job starts it (pipeline/launch.py decides its ranks): co-located on
+    one GPU (the one-H200 figure), split (engine_gpus 1, train_gpus 0: one trainer rank, the engine alone on GPU
+    1), co-located on both (two trainer ranks, the host's one engine beside rank 0). Recorded per layout: seconds,
+    trainer and engine tokens/s, who waited for whom, final loss; and split against each co-located run."""
+    if os.environ.get("KE_GPUS", "2") == "1":
+        raise StageFailed("the split layout needs two GPUs (KE_GPUS=1 here)")
+    names = [n for n in os.environ.get("KE_SPLIT_LAYOUTS", ",".join(SPLIT_LAYOUTS)).split(",") if n]
+    unknown = sorted(set(names) - set(SPLIT_LAYOUTS))
+    if unknown:
+        raise StageFailed(f"KE_SPLIT_LAYOUTS: {unknown} not among {sorted(SPLIT_LAYOUTS)}")
+    res: dict = {"layouts": {}}
+    for name in names:
+        visible, extra = SPLIT_LAYOUTS[name]
+        pipe = SPLIT / name
+        shutil.rmtree(pipe, ignore_errors=True)
+        pipe.mkdir(parents=True)
+        for sub in ("prepared", "vocab"):
+            (pipe / sub).symlink_to(SCALE / sub)
+        settings = {**scale_split_settings(), **extra}
+        cmd = [PY, *payload("launch.py"), "--", *train_cmd(pipe, settings)[1:]]
+        r = run("scale_split", cmd, visible, timeout=float(os.environ.get("KE_SPLIT_TIMEOUT_S", "900")))
+        online = r.get("online") or {}
+        res["layouts"][name] = {"cuda_visible_devices": visible, "settings": settings, "wall_s": r.get("wall_s"),
+                                "world_size": r.get("world_size"), "step": r.get("step"),
+                                "train_tokens": r.get("train_tokens"), "train_seconds": r.get("train_seconds"),
+                                "train_tokens_per_s": r.get("train_tokens_per_s"), "online": online,
+                                "final_loss": r.get("final_loss"), "heldout": r.get("heldout"),
+                                "cuda_peak_mem_gb": r.get("cuda_peak_mem_gb"),
+                                "hidden_state_files_left": du(pipe / "hidden_states")}
+    done = res["layouts"]
+    split = done.get("split")
+    for other in ("colocated_1gpu", "colocated_2gpu"):
+        if split and other in done and split["train_seconds"] and done[other]["train_seconds"]:
+            res[f"split_speedup_over_{other}"] = round(done[other]["train_seconds"] / split["train_seconds"], 3)
+    if split and "colocated_1gpu" in done:   # one trainer rank both: the same documents, the same updates
+        res["split_same_final_loss_as_colocated_1gpu"] = split["final_loss"] == done["colocated_1gpu"]["final_loss"]
+    return res
+
+
 # --- offline vs online on the same prepared data and training tokens (hidden states never written) ----------
 OPIPE = SHM / "mtb_online"
 
@@ -1307,7 +1364,8 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("scale_eval_k5", st_scale_eval_k5, ["scale_eval"]),
          ("scale_eval_code", st_scale_eval_code, ["scale_eval"])]
 # After both lanes, on every GPU: (name, function, needs).
-FINAL = [("engine_mem", st_engine_mem, ["bundle-early", "bundle-vllm"]),
+FINAL = [("scale_split", st_scale_split, ["scale_data", "bundle-early"]),
+         ("engine_mem", st_engine_mem, ["bundle-early", "bundle-vllm"]),
          ("kimi", st_kimi, ["bundle-early", "bundle-vllm"])]
 ALL = [s[0] for s in LANE0 + LANE1 + FINAL] + ["scaling"]
 T0 = now()
