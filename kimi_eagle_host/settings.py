@@ -115,15 +115,18 @@ PIPELINE_SETTINGS = [
        "train runs the engine and its hidden states reach it through a bounded buffer in memory, never as files",
        ("train", _PF), choices=("offline", "online")),
     _s("online_buffer_gb", "float", 2.0, "online: the engine waits while this many GB of hidden states wait for "
-       "the trainer", ("train",), positive=True),
+       "the trainer (a host's: shared among its engines)", ("train",), positive=True),
     _s("online_cache_gb", "float", 0.0, "online: keep the first documents that fit in this many GB for later "
-       "epochs, in the trainer's memory (several trainer processes: in the spool) (0: every epoch runs the engine "
-       "again)", ("train",), minimum=0),
+       "epochs, in the trainer's memory (several trainer processes an engine: in the spool; a host's: shared among "
+       "its engines) (0: every epoch runs the engine again)", ("train",), minimum=0),
     _s("online_spool_dir", "text", "/dev/shm", "online: where the buffer lives (a memory file system; a folder "
        "unique to the job is made in it and removed at the end)", ("train",), nonempty=True),
     _s("engine_gpus", "ints", None, "online: the GPUs (of those visible) the engine uses (unset: the trainer's)",
        ("train", _PF)),
     _s("train_gpus", "ints", None, "online: the GPUs (of those visible) the trainer uses (unset: all)", ("train",)),
+    _s("online_engines", "int", None, "online: engines on each host, each extracting for an equal share of the "
+       "host's trainer ranks beside their GPUs (unset: one per tp_size GPUs on CUDA; one per host on a CPU or with "
+       "engine_gpus)", ("train",), positive=True),
     _s("draft_vocab_size", "int", 32000, "draft vocabulary (most frequent target tokens)", ("vocab",), positive=True),
     _s("epochs", "float", 1.0, "passes over the samples (0.5 = half of them)", ("train",), positive=True),
     _s("lr", "float", 1e-4, "peak learning rate", ("train",), positive=True),

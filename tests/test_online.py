@@ -255,6 +255,46 @@ def test_two_trainer_processes_share_one_engine(made):
     assert p.stderr.count("online: engine hf started") == 1 and leftovers(base) == []
 
 
+def test_an_engine_for_each_trainer_process(made):
+    """`online_engines: 2` on a host of two trainer processes (what a host of GPUs gets by default for a target that
+    fits one GPU: an engine beside each GPU's rank): two engines at once, each on its own rank's GPU and extracting
+    only its rank's rows, each rank keeping its repeats in its own memory; the run trains the one-process losses
+    and its answer adds both engines up. A count that does not divide the ranks is one line, exit 2."""
+    out, base = online_dir(made, "per-rank"), spool_base(made, "per-rank")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "kimi_eagle_host.pipeline.train", "--model", made["model"], "--output-dir", str(out),
+                *COMMON, *ONLINE, "--online-spool-dir", str(base), "--max-steps", "12", "--online-cache-gb", "1",
+                "--device", "cpu"]
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": "5,7"}   # named, not used on a CPU: each engine is given its rank's
+    p = subprocess.run([*torchrun, "--online-engines", "2"], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    doc = json.loads(line)
+    assert doc["world_size"] == 2 and doc["step"] == 12, doc
+    want = [h["loss"] for h in made["trained"]["history"][:12]]
+    assert [h["loss"] for h in doc["history"]] == pytest.approx(want, rel=1e-4)
+    started = re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents on GPU\(s\) (\d+)", p.stderr)
+    assert sorted(g for _, g in started) == ["5", "7"], p.stderr[-3000:]
+    # each extracted the held-out documents and its own rank's row of each step, never the other's; a document
+    # that comes back to a rank in the second epoch is read from that rank's memory
+    held = doc["heldout"]["documents"]
+    counts = [int(n) - held for n, _ in started]
+    assert all(0 < c < sum(counts) for c in counts), counts
+    assert p.stderr.count("(in the trainer)") == 2, p.stderr[-3000:]
+    assert doc["online"]["engines"] == 2 and doc["online"]["engine_tok_s"] > 0, doc["online"]
+    assert leftovers(base) == []
+    # as a job starts it (launch.py, which starts the torchrun): one line before any process
+    launch = [sys.executable, "-m", "kimi_eagle_host.pipeline.launch", "--nproc-per-node", "2", "--",
+              *torchrun[torchrun.index("-m", 3):], "--online-engines", "3"]
+    bad = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=900)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "launch.py: --online-engines 3: must divide the host's 2 trainer process(es)"], bad.stderr[-3000:]
+    # and the step itself, under a torchrun of the user's own: every rank ends on that line
+    bad = subprocess.run([*torchrun, "--online-engines", "3"], capture_output=True, text=True, env=env, timeout=900)
+    assert bad.returncode != 0 and "--online-engines 3: must divide the host's 2 trainer process(es)" in bad.stderr
+    assert leftovers(base) == []
+
+
 def test_two_hosts_each_extract_their_own_rows(made):
     """torchrun across two hosts of two trainer processes each (two_host_train; each host its own spool folder,
     standing for its memory): each host's first rank starts an engine that extracts the held-out documents and

@@ -176,3 +176,23 @@ def test_a_cache_in_memory_the_host_cannot_hold_is_refused_in_one_line():
     assert str(e.value) == ("--online-cache-gb: the 1200 documents it keeps need 14.0 GB of the trainer's memory, "
                             "and the host has 16.0 GB available (at most 80% of it for the cache): lower "
                             "online_cache_gb")
+
+
+def test_a_host_of_gpus_gets_an_engine_per_tp_size_gpus():
+    """How many of a host's trainer ranks one engine serves: on CUDA one engine per tp_size GPUs (one beside each
+    GPU's rank for a target that fits one GPU), one for the host on a CPU, in the split layout, or where tp_size does
+    not divide the ranks; `online_engines` says it outright."""
+    from types import SimpleNamespace
+
+    def group(local_size, device="cuda", tp=1, engines=None, engine_gpus=None):
+        args = SimpleNamespace(online_engines=engines, engine_gpus=engine_gpus, tp_size=tp)
+        return online_stream.ranks_per_engine(args, local_size, device)
+
+    assert [group(1), group(2), group(8)] == [1, 1, 1]           # 8 GPUs: 8 engines
+    assert [group(8, tp=8), group(4, tp=2), group(4, tp=3)] == [8, 2, 4]
+    assert [group(2, device="cpu"), group(2, engine_gpus="1")] == [2, 2]
+    assert [group(4, engines=2), group(4, device="cpu", engines=4)] == [2, 1]
+    with pytest.raises(BadInput, match="must divide the host's 4 trainer process"):
+        group(4, engines=3)
+    with pytest.raises(BadInput, match="the split layout"):
+        group(2, engines=2, engine_gpus="1")

@@ -28,9 +28,11 @@ Resume needs nothing more: a resumed run's stream starts at the checkpoint's ste
 in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
 ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
 
-Under torchrun each host runs one engine for its own trainer processes (started by its LOCAL_RANK 0, in its own
-memory): the stream of a host is the held-out documents and the rows its ranks take, so N hosts extract with N
-engines at once, and the global batch is the one a single process would train.
+Under torchrun each engine serves a group of a host's trainer processes (started by the group's first rank, in the
+host's memory): its stream is the held-out documents and the rows its group's ranks take, so N engines extract at
+once, and the global batch is the one a single process would train. A group is tp_size ranks on CUDA (an engine
+beside each GPU's rank for a target that fits one GPU), the host's ranks on a CPU or in the split layout
+(`online_engines` sets the count); the host's buffer and cache are shared out among its engines.
 """
 from __future__ import annotations
 
@@ -111,9 +113,26 @@ def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> in
     return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
 
 
+def ranks_per_engine(args, local_size: int, device_type: str) -> int:
+    """How many of a host's trainer ranks one engine serves: the host's ranks / `online_engines`. Unset: tp_size
+    ranks on CUDA (a target that fits one GPU gets an engine beside each GPU's rank: N GPUs extract N times as
+    fast as one), the host's ranks on a CPU (engines there would share the same cores), in the split layout (the
+    one engine on engine_gpus) or where tp_size does not divide the host's ranks."""
+    engines, split = args.online_engines, args.engine_gpus not in (None, "")
+    if engines is None:
+        if device_type != "cuda" or split or local_size % args.tp_size:
+            return local_size
+        return min(args.tp_size, local_size)
+    if split and engines != 1:
+        raise BadInput(f"--online-engines {engines}: the split layout (engine_gpus) has one engine a host")
+    if local_size % engines:
+        raise BadInput(f"--online-engines {engines}: must divide the host's {local_size} trainer process(es)")
+    return local_size // engines
+
+
 def host_rows(plan, step: int, ranks: tuple[int, int, int] | None) -> list[list[int]]:
-    """The rows of a step that the trainer processes of one host take: ranks = (its first rank, how many, the
-    world's size); rank r takes rows r, r + world, ... (packing.Plan.rank_rows). None: every row."""
+    """The rows of a step that a group of consecutive trainer ranks take (one engine's): ranks = (its first rank,
+    how many, the world's size); rank r takes rows r, r + world, ... (packing.Plan.rank_rows). None: every row."""
     rows = plan.step_rows(step)
     if ranks is None:
         return rows
@@ -298,11 +317,11 @@ def parse_gpus(text, what: str) -> list[int] | None:
 def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w,
           gather) -> "Source":
     """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
-    Under torchrun every rank calls it: the first rank of each host (LOCAL_RANK 0) starts that host's engine, which
-    extracts the rows its host's ranks take and the held-out documents into a spool in the host's memory; `gather`
-    (every rank's value, in rank order, on every rank: the trainer's collective) tells the host's other ranks the
-    spool and every rank whether every host's engine started. Hosts add engines: across N hosts N engines extract
-    at once (torchrun numbers a host's ranks contiguously, its first one LOCAL_RANK 0)."""
+    Under torchrun every rank calls it: the first rank of each engine's group (ranks_per_engine) starts the engine,
+    which extracts the rows its group's ranks take and the held-out documents into a spool in the host's memory;
+    `gather` (every rank's value, in rank order, on every rank: the trainer's collective) tells the group's other
+    ranks the spool and every rank whether every engine started. Engines add up: N of them extract at once
+    (torchrun numbers a host's ranks contiguously, its first one LOCAL_RANK 0)."""
     return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w, gather)
 
 
@@ -312,28 +331,33 @@ class Source:
 
     def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
                  device_type: str, w, gather):
-        # this host's first rank starts and stops its engine; the host's ranks take its rows (host_rows)
-        self.args, self.main = args, w.local_rank == 0
-        self.host_first_rank = w.rank - w.local_rank
+        # a group's first rank starts and stops its engine; the group's ranks take its rows (host_rows)
+        self.group = ranks_per_engine(args, w.local_size, device_type)
+        self.args, self.main = args, w.local_rank % self.group == 0
+        self.first_rank = w.rank - w.local_rank % self.group
+        self.engines, here = w.size // self.group, w.local_size // self.group   # in the run, on this host
         self.proc = self.engine_pid = self.spool = None
         self.waited_s = 0.0
         self.closed = False
         self.copy_to = os.environ.get(COPY_ENV)
         itemsize = 4 if dc["dtype"] == "float32" else 2
         n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
-        # One trainer process on the host keeps the cache in its own memory; several share it as files in the spool
-        # (a later epoch may hand a document to another of the host's ranks).
-        self.in_memory = w.local_size == 1
+        # An engine of one trainer process has it keep the cache in its own memory; several share it as files in the
+        # spool (a later epoch may hand a document to another of the group's ranks). The host's buffer and cache
+        # are shared out among its engines.
+        self.in_memory = self.group == 1
+        self.buffer_bytes = int(args.online_buffer_gb * 1e9 / here)
         stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
             plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
-            args.online_cache_gb * 1e9, KEPT if self.in_memory else CACHED,
-            (self.host_first_rank, w.local_size, w.size) if w.distributed else None)
+            args.online_cache_gb * 1e9 / here, KEPT if self.in_memory else CACHED,
+            (self.first_rank, self.group, w.size) if w.distributed else None)
         self.first_step = {d: step for kind, step, d in zip(*stream) if kind == KEPT}
         if self.in_memory:
             from kimi_eagle_host.vllm_compat import host_memory_available
 
+            available = host_memory_available()[0]
             check_memory_cache(sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in self.cached),
-                               len(self.cached), host_memory_available()[0] or None)
+                               len(self.cached), available // here if available else None)
         self.memory: dict[int, _Kept] = {}
         self.memory_lock = threading.Lock()
         self.held = HeldFiles(self, held_docs)
@@ -342,23 +366,23 @@ class Source:
         if self.main:
             try:
                 self._make_spool(stream)
-                self._start_engine(dc, device_type)
+                self._start_engine(dc, device_type, w.local_rank, w.local_size)
             except BaseException as e:   # said to the other ranks first: none is left waiting for a spool
                 failed = e
-        # every rank learns its host's spool, and whether every host's engine started: a host whose engine failed
-        # fails the run on every host, not a hang in the next collective
-        mine = (w.local_rank, self.spool if failed is None else None)
+        # every rank learns its engine's spool, and whether every engine started: one that failed fails the run on
+        # every host, not a hang in the next collective
+        mine = (self.main, self.spool if failed is None else None)
         spools = gather(mine) if w.distributed else [mine]
         if failed is not None:
             self.close()
             raise failed
-        down = [rank for rank, (local, spool) in enumerate(spools) if local == 0 and spool is None]
+        down = [rank for rank, (main, spool) in enumerate(spools) if main and spool is None]
         if down:
             self.close()
             raise Refused(f"online: the engine did not start on the host of rank {down[0]} (its error is in that "
                           "host's log)")
         if not self.main:
-            self.spool = spools[self.host_first_rank][1]
+            self.spool = spools[self.first_rank][1]
             with open(os.path.join(self.spool, ENGINE_PID)) as f:
                 self.engine_pid = int(f.read())
 
@@ -379,13 +403,13 @@ class Source:
             os.makedirs(os.path.join(self.spool, sub))
         np.save(os.path.join(self.spool, STREAM), np.array(stream, dtype=np.int64).T.reshape(-1, 3))
 
-    def _start_engine(self, dc: dict, device_type: str) -> None:
+    def _start_engine(self, dc: dict, device_type: str, local_rank: int, local_size: int) -> None:
         a = self.args
         cmd = [sys.executable, "-m", "kimi_eagle_host.engine.stream_producer", "--spool", self.spool,
                "--model", a.model, "--prepared-dir", os.path.join(os.path.abspath(a.output_dir), "prepared"),
                "--engine", a.engine, "--layer-ids", ",".join(map(str, dc["layer_ids"])), "--seq-len", str(a.seq_len),
                "--dtype", dc["dtype"], "--device", device_type, "--batch-size", str(a.engine_batch_size),
-               "--tp-size", str(a.tp_size), "--buffer-bytes", str(int(a.online_buffer_gb * 1e9)),
+               "--tp-size", str(a.tp_size), "--buffer-bytes", str(self.buffer_bytes),
                "--bytes-per-token", str(document_bytes(0, len(dc["layer_ids"]), dc["hidden_size"],
                                                       4 if dc["dtype"] == "float32" else 2) - 256),
                "--parent", str(os.getpid())]
@@ -394,6 +418,9 @@ class Source:
             env["CUDA_VISIBLE_DEVICES"] = a.engine_visible
         else:   # co-located: the engine leaves this trainer the rest of its GPU
             cmd.append("--beside-trainer")
+            if self.group < local_size:   # one of the host's engines: its group's GPUs (named on a CPU too)
+                names = cuda_visible_names(env) or [str(i) for i in range(local_size)]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(names[local_rank:local_rank + self.group])
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)   # not a torchrun worker: its engine (vLLM) must not join our process group
         # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.
@@ -401,8 +428,10 @@ class Source:
         self.engine_pid = self.proc.pid
         with open(os.path.join(self.spool, ENGINE_PID), "w") as f:
             f.write(str(self.proc.pid))
-        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents; buffer "
-            f"{a.online_buffer_gb:g} GB in {self.spool}"
+        gpus = env.get("CUDA_VISIBLE_DEVICES") if env.get("CUDA_VISIBLE_DEVICES") != os.environ.get(
+            "CUDA_VISIBLE_DEVICES") else None
+        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents"
+            + (f" on GPU(s) {gpus}" if gpus else "") + f"; buffer {self.buffer_bytes / 1e9:g} GB in {self.spool}"
             + (f", {len(self.cached)} documents cached for later epochs "
                f"({'in the trainer' if self.in_memory else 'in the spool'})" if self.cached else ""))
 
@@ -475,30 +504,35 @@ class Source:
             eng = {}
         secs = eng.get("seconds") or 0
         return {"engine_tok_s": round(eng["tokens"] / secs, 1) if secs and eng.get("tokens") else None,
-                "buffer_fill": round(eng.get("buffer_bytes", 0) / (self.args.online_buffer_gb * 1e9), 3),
+                "buffer_fill": round(eng.get("buffer_bytes", 0) / self.buffer_bytes, 3),
                 "engine_wait_s": round(eng.get("waited_s", 0.0), 2), "trainer_wait_s": round(self.waited_s, 2),
                 # the most hidden-state bytes the spool held at once: the run's footprint (offline: every file)
                 "spool_peak_bytes": eng.get("spool_peak_bytes")}
 
     def run_figures(self, w, gather) -> dict:
-        """figures() for the whole run: on several hosts (every rank calls it then; gather is the trainer's
-        collective) the engines' tokens/s added up and, of the hosts' buffers, the fullest, the longest waits and
-        the largest spool peak (each host's memory holds its own), with `engines` = how many; on one host its own."""
-        if w.size == w.local_size:
+        """figures() for the whole run: with several engines (every rank calls it then; gather is the trainer's
+        collective) their tokens/s added up and, of their buffers, the fullest and the longest waits; the spool peak
+        of the host whose engines' spools held the most together (each host's memory holds its own), with `engines`
+        = how many; with one engine its own."""
+        if self.engines == 1:
             return self.figures()
-        hosts = [f for f in gather(self.figures() if self.main else None) if f is not None]
-        rates = [f["engine_tok_s"] for f in hosts if f["engine_tok_s"] is not None]
-        peaks = [f["spool_peak_bytes"] for f in hosts if f["spool_peak_bytes"] is not None]
+        mine = (w.rank // w.local_size, self.figures()) if self.main else None   # torchrun: a host's ranks contiguous
+        each = [x for x in gather(mine) if x is not None]
+        rates = [f["engine_tok_s"] for _, f in each if f["engine_tok_s"] is not None]
+        per_host: dict = {}
+        for host, f in each:
+            if f["spool_peak_bytes"] is not None:
+                per_host[host] = per_host.get(host, 0) + f["spool_peak_bytes"]
         return {"engine_tok_s": round(sum(rates), 1) if rates else None,
-                **{k: max(f[k] for f in hosts) for k in ("buffer_fill", "engine_wait_s", "trainer_wait_s")},
-                "spool_peak_bytes": max(peaks) if peaks else None, "engines": len(hosts)}
+                **{k: max(f[k] for _, f in each) for k in ("buffer_fill", "engine_wait_s", "trainer_wait_s")},
+                "spool_peak_bytes": max(per_host.values()) if per_host else None, "engines": len(each)}
 
     # --- the end ----------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine (SIGINT, then SIGKILL after STOP_GRACE_S) and remove the spool."""
         self.closed = True
         if not self.main:
-            return   # the host's first rank stops its engine and removes its spool
+            return   # the group's first rank stops its engine and removes its spool
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:

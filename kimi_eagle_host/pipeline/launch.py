@@ -87,6 +87,7 @@ def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
     p.add_argument("--backend", dest="engine")  # its old name (the step says so)
     p.add_argument("--hidden-states")
     p.add_argument("--train-gpus")
+    p.add_argument("--online-engines", type=int)
     p.add_argument("--settings")
     flags = p.parse_known_args(argv)[0]
     if flags.settings:
@@ -100,6 +101,8 @@ def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
         flags.hidden_states = flags.hidden_states or section.get("hidden_states")
         if flags.train_gpus is None:
             flags.train_gpus = section.get("train_gpus")
+        if flags.online_engines is None:
+            flags.online_engines = section.get("online_engines")
     return flags
 
 
@@ -163,6 +166,10 @@ def decide(a, environ=None) -> dict:
         nproc, nnodes = 1, 1
     else:
         nnodes = a.nnodes
+    engines = flags.online_engines
+    if step == "train" and flags.hidden_states == "online" and engines and nproc % engines:
+        # the step says the same, but from inside torchrun, whose own exit is 1
+        raise LaunchError(f"--online-engines {engines}: must divide the host's {nproc} trainer process(es)")
     cmd = [sys.executable]
     if nproc == 1 and nnodes == 1:
         cmd += [*script, *step_args]
