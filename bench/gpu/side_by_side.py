@@ -1113,8 +1113,9 @@ def st_scale_split(gpu):
     """The same online training in each layout of KE_SPLIT_LAYOUTS (all three by default), one after the other on
     the idle two-GPU machine, each started as a job starts it (pipeline/launch.py decides its ranks): co-located on
     one GPU (the one-H200 figure), split (engine_gpus 1, train_gpus 0: one trainer rank, the engine alone on GPU
-    1), co-located on both (two trainer ranks, the host's one engine beside rank 0). Recorded per layout: seconds,
-    trainer and engine tokens/s, who waited for whom, final loss; and split against each co-located run."""
+    1), co-located on both (two trainer ranks, an engine beside each: online_engines' default on GPUs). Recorded
+    per layout: seconds, trainer and engine tokens/s, who waited for whom, final loss; and split against each
+    co-located run."""
     if os.environ.get("KE_GPUS", "2") == "1":
         raise StageFailed("the split layout needs two GPUs (KE_GPUS=1 here)")
     names = [n for n in os.environ.get("KE_SPLIT_LAYOUTS", ",".join(SPLIT_LAYOUTS)).split(",") if n]
