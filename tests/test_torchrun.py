@@ -102,8 +102,15 @@ def test_the_split_layout_starts_one_trainer_rank_per_train_gpu(fake_gpus, tmp_p
     # offline, train_gpus means nothing (the step ignores it): one rank per GPU as before
     d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--train-gpus", "0", env=two)
     assert d["nproc_per_node"] == 2, d
-    # a GPU the host does not have: one line, exit 2, nothing started
+    # online_engines from the settings too: a count that does not divide the ranks stops before torchrun starts
+    settings.write_text(json.dumps({"steps": {"train": {"hidden_states": "online", "online_engines": 3}}}))
     e = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", "--", "-m",
+                        "kimi_eagle_host.pipeline.train", "--settings", str(settings)],
+                       capture_output=True, text=True, env={**e, **two}, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "launch.py: --online-engines 3: must divide the host's 2 trainer process(es)"], p.stderr
+    # a GPU the host does not have: one line, exit 2, nothing started
     p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", *train, "--train-gpus", "0,2"],
                        capture_output=True, text=True, env={**e, **two}, timeout=60)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
