@@ -79,8 +79,8 @@ def replica_size(setting: str, gpus: list[int], model: str | None) -> int:
 
 
 def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
-    """The step's own --model, --engine, --hidden-states and --train-gpus (argparse rules: the last value wins),
-    from its section of the job's settings.json (--settings) where not given as flags."""
+    """The step's own --model, --engine, --hidden-states, --train-gpus and --online-engines (argparse rules: the last
+    value wins), from its section of the job's settings.json (--settings) where not given as flags."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--engine")
