@@ -135,6 +135,9 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     # vLLM spreads over the GPUs itself: one process, whatever is asked.
     d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--backend", "hf", "--backend", "vllm", env=env)
     assert d["mode"] == "single" and "vllm" in d["reason"]
+    # an online train with vLLM's engine: one trainer process, and the reason says so (not extract's)
+    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--hidden-states", "online", "--engine", "vllm", env=env)
+    assert d["mode"] == "single" and d["reason"] == "--engine vllm: one trainer process beside the host's vLLM engine"
     # The same from the job's settings.json (what a job's extract reads), and a flag given wins over it.
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"steps": {"extract": {"backend": "vllm", "model": str(model)}}}))

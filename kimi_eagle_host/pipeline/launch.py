@@ -20,8 +20,8 @@ process group, signals and exit code are the step's or torchrun's own.
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
 - A step that cannot use ranks runs as one process whatever is asked: extract with --engine vllm (vLLM
-  spreads over the GPUs itself). So does a step started inside a torchrun worker (RANK set): the outer
-  torchrun already owns the ranks.
+  spreads over the GPUs itself), and for now train with --engine vllm (one trainer beside the host's engine).
+  So does a step started inside a torchrun worker (RANK set): the outer torchrun already owns the ranks.
 
 --print prints the decision as JSON instead of running (for tests and `render`).
 """
@@ -144,7 +144,10 @@ def decide(a, environ=None) -> dict:
         gpus = trainer_gpus(flags.train_gpus, gpus)
         where = f"--train-gpus gives the trainer {len(gpus)}"
     single_reason = None
-    if flags.engine == "vllm":
+    if flags.engine == "vllm" and step == "train":
+        # not measured with several trainer ranks beside vLLM engines (the Kimi recipe's TP-8 engine takes every GPU)
+        single_reason = "--engine vllm: one trainer process beside the host's vLLM engine"
+    elif flags.engine == "vllm":
         single_reason = "--engine vllm: vLLM spreads over the GPUs itself"
     elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
         # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
