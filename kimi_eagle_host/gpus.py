@@ -51,3 +51,17 @@ def cuda_visible_names(environ=os.environ) -> list[str] | None:
         return []
     return names[:next((i for i, n in enumerate(names) if n.startswith("-")), len(names))]
 
+
+
+def gpu_numbers(given) -> list[int] | None:
+    """GPU numbers a setting names (`engine_gpus`, `train_gpus`: a list, or text like "0,1"), each once and from 0;
+    None when unset. ValueError says what is wrong (the caller names the setting)."""
+    if given in (None, "", []):
+        return None
+    try:
+        gpus = [int(x) for x in (given if isinstance(given, list) else str(given).split(","))]
+    except ValueError:
+        raise ValueError("expected GPU numbers like 0,1") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError("each GPU once, numbers from 0")
+    return gpus

@@ -115,6 +115,11 @@ def test_the_split_layout_starts_one_trainer_rank_per_train_gpu(fake_gpus, tmp_p
                        capture_output=True, text=True, env={**e, **two}, timeout=60)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "launch.py: --train-gpus 0,2: this host shows 2 GPU(s) (numbered from 0)"], p.stderr
+    # a negative number (it picked a GPU from the end before): the step's own rule, in one line
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", *train, "--train-gpus", "0,-1"],
+                       capture_output=True, text=True, env={**e, **two}, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "launch.py: --train-gpus 0,-1: each GPU once, numbers from 0"], p.stderr
 
 
 def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):

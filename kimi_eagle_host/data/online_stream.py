@@ -47,7 +47,7 @@ import threading
 import time
 
 from kimi_eagle_host.data.hidden_state_files import taken_path
-from kimi_eagle_host.gpus import cuda_visible_names
+from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
 
 SPOOL_PREFIX = "kimi-eagle-online-"
@@ -118,7 +118,7 @@ def ranks_per_engine(args, local_size: int, device_type: str) -> int:
     ranks on CUDA (a target that fits one GPU gets an engine beside each GPU's rank: N GPUs extract N times as
     fast as one), the host's ranks on a CPU (engines there would share the same cores), in the split layout (the
     one engine on engine_gpus) or where tp_size does not divide the host's ranks."""
-    engines, split = args.online_engines, args.engine_gpus not in (None, "")
+    engines, split = args.online_engines, parse_gpus(args.engine_gpus, "engine_gpus") is not None
     if engines is None:
         if device_type != "cuda" or split or local_size % args.tp_size:
             return local_size
@@ -303,15 +303,10 @@ def split_gpus(args) -> None:
 
 
 def parse_gpus(text, what: str) -> list[int] | None:
-    if text in (None, ""):
-        return None
     try:
-        gpus = [int(x) for x in (text if isinstance(text, list) else str(text).split(","))]
-    except ValueError:
-        raise BadInput(f"--{what.replace('_', '-')} {text}: expected GPU numbers like 0,1") from None
-    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
-        raise BadInput(f"--{what.replace('_', '-')} {text}: each GPU once, numbers from 0")
-    return gpus
+        return gpu_numbers(text)
+    except ValueError as e:
+        raise BadInput(f"--{what.replace('_', '-')} {text}: {e}") from None
 
 
 def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w,
@@ -414,13 +409,16 @@ class Source:
                                                       4 if dc["dtype"] == "float32" else 2) - 256),
                "--parent", str(os.getpid())]
         env = {**os.environ, SPOOL_ENV: self.spool}   # marks the engine and every process it starts (vLLM's)
+        gpus = None   # the engine's own GPUs, where they are not the trainer's
         if getattr(a, "engine_visible", None) is not None:   # split_gpus: the engine's own GPUs
-            env["CUDA_VISIBLE_DEVICES"] = a.engine_visible
+            gpus = a.engine_visible
         else:   # co-located: the engine leaves this trainer the rest of its GPU
             cmd.append("--beside-trainer")
             if self.group < local_size:   # one of the host's engines: its group's GPUs (named on a CPU too)
                 names = cuda_visible_names(env) or [str(i) for i in range(local_size)]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(names[local_rank:local_rank + self.group])
+                gpus = ",".join(names[local_rank:local_rank + self.group])
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)   # not a torchrun worker: its engine (vLLM) must not join our process group
         # Its log lines go to ours (stderr); its stdout too: ours carries only the step's JSON answer.
@@ -428,8 +426,6 @@ class Source:
         self.engine_pid = self.proc.pid
         with open(os.path.join(self.spool, ENGINE_PID), "w") as f:
             f.write(str(self.proc.pid))
-        gpus = env.get("CUDA_VISIBLE_DEVICES") if env.get("CUDA_VISIBLE_DEVICES") != os.environ.get(
-            "CUDA_VISIBLE_DEVICES") else None
         log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents"
             + (f" on GPU(s) {gpus}" if gpus else "") + f"; buffer {self.buffer_bytes / 1e9:g} GB in {self.spool}"
             + (f", {len(self.cached)} documents cached for later epochs "

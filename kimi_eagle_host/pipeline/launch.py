@@ -33,7 +33,7 @@ import math
 import os
 import sys
 
-from kimi_eagle_host.gpus import cuda_visible_names, query_gpus
+from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers, query_gpus
 from kimi_eagle_host.model_size import model_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
@@ -106,15 +106,17 @@ def step_flags(argv: list[str], step: str = "extract") -> argparse.Namespace:
     return flags
 
 
-def trainer_gpus(train_gpus, gpus: list[int]) -> list[int]:
+def trainer_gpus(train_gpus, gpus: list[int]) -> list[int] | None:
     """The GPUs an online run's trainer ranks get: `train_gpus` (indices among the visible ones; the split layout,
-    the engine on others). Only counted here: CUDA_VISIBLE_DEVICES stays whole, since rank 0 starts the engine
-    on its own GPUs from it and each rank then narrows itself (online_stream.split_gpus)."""
-    text = ",".join(map(str, train_gpus)) if isinstance(train_gpus, list) else str(train_gpus)
+    the engine on others), None when unset. Only counted here: CUDA_VISIBLE_DEVICES stays whole, since rank 0
+    starts the engine on its own GPUs from it and each rank then narrows itself (online_stream.split_gpus)."""
+    text = ",".join(map(str, train_gpus)) if isinstance(train_gpus, list) else train_gpus
     try:
-        picked = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise LaunchError(f"--train-gpus {text}: expected GPU numbers like 0,1") from None
+        picked = gpu_numbers(train_gpus)
+    except ValueError as e:
+        raise LaunchError(f"--train-gpus {text}: {e}") from None
+    if picked is None:
+        return None
     if gpus and max(picked) >= len(gpus):
         raise LaunchError(f"--train-gpus {text}: this host shows {len(gpus)} GPU(s) (numbered from 0)")
     return [gpus[i] for i in picked] if gpus else []
@@ -138,11 +140,12 @@ def decide(a, environ=None) -> dict:
         set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
         gpus = gpus[:a.gpus]
     where = f"this host shows {len(gpus)}"
-    if step == "train" and flags.hidden_states == "online" and flags.train_gpus not in (None, "", []):
-        # the split layout: the trainer's ranks on train_gpus only, not one per visible GPU (two ranks would
-        # share the one trainer GPU, the second's cuda:1 not there)
-        gpus = trainer_gpus(flags.train_gpus, gpus)
-        where = f"--train-gpus gives the trainer {len(gpus)}"
+    online_train = step == "train" and flags.hidden_states == "online"
+    # the split layout: the trainer's ranks on train_gpus only, not one per visible GPU (two ranks would share the
+    # one trainer GPU, the second's cuda:1 not there)
+    split = trainer_gpus(flags.train_gpus, gpus) if online_train else None
+    if split is not None:
+        gpus, where = split, f"--train-gpus gives the trainer {len(split)}"
     single_reason = None
     if flags.engine == "vllm" and step == "train":
         # not measured with several trainer ranks beside vLLM engines (the Kimi recipe's TP-8 engine takes every GPU)
@@ -170,7 +173,7 @@ def decide(a, environ=None) -> dict:
     else:
         nnodes = a.nnodes
     engines = flags.online_engines
-    if step == "train" and flags.hidden_states == "online" and engines and nproc % engines:
+    if online_train and engines and nproc % engines:
         # the step says the same, but from inside torchrun, whose own exit is 1
         raise LaunchError(f"--online-engines {engines}: must divide the host's {nproc} trainer process(es)")
     cmd = [sys.executable]
