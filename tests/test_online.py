@@ -273,12 +273,15 @@ def test_an_engine_for_each_trainer_process(made):
     assert doc["world_size"] == 2 and doc["step"] == 12, doc
     want = [h["loss"] for h in made["trained"]["history"][:12]]
     assert [h["loss"] for h in doc["history"]] == pytest.approx(want, rel=1e-4)
-    started = re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents on GPU\(s\) (\d+)", p.stderr)
-    assert sorted(g for _, g in started) == ["5", "7"], p.stderr[-3000:]
-    # each extracted the held-out documents and its own rank's row of each step, never the other's; a document
-    # that comes back to a rank in the second epoch is read from that rank's memory
-    held = doc["heldout"]["documents"]
-    counts = [int(n) - held for n, _ in started]
+    started = re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents \((\d+) held out\) "
+                         r"on GPU\(s\) (\d+)", p.stderr)
+    assert sorted(g for _, _, g in started) == ["5", "7"], p.stderr[-3000:]
+    # each extracted the held-out documents its rank evaluates (together: each of them once) and its own rank's
+    # row of each step, never the other's; a document that comes back to a rank in the second epoch is read from
+    # that rank's memory
+    helds = [int(h) for _, h, _ in started]
+    assert sum(helds) == doc["heldout"]["documents"] and all(helds), helds
+    counts = [int(n) - int(h) for n, h, _ in started]
     assert all(0 < c < sum(counts) for c in counts), counts
     assert p.stderr.count("(in the trainer)") == 2, p.stderr[-3000:]
     assert doc["online"]["engines"] == 2 and doc["online"]["engine_tok_s"] > 0, doc["online"]
@@ -315,12 +318,15 @@ def test_two_hosts_each_extract_their_own_rows(made):
     assert doc["world_size"] == 4 and doc["step"] == 6, doc
     assert [h["loss"] for h in doc["history"]] == pytest.approx([h["loss"] for h in trained["history"][:6]],
                                                                 rel=1e-4)
-    started = [re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents", err) for _, _, err in ends]
+    started = [re.findall(r"online: engine hf started \(pid \d+\) for (\d+) documents \((\d+) held out\)", err)
+               for _, _, err in ends]
     assert [len(s) for s in started] == [1, 1], [err[-2000:] for _, _, err in ends]   # one engine a host
-    # each engine extracted the held-out documents and its host's 2 of each step's 4 rows (one document a row here:
-    # 18 training documents, 4 steps an epoch), never the other host's
-    held = doc["heldout"]["documents"]
-    counts = [int(s[0]) - held for s in started]
+    # each engine extracted the held-out documents its host's ranks evaluate (each of them on one host only) and
+    # its host's 2 of each step's 4 rows (one document a row here: 18 training documents, 4 steps an epoch), never
+    # the other host's
+    helds = [int(s[0][1]) for s in started]
+    assert sum(helds) == doc["heldout"]["documents"] and all(helds), helds
+    counts = [int(s[0][0]) - int(s[0][1]) for s in started]
     assert all(0 < c <= 6 * 2 for c in counts), counts
     assert all(re.search(r"\d+ documents cached for later epochs \(in the spool\)", err) for _, _, err in ends)
     assert leftovers(bases[0]) == [] and leftovers(bases[1]) == []

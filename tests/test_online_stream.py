@@ -196,3 +196,22 @@ def test_a_host_of_gpus_gets_an_engine_per_tp_size_gpus():
         group(4, engines=3)
     with pytest.raises(BadInput, match="the split layout"):
         group(2, engines=2, engine_gpus="1")
+
+
+def test_each_engine_extracts_only_the_held_out_documents_its_ranks_evaluate():
+    """Several engines: the held-out pass's documents are shared out as its rows are among the ranks, so each is
+    extracted by the one engine whose ranks evaluate it (before, every engine extracted all of them); one engine
+    (no torchrun) extracts them all, in the plan's order of held-out documents."""
+    held_docs = list(range(30, 46))
+    held = plan_of(46, rows_per_step=4)
+    held = packing.Plan([[d for d in row if d in held_docs] for row in held.rows if any(d in held_docs for d in row)],
+                        4, 0)
+    world = 4
+    groups = [online_stream.group_held(held_docs, held, (first, 2, world)) for first in (0, 2)]
+    assert sorted(groups[0] + groups[1]) == held_docs and all(groups)
+    for first, mine in zip((0, 2), groups):   # exactly the documents of the rows ranks first, first + 1 read
+        read = {d for s in range(held.steps_per_epoch) for r in (first, first + 1)
+                for row in held.rank_rows(s, r, world) for d in row}
+        assert set(mine) == read and mine == sorted(mine)
+    assert online_stream.group_held(held_docs, held, None) == held_docs
+    assert online_stream.group_held([], None, (0, 1, 2)) == []

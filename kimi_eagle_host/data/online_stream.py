@@ -140,6 +140,15 @@ def host_rows(plan, step: int, ranks: tuple[int, int, int] | None) -> list[list[
     return [row for j, row in enumerate(rows) if first <= j % size < first + count]
 
 
+def group_held(held_docs: list[int], held_plan, ranks: tuple[int, int, int] | None) -> list[int]:
+    """The held-out documents a group of ranks evaluates (host_rows of the held-out plan's one pass), in held_docs'
+    order: each engine extracts those its ranks read, not every engine all of them."""
+    if ranks is None or held_plan is None:
+        return list(held_docs)
+    mine = {d for step in range(held_plan.steps_per_epoch) for row in host_rows(held_plan, step, ranks) for d in row}
+    return [d for d in held_docs if d in mine]
+
+
 def stream_entries(plan, first: int, last: int, held_docs: list[int], doc_bytes, cache_bytes: float,
                    cache_kind: int = CACHED, ranks: tuple[int, int, int] | None = None):
     """The engine's work in order, as (kinds, steps, docs) lists, and the set of cached documents: the held-out
@@ -309,23 +318,24 @@ def parse_gpus(text, what: str) -> list[int] | None:
         raise BadInput(f"--{what.replace('_', '-')} {text}: {e}") from None
 
 
-def start(args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int], device, w,
-          gather) -> "Source":
+def start(args, dc: dict, plan, held_docs: list[int], held_plan, first: int, last: int, lengths: list[int], device,
+          w, gather) -> "Source":
     """The engine and its buffer for steps first..last-1 of this run (a context manager: closing it stops both).
     Under torchrun every rank calls it: the first rank of each engine's group (ranks_per_engine) starts the engine,
-    which extracts the rows its group's ranks take and the held-out documents into a spool in the host's memory;
+    which extracts the rows its group's ranks take and the held-out documents they evaluate (of held_plan, the
+    held-out pass) into a spool in the host's memory;
     `gather` (every rank's value, in rank order, on every rank: the trainer's collective) tells the group's other
     ranks the spool and every rank whether every engine started. Engines add up: N of them extract at once
     (torchrun numbers a host's ranks contiguously, its first one LOCAL_RANK 0)."""
-    return Source(args, dc, plan, held_docs, first, last, lengths, device.type, w, gather)
+    return Source(args, dc, plan, held_docs, held_plan, first, last, lengths, device.type, w, gather)
 
 
 class Source:
     """The trainer's side of the spool: start the host's engine (its first rank), hand out each step's documents as
     they appear, stop the engine and remove the spool on close (use it as a context manager)."""
 
-    def __init__(self, args, dc: dict, plan, held_docs: list[int], first: int, last: int, lengths: list[int],
-                 device_type: str, w, gather):
+    def __init__(self, args, dc: dict, plan, held_docs: list[int], held_plan, first: int, last: int,
+                 lengths: list[int], device_type: str, w, gather):
         # a group's first rank starts and stops its engine; the group's ranks take its rows (host_rows)
         self.group = ranks_per_engine(args, w.local_size, device_type)
         self.args, self.main = args, w.local_rank % self.group == 0
@@ -342,10 +352,11 @@ class Source:
         # are shared out among its engines.
         self.in_memory = self.group == 1
         self.buffer_bytes = int(args.online_buffer_gb * 1e9 / here)
+        ranks = (self.first_rank, self.group, w.size) if w.distributed else None
+        held_docs = group_held(held_docs, held_plan, ranks)
         stream, self.cached = stream_entries(   # every rank knows the stream (which documents are kept)
             plan, first, last, held_docs, lambda d: document_bytes(lengths[d], n_layers, hidden, itemsize),
-            args.online_cache_gb * 1e9 / here, KEPT if self.in_memory else CACHED,
-            (self.first_rank, self.group, w.size) if w.distributed else None)
+            args.online_cache_gb * 1e9 / here, KEPT if self.in_memory else CACHED, ranks)
         self.first_step = {d: step for kind, step, d in zip(*stream) if kind == KEPT}
         if self.in_memory:
             from kimi_eagle_host.vllm_compat import host_memory_available
@@ -426,7 +437,8 @@ class Source:
         self.engine_pid = self.proc.pid
         with open(os.path.join(self.spool, ENGINE_PID), "w") as f:
             f.write(str(self.proc.pid))
-        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents"
+        log(f"online: engine {a.engine} started (pid {self.proc.pid}) for {self.to_produce} documents "
+            f"({len(self.held)} held out)"
             + (f" on GPU(s) {gpus}" if gpus else "") + f"; buffer {self.buffer_bytes / 1e9:g} GB in {self.spool}"
             + (f", {len(self.cached)} documents cached for later epochs "
                f"({'in the trainer' if self.in_memory else 'in the spool'})" if self.cached else ""))

@@ -254,8 +254,8 @@ def open_batches(run: TrainRun, o: Outcome, closing) -> StepBatches:
     the steps this run trains, and `o.files` becomes the stream's held-out documents."""
     args, i, d, w = run.args, run.inputs, run.data, run.w
     if i.online:
-        o.source = closing.enter_context(online_stream.start(args, i.dc, d.plan, d.held_docs, run.start, o.stop,
-                                                             i.lengths, run.device, w, dist_.gather))
+        o.source = closing.enter_context(online_stream.start(args, i.dc, d.plan, d.held_docs, d.held, run.start,
+                                                             o.stop, i.lengths, run.device, w, dist_.gather))
         o.files = o.source.held
     return StepBatches(d.plan, run.start, o.stop, w.rank, w.size, o.source, d.pack_len, d.aux_dim, i.hidden,
                        run.feat_dtype, run.device, d.workers, run.tops)
