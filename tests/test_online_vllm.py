@@ -3,7 +3,8 @@ extract_hidden_states with our KV connector writing into the online buffer.
 
 The documents the trainer receives online equal what `extract --backend vllm` writes for the same samples within
 bf16 error (the engine batches them differently: online in the trainer's order, offline by length), and the run
-trains and exports a draft, leaving no buffer behind.
+trains and exports a draft, leaving no buffer behind; under torchrun (two trainer processes beside the host's engine)
+it trains the same losses.
 """
 from __future__ import annotations
 
@@ -64,3 +65,21 @@ def test_online_vllm_receives_what_extract_writes_and_trains(tmp_path):
     assert len(list(copied.glob("s_*"))) == trained_docs == doc["online"]["cached_documents"]
     assert (on / "draft" / "export" / "model.safetensors").is_file()
     assert not (on / "hidden_states").exists() and os.listdir(shm) == []
+
+    # Two trainer processes, as a job starts them (launch.py, which starts the torchrun): the host's one vLLM engine
+    # (a CPU host: one engine for its ranks) serves both, and the run trains one process's losses.
+    ranks = tmp_path / "ranks"
+    for part in ("prepared", "vocab"):
+        shutil.copytree(off / part, ranks / part)
+    p = subprocess.run(host_cmd("pipeline.launch", "--nproc-per-node", 2, "--", "-m", "kimi_eagle_host.pipeline.train",
+                                "--model", model, "--output-dir", ranks, "--hidden-states", "online", "--engine", "vllm",
+                                "--layer-ids", LAYERS, "--seq-len", SEQ_LEN, "--engine-batch-size", 4,
+                                "--online-spool-dir", shm, "--epochs", 2, "--online-cache-gb", 1, "--batch-size", 2,
+                                "--holdout-fraction", 0.25, "--report-to", "none", "--device", "cpu", python=py),
+                       capture_output=True, text=True, env=ENV, timeout=1800)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]   # one answer, rank 0's
+    two = json.loads(line)
+    assert two["world_size"] == 2 and p.stderr.count("online: engine vllm started") == 1, p.stderr[-3000:]
+    assert [h["loss"] for h in two["history"]] == pytest.approx([h["loss"] for h in doc["history"]], rel=1e-3)
+    assert (ranks / "draft" / "export" / "model.safetensors").is_file() and os.listdir(shm) == []

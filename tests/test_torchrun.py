@@ -140,16 +140,14 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
     # vLLM spreads over the GPUs itself: one process, whatever is asked.
     d = decide("--nproc-per-node", "4", "--", "pipeline/extract.py", "--backend", "hf", "--backend", "vllm", env=env)
     assert d["mode"] == "single" and "vllm" in d["reason"]
-    # an online train with vLLM's engine: one trainer process, and the reason says so (not extract's)
-    d = decide("--", "-m", "kimi_eagle_host.pipeline.train", "--hidden-states", "online", "--engine", "vllm", env=env)
-    assert d["mode"] == "single" and d["reason"] == "--engine vllm: one trainer process beside the host's vLLM engine"
-    # an offline train reads files: the recipe's engine (extract's, in the job's settings.json) leaves it a rank per
-    # GPU (it ran as one process on a host of 4 GPUs, for every recipe with engine: vllm)
-    offline = tmp_path / "offline.json"
-    offline.write_text(json.dumps({"steps": {"train": {"engine": "vllm", "hidden_states": "offline"}}}))
-    for how in (("--settings", offline), ("--engine", "vllm")):
-        d = decide("--", "-m", "kimi_eagle_host.pipeline.train", *how, env=env)
-        assert d["mode"] == "torchrun" and d["nproc_per_node"] == 4, d
+    # train's ranks are its own whatever its engine: offline it reads files (the recipe's engine, extract's, in the
+    # job's settings.json: it ran as one process on a host of 4 GPUs), online each group of ranks starts its engine
+    trains = tmp_path / "trains.json"
+    for hidden_states in ("offline", "online"):
+        trains.write_text(json.dumps({"steps": {"train": {"engine": "vllm", "hidden_states": hidden_states}}}))
+        for how in (("--settings", trains), ("--engine", "vllm", "--hidden-states", hidden_states)):
+            d = decide("--", "-m", "kimi_eagle_host.pipeline.train", *how, env=env)
+            assert d["mode"] == "torchrun" and d["nproc_per_node"] == 4, d
     # The same from the job's settings.json (what a job's extract reads), and a flag given wins over it.
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"steps": {"extract": {"backend": "vllm", "model": str(model)}}}))

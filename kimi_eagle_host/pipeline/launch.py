@@ -20,8 +20,8 @@ process group, signals and exit code are the step's or torchrun's own.
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
 - A step that cannot use ranks runs as one process whatever is asked: extract with --engine vllm (vLLM
-  spreads over the GPUs itself), and for now an online train with --engine vllm (one trainer beside the host's
-  engine; an offline train reads files, whatever its engine setting).
+  spreads over the GPUs itself; train's ranks are its own whatever its engine setting: online, each group of
+  them starts a vLLM engine of tp_size GPUs beside them).
   So does a step started inside a torchrun worker (RANK set): the outer torchrun already owns the ranks.
 
 --print prints the decision as JSON instead of running (for tests and `render`).
@@ -148,11 +148,9 @@ def decide(a, environ=None) -> dict:
     if split is not None:
         gpus, where = split, f"--train-gpus gives the trainer {len(split)}"
     single_reason = None
-    if flags.engine == "vllm" and online_train:
-        # not measured with several trainer ranks beside vLLM engines (the Kimi recipe's TP-8 engine takes every GPU).
-        # An offline train reads files: its engine setting (the recipe's, for extract) changes nothing there.
-        single_reason = "--engine vllm: one trainer process beside the host's vLLM engine"
-    elif flags.engine == "vllm" and step != "train":
+    if flags.engine == "vllm" and step != "train":
+        # a train's ranks are its own whatever the engine: online, each group of them starts its engine
+        # (online_stream.ranks_per_engine: a TP-8 engine beside 8 ranks, or one per GPU for a target that fits one)
         single_reason = "--engine vllm: vLLM spreads over the GPUs itself"
     elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
         # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
