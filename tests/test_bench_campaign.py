@@ -137,3 +137,66 @@ def test_no_stage_starts_after_the_budget_even_with_its_needs_done(tmp_path):
         stop_runner(tmp_path)
     result = json.loads((tmp_path / "work" / "results" / "smol_model.json").read_text())
     assert result == {"ok": False, "skipped": True, "why": "out of time"}, result
+
+
+def test_a_call_brings_back_the_parts_it_names(tmp_path):
+    """A call brings back 8 files and 64 MiB at most, so the candidates handed back for a later session's choose
+    (~19 parts of 15 MiB) come back over several calls: KE_OUT_FILES, globs joined by commas, is each call's share;
+    unset, all."""
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    assert campaign(tmp_path, "absorb", "--from", str(nothing)).returncode == 0
+    handed = tmp_path / "work" / "out_files"
+    handed.mkdir(parents=True)
+    names = [f"scale_candidates.tar.xz.{i:02d}" for i in range(6)]
+    for name in names:
+        (handed / name).write_bytes(name.encode())
+    got = {}
+    for share, glob in (("first", "scale_candidates.tar.xz.0[0-3]"), ("rest", "*.0[4],*.0[5-9]"), ("all", "")):
+        r = campaign(tmp_path, "wait", "--seconds", "0", "--out", str(tmp_path / share), KE_OUT_FILES=glob)
+        assert r.returncode == 0, r.stderr
+        got[share] = sorted(p.name for p in (tmp_path / share).glob("scale_candidates.*"))
+    assert got == {"first": names[:4], "rest": names[4:], "all": names}
+    assert (tmp_path / "first" / names[0]).read_bytes() == names[0].encode()
+
+
+def test_carried_candidates_are_checked_before_choose_serves_them(tmp_path):
+    """The judged run over two sessions: the later one's scale_choose joins the carried parts, and parts that do not
+    join to the sha256 the first session recorded (one missing, another run's) fail the stage in one line before
+    anything is served; the right ones are unpacked where train writes its candidates."""
+    import hashlib
+    import tarfile
+
+    src = tmp_path / "src" / "draft" / "candidates" / "step_00000001"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    tar = tmp_path / "c.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(tmp_path / "src" / "draft", arcname="draft")
+    data = tar.read_bytes()
+    checkout = tmp_path / "checkout"
+    (checkout / "bench" / "gpu").mkdir(parents=True)
+    (checkout / "bench" / "gpu" / "side_by_side.py").write_text(RUNNER.read_text())
+    (checkout / ".scale").mkdir()
+    half = len(data) // 2
+    (checkout / ".scale" / "scale_candidates.tar.xz.00").write_bytes(data[:half])
+    (checkout / ".scale" / "scale_candidates.tar.xz.01").write_bytes(data[half:])
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[:1]\n"
+            "import side_by_side as s\n"
+            "try:\n    print(s.restore_candidates())\nexcept s.StageFailed as e:\n    print('failed:', e)\n")
+
+    def restore(sha):
+        env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
+               "KE_SCALE_CARRIED_CANDIDATES": sha, "PYTHONPATH": str(REPO)}
+        (tmp_path / "work").mkdir(exist_ok=True)
+        r = subprocess.run([sys.executable, "-c", code, str(checkout / "bench" / "gpu")], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    right = hashlib.sha256(data).hexdigest()
+    said = restore("0" * 64)
+    assert said.startswith("failed: carried candidates: 2 part(s) join to sha256 ") and "0" * 64 in said, said
+    assert not (tmp_path / "shm" / "scale" / "draft").exists()
+    assert right in restore(right)
+    assert (tmp_path / "shm" / "scale" / "draft" / "candidates" / "step_00000001" / "config.json").is_file()

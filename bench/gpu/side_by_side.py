@@ -924,7 +924,37 @@ def st_scale_train(gpu):
     res.pop("history", None)
     res["settings"] = settings
     res["hidden_state_files_left"] = du(SCALE / "hidden_states")
+    if os.environ.get("KE_SCALE_PACK_CANDIDATES") == "1":   # choose in a later session: CARRIED_CANDIDATES
+        res["packed_candidates"] = hand_back("scale_candidates", SCALE, [CANDIDATES])
     return res
+
+
+# The judged run over two sessions (three epochs and choose do not fit one with the evaluations): scale_train hands
+# its candidates back (KE_SCALE_PACK_CANDIDATES=1), a later session carries them in .scale/ and names their sha256
+# here; its scale_choose then serves them after scale_data has prepared the same data again (choose checks the
+# prepared data's sha256 against the one train recorded), without a scale_train of its own.
+CARRIED_CANDIDATES = os.environ.get("KE_SCALE_CARRIED_CANDIDATES", "")
+CANDIDATES = "draft/candidates"   # under SCALE, as train writes them
+
+
+def restore_candidates() -> dict:
+    """The carried scale_candidates.tar.xz.NN (.scale/) joined, checked against KE_SCALE_CARRIED_CANDIDATES and
+    unpacked where scale_train would have written them."""
+    parts = sorted(SCALE_DIR.glob("scale_candidates.tar.xz.*"))
+    if not parts:
+        raise StageFailed("KE_SCALE_CARRIED_CANDIDATES is set but no .scale/scale_candidates.tar.xz.NN was carried")
+    tar = WORK / "scale_candidates.tar.xz"
+    with open(tar, "wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
+    digest = sha256_file(tar)
+    if digest != CARRIED_CANDIDATES:
+        raise StageFailed(f"carried candidates: {len(parts)} part(s) join to sha256 {digest}, not the "
+                          f"{CARRIED_CANDIDATES} KE_SCALE_CARRIED_CANDIDATES names (a part missing or another run's)")
+    shutil.rmtree(SCALE / CANDIDATES, ignore_errors=True)
+    SCALE.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-C", str(SCALE), "-xf", str(tar)], check=True)
+    return {"parts": [p.name for p in parts], "bytes": tar.stat().st_size, "sha256": digest}
 
 
 AB = SHM / "scale_ab"
@@ -1024,11 +1054,14 @@ def st_scale_choose(gpu):
     """choose: each candidate served by vLLM beside the target on held-out prepared documents (k = 1..5 from one
     run at 5, tokens/s at batch 1 and 16); the best becomes draft/export. KE_SCALE_CANDIDATES=0: none served, the
     last step's export stays. KE_SCALE_PACK_EXPORT=1: the export handed back as parts (OUT_FILES)."""
-    if results("scale_train").get("settings", {}).get("choose_checkpoints") == "0":
+    carried = restore_candidates() if CARRIED_CANDIDATES else None
+    if not carried and results("scale_train").get("settings", {}).get("choose_checkpoints") == "0":
         res = {"chosen": "none served: KE_SCALE_CANDIDATES=0, the export is the last step's"}
     else:
         res = run("scale_choose", choose_cmd(), gpu, sites=("site-early", "site-vllm"), timeout=900)
         res.pop("checkpoints", None)   # in choose/report.json (the logs tarball)
+    if carried:
+        res["carried_candidates"] = carried
     if os.environ.get("KE_SCALE_PACK_EXPORT") == "1":   # ~80 MB in bf16 with the target's embed_tokens: 4+ parts
         res["packed_export"] = hand_back("scale_export", SCALE / "draft", ["export"])
     return res
@@ -1361,7 +1394,7 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("scale_data", st_scale_data, ["smol_model", "data-scale"]),
          ("scale_ab", st_scale_ab, ["scale_data"]),
          ("scale_train", st_scale_train, ["scale_data"]),
-         ("scale_choose", st_scale_choose, ["scale_train", "bundle-vllm"]),
+         ("scale_choose", st_scale_choose, ["scale_data" if CARRIED_CANDIDATES else "scale_train", "bundle-vllm"]),
          ("scale_eval", st_scale_eval, ["scale_choose"]),
          ("scale_eval_k5", st_scale_eval_k5, ["scale_eval"]),
          ("scale_eval_code", st_scale_eval_code, ["scale_eval"])]
@@ -1566,7 +1599,10 @@ def collect(out: Path) -> None:
     merged["_elapsed_s"] = round(now() - float((WORK / "runner.started").read_text()), 1) \
         if (WORK / "runner.started").exists() else None
     write_json(out / "side_by_side.json", merged)
-    for p in sorted(OUT_FILES.glob("*")) if OUT_FILES.exists() else []:  # data a stage hands back (regen_scale)
+    # data a stage hands back (regen_scale, the candidates): KE_OUT_FILES, globs joined by commas, picks this call's
+    # share (a call brings back 8 files and 64 MiB at most: 4 parts of 15 MiB beside the report)
+    globs = (os.environ.get("KE_OUT_FILES") or "*").split(",")
+    for p in sorted({p for g in globs for p in OUT_FILES.glob(g)}) if OUT_FILES.exists() else []:
         shutil.copy(p, out / p.name)
     with tarfile.open(out / "side_by_side_logs.tar.gz", "w:gz") as tar:
         for p in sorted(D["logs"].glob("*.log")):
