@@ -43,10 +43,12 @@ def test_a_real_training_shows_a_bar_in_a_terminal_and_lines_in_a_pipe(tmp_path)
     p = make_pipeline(tmp_path)
     e = make_env(tmp_path, None)
     r = e.cli("--json", "run", "exec", "--host", "local", "--detach", "--no-gpu", "--", *TRAIN, "--model",
-              str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu", "--batch-size", "4", "--epochs", "4",
+              str(p["target"]), "--output-dir", str(p["out"]), "--device", "cpu", "--batch-size", "4", "--epochs", "40",
               "--log-every", "1", "--report-to", "none")
     assert r.code == 0, r.stderr
     job = r.json()["id"]
+    # 40 epochs of the tiny pipeline: ~1 s of steps, so the follower sees the bar while it runs (with 4, ~0.1 s, a
+    # loaded box's follower once drew only the finished bar, without its eta)
     frames = _follow_in_a_terminal(e, job)  # the bar redraws itself in place; no raw machine line reaches a person
     bar = [ln for ln in frames if "[local] train" in ln and "━" in ln]
     assert bar, frames[-20:]

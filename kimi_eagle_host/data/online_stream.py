@@ -29,8 +29,9 @@ in the trainer (checked while it waits), never a hang; the trainer stops the eng
 ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
 
 Under torchrun each engine serves a group of a host's trainer processes (started by the group's first rank, in the
-host's memory): its stream is the held-out documents and the rows its group's ranks take, so N engines extract at
-once, and the global batch is the one a single process would train. A group is tp_size ranks on CUDA (an engine
+host's memory): its stream is the held-out documents and the rows its group's ranks evaluate and take
+(group_held, host_rows), so N engines extract at once, and the global batch is the one a single process would
+train. A group is tp_size ranks on CUDA (an engine
 beside each GPU's rank for a target that fits one GPU), the host's ranks on a CPU or in the split layout
 (`online_engines` sets the count); the host's buffer and cache are shared out among its engines.
 """
