@@ -52,7 +52,6 @@ def cuda_visible_names(environ=os.environ) -> list[str] | None:
     return names[:next((i for i, n in enumerate(names) if n.startswith("-")), len(names))]
 
 
-
 def gpu_numbers(given) -> list[int] | None:
     """GPU numbers a setting names (`engine_gpus`, `train_gpus`: a list, or text like "0,1"), each once and from 0;
     None when unset. ValueError says what is wrong (the caller names the setting)."""

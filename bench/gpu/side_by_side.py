@@ -945,8 +945,9 @@ def restore_candidates() -> dict:
         raise StageFailed("KE_SCALE_CARRIED_CANDIDATES is set but no .scale/scale_candidates.tar.xz.NN was carried")
     tar = WORK / "scale_candidates.tar.xz"
     with open(tar, "wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
+        for part in parts:   # streamed: the parts are ~250 MB together
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out)
     digest = sha256_file(tar)
     if digest != CARRIED_CANDIDATES:
         raise StageFailed(f"carried candidates: {len(parts)} part(s) join to sha256 {digest}, not the "

@@ -20,9 +20,9 @@ process group, signals and exit code are the step's or torchrun's own.
 - One process on one node: no torchrun at all. Else `--standalone` on one node (a free port per job, so
   two jobs on one host never collide), or c10d rendezvous at --rdzv-endpoint across --nnodes hosts.
 - A step that cannot use ranks runs as one process whatever is asked: extract with --engine vllm (vLLM
-  spreads over the GPUs itself; train's ranks are its own whatever its engine setting: online, each group of
-  them starts a vLLM engine of tp_size GPUs beside them).
-  So does a step started inside a torchrun worker (RANK set): the outer torchrun already owns the ranks.
+  spreads over the GPUs itself). So does a step started inside a torchrun worker (RANK set): the outer
+  torchrun already owns the ranks. A train gets its ranks whatever its engine setting: online, each group of
+  them starts its engine of tp_size GPUs beside them (online_stream.ranks_per_engine).
 
 --print prints the decision as JSON instead of running (for tests and `render`).
 """
@@ -148,9 +148,7 @@ def decide(a, environ=None) -> dict:
     if split is not None:
         gpus, where = split, f"--train-gpus gives the trainer {len(split)}"
     single_reason = None
-    if flags.engine == "vllm" and step != "train":
-        # a train's ranks are its own whatever the engine: online, each group of them starts its engine
-        # (online_stream.ranks_per_engine: a TP-8 engine beside 8 ranks, or one per GPU for a target that fits one)
+    if flags.engine == "vllm" and step != "train":   # a train's ranks are its own whatever its engine (above)
         single_reason = "--engine vllm: vLLM spreads over the GPUs itself"
     elif "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
         # Already a torchrun worker (a launcher put torchrun in front of us): the outer torchrun owns the
