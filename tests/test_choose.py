@@ -338,6 +338,53 @@ def test_a_checkpoint_that_cannot_be_swapped_in_gets_a_new_engine(monkeypatch):
     assert events == [("start", "a", False), ("close", "a"), ("start", "b", False), ("close", "b")]
 
 
+CLOSE_WHILE_REFERRED = """
+import argparse, json, sys, psutil
+from kimi_eagle_host.evaluation.served import ServedEngine
+from kimi_eagle_host.vllm_compat import size_engine
+args = argparse.Namespace(model=sys.argv[1], vllm_dtype="bfloat16", max_model_len=128, enforce_eager=True, tp_size=1,
+                          max_tokens=4)
+# the engine core in its own process, as on a GPU
+eng = ServedEngine(args, None, 0, size_engine("choose", args.model, 1, 128, 1, in_process_on_cpu=False))
+names = {p.pid: " ".join(p.cmdline())[:300] for p in psutil.Process().children(recursive=True)}
+# multiprocessing's resource tracker serves this process to its end, whatever engine runs
+cores = [psutil.Process(pid) for pid, line in names.items() if "resource_tracker" not in line]
+kept = eng.llm   # what the traceback of a failed swap keeps
+eng.close()
+gone, alive = psutil.wait_procs(cores, timeout=30)
+print(json.dumps({"engine_processes": len(cores), "alive_after_close": [names[p.pid] for p in alive]}))
+"""
+
+
+def test_a_closed_engine_stops_while_a_failed_calls_traceback_still_refers_to_it(tmp_path):
+    """The engine started after a failed swap found 3.7 of 79 GiB free on an H100: the half-loaded engine, closed
+    inside the handler, lived on through the exception's traceback. close() stops the engine core by name: its
+    processes are gone at once even while something still refers to the engine (real vLLM 0.32, multiprocess)."""
+    from drafts import cycle_target
+    from vllm_envs import SUITE_VLLM, env_python
+
+    p = subprocess.run([str(env_python(SUITE_VLLM)), "-c", CLOSE_WHILE_REFERRED, cycle_target(tmp_path)],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout.strip().splitlines()[-1])
+    assert doc["engine_processes"] >= 1 and doc["alive_after_close"] == [], doc
+
+
+def test_the_swap_finds_the_draft_in_either_of_vllms_model_runners():
+    """vLLM's first GPU runner (and the CPU runner built on it) holds the draft as drafter.model; the second, which
+    0.25.1 runs on CUDA, as speculator.model (the H100 met it: "'GPUModelRunner' object has no attribute
+    'drafter'"). No CUDA here, so the runners are stood for by their attributes; a runner with neither is named."""
+    from types import SimpleNamespace
+
+    from kimi_eagle_host.evaluation.draft_swap import draft_model
+
+    draft = object()
+    assert draft_model(SimpleNamespace(drafter=SimpleNamespace(model=draft))) is draft
+    assert draft_model(SimpleNamespace(speculator=SimpleNamespace(model=draft))) is draft
+    with pytest.raises(RuntimeError, match="SimpleNamespace serves no draft model"):
+        draft_model(SimpleNamespace(speculator=None))
+
+
 def test_choose_exports_the_checkpoint_that_serves_best_not_the_last(tmp_path):
     """Three candidates of the cycle target: steps 1 and 3 run a token ahead (never accepted), step 2 proposes the
     target's own tokens (accepted at every position). vLLM 0.32 serves them next to the target on held-out prepared

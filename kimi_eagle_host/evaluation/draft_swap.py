@@ -63,6 +63,19 @@ def export_tensors(path: str) -> dict:
     return tensors
 
 
+def draft_model(runner):
+    """The draft's module inside a vLLM model runner. vLLM's first GPU runner (and the CPU runner built on it) keeps
+    it as `drafter.model`; the second (vllm/v1/worker/gpu/model_runner.py, what 0.25.1 runs a Llama target with on
+    CUDA) as `speculator.model`. The twenty-ninth session's choose met the second on an H100: 'GPUModelRunner'
+    object has no attribute 'drafter'."""
+    for name in ("drafter", "speculator"):
+        model = getattr(getattr(runner, name, None), "model", None)
+        if model is not None:
+            return model
+    raise RuntimeError(f"{type(runner).__module__}.{type(runner).__name__} serves no draft model this swap knows "
+                       f"(neither drafter.model nor speculator.model)")
+
+
 class DraftSwap:
     """Mixed into vLLM's worker class: `self` is the worker."""
 
@@ -71,7 +84,7 @@ class DraftSwap:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_processing, initialize_layerwise_reload
 
         runner = self.model_runner
-        model = runner.drafter.model
+        model = draft_model(runner)
         tensors = export_tensors(path)
         initialize_layerwise_reload(model)
         model.load_weights(iter(tensors.items()))

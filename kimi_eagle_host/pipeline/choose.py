@@ -137,7 +137,7 @@ class CandidateEngines:
                 return self.eng, "swapped into the running engine"
             except Exception as e:  # noqa: BLE001 - any failure: a fresh engine serves it as before
                 log(f"choose: step {step}'s draft could not be swapped into the running engine ({e}): a new engine")
-                self.close()
+            self.close()   # outside the handler: its traceback would keep the half-loaded engine's memory
         self.eng = Engine(self.args, draft, self.k, self.memory, swappable=self.args.swap_drafts)
         self.started += 1
         return self.eng, "a new engine"
