@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,40 @@ def test_a_ring_over_its_memory_cap_keeps_one_thread(tmp_path, monkeypatch):
         assert len(batches.threads) == 1 and len(batches.slots) == 2
         for step, batch in enumerate(batches):
             assert_batch(batch, expected_rows(files, plan.rank_rows(step, 0, 1), 32))
+
+
+class Arriving(list):
+    """Sample files that appear `after` seconds from now, as an online engine's do once it has started; what the
+    loader tells it of the trainer's waits is kept in `waited`."""
+
+    def __init__(self, files, after: float):
+        super().__init__(files)
+        self.at, self.waited = time.monotonic() + after, []
+
+    def for_step(self, step):
+        return self
+
+    def __getitem__(self, d):
+        time.sleep(max(0.0, self.at - time.monotonic()))
+        return list.__getitem__(self, d)
+
+    def trainer_waited(self, seconds: float):
+        self.waited.append(seconds)
+
+
+def test_the_trainers_wait_is_its_own_not_its_readers_summed(tmp_path):
+    """trainer_wait_s (online's "who waits for whom") is the time the trainer's loop is held for its rows. The
+    filler threads' waits are not it: three of them wait at once for an engine still starting (on an H100 four
+    summed 104 s beside a 26 s wait of the trainer's), and go on waiting while the trainer computes."""
+    lengths = [30] * 24
+    files = Arriving(write_docs(tmp_path, lengths), after=1.0)
+    plan = packing.Plan(packing.pack_rows([n - 1 for n in lengths], 32, seed=0), 2, seed=0)
+    t0 = time.monotonic()
+    with StepBatches(plan, 0, plan.steps_per_epoch, 0, 1, files, 32, (L - 1) * H, H, torch.float32, CPU,
+                     3) as batches:
+        for _ in batches:
+            time.sleep(0.1)   # the step's compute: the readers fill the next steps meanwhile
+    wall = time.monotonic() - t0
+    assert len(files.waited) == plan.steps_per_epoch
+    assert 0.9 <= files.waited[0] <= 1.5          # the first step: the engine's start-up
+    assert sum(files.waited) < 1.5 < wall        # the later steps were ready when asked for

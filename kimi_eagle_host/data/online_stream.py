@@ -450,17 +450,20 @@ class Source:
 
     def wait_for(self, path: str) -> str:
         """`path` once the engine has written it; the engine's failure is raised here (Refused: one line)."""
-        t0, delay = time.monotonic(), 0.001
+        delay = 0.001
         while not os.path.exists(path):
             if self.closed:
                 raise RuntimeError("online: the buffer was closed")
             self._check_engine(path)
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
-        self.waited_s += time.monotonic() - t0
         if self.copy_to:   # test-only: what reached the trainer, compared with extract's files
             shutil.copy(path, os.path.join(self.copy_to, os.path.basename(path)))
         return path
+
+    def trainer_waited(self, seconds: float) -> None:
+        """The trainer's loop was held `seconds` for a step's rows (step_batches: its own wait, not its readers')."""
+        self.waited_s += seconds
 
     def kept(self, d: int, step: int) -> dict:
         """Document d's tensors from this process's memory (in_memory's cache): read from its file at its first
@@ -613,6 +616,9 @@ class HeldFiles:
 
     def for_step(self, step: int) -> "HeldFiles":
         return self
+
+    def trainer_waited(self, seconds: float) -> None:
+        self.source.trainer_waited(seconds)
 
     def __getitem__(self, d: int) -> str:
         return self.source.wait_for(os.path.join(self.source.spool, entry_name(HELD, 0, d)))
