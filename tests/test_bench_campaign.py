@@ -160,43 +160,71 @@ def test_a_call_brings_back_the_parts_it_names(tmp_path):
     assert (tmp_path / "first" / names[0]).read_bytes() == names[0].encode()
 
 
-def test_carried_candidates_are_checked_before_choose_serves_them(tmp_path):
-    """The judged run over two sessions: the later one's scale_choose joins the carried parts, and parts that do not
-    join to the sha256 the first session recorded (one missing, another run's) fail the stage in one line before
-    anything is served; the right ones are unpacked where train writes its candidates."""
+def carried(tmp_path: Path, name: str, files: dict[str, str], env_name: str, call: str):
+    """<name>.tar.xz.00/.01 in a checkout's .scale/ holding `files` (archive path: text), and restore(sha), which
+    runs side_by_side's `call` there with env_name=sha and gives what it printed (its record, or 'failed: ...')."""
     import hashlib
     import tarfile
 
-    src = tmp_path / "src" / "draft" / "candidates" / "step_00000001"
-    src.mkdir(parents=True)
-    (src / "config.json").write_text("{}")
+    src = tmp_path / "src"
+    for path, text in files.items():
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_text(text)
     tar = tmp_path / "c.tar"
     with tarfile.open(tar, "w") as t:
-        t.add(tmp_path / "src" / "draft", arcname="draft")
+        for top in sorted({p.split("/")[0] for p in files}):
+            t.add(src / top, arcname=top)
     data = tar.read_bytes()
     checkout = tmp_path / "checkout"
     (checkout / "bench" / "gpu").mkdir(parents=True)
     (checkout / "bench" / "gpu" / "side_by_side.py").write_text(RUNNER.read_text())
     (checkout / ".scale").mkdir()
     half = len(data) // 2
-    (checkout / ".scale" / "scale_candidates.tar.xz.00").write_bytes(data[:half])
-    (checkout / ".scale" / "scale_candidates.tar.xz.01").write_bytes(data[half:])
+    (checkout / ".scale" / f"{name}.tar.xz.00").write_bytes(data[:half])
+    (checkout / ".scale" / f"{name}.tar.xz.01").write_bytes(data[half:])
     code = ("import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[:1]\n"
-            "import side_by_side as s\n"
-            "try:\n    print(s.restore_candidates())\nexcept s.StageFailed as e:\n    print('failed:', e)\n")
+            "import json, side_by_side as s\n"
+            f"try:\n    print(json.dumps({call}))\nexcept s.StageFailed as e:\n    print('failed:', e)\n")
 
     def restore(sha):
         env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
-               "KE_SCALE_CARRIED_CANDIDATES": sha, "PYTHONPATH": str(REPO)}
+               env_name: sha, "PYTHONPATH": str(REPO)}
         (tmp_path / "work").mkdir(exist_ok=True)
         r = subprocess.run([sys.executable, "-c", code, str(checkout / "bench" / "gpu")], env=env,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
-    right = hashlib.sha256(data).hexdigest()
+    return restore, hashlib.sha256(data).hexdigest()
+
+
+def test_carried_candidates_are_checked_before_choose_serves_them(tmp_path):
+    """The judged run over two sessions: the later one's scale_choose joins the carried parts, and parts that do not
+    join to the sha256 the first session recorded (one missing, another run's) fail the stage in one line before
+    anything is served; the right ones are unpacked where train writes its candidates."""
+    restore, right = carried(tmp_path, "scale_candidates", {"draft/candidates/step_00000001/config.json": "{}"},
+                             "KE_SCALE_CARRIED_CANDIDATES", "s.restore_candidates()")
     said = restore("0" * 64)
     assert said.startswith("failed: carried candidates: 2 part(s) join to sha256 ") and "0" * 64 in said, said
     assert not (tmp_path / "shm" / "scale" / "draft").exists()
     assert right in restore(right)
     assert (tmp_path / "shm" / "scale" / "draft" / "candidates" / "step_00000001" / "config.json").is_file()
+
+
+def test_a_carried_export_is_checked_and_evaluated_without_training_or_serving_again(tmp_path):
+    """Train and choose in one session (KE_SCALE_PACK_EXPORT=1), the evaluations in the next: with
+    KE_SCALE_CARRIED_EXPORT, scale_choose needs only the target and vLLM (no scale_data, no scale_train), puts the
+    chosen export back where choose installs it (eval reads its training record and choice there) and names the
+    choice; parts of another run fail it in one line."""
+    choice = {"chosen_step": 2286, "why": "highest acceptance length at k=5"}
+    restore, right = carried(tmp_path, "scale_export", {"export/config.json": "{}",
+                                                        "export/selection.json": json.dumps(choice)},
+                             "KE_SCALE_CARRIED_EXPORT", "s.st_scale_choose(None) | "
+                             "{'needs': dict((n, w) for n, _, w in s.LANE0 + s.LANE1)['scale_choose']}")
+    said = restore("0" * 64)
+    assert said.startswith("failed: carried export: 2 part(s) join to sha256 ") and "KE_SCALE_CARRIED_EXPORT" in said
+    assert not (tmp_path / "shm" / "scale" / "draft").exists()
+    rec = json.loads(restore(right))
+    assert rec["carried_export"]["sha256"] == right and rec["chosen_step"] == 2286 and rec["why"] == choice["why"]
+    assert rec["needs"] == ["smol_model", "bundle-vllm"]
+    assert json.loads((tmp_path / "shm" / "scale" / "draft" / "export" / "selection.json").read_text()) == choice

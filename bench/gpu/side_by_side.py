@@ -929,33 +929,47 @@ def st_scale_train(gpu):
     return res
 
 
-# The judged run over two sessions (three epochs and choose do not fit one with the evaluations): scale_train hands
-# its candidates back (KE_SCALE_PACK_CANDIDATES=1), a later session carries them in .scale/ and names their sha256
-# here; its scale_choose then serves them after scale_data has prepared the same data again (choose checks the
-# prepared data's sha256 against the one train recorded), without a scale_train of its own.
+# The judged run over two sessions (three epochs, choose and the evaluations do not fit one): a session hands back
+# what it made as parts (KE_SCALE_PACK_CANDIDATES=1 after scale_train, KE_SCALE_PACK_EXPORT=1 after scale_choose);
+# a later session carries them in .scale/ and names their sha256 here. With candidates, its scale_choose serves them
+# after scale_data has prepared the same data again (choose checks the prepared data's sha256 against the one train
+# recorded), without a scale_train of its own; with the chosen export, scale_choose only puts it back, and the
+# evaluations measure it.
 CARRIED_CANDIDATES = os.environ.get("KE_SCALE_CARRIED_CANDIDATES", "")
+CARRIED_EXPORT = os.environ.get("KE_SCALE_CARRIED_EXPORT", "")
 CANDIDATES = "draft/candidates"   # under SCALE, as train writes them
 
 
-def restore_candidates() -> dict:
-    """The carried scale_candidates.tar.xz.NN (.scale/) joined, checked against KE_SCALE_CARRIED_CANDIDATES and
-    unpacked where scale_train would have written them."""
-    parts = sorted(SCALE_DIR.glob("scale_candidates.tar.xz.*"))
+def restore_carried(name: str, wanted: str, into: Path, member: str) -> dict:
+    """The carried <name>.tar.xz.NN (.scale/) joined, checked against the sha256 `wanted` (the handing session's
+    record) and unpacked into `into`, where its `member` replaces what was there."""
+    what = name.removeprefix("scale_")
+    parts = sorted(SCALE_DIR.glob(f"{name}.tar.xz.*"))
     if not parts:
-        raise StageFailed("KE_SCALE_CARRIED_CANDIDATES is set but no .scale/scale_candidates.tar.xz.NN was carried")
-    tar = WORK / "scale_candidates.tar.xz"
+        raise StageFailed(f"KE_SCALE_CARRIED_{what.upper()} is set but no .scale/{name}.tar.xz.NN was carried")
+    tar = WORK / f"{name}.tar.xz"
     with open(tar, "wb") as out:
-        for part in parts:   # streamed: the parts are ~250 MB together
+        for part in parts:   # streamed: candidates are ~250 MB together
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, out)
     digest = sha256_file(tar)
-    if digest != CARRIED_CANDIDATES:
-        raise StageFailed(f"carried candidates: {len(parts)} part(s) join to sha256 {digest}, not the "
-                          f"{CARRIED_CANDIDATES} KE_SCALE_CARRIED_CANDIDATES names (a part missing or another run's)")
-    shutil.rmtree(SCALE / CANDIDATES, ignore_errors=True)
-    SCALE.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "-C", str(SCALE), "-xf", str(tar)], check=True)
+    if digest != wanted:
+        raise StageFailed(f"carried {what}: {len(parts)} part(s) join to sha256 {digest}, not the {wanted} "
+                          f"KE_SCALE_CARRIED_{what.upper()} names (a part missing or another run's)")
+    shutil.rmtree(into / member, ignore_errors=True)
+    into.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-C", str(into), "-xf", str(tar)], check=True)
     return {"parts": [p.name for p in parts], "bytes": tar.stat().st_size, "sha256": digest}
+
+
+def restore_candidates() -> dict:
+    return restore_carried("scale_candidates", CARRIED_CANDIDATES, SCALE, CANDIDATES)
+
+
+def restore_export() -> dict:
+    """The export an earlier session's scale_choose chose and handed back (KE_SCALE_PACK_EXPORT=1), where choose
+    installs it: the evaluations read its training record and choice (training_info.json, selection.json)."""
+    return restore_carried("scale_export", CARRIED_EXPORT, SCALE / "draft", "export")
 
 
 AB = SHM / "scale_ab"
@@ -1055,6 +1069,12 @@ def st_scale_choose(gpu):
     """choose: each candidate served by vLLM beside the target on held-out prepared documents (k = 1..5 from one
     run at 5, tokens/s at batch 1 and 16); the best becomes draft/export. KE_SCALE_CANDIDATES=0: none served, the
     last step's export stays. KE_SCALE_PACK_EXPORT=1: the export handed back as parts (OUT_FILES)."""
+    if CARRIED_EXPORT:   # chosen in an earlier session: put back, not served again
+        res = {"carried_export": restore_export()}
+        selection = SCALE / "draft" / "export" / "selection.json"
+        if selection.exists():
+            res.update({k: v for k, v in json.loads(selection.read_text()).items() if k in ("chosen_step", "why")})
+        return res
     carried = restore_candidates() if CARRIED_CANDIDATES else None
     if not carried and results("scale_train").get("settings", {}).get("choose_checkpoints") == "0":
         res = {"chosen": "none served: KE_SCALE_CANDIDATES=0, the export is the last step's"}
@@ -1395,7 +1415,8 @@ LANE1 = [("smol_model", st_smol_model, ["bundle-early"]),
          ("scale_data", st_scale_data, ["smol_model", "data-scale"]),
          ("scale_ab", st_scale_ab, ["scale_data"]),
          ("scale_train", st_scale_train, ["scale_data"]),
-         ("scale_choose", st_scale_choose, ["scale_data" if CARRIED_CANDIDATES else "scale_train", "bundle-vllm"]),
+         ("scale_choose", st_scale_choose, [("smol_model" if CARRIED_EXPORT else "scale_data" if CARRIED_CANDIDATES
+                                             else "scale_train"), "bundle-vllm"]),
          ("scale_eval", st_scale_eval, ["scale_choose"]),
          ("scale_eval_k5", st_scale_eval_k5, ["scale_eval"]),
          ("scale_eval_code", st_scale_eval_code, ["scale_eval"])]
