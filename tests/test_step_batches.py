@@ -6,7 +6,8 @@
   shift, padding zeros / doc -1 / position 1), with 0, 1 and 3 loader threads, in step order; buffers reused
   from a longer step carry nothing over; ranks' rows add up to the step;
 - a sample that fails to read is raised by the step that needs it, and the threads are gone afterwards; a
-  loader closed half-way leaves no thread behind.
+  loader closed half-way leaves no thread behind;
+- the trainer's wait it reports (online's trainer_wait_s) is the consumer's own, not its threads' waits summed.
 """
 from __future__ import annotations
 
