@@ -194,7 +194,8 @@ class Arriving(list):
 def test_the_trainers_wait_is_its_own_not_its_readers_summed(tmp_path):
     """trainer_wait_s (online's "who waits for whom") is the time the trainer's loop is held for its rows. The
     filler threads' waits are not it: three of them wait at once for an engine still starting (on an H100 four
-    summed 104 s beside a 26 s wait of the trainer's), and go on waiting while the trainer computes."""
+    summed 104 s where the first step, its compile included, took 95 s), and go on waiting while the trainer
+    computes."""
     lengths = [30] * 24
     files = Arriving(write_docs(tmp_path, lengths), after=1.0)
     plan = packing.Plan(packing.pack_rows([n - 1 for n in lengths], 32, seed=0), 2, seed=0)

@@ -107,7 +107,7 @@ class StepBatches:
         """(slot, tokens) of `step`, filled here when no thread does it. The time the consumer is held here is the
         trainer's wait for its data: told to files.trainer_waited where it has one (online: the progress line's
         trainer_wait_s). Not the filler threads' waits: several wait at once, and while the trainer computes (on
-        an H100 four of them summed 104 s while the first step compiled, beside a 26 s wait of the trainer's)."""
+        an H100 four of them summed 104 s where the first step, its compile included, took 95 s)."""
         t0 = time.monotonic()
         try:
             return self._take_unmeasured(step)
