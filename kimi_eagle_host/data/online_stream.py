@@ -31,9 +31,9 @@ ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine remo
 Under torchrun each engine serves a group of a host's trainer processes (started by the group's first rank, in the
 host's memory): its stream is the held-out documents and the rows its group's ranks evaluate and take
 (group_held, host_rows), so N engines extract at once, and the global batch is the one a single process would
-train. A group is tp_size ranks on CUDA (an engine
-beside each GPU's rank for a target that fits one GPU), the host's ranks on a CPU or in the split layout
-(`online_engines` sets the count); the host's buffer and cache are shared out among its engines.
+train. A group is tp_size ranks on CUDA (an engine beside each GPU's rank for a target that fits one GPU), the
+host's ranks on a CPU or in the split layout (`online_engines` sets the count); the host's buffer and cache are
+shared out among its engines.
 """
 from __future__ import annotations
 
