@@ -105,11 +105,14 @@ def test_several_engines_share_the_chunks_and_write_what_one_engine_writes(tmp_p
     each = two["engines"]["each"]
     assert [e["engine_of"] for e in each] == ["1/2", "2/2"]
     assert sum(e["chunks_done_now"] for e in each) == 4 == two["chunks_done_now"]   # none twice
-    # engine 2 starts when engine 1 is up; on a loaded box engine 1 may have written every chunk by then, and engine
-    # 2 then says so and does not start (seen in a full run): either way, a chunk is written once
-    assert "engine 1 of 2 started" in err
-    assert ("engine 2 of 2 started" in err or
-            ("engine 2 of 2: the others hold or wrote every chunk; not started" in err and each[1]["chunks_done_now"] == 0)), err
+    # the engines start one after the other; on a loaded box one of them may have written every chunk before the
+    # other's process claims one, and that one then says so and does not start (seen in full runs, for engine 2 and
+    # for engine 1): either way, a chunk is written once and at least one engine answered
+    for i, e in enumerate(each, 1):
+        assert (f"engine {i} of 2 started" in err or
+                (f"engine {i} of 2: the others hold or wrote every chunk; not started" in err
+                 and e["chunks_done_now"] == 0)), err
+    assert "of 2 started" in err, err
     chat = (tmp_path / "two" / "regenerated" / "chat.jsonl").read_bytes()
     assert chat == (tmp_path / "one" / "regenerated" / "chat.jsonl").read_bytes()
     assert two["turns_answered_now"] == one["turns_answered_now"] == 14
