@@ -139,6 +139,34 @@ def test_no_stage_starts_after_the_budget_even_with_its_needs_done(tmp_path):
     assert result == {"ok": False, "skipped": True, "why": "out of time"}, result
 
 
+def test_each_stage_records_its_host_memory_peak_and_the_trend_comes_back_with_the_logs(tmp_path):
+    """A machine lost mid-stage gives nothing back from that call: the memory trend must already be in the logs an
+    earlier call brought back, and each finished stage says how much host memory it peaked at."""
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    try:
+        assert campaign(tmp_path, "absorb", "--from", str(nothing), KE_STAGES="matmul").returncode == 0
+        assert "runner started" in campaign(tmp_path, "start", KE_STAGES="matmul", KE_MEM_SAMPLE_S="0.1").stdout
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "work" / "runner.finished").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop_runner(tmp_path)
+    result = json.loads((tmp_path / "work" / "results" / "matmul.json").read_text())
+    assert result["ok"], result
+    with open("/proc/meminfo") as f:
+        total_gb = int(f.readline().split()[1]) * 1024 / 1e9
+    # matmul's process imports torch: its peak is above an idle interpreter's and below the machine's memory
+    assert 0.05 < result["host_mem_peak_gb"] <= total_gb, result
+    trend = (tmp_path / "work" / "logs" / "host_memory.log").read_text().splitlines()
+    assert any(line.endswith("stages matmul") for line in trend), trend
+    out = tmp_path / "out"
+    assert campaign(tmp_path, "wait", "--seconds", "0", "--out", str(out), KE_STAGES="matmul").returncode == 0
+    import tarfile
+    with tarfile.open(out / "side_by_side_logs.tar.gz") as tar:
+        assert "host_memory.log" in tar.getnames()
+
+
 def test_a_call_brings_back_the_parts_it_names(tmp_path):
     """A call brings back 8 files and 64 MiB at most, so the candidates handed back for a later session's choose
     (~19 parts of 15 MiB) come back over several calls: KE_OUT_FILES, globs joined by commas, is each call's share;

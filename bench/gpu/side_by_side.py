@@ -1431,6 +1431,65 @@ T0 = now()
 SELECTED = [x for x in os.environ.get("KE_STAGES", "").split(",") if x]
 
 
+def host_memory_used() -> int | None:
+    """Bytes of host memory in use: MemTotal - MemAvailable (files in /dev/shm count: the spool lives there)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        return (kb["MemTotal"] - kb["MemAvailable"]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+class HostMemory:
+    """Host memory in use, sampled every KE_MEM_SAMPLE_S (2) seconds by a thread of the runner: each stage's peak goes
+    into its record (`host_mem_peak_gb`), and a line every 5 samples into logs/host_memory.log, which every call
+    brings back. The thirtieth session lost a machine mid-`scale_train` (two epochs, 60 GB kept in the trainer's
+    memory) with nothing to say whether memory was the cause; the next loss leaves the trend in the last call's logs."""
+
+    def __init__(self):
+        self.interval = float(os.environ.get("KE_MEM_SAMPLE_S", "2"))
+        self.peaks: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        if host_memory_used() is not None:
+            threading.Thread(target=self._loop, daemon=True).start()
+
+    def begin(self, stage: str) -> None:
+        with self.lock:
+            self.peaks[stage] = host_memory_used() or 0
+
+    def end(self, stage: str) -> float | None:
+        self._sample()
+        with self.lock:
+            peak = self.peaks.pop(stage, 0)
+        return round(peak / 1e9, 2) if peak else None
+
+    def _sample(self) -> int | None:
+        used = host_memory_used()
+        if used is not None:
+            with self.lock:
+                for stage in self.peaks:
+                    self.peaks[stage] = max(self.peaks[stage], used)
+        return used
+
+    def _loop(self) -> None:
+        n = 0
+        while True:
+            used = self._sample()
+            if n % 5 == 0 and used is not None:
+                with self.lock:
+                    running = ",".join(self.peaks) or "-"
+                with open(D["logs"] / "host_memory.log", "a") as f:
+                    f.write(f"{time.strftime('%H:%M:%S')} used {used / 1e9:.2f} GB  stages {running}\n")
+            n += 1
+            time.sleep(self.interval)
+
+
+HOST_MEMORY = HostMemory()
+
+
 def lane(stages, gpu):
     for name, fn, needs in stages:
         if state(name) == "done":  # a restarted runner keeps what an earlier one finished
@@ -1455,14 +1514,17 @@ def lane(stages, gpu):
             continue
         set_state(name, "running")
         t0 = now()
+        HOST_MEMORY.begin(name)
         try:
             res = fn(gpu)
-            res = {"ok": True, "seconds": round(now() - t0, 1), **(res or {})}
+            res = {"ok": True, "seconds": round(now() - t0, 1), **(res or {}),
+                   "host_mem_peak_gb": HOST_MEMORY.end(name)}
             write_json(D["results"] / f"{name}.json", res)
             set_state(name, "done")
         except Exception as e:  # noqa: BLE001 - one failed stage must not stop the others
             write_json(D["results"] / f"{name}.json", {"ok": False, "seconds": round(now() - t0, 1),
-                                                        "error": f"{type(e).__name__}: {e}"[-3000:]})
+                                                        "error": f"{type(e).__name__}: {e}"[-3000:],
+                                                        "host_mem_peak_gb": HOST_MEMORY.end(name)})
             set_state(name, "failed")
 
 
@@ -1470,6 +1532,7 @@ def run_all():
     global T0
     T0 = now()
     (WORK / "runner.started").write_text(str(T0))
+    HOST_MEMORY.start()
     # KE_FINAL_FIRST=1 (one GPU): the whole-machine stages before the lanes, when they matter more and time is short.
     final_first = os.environ.get("KE_GPUS", "2") == "1" and os.environ.get("KE_FINAL_FIRST") == "1"
     if final_first:
