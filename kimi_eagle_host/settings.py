@@ -190,7 +190,8 @@ STEP_SETTINGS = [
     *_per_step(_ENGINE_STEPS, "engine", default="auto", doc="vllm where the host has it, else transformers", **_ENGINE),
     *_per_step(_ENGINE_STEPS, "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
     *_per_step(_ENGINE_STEPS, "max_model_len", "int", None,
-               "context the turns must fit (both engines); unset: what the prompts need, within the model's",
+               "context the turns must fit (both engines); unset: what the prompts need, at least 2048 (one vLLM "
+               "compile for a run's engines), within the model's",
                positive=True),
     *_per_step(_ENGINE_STEPS, "enforce_eager", "toggle", True, "vllm engine: skip graph capture"),
     *_per_step(_ENGINE_STEPS, "max_turns", "int", 0, "answer at most N turns per conversation (0 = all)", minimum=0),
@@ -279,7 +280,7 @@ STEP_SETTINGS = [
           "first started, in place (one target load); off: an engine each"),
     *_per_step(("choose",), "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
     *_per_step(("choose",), "max_model_len", "int", None, "vllm engine context (unset: the longest prompt plus "
-               "max_tokens)", positive=True),
+               "max_tokens, at least 2048, within the model's positions)", positive=True),
     *_per_step(("choose",), "enforce_eager", "toggle", True, "vllm engine: skip graph capture"),
     _step("eval", "draft", "text", None, "draft export folder (default <output-dir>/draft/export)", nonempty=True),
     _step("eval", "batch_sizes", "text", "1,16", "tokens/s with and without the draft at these batch sizes",

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.evaluation.served import ServedEngine, acceptance_by_k, tokens_per_s_by_k, vllm_support
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write_json, job_headline, log, parse_step_args,
                                           progress_line, run_step, stdout_for_result_only)
@@ -39,8 +40,6 @@ ENGINE_FLAGS = ("max_model_len", "batch_size")
 
 def engine_load(args):
     """(tokens per sequence, sequences at once) of this step's engines: --batch-size prompts per call."""
-    from kimi_eagle_host.engine import context_length
-
     return int(args.max_model_len or context_length.PREFLIGHT_CONTEXT), int(args.batch_size)
 
 
@@ -243,8 +242,8 @@ def run(args):
     record = candidates.read(out)
     prompts = heldout_prompts(out, record, args.prompts)
     tc = parity.target_text_config(args.model)
-    if args.max_model_len is None:   # the longest prompt and its answer; the draft must reach as far
-        args.max_model_len = max(len(p) for p in prompts) + args.max_tokens
+    if args.max_model_len is None:   # the longest prompt and its answer (the draft must reach as far), as eval derives it
+        args.max_model_len = context_length.derived(max(len(p) for p in prompts) + args.max_tokens, args.model)
     fits = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
     if not fits:
         raise BadInput(f"--max-model-len {args.max_model_len}: none of the {len(prompts)} held-out prompts fits with "
