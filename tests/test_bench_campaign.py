@@ -32,6 +32,23 @@ def stop_runner(tmp_path: Path) -> None:
             pass
 
 
+def run_to_the_end(tmp_path: Path, flags=(), **knobs: str) -> None:
+    """A runner started on a bare machine (nothing carried; `flags` as if their bundles were installed), until it
+    has finished."""
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    try:
+        assert campaign(tmp_path, "absorb", "--from", str(nothing), **knobs).returncode == 0
+        for flag in flags:
+            (tmp_path / "work" / "flags" / f"{flag}.done").write_text("0")
+        assert "runner started" in campaign(tmp_path, "start", **knobs).stdout
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "work" / "runner.finished").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop_runner(tmp_path)
+
+
 def test_a_wait_on_a_bare_machine_ends_saying_what_to_carry(tmp_path):
     nothing = tmp_path / "carried"
     nothing.mkdir()
@@ -124,17 +141,7 @@ def test_conversations_carried_by_the_first_call_are_seen(tmp_path):
 def test_no_stage_starts_after_the_budget_even_with_its_needs_done(tmp_path):
     """KE_BUDGET_S is when the runner starts nothing more: a stage whose needs are already done must not start after
     it either (it did: a late stage then ran past the session's device time, and the call reading it got nothing)."""
-    nothing = tmp_path / "carried"
-    nothing.mkdir()
-    try:
-        assert campaign(tmp_path, "absorb", "--from", str(nothing)).returncode == 0
-        (tmp_path / "work" / "flags" / "bundle-early.done").write_text("0")   # smol_model's one need, met
-        assert "runner started" in campaign(tmp_path, "start", KE_BUDGET_S="0").stdout
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "work" / "runner.finished").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        stop_runner(tmp_path)
+    run_to_the_end(tmp_path, flags=("bundle-early",), KE_BUDGET_S="0")   # smol_model's one need, met
     result = json.loads((tmp_path / "work" / "results" / "smol_model.json").read_text())
     assert result == {"ok": False, "skipped": True, "why": "out of time"}, result
 
@@ -142,16 +149,7 @@ def test_no_stage_starts_after_the_budget_even_with_its_needs_done(tmp_path):
 def test_each_stage_records_its_host_memory_peak_and_the_trend_comes_back_with_the_logs(tmp_path):
     """A machine lost mid-stage gives nothing back from that call: the memory trend must already be in the logs an
     earlier call brought back, and each finished stage says how much host memory it peaked at."""
-    nothing = tmp_path / "carried"
-    nothing.mkdir()
-    try:
-        assert campaign(tmp_path, "absorb", "--from", str(nothing), KE_STAGES="matmul").returncode == 0
-        assert "runner started" in campaign(tmp_path, "start", KE_STAGES="matmul", KE_MEM_SAMPLE_S="0.1").stdout
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "work" / "runner.finished").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        stop_runner(tmp_path)
+    run_to_the_end(tmp_path, KE_STAGES="matmul", KE_MEM_SAMPLE_S="0.1")
     result = json.loads((tmp_path / "work" / "results" / "matmul.json").read_text())
     assert result["ok"], result
     with open("/proc/meminfo") as f:
