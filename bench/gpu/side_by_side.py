@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's kimi_eagle_host (env_for gives the steps the same path)
 from kimi_eagle_host.step_runtime import sha256_file  # noqa: E402
+from kimi_eagle_host.vllm_compat import host_memory_available  # noqa: E402
 WORK = Path(os.environ.get("KE_WORK", "/tmp/ke"))
 SHM = Path(os.environ.get("KE_SHM", "/dev/shm/ke" if os.path.isdir("/dev/shm") else str(WORK / "shm")))
 PY = os.environ.get("PYTHON", sys.executable)
@@ -1433,12 +1434,8 @@ SELECTED = [x for x in os.environ.get("KE_STAGES", "").split(",") if x]
 
 def host_memory_used() -> int | None:
     """Bytes of host memory in use: MemTotal - MemAvailable (files in /dev/shm count: the spool lives there)."""
-    try:
-        with open("/proc/meminfo") as f:
-            kb = {line.split(":")[0]: int(line.split()[1]) for line in f}
-        return (kb["MemTotal"] - kb["MemAvailable"]) * 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
+    available, total = host_memory_available()
+    return total - available if total else None
 
 
 class HostMemory:
