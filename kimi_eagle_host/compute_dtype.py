@@ -5,7 +5,14 @@ natively (on the Intel box the CPU recipe was measured on, 5.9x float32's GFLOP/
 element in software (on an AVX2-only AMD EPYC box, 0.9 against float32's 88 GFLOP/s: 100x slower). `auto` stays
 float32 on every CPU (safe everywhere; the tests' fp32 references rely on it); a bfloat16 asked for on a CPU
 without native support is kept and said in one line, and `cpu_computes_bf16` tells a recipe or a benchmark which
-to ask for. vLLM's own CPU kernels are another matter (its engines keep `vllm_dtype`).
+to ask for.
+
+vLLM's serving engines (regenerate, eval, choose: `vllm_dtype`) follow the same rule through `for_vllm`: `auto` is
+bfloat16, except on a CPU without a bf16 matrix instruction, where it is float32. On the AVX2 box vLLM 0.32's CPU
+kernels answered 25.9 tokens/s in bfloat16 against 118.9 in float32 (SmolLM2-135M, the quality test's ShareGPT
+turns, two threads; docs/benchmarks.md): CI's box turned out to be such a CPU, and the quality test's regenerate
+ran out of its 20 minutes. Extraction keeps bfloat16 in vLLM everywhere: its hidden states are the training data,
+stored as a GPU run would store them.
 """
 from __future__ import annotations
 
@@ -24,12 +31,25 @@ def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return False
 
 
-def resolve(dtype: str, device_type: str, log=None, cpuinfo: str = "/proc/cpuinfo") -> str:
+def resolve(dtype: str, device_type: str, log=None, cpuinfo: str = "/proc/cpuinfo", name: str = "dtype") -> str:
     """`float32` or `bfloat16` for a torch step on `device_type` ('cuda' or 'cpu'): auto is bf16 on CUDA, fp32 on
-    a CPU; an explicit bfloat16 on a CPU without native support is kept, and said through `log`."""
+    a CPU; an explicit bfloat16 on a CPU without native support is kept, and said through `log` (`name`: the
+    setting, in that line)."""
     if dtype == "auto":
         return "bfloat16" if device_type == "cuda" else "float32"
     if dtype == "bfloat16" and device_type == "cpu" and log is not None and not cpu_computes_bf16(cpuinfo):
-        log("dtype bfloat16 on a CPU without AMX or AVX512-BF16: its matrix products run in software, "
-            "~100x slower than float32 on such a CPU (dtype float32 or auto: float32 here)")
+        log(f"{name} bfloat16 on a CPU without AMX or AVX512-BF16: its matrix products run in software, several "
+            f"times slower than float32 (torch's ~100x, vLLM's ~4.6x; {name} float32 or auto: float32 here)")
     return dtype
+
+
+def for_vllm(dtype: str, log=None, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The dtype a serving vLLM engine is started with, from `vllm_dtype`: auto is bfloat16 on a GPU and on a CPU
+    that multiplies bf16 natively, float32 on any other CPU; anything else is vLLM's to read, kept (bfloat16 on a
+    CPU without native support said through `log`). The engine's device is torch's: vLLM's CPU build has no CUDA."""
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        return "bfloat16" if device_type == "cuda" or cpu_computes_bf16(cpuinfo) else "float32"
+    return resolve(dtype, device_type, log, cpuinfo, name="vllm_dtype")

@@ -179,6 +179,7 @@ def _per_step(steps, name, kind, default, doc, **kw) -> list[Setting]:
 
 _DEVICE = dict(kind="choice", choices=("auto", "cpu", "cuda"))
 _ENGINE = dict(kind="choice", choices=("auto", "vllm", "hf"))
+_VLLM_DTYPE_DOC = ("vllm engine dtype; auto: bfloat16, float32 on a CPU without AMX or AVX512-BF16 (compute_dtype.for_vllm)")
 STEP_SETTINGS = [
     *_per_step(("regenerate", "prepare", "extract", "vocab", "choose", "eval"), "out", "text", None,
                "write here instead of the step's folder under output_dir", nonempty=True),
@@ -188,7 +189,7 @@ STEP_SETTINGS = [
                internal=True),
     *_per_step(("regenerate", "extract", "train", "eval"), "device", default="auto", doc="where torch runs", **_DEVICE),
     *_per_step(_ENGINE_STEPS, "engine", default="auto", doc="vllm where the host has it, else transformers", **_ENGINE),
-    *_per_step(_ENGINE_STEPS, "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
+    *_per_step(_ENGINE_STEPS, "vllm_dtype", "text", "auto", _VLLM_DTYPE_DOC, nonempty=True),
     *_per_step(_ENGINE_STEPS, "max_model_len", "int", None,
                "context the turns must fit (both engines); unset: what the prompts need, at least 2048 (one vLLM "
                "compile for a run's engines), within the model's",
@@ -278,7 +279,7 @@ STEP_SETTINGS = [
           positive=True),
     _step("choose", "swap_drafts", "toggle", True, "serve the later checkpoints by swapping each into the engine the "
           "first started, in place (one target load); off: an engine each"),
-    *_per_step(("choose",), "vllm_dtype", "text", "bfloat16", "vllm engine dtype", nonempty=True),
+    *_per_step(("choose",), "vllm_dtype", "text", "auto", _VLLM_DTYPE_DOC, nonempty=True),
     *_per_step(("choose",), "max_model_len", "int", None, "vllm engine context (unset: the longest prompt plus "
                "max_tokens, at least 2048, within the model's positions)", positive=True),
     *_per_step(("choose",), "enforce_eager", "toggle", True, "vllm engine: skip graph capture"),

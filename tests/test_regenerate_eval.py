@@ -14,6 +14,7 @@ import pytest
 
 from conftest import make_env, touch_weights
 from drafts import build_tiny_llama, export_untrained_draft, stub_draft
+from kimi_eagle_host import compute_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "kimi_eagle_host" / "sample_data"
@@ -446,6 +447,10 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     assert [len(a) for a in stream] == [1, 5, 2, 3, 1, 3, 2] and stream == rounds
     assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == SUITE_VLLM
     assert rep["engine_memory"].startswith(sized)
+    # vllm_dtype auto: float32 on a CPU that converts bf16 in software (CI's box: bf16 ran 4.6x slower there)
+    auto = "bfloat16" if compute_dtype.cpu_computes_bf16() else "float32"
+    (keyed,) = (tmp_path / "o" / "regenerated" / "chunks").glob("*/settings.json")
+    assert json.loads(keyed.read_text())["dtype"] == auto and rep["dtype"] == auto, (keyed.read_text(), rep["dtype"])
     assert rep["turns"] == 8 and set(rep["per_category"]) == {"writing", "math"} and rep["drafts"] > 0
     assert [t["batch_size"] for t in rep["throughput"] if t["measured"]] == [1, 2]
     assert f"vLLM {SUITE_VLLM}" in rep["card"] and "k=3" in rep["card"]

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.evaluation.served import ServedEngine, acceptance_by_k, tokens_per_s_by_k, vllm_support
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write_json, job_headline, log, parse_step_args,
@@ -240,6 +241,7 @@ def run(args):
 
     out = os.path.abspath(args.output_dir)
     record = candidates.read(out)
+    args.vllm_dtype = compute_dtype.for_vllm(args.vllm_dtype, log)
     prompts = heldout_prompts(out, record, args.prompts)
     tc = parity.target_text_config(args.model)
     if args.max_model_len is None:   # the longest prompt and its answer (the draft must reach as far), as eval derives it

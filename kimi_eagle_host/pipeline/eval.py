@@ -564,6 +564,7 @@ def run(args):
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     out_dir = os.path.abspath(args.out or os.path.join(args.output_dir, "eval"))
     check_the_draft(args)
+    args.vllm_dtype = compute_dtype.for_vllm(args.vllm_dtype, log)   # what a vLLM engine here will be started with
     if not args.prompts:
         if not args.smoke:
             raise BadInput("--prompts: required (or --smoke alone: the served smoke test on bundled prompts)")

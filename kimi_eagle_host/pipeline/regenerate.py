@@ -598,6 +598,8 @@ def run(args):
                                                                args.max_turns, least=least)
     convs, dropped_long = check_lengths(convs, budget, args.dataset, args.long_prompts)
     engine_name, engine_env = pick_engine(args.engine)
+    if engine_name == "vllm":
+        args.vllm_dtype = compute_dtype.for_vllm(args.vllm_dtype, log)
     if args.batching == "stream" and engine_name != "vllm":
         raise BadInput(f"--batching stream: needs the vllm engine (continuous batching); this run's is {engine_name}")
     engine = Engine(args, engine_name, tok)
