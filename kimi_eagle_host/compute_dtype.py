@@ -9,10 +9,10 @@ to ask for.
 
 vLLM's serving engines (regenerate, eval, choose: `vllm_dtype`) follow the same rule through `for_vllm`: `auto` is
 bfloat16, except on a CPU without a bf16 matrix instruction, where it is float32. On the AVX2 box vLLM 0.32's CPU
-kernels answered 25.9 tokens/s in bfloat16 against 118.9 in float32 (SmolLM2-135M, the quality test's ShareGPT
-turns, two threads; docs/benchmarks.md): CI's box turned out to be such a CPU, and the quality test's regenerate
-ran out of its 20 minutes. Extraction keeps bfloat16 in vLLM everywhere: its hidden states are the training data,
-stored as a GPU run would store them.
+kernels answered 26.0 tokens/s in bfloat16 against 112.4 in float32 (SmolLM2-135M, 64 ShareGPT first turns, two
+threads; bench/vllm_cpu_dtype.py): CI's box turned out to be such a CPU, and the quality test's regenerate ran out
+of its 20 minutes. Extraction keeps bfloat16 in vLLM everywhere: its hidden states are the training data, stored as
+a GPU run would store them.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def resolve(dtype: str, device_type: str, log=None, cpuinfo: str = "/proc/cpuinf
         return "bfloat16" if device_type == "cuda" else "float32"
     if dtype == "bfloat16" and device_type == "cpu" and log is not None and not cpu_computes_bf16(cpuinfo):
         log(f"{name} bfloat16 on a CPU without AMX or AVX512-BF16: its matrix products run in software, several "
-            f"times slower than float32 (torch's ~100x, vLLM's ~4.6x; {name} float32 or auto: float32 here)")
+            f"times slower than float32 (torch's ~100x, vLLM's ~4.3x; {name} float32 or auto: float32 here)")
     return dtype
 
 

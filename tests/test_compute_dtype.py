@@ -71,7 +71,7 @@ def test_muon_on_a_cpu_without_bf16_orthogonalizes_in_float32_and_updates_as_tor
 
 
 def test_a_vllm_engine_on_a_cpu_without_bf16_is_started_in_float32(tmp_path, monkeypatch):
-    """vllm_dtype auto: vLLM 0.32's CPU kernels answered at 25.9 tokens/s in bf16 and 118.9 in fp32 on the AVX2 box
+    """vllm_dtype auto: vLLM 0.32's CPU kernels answered at 26.0 tokens/s in bf16 and 112.4 in fp32 on the AVX2 box
     (CI's box turned out to be one: the quality test's regenerate ran out of its 20 minutes). A GPU or a CPU with
     AMX/AVX512-BF16 keeps bf16; a dtype asked for by name is vLLM's to read, and bf16 on such a CPU is said once."""
     import torch

@@ -447,7 +447,7 @@ def test_regenerate_and_eval_start_vllm_with_the_engine_environment_on_a_busy_ho
     assert [len(a) for a in stream] == [1, 5, 2, 3, 1, 3, 2] and stream == rounds
     assert rep["engine"] == "vllm" and rep["engine_env"] == wanted and rep["vllm_version"] == SUITE_VLLM
     assert rep["engine_memory"].startswith(sized)
-    # vllm_dtype auto: float32 on a CPU that converts bf16 in software (CI's box: bf16 ran 4.6x slower there)
+    # vllm_dtype auto: float32 on a CPU that converts bf16 in software (bf16 ran 4.3x slower on such a box)
     auto = "bfloat16" if compute_dtype.cpu_computes_bf16() else "float32"
     (keyed,) = (tmp_path / "o" / "regenerated" / "chunks").glob("*/settings.json")
     assert json.loads(keyed.read_text())["dtype"] == auto and rep["dtype"] == auto, (keyed.read_text(), rep["dtype"])
