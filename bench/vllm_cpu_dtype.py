@@ -42,7 +42,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="vllm-cpu-dtype-")
-    data = step(sys.executable, "convert_dataset", "--source", "sharegpt", "--out", os.path.join(work, "sharegpt.jsonl"))
+    data = step(sys.executable, "convert_dataset", "--source", "sharegpt",
+                "--out", os.path.join(work, "sharegpt.jsonl"))
     env = {**os.environ, "PYTHONPATH": REPO, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads)}
     runs = {}
     for dtype in ("bfloat16", "float32"):

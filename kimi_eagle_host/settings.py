@@ -179,7 +179,8 @@ def _per_step(steps, name, kind, default, doc, **kw) -> list[Setting]:
 
 _DEVICE = dict(kind="choice", choices=("auto", "cpu", "cuda"))
 _ENGINE = dict(kind="choice", choices=("auto", "vllm", "hf"))
-_VLLM_DTYPE_DOC = ("vllm engine dtype; auto: bfloat16, float32 on a CPU without AMX or AVX512-BF16 (compute_dtype.for_vllm)")
+_VLLM_DTYPE_DOC = ("vllm engine dtype; auto: bfloat16, float32 on a CPU without AMX or AVX512-BF16 "
+                   "(compute_dtype.for_vllm)")
 STEP_SETTINGS = [
     *_per_step(("regenerate", "prepare", "extract", "vocab", "choose", "eval"), "out", "text", None,
                "write here instead of the step's folder under output_dir", nonempty=True),
