@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,3 +65,15 @@ def pct(values, q):
 
 def median(values):
     return statistics.median(values)
+
+
+def pipeline_step(python, module: str, *args, env=None, timeout: float = 3600):
+    """`python -m kimi_eagle_host.pipeline.MODULE ARGS`: (its result, the last line it printed; seconds). A step that
+    fails ends the benchmark with its stderr's tail."""
+    t0 = time.perf_counter()
+    p = subprocess.run([str(python), "-m", f"kimi_eagle_host.pipeline.{module}", *map(str, args)], capture_output=True,
+                       text=True, env=env, timeout=timeout)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode or not lines:
+        sys.exit(f"{module} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1]), time.perf_counter() - t0

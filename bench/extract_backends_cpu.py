@@ -20,11 +20,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import pipeline_step  # noqa: E402  (it puts tests/ on the path)
 from vllm_envs import env_python  # noqa: E402
 
 # The steps run as `python -m kimi_eagle_host...` from this checkout.
@@ -37,12 +37,7 @@ def site_and_us(site) -> str:
 
 
 def step(py, script, *args, env=None):
-    t0 = time.perf_counter()
-    p = subprocess.run([str(py), "-m", "kimi_eagle_host.pipeline." + script.removesuffix(".py"), *map(str, args)],
-                       capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=3600)
-    if p.returncode:
-        sys.exit(f"{script} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout), time.perf_counter() - t0
+    return pipeline_step(py, script.removesuffix(".py"), *args, env={**ENV, **(env or {})})
 
 
 def main():
