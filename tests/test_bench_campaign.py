@@ -254,3 +254,27 @@ def test_a_carried_export_is_checked_and_evaluated_without_training_or_serving_a
     assert rec["carried_export"]["sha256"] == right and rec["chosen_step"] == 2286 and rec["why"] == choice["why"]
     assert rec["needs"] == ["smol_model", "bundle-vllm"]
     assert json.loads((tmp_path / "shm" / "scale" / "draft" / "export" / "selection.json").read_text()) == choice
+
+
+def test_a_call_whose_output_is_cut_short_does_not_start_a_second_runner(tmp_path):
+    """`... | head -3` closes the call's stdout: "runner already running" then raises BrokenPipeError. That error once
+    read as "no runner", so each such call started another runner on the same stages and folders."""
+    nothing = tmp_path / "carried"
+    nothing.mkdir()
+    pid_file = tmp_path / "work" / "runner.pid"
+    try:
+        assert campaign(tmp_path, "absorb", "--from", str(nothing)).returncode == 0
+        assert "runner started" in campaign(tmp_path, "start").stdout
+        first = pid_file.read_text()
+        for _ in range(2):
+            read_end, write_end = os.pipe()
+            os.close(read_end)   # whatever the call prints meets a closed pipe
+            env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"),
+                   "KE_TINY": "1", "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHONUNBUFFERED": "1"}
+            subprocess.run([sys.executable, str(RUNNER), "start"], env=env, stdout=write_end,
+                           stderr=subprocess.DEVNULL, timeout=60)
+            os.close(write_end)
+        assert pid_file.read_text() == first, "a second runner was started beside the first"
+        os.kill(int(first), 0)   # and the first still runs
+    finally:
+        stop_runner(tmp_path)

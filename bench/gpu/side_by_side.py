@@ -1579,19 +1579,28 @@ def apply_overlay() -> None:
     write_json(log_path, {"applied": history + [{"at": round(now(), 1), "files": files}]})
 
 
+def process_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def start() -> None:
     for d in D.values():
         d.mkdir(parents=True, exist_ok=True)
     pid_file = WORK / "runner.pid"
     if pid_file.exists():
-        try:
-            os.kill(int(pid_file.read_text()), 0)
+        # The print stays outside the liveness check: a closed stdout (`... | head`) raises BrokenPipeError, an
+        # OSError, which inside it read as "no runner" and started a second one (thirty-third session: three
+        # runners on one GPU, each running the same stages in the same folders).
+        if process_alive(pid_file):
             print("runner already running")
             return
-        except (OSError, ValueError):
-            if (WORK / "runner.finished").exists():
-                print("runner finished earlier")
-                return
+        if (WORK / "runner.finished").exists():
+            print("runner finished earlier")
+            return
     # The runner runs from a copy: each call re-sends the checkout, and the runner must not see files change.
     repo = D["repo"]
     if not (repo / "bench").exists():
