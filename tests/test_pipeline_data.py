@@ -274,6 +274,41 @@ BAD_ROWS = [
 ]
 
 
+def test_prepare_loads_the_tokenizer_autotokenizer_builds_without_importing_torch(models, tmp_path):
+    """prepare needs a tokenizer and nothing of torch, yet importing AutoTokenizer imports torch (~6 of a small
+    prepare's ~8 CPU-seconds). Where the tokenizer's config names transformers' generic tokenizer.json backend (as
+    these models' and SmolLM2's do) prepare loads that class itself: the same tokenizer AutoTokenizer builds, the
+    same text and ids. Remote code (Kimi-K2.5's tiktoken tokenizer) still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from kimi_eagle_host.pipeline.prepare import generic_tokenizer_class, load_tokenizer
+
+    v4_name = tmp_path / "v4-name"   # the same files, the class under its transformers 4 name
+    remote = tmp_path / "remote"
+    for folder, change in ((v4_name, {"tokenizer_class": "PreTrainedTokenizerFast"}),
+                           (remote, {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}})):
+        shutil.copytree(models["llama"], folder)
+        config = folder / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **change}))
+    assert generic_tokenizer_class(str(remote)) is None and generic_tokenizer_class("org/hub-name") is None
+    conversation = [{"role": "user", "content": "Grüß dich, 日本"}, {"role": "assistant", "content": "Hallo!"}]
+    for folder in (models["llama"], models["kimi"], str(v4_name)):
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        assert type(ours) is type(auto) and len(ours) == len(auto) and ours.eos_token == auto.eos_token
+        text = ours.apply_chat_template(conversation, tokenize=False)
+        assert text == auto.apply_chat_template(conversation, tokenize=False)
+        assert dict(ours(text, add_special_tokens=False, return_offsets_mapping=True)) == \
+            dict(auto(text, add_special_tokens=False, return_offsets_mapping=True))
+    # the step itself, as a host runs it: torch is never imported
+    step = subprocess.run([sys.executable, "-X", "importtime", *host_cmd("pipeline.prepare")[1:], "--model",
+                           models["llama"], "--dataset", SAMPLE, "--output-dir", tmp_path / "out", "--seq-len", "64",
+                           "--max-samples", "4"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert step.returncode == 0, step.stderr[-2000:]
+    assert json.loads(step.stdout)["count"] == 4
+    imported = {line.rsplit("|", 1)[-1].strip() for line in step.stderr.splitlines() if line.startswith("import time:")}
+    assert "transformers" in imported and "torch" not in imported
+
+
 @pytest.mark.parametrize("bad,why", BAD_ROWS[:1])
 def test_prepare_bad_row_fails_with_file_and_line(models, tmp_path, bad, why):
     good = open(SAMPLE, encoding="utf-8").read().splitlines()[:4]
