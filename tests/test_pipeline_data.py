@@ -281,7 +281,7 @@ def test_prepare_loads_the_tokenizer_autotokenizer_builds_without_importing_torc
     same text and ids. Remote code (Kimi-K2.5's tiktoken tokenizer) still goes through AutoTokenizer."""
     from transformers import AutoTokenizer
 
-    from kimi_eagle_host.pipeline.prepare import generic_tokenizer_class, load_tokenizer
+    from kimi_eagle_host.target.tokenizer import generic_tokenizer_class, load_tokenizer
 
     v4_name = tmp_path / "v4-name"   # the same files, the class under its transformers 4 name
     remote = tmp_path / "remote"

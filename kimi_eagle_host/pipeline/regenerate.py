@@ -56,6 +56,7 @@ from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, log,
                                           model_fingerprint, model_identity, package_dir, progress_line, run_step,
                                           stdout_for_result_only)
+from kimi_eagle_host.target.tokenizer import load_tokenizer
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
@@ -78,7 +79,8 @@ def shard_chunks(n_chunks, rank, world_size):
 
 def code_version():
     return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py",
-                                        "data/curation.py", "data/self_prompts.py", "data/answering.py"))
+                                        "data/curation.py", "data/self_prompts.py", "data/answering.py",
+                                        "target/tokenizer.py"))
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -402,15 +404,6 @@ def load_prompts(args):
         if not convs:
             raise BadInput(f"{args.dataset}: no conversation is left after curation ({r['dropped']})")
     return convs[:args.max_prompts] if args.max_prompts else convs, prov, curator
-
-
-def load_tokenizer(model):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    except Exception as e:  # noqa: BLE001
-        raise BadInput(f"{model}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
 
 def self_prompt_key(args, engine, opening):
