@@ -16,11 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "bench" / "gpu" / "side_by_side.py"
 
 
+def campaign_env(tmp_path: Path, **knobs: str) -> dict:
+    return {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
+            "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable, **knobs}
+
+
 def campaign(tmp_path: Path, *args: str, timeout: float = 200, **knobs: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"), "KE_TINY": "1",
-           "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHON": sys.executable, **knobs}
-    return subprocess.run([sys.executable, str(RUNNER), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, str(RUNNER), *args], env=campaign_env(tmp_path, **knobs),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def stop_runner(tmp_path: Path) -> None:
@@ -269,10 +272,8 @@ def test_a_call_whose_output_is_cut_short_does_not_start_a_second_runner(tmp_pat
         for _ in range(2):
             read_end, write_end = os.pipe()
             os.close(read_end)   # whatever the call prints meets a closed pipe
-            env = {**os.environ, "KE_WORK": str(tmp_path / "work"), "KE_SHM": str(tmp_path / "shm"),
-                   "KE_TINY": "1", "KE_GPUS": "1", "KE_STAGES": "smol_model,scale_data", "PYTHONUNBUFFERED": "1"}
-            subprocess.run([sys.executable, str(RUNNER), "start"], env=env, stdout=write_end,
-                           stderr=subprocess.DEVNULL, timeout=60)
+            subprocess.run([sys.executable, str(RUNNER), "start"], env=campaign_env(tmp_path, PYTHONUNBUFFERED="1"),
+                           stdout=write_end, stderr=subprocess.DEVNULL, timeout=60)
             os.close(write_end)
         assert pid_file.read_text() == first, "a second runner was started beside the first"
         os.kill(int(first), 0)   # and the first still runs
