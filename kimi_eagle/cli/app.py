@@ -6,6 +6,7 @@ Each command group lives in its own module and is added here; none of them impor
 from __future__ import annotations
 
 import sys
+import time
 from typing import List, Optional
 
 import typer
@@ -111,12 +112,39 @@ def _keep_ctrl_c(default):
     handling of Ctrl-C sees it; anything else goes to `default`."""
     def hook(unraisable):
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            import _thread
-
-            _thread.interrupt_main()
+            _interrupt_main_after(sys._getframe())
             return
         default(unraisable)
     return hook
+
+
+def _interrupt_main_after(frame) -> None:
+    """Ctrl-C for the main thread once it has left `frame`. Called in the main thread, interrupt_main() would fire
+    inside that very frame, since Python looks for signals as soon as the call returns: the Ctrl-C became unraisable
+    a second time ('Exception ignored in sys.unraisablehook', seen in CI). A helper thread waits for the frame to
+    leave the main thread's stack first."""
+    import _thread
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        _thread.interrupt_main()
+        return
+    main_id = threading.main_thread().ident
+
+    def still_inside() -> bool:
+        f = sys._current_frames().get(main_id)
+        while f is not None:
+            if f is frame:
+                return True
+            f = f.f_back
+        return False
+
+    def deliver():
+        while still_inside():
+            time.sleep(0.001)
+        _thread.interrupt_main()
+
+    threading.Thread(target=deliver, name="deliver-ctrl-c", daemon=True).start()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
