@@ -20,7 +20,7 @@ E2E_MARKERS = ("vllm", "slurm", "quality")
 FILES = {
     "test_api.py": INTEGRATION,
     "test_bench_campaign.py": INTEGRATION,   # the GPU campaign's runner as real processes on a bare work folder
-    "test_bench_gpu_scaling.py": UNIT,
+    "test_bench_gpu_scaling.py": INTEGRATION,   # the two-GPU scaling bench rehearsed on the CPU: real jobs, tiny models
     "test_choose.py": INTEGRATION,   # the plan, refusals and choice rules are unit; vLLM's test is e2e
     "test_cli_answers.py": INTEGRATION,
     "test_cli_printing.py": INTEGRATION,

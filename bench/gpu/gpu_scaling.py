@@ -5,8 +5,8 @@ another world size, and `stop` of a torchrun job leaving no process and no GPU m
 
 Everything goes through the same entry points a job uses: pipeline/launch.py decides one process or torchrun
 workers from the visible GPUs (CUDA_VISIBLE_DEVICES picks 1 or 2), the steps are the payloads themselves, and
-the stop phase renders the real job script (kimi_eagle.jobs.direct.render_job, jinja2 only) and drives the host-side job
-control (ops/jobctl.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
+the stop phase renders the real job (kimi_eagle.jobs.direct.job_files: its script and settings.json, jinja2 only) and drives the host-side job
+control (ops/jobs.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
 
 Writes $OUT/gpu_scaling.json after every phase (a timeout still leaves the phases done) and $OUT/gpu_scaling.log.
 Sizes from the environment, so the flow can be rehearsed on a CPU box (then: 2 gloo workers instead of GPUs):
@@ -35,7 +35,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ
 PY = sys.executable
 OUT = Path(os.environ.get("OUT") or ROOT / "out").resolve()
 WORK = Path(os.environ.get("WORK", "/tmp/kimi-eagle-scaling"))
-SHM = Path("/dev/shm/kimi-eagle-scaling") if os.path.isdir("/dev/shm") else WORK / "shm"
+# Hidden states in memory, a folder of this run's own (two rehearsals at once, the suite's and a developer's, must
+# not share one)
+SHM = (Path("/dev/shm") if os.path.isdir("/dev/shm") else WORK) / f"kimi-eagle-scaling-{os.getpid()}"
 S = {k: int(os.environ.get(f"GS_{k}", v)) for k, v in {
     "HIDDEN": 2048, "LAYERS": 20, "VOCAB": 32000, "ROWS": 800, "WORDS": 600, "SEQ": 2048, "XBATCH": 32,
     "TBATCH": 32, "TSTEPS": 24, "DRAFT_VOCAB": 8192, "WRITERS": 16}.items()}
@@ -258,8 +260,12 @@ class Unset(SimpleNamespace):
         return {k: (v.model_dump() if isinstance(v, Unset) else v) for k, v in vars(self).items()}
 
 
-def render_train_job(host_dir: Path, d: Path, job_id: str):
-    """(host, job script path relative to host_dir, its text): the job `kimi-eagle run train` would start."""
+def train_job_files(host_dir: Path, d: Path, job_id: str):
+    """(host, {path relative to host_dir: text}): what `kimi-eagle run train` uploads to start this job (its script,
+    its settings.json and the record of its output folder). The script alone, as this bench wrote it until the
+    settings moved into settings.json, started a job whose steps found no settings and exited 2."""
+    from kimi_eagle.config import step_plan
+    from kimi_eagle.hosts.session import RUNS
     from kimi_eagle.jobs import direct
 
     pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), engine="hf", seq_len=S["SEQ"],
@@ -267,9 +273,11 @@ def render_train_job(host_dir: Path, d: Path, job_id: str):
                  ttt_steps=3, nproc_per_node=2 if CPU_REHEARSAL else None, steps={}, report_to="none")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     host = Unset(name="gpu-scaling", workdir=str(host_dir), env=env, python=PY, pipeline=pipe)
-    rel, text = direct.render_job(Unset(host=host), "train",
-                                ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"], job_id)
-    return host, rel, text
+    session = Unset(host=host)
+    files = direct.job_files(session, "train", ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"],
+                             job_id)
+    files.update({f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record("train", session).items()})
+    return host, files
 
 
 def stop_phase() -> dict:
@@ -282,9 +290,10 @@ def stop_phase() -> dict:
     shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads" / "kimi_eagle_host", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
     job_id = job_info.new_job_id("train")
-    host, rel, text = render_train_job(host_dir, d, job_id)
-    (host_dir / rel).parent.mkdir(parents=True)
-    (host_dir / rel).write_text(text)
+    host, files = train_job_files(host_dir, d, job_id)
+    for rel, text in files.items():
+        (host_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (host_dir / rel).write_text(text)
     jobctl = [PY, *payload("ops/jobs.py"), "--runs-dir", host_dir / "runs"]
     base_mem = gpu_memory_used()
     rc, started, _ = run([*jobctl, "start", "--job-id", job_id, "--step", "train", "--host", host.name,
