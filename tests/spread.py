@@ -33,24 +33,25 @@ GROUPS = {
 # other session fixture are one unit).
 CHEAP = {"sshd"}
 
-# Seconds a unit took in the README's test command on the AVX2-only 2-core box at 4 workers (the JUnit XML of the run of
-# 2026-12-06, summed per unit, rounded), longest first; a unit not listed counts a second per test. Only the order
-# matters: a stale figure costs time, never a result (units the 2026-12-03 figures put near the end, such as
-# test_bench_campaign.py at 240 s, were started last and ran on while the other workers stood idle).
+# Seconds a unit took in CI run serially (the JUnit XML of the run of 2026-12-03, rounded), longest first; a unit not
+# listed counts a second per test. Only the order matters: a stale figure costs time, never a result.
+# Not refreshed on purpose: the README run of 2026-12-06 on the AVX2-only box with these figures replaced by that
+# box's own (the longest truly first) took 61.8 min and 6,002 CPU-seconds, against 50.3 min and 4,981 with these
+# (the same tests but two). The heavy units, started together, each took 1.27-1.45x their CPU-seconds beside one
+# another (vLLM engines and OpenMP threads contending), the light ones 0.8-1.1x; these figures happen to interleave
+# heavy units with light ones. One run each: the box's own variation is not ruled out.
 SECONDS = {
     # The quality run first: one thread beside the other workers (test_quality.py), so it runs while they do. Run last
     # and alone (until 2026-12-04) it held both cores for ~11 minutes at 1.46 of them, the others idle.
-    "test_quality.py": 1470,
-    "test_regenerate_eval.py": 1070, "test_vllm_backends.py": 1050, "test_kimi_vllm.py": 660, "test_choose.py": 600,
-    "slurm": 490, "test_online.py": 480, "test_torchrun.py": 460, "test_known_acceptance.py": 400,
-    "test_online_vllm.py": 370, "test_self_prompts.py": 340, "trained": 290, "test_group_jobs.py": 280,
-    "test_pull_clean.py": 260, "test_pipeline_data.py": 260, "test_engine_memory_steps.py": 260,
-    "test_bench_campaign.py": 240, "test_data_manifest.py": 210, "speculators-wheels": 190, "test_jobs.py": 170,
-    "test_jobs_gpu_truth.py": 130, "test_preflight_cli.py": 130, "test_machine_claims.py": 120,
-    "test_group_truth.py": 120, "test_storage_plan.py": 100, "test_preflight_kimi_size.py": 100,
-    "test_preflight_payload.py": 90, "test_input_guards.py": 90, "test_hosts.py": 70,
-    "test_vllm_env_defaults.py": 70, "test_recipes.py": 60,
-    "test_bench_gpu_scaling.py": 300,   # new on 2026-12-06: 150 s on the idle box, two tests
+    "test_quality.py": 1500,
+    "test_vllm_backends.py": 404, "test_regenerate_eval.py": 331, "test_kimi_vllm.py": 175,
+    "slurm": 167, "test_choose.py": 143, "test_torchrun.py": 141, "test_known_acceptance.py": 137,
+    "test_group_jobs.py": 136, "trained": 116, "test_self_prompts.py": 113,
+    "test_online_vllm.py": 100, "test_online.py": 98, "test_pull_clean.py": 97, "test_data_manifest.py": 89,
+    "test_machine_claims.py": 82, "test_pipeline_data.py": 75, "test_group_truth.py": 73, "speculators-wheels": 65,
+    "test_extract_resume_key.py": 62, "test_engine_memory_steps.py": 54, "test_preflight_cli.py": 53,
+    "test_jobs.py": 52, "test_jobs_gpu_truth.py": 49,
+    "test_bench_gpu_scaling.py": 150,   # added 2026-12-06 (150 s alone on the idle box): not last
 }
 
 

@@ -5,8 +5,8 @@ another world size, and `stop` of a torchrun job leaving no process and no GPU m
 
 Everything goes through the same entry points a job uses: pipeline/launch.py decides one process or torchrun
 workers from the visible GPUs (CUDA_VISIBLE_DEVICES picks 1 or 2), the steps are the payloads themselves, and
-the stop phase renders the real job (kimi_eagle.jobs.direct.job_files: its script and settings.json, jinja2 only) and drives the host-side job
-control (ops/jobs.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
+the stop phase renders the real job (kimi_eagle.jobs.direct.job_files: its script and settings.json, jinja2 only)
+and drives the host-side job control (ops/jobs.py start/stop: what `kimi-eagle run`/`stop` call over SSH).
 
 Writes $OUT/gpu_scaling.json after every phase (a timeout still leaves the phases done) and $OUT/gpu_scaling.log.
 Sizes from the environment, so the flow can be rehearsed on a CPU box (then: 2 gloo workers instead of GPUs):
