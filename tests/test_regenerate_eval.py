@@ -183,20 +183,22 @@ def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_
     assert code == 2 and f"{prompts}:1" in err and "user turn" in err
 
 
-def test_regenerate_refuses_a_tokenizer_without_a_chat_template_before_any_engine(tmp_path):
-    """regenerate renders every prompt with the target's chat template: a tokenizer without one is one line, exit 2,
-    before an engine starts or a chunk is written (it was transformers' ValueError traceback and exit 1)."""
-    from kimi_eagle_host.pipeline import tiny_model
-
-    model = Path(tiny_model.build(str(tmp_path / "m"), kind="llama", layers=2, seed=0)["out_dir"])
+@pytest.mark.parametrize("step", ["regenerate", "eval"])
+def test_a_tokenizer_without_a_chat_template_is_refused_before_any_engine(tmp_path, step):
+    """regenerate and eval render every prompt with the target's chat template: a tokenizer without one is one line,
+    exit 2, before an engine starts or a file is written (it was transformers' ValueError traceback and exit 1; both
+    load the tokenizer through target/tokenizer.py, as prepare does)."""
+    model = build_tiny_llama(tmp_path)
+    draft = export_untrained_draft(tmp_path, model) if step == "eval" else None
     (model / "chat_template.jinja").unlink(missing_ok=True)
     config = model / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     prompts = chat_file(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
-    code, _, err = payload("regenerate.py", "--model", model, "--dataset", prompts, "--output-dir", tmp_path / "o",
-                           "--engine", "hf")
+    out = tmp_path / "o"
+    flags = (["--dataset", prompts] if step == "regenerate" else ["--draft", draft, "--prompts", prompts])
+    code, _, err = payload(f"{step}.py", "--model", model, *flags, "--output-dir", out, "--engine", "hf")
     assert code == 2 and f"{model}: the tokenizer has no chat_template" in err, err[-2000:]
-    assert not (tmp_path / "o" / "regenerated" / "chunks").exists()
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
 
 
 def test_a_host_choosing_model_source_replaces_an_inherited_tiny_model(tmp_path):

@@ -265,7 +265,6 @@ def train_job_files(host_dir: Path, d: Path, job_id: str):
     its settings.json and the record of its output folder). The script alone, as this bench wrote it until the
     settings moved into settings.json, started a job whose steps found no settings and exited 2."""
     from kimi_eagle.config import step_plan
-    from kimi_eagle.hosts.session import RUNS
     from kimi_eagle.jobs import direct
 
     pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), engine="hf", seq_len=S["SEQ"],
@@ -276,7 +275,7 @@ def train_job_files(host_dir: Path, d: Path, job_id: str):
     session = Unset(host=host)
     files = direct.job_files(session, "train", ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"],
                              job_id)
-    files.update({f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record("train", session).items()})
+    files.update(step_plan.output_record("train", session, job_id))
     return host, files
 
 

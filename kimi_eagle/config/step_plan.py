@@ -187,15 +187,15 @@ def plan_for_host(step: str, host, extra: list[str] | None = None, job_id: str |
     return [record, *steps]
 
 
-def output_record(step: str, session) -> dict[str, str]:
+def output_record(step: str, session, job_id: str) -> dict[str, str]:
     """What a pipeline job's start uploads next to its script: <runs>/<job>/output_dir (where its outputs are),
     written before the job starts, so `clean` (kimi_eagle_host.ops.clean, under the lock a start holds) never misses a
-    job that has started and not yet recorded its folder. {name under the job folder: text}; {} for exec."""
+    job that has started and not yet recorded its folder. {path relative to the workdir: text}; {} for exec."""
     if step == "exec":
         return {}
     out = str(expand(session.host.pipeline.output_dir))
     path = out if out.startswith("/") else session.transport.abspath(out) if out.startswith("~") else session.path(out)
-    return {"output_dir": path + "\n"}
+    return {f"{RUNS}/{job_id}/output_dir": path + "\n"}
 
 
 def launch_flags(step: str, pipeline) -> list[str]:

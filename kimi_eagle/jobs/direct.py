@@ -79,7 +79,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     if files is None:
         files = job_files(session, step, extra, job_id, shape)  # before touching the host: bad input changes nothing
     session.deploy_payloads()
-    record = {f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()}
+    record = step_plan.output_record(step, session, job_id)
     args = ["start", f"--job-id={job_id}", "--step", step, "--host", session.name,
             "--workdir", session.path(""), "--args-json", json.dumps(extra)]
     if takes_gpu(step, gpu):

@@ -151,7 +151,7 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     job_id = check_job_id(job_id or new_job_id(step))
     if files is None:
         files = job_files(session, step, extra, job_id)  # renders before touching the host: bad input changes nothing
-    files = {**files, **{f"{RUNS}/{job_id}/{name}": t for name, t in step_plan.output_record(step, session).items()}}
+    files = {**files, **step_plan.output_record(step, session, job_id)}
     session.deploy_payloads()
     items = [sync.Item(remote=rel, data=text.encode(), mode=0o755 if rel.endswith(".sh") or rel.endswith(".sbatch") else 0o644)
              for rel, text in files.items()]

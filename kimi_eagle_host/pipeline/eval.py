@@ -38,6 +38,7 @@ import time
 
 from kimi_eagle_host import compute_dtype
 from kimi_eagle_host.draft import parity
+from kimi_eagle_host.target.tokenizer import load_tokenizer
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
@@ -294,7 +295,7 @@ def baseline_settings(args, prov, engine_name, batch_sizes, timing_n) -> dict:
             "batch_sizes": batch_sizes, "timing_prompts": timing_n, "engine": engine_name, "tp_size": args.tp_size,
             "enforce_eager": args.enforce_eager,
             "code": files_digest(package_dir(), ("pipeline/eval.py", "data/prompts.py",
-                                                          "evaluation/spec_hf.py"))}
+                                                          "evaluation/spec_hf.py", "target/tokenizer.py"))}
 
 
 def baseline_file(args, settings) -> str:
@@ -571,9 +572,7 @@ def run(args):
         return served_smoke(args, out_dir)
     wanted(args.report_to)  # a tracker asked for by name and missing: said before any model load
     named, path, prov, convs = read_prompts(args)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tok = load_tokenizer(args.model)   # the chat template renders every turn: refused in one line without one
     budget = TokenBudget(tok, None, args.max_tokens)
     # the context the engine is asked for: given (and within the model's positions) or derived from the prompts
     args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
