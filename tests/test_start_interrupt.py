@@ -134,21 +134,34 @@ def test_ctrl_c_during_a_group_start_leaves_a_named_group_job_or_nothing(tmp_pat
     assert (130, False) in outcomes and any(started for _, started in outcomes), outcomes
 
 
-def test_a_ctrl_c_that_ends_the_local_start_call_before_it_runs_is_an_interrupt_with_nothing_left(tmp_path):
-    """On a local host the controller runs ops.jobs start as a child, which sits in the terminal's process group from
-    fork to setsid with default signal handlers (CPython's vfork child): a Ctrl-C there ends it before it runs. Seen
-    under load as `ops.jobs start failed (exit -2)`, exit 1, the job's folder left behind. The host's Python here is
-    a wrapper that makes that moment happen every time: it sends the controller its SIGINT, then dies of its own."""
+# The host calls of a local start, each as the wrapper below recognises it in its arguments: the upload of the job's
+# files (the sha256 of what is already there, the lease on the temporary files, the verify-and-rename), then ops.jobs
+# start.
+_START_CALLS = {
+    "upload-hash": '*"print(sha(p)"*"/job.sh "*',
+    "upload-lease": '*"fcntl.LOCK_NB"*"/.job.sh."*',
+    "upload-commit": '*"os.replace(tmp, final)"*"/job.sh "*',
+    "ops.jobs-start": '*" kimi_eagle_host.ops.jobs "*" start "*',
+}
+
+
+@pytest.mark.parametrize("call", list(_START_CALLS))
+def test_a_ctrl_c_that_ends_a_local_start_call_before_it_runs_is_an_interrupt_with_nothing_left(tmp_path, call):
+    """On a local host the controller runs each call of a start as a child, which sits in the terminal's process
+    group from fork to setsid with default signal handlers (CPython's vfork child): a Ctrl-C there ends it before it
+    runs. Seen under load as `ops.jobs start failed (exit -2)`, and in CI as `verify and rename on the host exited
+    -2`: exit 1 where the user pressed Ctrl-C. The host's Python here is a wrapper that makes that moment happen
+    every time in one call: it sends the controller its SIGINT, then dies of its own."""
     env = make_env(tmp_path, None)
     wrapper = tmp_path / "python-racing-a-ctrl-c"
     wrapper.write_text("#!/usr/bin/env bash\n"
-                       'case " $* " in *" kimi_eagle_host.ops.jobs "*" start "*) kill -INT "$PPID"; kill -INT $$ ;; esac\n'
+                       f'case " $* " in {_START_CALLS[call]}) kill -INT "$PPID"; kill -INT $$ ;; esac\n'
                        f'exec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     env.inventory.write_text(env.inventory.read_text().replace(f"python: {sys.executable}", f"python: {wrapper}"))
     run = start_cli(env, "run", "exec", "--host", "local", "--detach", "--no-preflight", "--", "sleep", "60")
     out, err = run.communicate(timeout=120)
-    assert run.returncode == 130 and "Traceback" not in err and "failed" not in err, (run.returncode, out, err)
+    assert run.returncode == 130 and "Traceback" not in err and "error" not in err, (run.returncode, out, err)
     assert _job_dirs(tmp_path / "localwork") == {}                      # nothing started, nothing left
     index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
     assert not index.exists() or json.loads(index.read_text()) == {}

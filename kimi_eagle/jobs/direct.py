@@ -87,14 +87,8 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     # From the job's folder to its id in jobs.json, Ctrl-C waits: before ops.jobs' start it cancels the start and
     # removes the folder; after, the job is recorded and named (exit 130). Never a job running untracked.
     with interrupts.deferred() as interrupted:
-        try:
+        with interrupts.uploading(interrupted, lambda: remove_job_dir(session, job_id)):
             session.upload_scripts({**files, **record})
-        except BaseException:
-            remove_job_dir(session, job_id)
-            raise
-        if interrupted:
-            remove_job_dir(session, job_id)
-            raise KeyboardInterrupt
         try:
             code, data = _call_host_jobs(session, args)
         except CommandError as e:

@@ -7,6 +7,8 @@ import contextlib
 import signal
 import threading
 
+from ..errors import KimiEagleError
+
 
 class StartInterrupted(KeyboardInterrupt):
     """Ctrl-C came while a job was starting and the job had started: `message` names it (exit 130)."""
@@ -40,6 +42,24 @@ def naming(interrupt: StartInterrupted):
 def naming_job(host: str, job_id: str, step: str):
     """After a job started and before its id is shown: a Ctrl-C in the block names the job (StartInterrupted)."""
     return naming(StartInterrupted.for_job(host, job_id, step))
+
+
+@contextlib.contextmanager
+def uploading(interrupted: "Noted", undo):
+    """A start's upload of its job files, inside its deferred() block. On a failure, or once a Ctrl-C was noted,
+    undo() (nothing of the job may stay) and the start ends; a host error after a Ctrl-C is taken as the Ctrl-C's
+    doing and ends it as interrupted, not failed. Each call of the upload is a child that a Ctrl-C can end before it
+    runs (ended_before_it_ran), and each fails its own way: an exit -2, a lease with no answer."""
+    try:
+        yield
+    except BaseException as e:
+        undo()
+        if interrupted and isinstance(e, KimiEagleError):
+            raise KeyboardInterrupt from None
+        raise
+    if interrupted:
+        undo()
+        raise KeyboardInterrupt
 
 
 def ended_before_it_ran(exited: int | None) -> bool:

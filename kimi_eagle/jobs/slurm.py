@@ -168,14 +168,8 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     # submission and removes the folder; after, the job is queued, recorded and named (exit 130). Never a Slurm
     # job queued that nobody was told about.
     with interrupts.deferred() as interrupted:
-        try:
+        with interrupts.uploading(interrupted, lambda: direct.remove_job_dir(session, job_id)):
             sync.sync(session.transport, session.path(""), items)
-        except BaseException:
-            direct.remove_job_dir(session, job_id)
-            raise
-        if interrupted:
-            direct.remove_job_dir(session, job_id)
-            raise KeyboardInterrupt
         res = session.transport.run(cmd, timeout=120)
         if interrupted and interrupts.ended_before_it_ran(res.exited):
             direct.remove_job_dir(session, job_id)
