@@ -167,6 +167,42 @@ def test_a_ctrl_c_that_ends_a_local_start_call_before_it_runs_is_an_interrupt_wi
     assert not index.exists() or json.loads(index.read_text()) == {}
 
 
+# `kimi-eagle ARGS` with a real SIGINT sent to itself as the start returns (in Job.from_host, which direct.start
+# calls once its deferral of Ctrl-C is over and before any naming block has begun): the few instructions between
+# the start's end and its caller's naming block, made certain. Seen as a recorded job with nothing printed (exit
+# 130, an empty stdout and stderr) at fraction 0.88 of test_ctrl_c_during_the_start... on a loaded box.
+_CTRL_C_AS_THE_START_RETURNS = """
+import os, runpy, signal, sys
+from kimi_eagle.jobs.job_info import Job
+made = Job.from_host.__func__
+
+def from_host(cls, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return made(cls, *args, **kwargs)
+
+Job.from_host = classmethod(from_host)
+sys.argv = ["kimi-eagle", *sys.argv[1:]]
+runpy.run_module("kimi_eagle", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_ctrl_c_between_the_start_and_the_naming_of_its_job_still_names_it(tmp_path):
+    env = make_env(tmp_path, None)
+    cli_env = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    cli_env.pop("KIMI_EAGLE_INVENTORY", None)
+    run = subprocess.run([PY, "-c", _CTRL_C_AS_THE_START_RETURNS, "--inventory", str(env.inventory), "run", "exec",
+                          "--host", "local", "--detach", "--no-preflight", "--", "sleep", "60"],
+                         env=cli_env, capture_output=True, text=True, timeout=120)
+    (job,) = _job_dirs(tmp_path / "localwork")                               # it started
+    index = json.loads((env.home / ".cache" / "kimi-eagle" / "jobs.json").read_text())
+    assert index[job]["host"] == "local"                                     # and is recorded
+    try:
+        assert run.returncode == 130 and "Traceback" not in run.stderr, (run.returncode, run.stdout, run.stderr)
+        assert f"interrupted after job {job}" in run.stderr and f"kimi-eagle stop {job}" in run.stderr, run.stderr
+    finally:
+        assert env.cli("stop", job, "--host", "local", "--grace", "1").code == 0
+
+
 # Runs `python -m kimi_eagle --help` with a finder that sends the process a real SIGINT as the command line's modules
 # load (at the import of a *_cmd module, mid-way through kimi_eagle.cli.app): CI's loaded box landed the fraction-0.15
 # Ctrl-C of the test above there, and by chance only.

@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, EXIT_USAGE, KimiEagleError, is_transport_failure
+from ..jobs import interrupts
 from . import deploy_patch_cmd, files_cmd, gpu_reset_cmd, hosts_cmd, jobs_cmd, preflight_cmd, runs_cmd
 from .context import console_ui, state
 
@@ -100,9 +101,11 @@ def _global_flags_first(argv: List[str]) -> List[str]:
 
 
 def _say_started(interrupt) -> None:
-    """Ctrl-C that came while a job was starting, after it started (interrupts.StartInterrupted): name the job."""
-    if getattr(interrupt, "message", None):
-        console_ui().error(interrupt.message)
+    """Ctrl-C that came while a job was starting, after it started (interrupts.StartInterrupted, or a plain
+    KeyboardInterrupt before the job was shown): name the job."""
+    message = interrupts.what_to_say(interrupt)
+    if message:
+        console_ui().error(message)
 
 
 def _keep_ctrl_c(default):
@@ -181,5 +184,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             console_ui().error(f"connection failed: {type(e).__name__}: {e}")
             sys.exit(EXIT_TRANSPORT)
         raise
-    # With standalone_mode=False click returns the code of a typer.Exit instead of raising it.
+    # With standalone_mode=False click returns the code of a typer.Exit instead of raising it; typer turns a Ctrl-C
+    # that no command caught into Exit(130).
+    if rc == 130:
+        _say_started(None)
     sys.exit(rc if isinstance(rc, int) else 0)

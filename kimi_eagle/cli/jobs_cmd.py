@@ -123,8 +123,10 @@ def run(
         job = started.job
         with interrupts.naming_job(started.host, job.id, step):  # a Ctrl-C before the id is shown still names it
             _show_started(ui, started.host, job, step, detach)
+        interrupts.shown()
     except interrupts.StartInterrupted as e:  # the job started and is recorded: say which, exit as interrupted
         ui.error(e.message)
+        interrupts.shown()
         raise typer.Exit(130) from None
     if detach:
         return
@@ -171,8 +173,10 @@ def _run_group(step, group, extra, *, shard_by, mode, detach, reset_gpus, no_pre
                                   "outcomes": [o.as_dict() for o in outcomes]})
                 else:
                     ui.line(g.id)
+        interrupts.shown()
     except interrupts.StartInterrupted as e:  # the group job started and is recorded: say which, exit as interrupted
         ui.error(e.message)
+        interrupts.shown()
         raise typer.Exit(130) from None
     if detach:
         raise typer.Exit(started.exit_code)

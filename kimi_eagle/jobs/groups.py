@@ -251,6 +251,8 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
             for m in g.members:
                 if m.job_id:
                     remember(m.job_id, m.host)
+            if started:
+                interrupts.recorded(interrupts.StartInterrupted.for_group(g.id, started))
     if interrupted:
         raise interrupts.StartInterrupted.for_group(g.id, started)
     return g, sorted(outcomes, key=lambda o: g.hosts.index(o.host))

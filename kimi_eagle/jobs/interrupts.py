@@ -28,6 +28,30 @@ class StartInterrupted(KeyboardInterrupt):
                    f"kimi-eagle status {group_job_id}, or stop it: kimi-eagle stop {group_job_id}")
 
 
+# What this process started and recorded but has not shown the user yet (a job, a group job). A Ctrl-C that lands
+# outside every naming block, in the few instructions between a start's end and its caller's naming block, reaches
+# the command line's top as a plain KeyboardInterrupt; what_to_say() names what started from this.
+_unshown: StartInterrupted | None = None
+
+
+def recorded(interrupt: StartInterrupted) -> None:
+    """A start recorded its job: until shown(), a Ctrl-C that ends the command says `interrupt`."""
+    global _unshown
+    _unshown = interrupt
+
+
+def shown() -> None:
+    """The user has been shown what started."""
+    global _unshown
+    _unshown = None
+
+
+def what_to_say(interrupt: BaseException | None) -> str | None:
+    """The line a command ended by Ctrl-C prints: the started job's, when one started and was not shown yet."""
+    message = getattr(interrupt, "message", None)
+    return message or (_unshown.message if _unshown is not None else None)
+
+
 @contextlib.contextmanager
 def naming(interrupt: StartInterrupted):
     """After a start and before its id is shown: a Ctrl-C in the block is `interrupt`, which names what started."""
