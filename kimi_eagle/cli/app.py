@@ -154,6 +154,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.unraisablehook = _keep_ctrl_c(sys.__unraisablehook__)
     argv = _global_flags_first(list(sys.argv[1:] if argv is None else argv))
     state.argv = argv
+    interrupts.shown()  # a start of an earlier command in this process (a test's, an API caller's) is not this one's
     try:
         rc = command().main(args=argv, prog_name="kimi-eagle", standalone_mode=False)
     except KimiEagleError as e:

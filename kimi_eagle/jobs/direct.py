@@ -103,11 +103,12 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
                 raise _lock_held(session, held)
             raise CommandError(f"{session.name}: job did not start: {data}")
         remember(job_id, session.name, host_identity(session.host))
+        named = interrupts.StartInterrupted.for_job(session.name, job_id, step)
         if interrupted.owner:  # else the start the deferral is part of (a group's) names what started
-            interrupts.recorded(interrupts.StartInterrupted.for_job(session.name, job_id, step))
+            interrupts.recorded(named)
     job = Job.from_host(session.name, data)
-    if interrupted and interrupted.owner:  # else the start the deferral is part of (a group's) names the job
-        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+    if interrupted and interrupted.owner:
+        raise named
     return job
 
 

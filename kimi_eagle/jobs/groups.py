@@ -251,10 +251,11 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
             for m in g.members:
                 if m.job_id:
                     remember(m.job_id, m.host)
+            named = interrupts.StartInterrupted.for_group(g.id, started)
             if started:
-                interrupts.recorded(interrupts.StartInterrupted.for_group(g.id, started))
+                interrupts.recorded(named)
     if interrupted:
-        raise interrupts.StartInterrupted.for_group(g.id, started)
+        raise named
     return g, sorted(outcomes, key=lambda o: g.hosts.index(o.host))
 
 

@@ -178,10 +178,11 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
             raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
                                result=res)
         remember(job_id, session.name, host_identity(session.host))
+        named = interrupts.StartInterrupted.for_job(session.name, job_id, step)
         if interrupted.owner:  # else the start the deferral is part of (a group's) names what started
-            interrupts.recorded(interrupts.StartInterrupted.for_job(session.name, job_id, step))
+            interrupts.recorded(named)
     if interrupted and interrupted.owner:
-        raise interrupts.StartInterrupted.for_job(session.name, job_id, step)
+        raise named
     with interrupts.naming_job(session.name, job_id, step):  # queued and recorded: a Ctrl-C from here names it
         return status(session, job_id)[0]
 
