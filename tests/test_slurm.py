@@ -152,7 +152,7 @@ def test_a_job_is_rendered_once_and_what_was_rendered_is_what_runs(tmp_path, ssh
 def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, sshd, cluster):
     """A real SIGINT at moments spread over `run`'s start on a Slurm host: either the job is in jobs.json and was
     named, or nothing was queued and no job folder is left; never a Slurm job nobody was told about."""
-    from test_start_interrupt import FRACTIONS, _job_dirs, interrupted_at, warm_start_seconds
+    from test_start_interrupt import _job_dirs, fractions, interrupted_at, warm_start_seconds
 
     env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
     index = env.home / ".cache" / "kimi-eagle" / "jobs.json"
@@ -164,7 +164,7 @@ def test_ctrl_c_during_a_submission_leaves_a_recorded_job_or_nothing(tmp_path, s
     took = warm_start_seconds(env, lambda _: args,
                               lambda job: env.cli("stop", job, "--grace", "1").code)
     seen, outcomes = set(_job_dirs(env.workdir)), []
-    for fraction in FRACTIONS:
+    for fraction in fractions(outcomes):
         before = queued()
         code, out, err = interrupted_at(env, args, took, fraction)
         new = {name: d for name, d in _job_dirs(env.workdir).items() if name not in seen}

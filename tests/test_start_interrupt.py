@@ -61,6 +61,23 @@ def warm_start_seconds(env, args_of, stop) -> float:
 FRACTIONS = (0.15, 0.3, 0.45, 0.55, 0.65, 0.72, 0.78, 0.84, 0.88, 0.92, 0.96, 1.0, 1.1)
 
 
+def fractions(outcomes: list, last: float = 1.1):
+    """FRACTIONS up to `last`, then more until both ends of the start were hit. `outcomes`: the (exit code, a job
+    started) pairs the caller appends after each run. A box whose load changed after `took` was measured (another
+    worker's test starting engines) moved every Ctrl-C to one side: a Slurm submission beside the group tests was
+    still cut off before the job at 1.1 (2026-12-06, once in four runs), and the test failed without any start
+    being wrong. The assertions on each run stay as they were."""
+    yield from (f for f in FRACTIONS if f <= last)
+    for f in (1.4, 1.8, 2.5, 3.5, 5.0):
+        if any(started for _, started in outcomes):
+            break
+        yield f
+    for f in (0.08, 0.04, 0.02, 0.01):
+        if (130, False) in outcomes:
+            break
+        yield f
+
+
 def _job_dirs(workdir):
     runs = workdir / "runs"
     return {p.name: p for p in runs.iterdir() if p.is_dir()} if runs.is_dir() else {}
@@ -76,7 +93,7 @@ def test_ctrl_c_during_the_start_leaves_a_recorded_job_or_nothing(tmp_path, sshd
                               lambda job: env.cli("stop", job, "--host", host, "--grace", "1").code)
     seen = set(_job_dirs(workdir))
     outcomes = []
-    for fraction in FRACTIONS[:-1]:
+    for fraction in fractions(outcomes, last=1.0):
         code, out, err = interrupted_at(env, args, took, fraction)
         new = {name: d for name, d in _job_dirs(workdir).items() if name not in seen}
         recorded = json.loads(index.read_text()) if index.exists() else {}
@@ -113,7 +130,7 @@ def test_ctrl_c_during_a_group_start_leaves_a_named_group_job_or_nothing(tmp_pat
     seen = set(new_since(set()))
     known_groups = {p.name for p in groups.glob("g-*.json")}
     outcomes = []
-    for fraction in FRACTIONS:
+    for fraction in fractions(outcomes):
         code, out, err = interrupted_at(env, args(fraction), took, fraction)
         new = new_since(seen)
         recorded = json.loads(index.read_text()) if index.exists() else {}
