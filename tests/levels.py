@@ -28,6 +28,7 @@ FILES = {
     "test_concurrent_payloads.py": INTEGRATION,
     "test_compute_dtype.py": UNIT,
     "test_config_bounds.py": UNIT,
+    "test_cpu_threads.py": UNIT,   # the rule in-process; a real process loading a target is integration
     "test_data_curation.py": UNIT,
     "test_data_manifest.py": INTEGRATION,
     "test_data_sources.py": UNIT,
@@ -98,6 +99,9 @@ FILES = {
 
 # Tests whose level is not their file's, by test function name.
 EXCEPTIONS = {
+    "test_cpu_threads.py": {
+        "test_a_step_that_loads_a_target_on_the_cpu_sizes_its_threads_by_it": INTEGRATION,
+    },
     "test_input_guards.py": {
         "test_job_ids_are_input_and_never_reach_another_workdirs_job": INTEGRATION,   # jobs over the sshd
         "test_openssh_gets_the_address_after_the_end_of_options": INTEGRATION,       # runs the real ssh

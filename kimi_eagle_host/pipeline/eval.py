@@ -36,7 +36,7 @@ import hashlib
 import json
 import time
 
-from kimi_eagle_host import compute_dtype
+from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.target.tokenizer import load_tokenizer
 from kimi_eagle_host.step_runtime import parse_step_args
@@ -473,8 +473,7 @@ def open_engine(args, engine: str, tok, engine_env: dict):
 
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = compute_dtype.resolve(args.dtype, device, log)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        cpu_threads.set_threads(args.threads)
         eng = HFEngine(args.model, args.draft, device, dtype)
         eos = eos_ids_of(args.model, tok)
         meta = {"engine": "hf", "device": device, "dtype": dtype}

@@ -51,7 +51,7 @@ import itertools
 import json
 import time
 
-from kimi_eagle_host import compute_dtype
+from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, log,
                                           model_fingerprint, model_identity, package_dir, progress_line, run_step,
@@ -162,6 +162,7 @@ class HFGenerator:
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=True).to(dev).eval()
+        cpu_threads.fit(cpu_threads.hidden_size_of(self.model.config), dev, log)
         self.dev, self.args = dev, args
 
     def __call__(self, convs, seed):

@@ -1,7 +1,7 @@
 """The target model under transformers: loading it (trust_remote_code, multimodal wrappers, one or several GPUs)
 and capturing its hidden states at the layer ids (extract's hf engine, and eval's transformers engine)."""
 
-from kimi_eagle_host import compute_dtype
+from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.step_runtime import log
 
 
@@ -102,7 +102,9 @@ def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
         except ImportError as e:  # device_map needs accelerate; a single GPU works without it
             log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
             return cls.from_pretrained(model_path, **kwargs).to("cuda").eval()
-    return cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
+    model = cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
+    cpu_threads.fit(cpu_threads.hidden_size_of(model.config), "cpu", log)
+    return model
 
 
 def resolve_device_dtype(device, dtype, engine="hf"):

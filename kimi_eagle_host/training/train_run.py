@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kimi_eagle_host import compute_dtype
+from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
 from kimi_eagle_host.draft.draft_model import Eagle3Draft
 from kimi_eagle_host.step_runtime import BadInput, log, model_identity
@@ -141,6 +141,7 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
     # the others wait at the barrier.
     dist_.init(w, "nccl" if device.type == "cuda" else "gloo", timeout_s=3600)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype.resolve(args.dtype, device.type, log)]
+    cpu_threads.fit(inputs.hidden, device.type, log)
     # Frozen target tensors and the feature stream are kept in the compute dtype (halves memory for
     # Kimi's 163840x7168 embedding); trainable weights stay fp32 and autocast does the mixing.
     feat_dtype = dtype
