@@ -1,12 +1,11 @@
 """How many threads a torch step computes with on a CPU host: one, for a tiny target.
 
 torch starts one intra-op thread per core. A tiny target's operations (the demo's: hidden size 64, many small MoE
-operations) last microseconds, and more threads only wait on each other. On the 2-core box, a forward of 4 x 100
-tokens through the demo's target took 20-22 ms with one thread and 21-26 ms with two (at twice the CPU time) on the
-idle box, and 67-72 ms with two against 19-20 ms with one while another process held a core: a step rarely has the
-cores to itself (the controller, an engine beside a trainer, other jobs). From a hidden size of 256, more threads
-win: a forward of 100 tokens through a Llama of that size took 33 ms with one thread against 25 ms with two, and at
-SmolLM2-135M's shape 439 ms against 291 ms.
+operations) last microseconds, and more threads only wait on each other. On the 2-core box (bench/cpu_threads.py, a
+forward of 4 x 100 tokens) two threads took 1.15x the time of one through the demo's target, at 2.3x the CPU time,
+and 2.89x while another process held a core, as the controller, an engine beside a trainer or another job do. From a
+hidden size of 256 a second thread pays on an idle box (a Llama of that size 0.55x, SmolLM2-135M's shape 0.91x), so
+larger targets keep torch's choice.
 An OMP_NUM_THREADS the user set, or a step's own threads setting, is kept.
 """
 from __future__ import annotations

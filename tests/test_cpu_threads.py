@@ -1,6 +1,6 @@
 """A tiny target computes with one thread on a CPU host: its operations last microseconds and more threads only wait on
-each other (the demo's target 3.5x slower with two threads than with one on the 2-core box while another
-process held a core). A larger target, a user's
+each other (the demo's target 2.9x slower with two threads than with one on the 2-core box while another
+process held a core, bench/cpu_threads.py). A larger target, a user's
 OMP_NUM_THREADS and a step's own threads setting keep torch's choice."""
 from __future__ import annotations
 
