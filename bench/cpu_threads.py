@@ -22,10 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 FORWARD = r"""
-import json, statistics, sys, time, torch
+import json, os, statistics, sys, time, torch
 from kimi_eagle_host.target.hf_target import load_model
 model_dir, threads, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-import os
 if shape != "kimi" and not os.path.isdir(model_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
     hidden, layers, inter, heads, kv, vocab = map(int, shape.split(","))

@@ -28,7 +28,7 @@ def set_threads(n: int) -> None:
 
 def fit(hidden_size, device_type: str, log) -> None:
     """One thread on a CPU for a target whose hidden size is below SMALL_HIDDEN, said in one line."""
-    if _explicit or device_type != "cpu" or not hidden_size or hidden_size >= SMALL_HIDDEN:
+    if _explicit or device_type != "cpu" or not isinstance(hidden_size, int) or hidden_size >= SMALL_HIDDEN:
         return
     if os.environ.get("OMP_NUM_THREADS"):
         return
@@ -38,9 +38,3 @@ def fit(hidden_size, device_type: str, log) -> None:
         torch.set_num_threads(1)
         log(f"cpu: one thread for a target of hidden size {hidden_size} (below {SMALL_HIDDEN}, more threads only "
             "wait on each other; OMP_NUM_THREADS overrides)")
-
-
-def hidden_size_of(config) -> int | None:
-    """The text model's hidden size of a transformers config (a multimodal wrapper nests it in text_config)."""
-    text = getattr(config, "text_config", None) or config
-    return getattr(text, "hidden_size", None)

@@ -56,6 +56,7 @@ from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest, log,
                                           model_fingerprint, model_identity, package_dir, progress_line, run_step,
                                           stdout_for_result_only)
+from kimi_eagle_host.target.model_layers import text_config
 from kimi_eagle_host.target.tokenizer import load_tokenizer
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
@@ -162,7 +163,7 @@ class HFGenerator:
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=True).to(dev).eval()
-        cpu_threads.fit(cpu_threads.hidden_size_of(self.model.config), dev, log)
+        cpu_threads.fit(getattr(text_config(self.model.config), "hidden_size", None), dev, log)
         self.dev, self.args = dev, args
 
     def __call__(self, convs, seed):

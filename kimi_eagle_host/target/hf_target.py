@@ -3,6 +3,7 @@ and capturing its hidden states at the layer ids (extract's hf engine, and eval'
 
 from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.step_runtime import log
+from kimi_eagle_host.target.model_layers import text_config
 
 
 class _StopForward(Exception):
@@ -103,7 +104,7 @@ def load_model(model_path, torch_dtype, device, tp_size, gpus=None):
             log(f"[extract] device_map='auto' unavailable ({e}); loading onto one GPU")
             return cls.from_pretrained(model_path, **kwargs).to("cuda").eval()
     model = cls.from_pretrained(model_path, **kwargs).to("cpu").eval()
-    cpu_threads.fit(cpu_threads.hidden_size_of(model.config), "cpu", log)
+    cpu_threads.fit(getattr(text_config(model.config), "hidden_size", None), "cpu", log)
     return model
 
 
