@@ -22,18 +22,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_eagle_host.model_size import text_config_of
 from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, atomic_write_via, log
 
 
 # ----------------------------------------------------------------------------------------------------
 # Target model: config and the three tensors we need, loaded by name without instantiating the model.
 
+# What the draft, its checks and the target's tensors read from the target's text config. Where config.json states
+# every one of them, it is read as is: AutoConfig would hand back the same values, and importing transformers costs a
+# train process ~5 CPU-seconds (its configuration module pulls in generation, hub kernels and torch.distributed).
+# Where one is missing, AutoConfig supplies the model class's default, as it always did.
+CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+
+
+def _states_every_field(text: dict) -> bool:
+    rope = text.get("rope_parameters")
+    has_theta = "rope_theta" in text or (isinstance(rope, dict) and "rope_theta" in rope)
+    return has_theta and all(text.get(f) is not None for f in CONFIG_FIELDS)
+
+
 def load_target_config(model_dir: str) -> tuple[dict, list[str]]:
     """Return (text config as a dict, target architectures).
 
-    AutoConfig with trust_remote_code handles Kimi's custom config class; if that fails (custom code
-    missing on this host, unknown model_type) we fall back to the raw config.json, which carries every
-    field we read. Multimodal wrappers (KimiK25ForConditionalGeneration) nest the LM under text_config.
+    From config.json alone where it states every field read (CONFIG_FIELDS); else through AutoConfig with
+    trust_remote_code, which fills the class defaults and handles Kimi's custom config class; if that fails too
+    (custom code missing on this host, unknown model_type) the raw config.json, which carries every field required.
+    Multimodal wrappers (KimiK25ForConditionalGeneration) nest the LM under text_config.
     """
     raw_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(raw_path):
@@ -41,17 +57,19 @@ def load_target_config(model_dir: str) -> tuple[dict, list[str]]:
     with open(raw_path) as f:
         raw = json.load(f)
     archs = list(raw.get("architectures") or [])
-    cfg = None
-    try:
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
-        c = getattr(c, "text_config", None) or c
-        cfg = c.to_dict()
-    except Exception as e:  # noqa: BLE001 - any failure means: use the raw JSON
-        log(f"note: AutoConfig failed ({type(e).__name__}: {e}); reading {raw_path} directly")
+    raw_text = text_config_of(raw)
+    cfg = dict(raw_text) if _states_every_field(raw_text) else None
     if cfg is None:
-        cfg = raw.get("text_config") or raw
+        try:
+            from transformers import AutoConfig
+
+            c = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+            c = getattr(c, "text_config", None) or c
+            cfg = c.to_dict()
+        except Exception as e:  # noqa: BLE001 - any failure means: use the raw JSON
+            log(f"note: AutoConfig failed ({type(e).__name__}: {e}); reading {raw_path} directly")
+    if cfg is None:
+        cfg = raw_text
     for field in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if field not in cfg:
             raise BadInput(f"{raw_path}: text config lacks '{field}'")
@@ -435,6 +453,33 @@ def draft_layer_config(tcfg: dict, args) -> dict:
     }
 
 
+def llama_layer_config(c: dict) -> dict:
+    """The draft's decoder layer as the LlamaConfig that speculators writes (`transformer_layer_config`): every field
+    stated, so any transformers a serving host has reads the same layer, whatever its own defaults. Written out
+    rather than through transformers' LlamaConfig, whose import alone costs a train process ~5 CPU-seconds; the
+    serving and speculators tests load it with LlamaConfig on transformers 4 and 5."""
+    from importlib import metadata
+
+    try:
+        written_by = {"transformers_version": metadata.version("transformers")}
+    except metadata.PackageNotFoundError:
+        written_by = {}
+    theta = float(c["rope_theta"])
+    return {
+        **written_by,
+        "model_type": "llama",
+        "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+        "num_hidden_layers": c["num_hidden_layers"], "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "hidden_act": "silu",
+        "max_position_embeddings": c["max_position_embeddings"], "initializer_range": 0.02,
+        "rms_norm_eps": c["rms_norm_eps"], "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        # transformers 5 reads rope_parameters; transformers 4 (vLLM <= 0.16 hosts) reads rope_theta: both.
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta,
+    }
+
+
 def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_archs, embed, dtype):
     """Write config.json + model.safetensors exactly as speculators' Eagle3DraftModel.save_pretrained.
 
@@ -447,19 +492,8 @@ def export_speculators(export_dir, model, c, aux_ids, d2t, t2d, args, verifier_a
     own default (2, N//2, N-3), which would silently differ for custom --layer-ids.
     """
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
 
-    tl = LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rms_norm_eps=c["rms_norm_eps"],
-        max_position_embeddings=c["max_position_embeddings"],
-        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
-        tie_word_embeddings=False,
-    )
-    layer_config = tl.to_diff_dict()
-    # transformers 4.x (vLLM <= 0.16 hosts) reads rope_theta, not rope_parameters: write both.
-    layer_config["rope_theta"] = float(c["rope_theta"])
+    layer_config = llama_layer_config(c)
     # vLLM >= 0.25 sizes the draft's fc from num_aux_hidden_states (else len(aux ids), else 3); say it outright.
     # Releases that hard-code 3 cannot serve other counts: vllm_compat.eagle3_aux_count_ok says which.
     layer_config["num_aux_hidden_states"] = len(aux_ids)
