@@ -31,7 +31,8 @@ from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, atomic_wri
 
 # What the draft, its checks and the target's tensors read from the target's text config. Where config.json states
 # every one of them, it is read as is: AutoConfig would hand back the same values, and importing transformers costs a
-# train process ~5 CPU-seconds (its configuration module pulls in generation, hub kernels and torch.distributed).
+# train process ~3 CPU-seconds beyond torch (its configuration module pulls in generation, hub kernels and
+# torch.distributed; docs/benchmarks.md).
 # Where one is missing, AutoConfig supplies the model class's default, as it always did.
 CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
@@ -456,8 +457,8 @@ def draft_layer_config(tcfg: dict, args) -> dict:
 def llama_layer_config(c: dict) -> dict:
     """The draft's decoder layer as the LlamaConfig that speculators writes (`transformer_layer_config`): every field
     stated, so any transformers a serving host has reads the same layer, whatever its own defaults. Written out
-    rather than through transformers' LlamaConfig, whose import alone costs a train process ~5 CPU-seconds; the
-    serving and speculators tests load it with LlamaConfig on transformers 4 and 5."""
+    rather than through transformers' LlamaConfig, whose import is most of what a train process would still pay for
+    transformers; tests/test_target_config.py reads it back through LlamaConfig on transformers 4 and 5."""
     from importlib import metadata
 
     try:
