@@ -33,13 +33,13 @@ def what_train_uses(text: dict) -> tuple:
             parity.rope_of(text)["rope_theta"], parity.serving_context(text), text.get("tie_word_embeddings", False))
 
 
-def llama_target(folder, **fields):
+def llama_target(folder):
     from transformers import LlamaConfig
 
     LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, architectures=["LlamaForCausalLM"],
-                **fields).save_pretrained(folder)
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, architectures=["LlamaForCausalLM"]
+                ).save_pretrained(folder)
     return folder
 
 
