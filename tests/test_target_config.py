@@ -1,6 +1,6 @@
-"""What train reads of the target's config, and the draft layer it writes, without importing transformers where the
-files say everything: the same draft as through transformers' AutoConfig and LlamaConfig, on transformers 5 here and
-on the transformers 4 that vLLM 0.16 hosts run."""
+"""What the steps read of the target's config, and the draft layer train writes, without importing transformers where
+the files say everything: the same draft as through transformers' AutoConfig and LlamaConfig, on transformers 5 here
+and on the transformers 4 that vLLM 0.16 hosts run; the same sizes for extract and vocab."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,10 @@ import pytest
 from conftest import STEP_ENV
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.draft.draft_model import draft_layer_config, llama_layer_config, load_target_config
+from kimi_eagle_host.pipeline.vocab import model_vocab_size
+from kimi_eagle_host.step_runtime import BadInput
 from kimi_eagle_host.target import kimi_model
+from kimi_eagle_host.target.target_config import model_info
 
 DRAFT_ARGS = SimpleNamespace(draft_num_heads=None, draft_num_kv_heads=None, draft_intermediate_size=None, draft_layers=1)
 
@@ -70,12 +73,38 @@ def test_a_config_that_leaves_fields_out_gets_the_model_classs_defaults(tmp_path
 
 
 def test_reading_a_complete_config_imports_no_transformers(tmp_path):
+    """train's, extract's and vocab's readers, in one process that never imports transformers."""
     model = kimi_k25_target(tmp_path / "target")
     code = ("import sys; from kimi_eagle_host.draft.draft_model import load_target_config; "
-            "text, _ = load_target_config(sys.argv[1]); print(text['hidden_size'], 'transformers' in sys.modules)")
+            "from kimi_eagle_host.target.target_config import model_info; "
+            "from kimi_eagle_host.pipeline.vocab import model_vocab_size; "
+            "text, _ = load_target_config(sys.argv[1]); info = model_info(sys.argv[1]); "
+            "print(text['hidden_size'], info['num_layers'], info['model_class'], model_vocab_size(sys.argv[1]), "
+            "'transformers' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, env=STEP_ENV,
                        timeout=300)
-    assert r.stdout.split() == ["7168", "False"], r.stderr[-2000:]
+    assert r.stdout.split() == ["7168", "61", "KimiK25ForConditionalGeneration", "163840", "False"], r.stderr[-2000:]
+
+
+def test_a_config_in_its_classs_own_names_gives_extract_and_vocab_the_sizes(tmp_path):
+    """GPT-2's config.json says n_layer and n_embd; AutoConfig's class maps them onto num_hidden_layers and
+    hidden_size, which is what extract and vocab read."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=96, n_embd=64, n_layer=3, n_head=4, architectures=["GPT2LMHeadModel"]
+               ).save_pretrained(tmp_path)
+    assert "hidden_size" not in json.loads((tmp_path / "config.json").read_text())
+    assert model_info(str(tmp_path)) == {"num_layers": 3, "hidden_size": 64, "model_class": "GPT2LMHeadModel"}
+    assert model_vocab_size(str(tmp_path)) == 96
+
+
+@pytest.mark.parametrize("read", [load_target_config, model_info, model_vocab_size],
+                         ids=["train", "extract", "vocab"])
+def test_a_config_that_is_not_json_is_one_line_naming_the_model(tmp_path, read):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(BadInput, match=str(tmp_path)) as e:
+        read(str(tmp_path))
+    assert "\n" not in str(e.value)
 
 
 LAYER = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 1,

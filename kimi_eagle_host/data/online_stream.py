@@ -74,7 +74,8 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
     EAGLE shift, from the prepared data and the target's config alone."""
     from kimi_eagle_host.data.prepared_data import PreparedDataset
     from kimi_eagle_host.target.hf_target import resolve_device_dtype
-    from kimi_eagle_host.target.model_layers import LAYER_CONVENTION, LayerIdError, model_info, parse_layer_ids
+    from kimi_eagle_host.target.model_layers import LAYER_CONVENTION, LayerIdError, parse_layer_ids
+    from kimi_eagle_host.target.target_config import model_info
 
     if args.trainer != "ours":
         raise BadInput("hidden_states: online: only with --trainer ours (speculators' trainer reads files)")

@@ -22,18 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi_eagle_host.model_size import text_config_of
 from kimi_eagle_host.step_runtime import BadInput, atomic_write_json, atomic_write_via, log
+from kimi_eagle_host.target.target_config import ConfigUnreadable, read_raw, read_target_config, states
 
 
 # ----------------------------------------------------------------------------------------------------
 # Target model: config and the three tensors we need, loaded by name without instantiating the model.
 
-# What the draft, its checks and the target's tensors read from the target's text config. Where config.json states
-# every one of them, it is read as is: AutoConfig would hand back the same values, and importing transformers costs a
-# train process ~3 CPU-seconds beyond torch (its configuration module pulls in generation, hub kernels and
-# torch.distributed; docs/benchmarks.md).
-# Where one is missing, AutoConfig supplies the model class's default, as it always did.
+# What the draft, its checks and the target's tensors read from the target's text config (target_config.py reads it
+# from config.json alone where it states every one).
 CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
 
@@ -41,40 +38,26 @@ CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attentio
 def _states_every_field(text: dict) -> bool:
     rope = text.get("rope_parameters")
     has_theta = "rope_theta" in text or (isinstance(rope, dict) and "rope_theta" in rope)
-    return has_theta and all(text.get(f) is not None for f in CONFIG_FIELDS)
+    return has_theta and states(*CONFIG_FIELDS)(text)
 
 
 def load_target_config(model_dir: str) -> tuple[dict, list[str]]:
-    """Return (text config as a dict, target architectures).
-
-    From config.json alone where it states every field read (CONFIG_FIELDS); else through AutoConfig with
-    trust_remote_code, which fills the class defaults and handles Kimi's custom config class; if that fails too
-    (custom code missing on this host, unknown model_type) the raw config.json, which carries every field required.
-    Multimodal wrappers (KimiK25ForConditionalGeneration) nest the LM under text_config.
-    """
+    """Return (text config as a dict, target architectures), as target_config.read_target_config reads them; where
+    AutoConfig cannot (custom code missing on this host, unknown model_type), the raw config.json, which carries
+    every field required."""
+    raw = read_raw(model_dir)
     raw_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(raw_path):
-        raise BadInput(f"{raw_path}: missing (--model must be a local model directory)")
-    with open(raw_path) as f:
-        raw = json.load(f)
-    archs = list(raw.get("architectures") or [])
-    raw_text = text_config_of(raw)
-    cfg = dict(raw_text) if _states_every_field(raw_text) else None
-    if cfg is None:
-        try:
-            from transformers import AutoConfig
-
-            c = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
-            c = getattr(c, "text_config", None) or c
-            cfg = c.to_dict()
-        except Exception as e:  # noqa: BLE001 - any failure means: use the raw JSON
-            log(f"note: AutoConfig failed ({type(e).__name__}: {e}); reading {raw_path} directly")
-    if cfg is None:
-        cfg = raw_text
+    if raw is None:
+        raise BadInput(f"{raw_path}: missing or unreadable (--model must be a local model directory)")
+    try:
+        cfg = read_target_config(model_dir, _states_every_field)[0]
+    except ConfigUnreadable as e:
+        log(f"note: {e}; reading {raw_path} directly")
+        cfg = raw[0]
     for field in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if field not in cfg:
             raise BadInput(f"{raw_path}: text config lacks '{field}'")
-    return cfg, archs
+    return cfg, raw[1]
 
 
 def _weight_names(model_dir: str) -> dict[str, str]:

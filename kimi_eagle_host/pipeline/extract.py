@@ -33,8 +33,9 @@ import sys
 import time
 
 from kimi_eagle_host.step_runtime import parse_step_args
-from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, model_info,
-                                                 parse_layer_ids, resolve_decoder_stack)
+from kimi_eagle_host.target.model_layers import (LAYER_CONVENTION, LayerIdError, LayerResolutionError, parse_layer_ids,
+                                                 resolve_decoder_stack)
+from kimi_eagle_host.target.target_config import model_info
 from kimi_eagle_host.target.hf_target import HiddenStateCapture, load_model, resolve_device_dtype
 from kimi_eagle_host.data.hidden_state_files import (FORMAT, LAYOUT, check_sample, clean_stale_tmp,
                                                      sample_path)

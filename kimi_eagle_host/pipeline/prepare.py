@@ -172,15 +172,9 @@ def target_vocab_size(model, tok):
     """Rows of the target's embedding (config vocab_size), never less than the tokenizer's id range."""
     n = len(tok)
     try:
-        from kimi_eagle_host.model_size import read_text_config
-        from kimi_eagle_host.target.model_layers import text_config
+        from kimi_eagle_host.target.target_config import read_target_config, states
 
-        local = read_text_config(model)
-        if local and local.get("vocab_size"):
-            return max(n, int(local["vocab_size"]))
-        from transformers import AutoConfig
-
-        n = max(n, int(text_config(AutoConfig.from_pretrained(model, trust_remote_code=True)).vocab_size))
+        n = max(n, int(read_target_config(model, states("vocab_size"))[0]["vocab_size"]))
     except Exception as e:  # tokenizer-only dirs are fine for prepare
         log(f"[prepare] note: could not read vocab_size from the model config ({e}); using len(tokenizer)={n}")
     return n

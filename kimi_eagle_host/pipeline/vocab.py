@@ -55,19 +55,9 @@ def load_freq(path):
 
 
 def model_vocab_size(model):
-    from kimi_eagle_host.model_size import read_text_config
-    from kimi_eagle_host.target.model_layers import text_config
+    from kimi_eagle_host.target.target_config import read_target_config, states
 
-    local = read_text_config(model)
-    if local and local.get("vocab_size"):
-        return int(local["vocab_size"])
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(model, trust_remote_code=True)
-    except Exception as e:
-        raise BadInput(f"{model}: cannot load the model config ({type(e).__name__}: {e})") from None
-    v = getattr(text_config(cfg), "vocab_size", None)
+    v = read_target_config(model, states("vocab_size"))[0].get("vocab_size")
     if not v:
         raise BadInput(f"{model}: config has no vocab_size (looked in text_config too)")
     return int(v)

@@ -168,34 +168,3 @@ def parse_layer_ids(text, num_layers):
             raise LayerIdError(f"--layer-ids: layer id {v} is given twice")
         ids.append(v)
     return sorted(ids)
-
-
-def model_info(model_path):
-    """{num_layers, hidden_size, model_class} of a target: from its config.json alone when that says them (no
-    transformers import), else through transformers' AutoConfig (trust_remote_code)."""
-    import json
-    import os
-
-    from kimi_eagle_host.model_size import read_text_config
-
-    local = read_text_config(model_path)
-    if local and local.get("num_hidden_layers") and local.get("hidden_size"):
-        with open(os.path.join(model_path, "config.json")) as f:
-            arch = (json.load(f).get("architectures") or ["?"])[0]
-        return {"num_layers": int(local["num_hidden_layers"]), "hidden_size": int(local["hidden_size"]),
-                "model_class": arch}
-    from transformers import AutoConfig
-
-    from kimi_eagle_host.step_runtime import BadInput
-
-    try:
-        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-    except Exception as e:
-        raise BadInput(f"{model_path}: cannot load the model config ({type(e).__name__}: {e})") from None
-    tc = text_config(cfg)
-    n = getattr(tc, "num_hidden_layers", None)
-    h = getattr(tc, "hidden_size", None)
-    if not n or not h:
-        raise BadInput(f"{model_path}: config has no num_hidden_layers/hidden_size (looked in text_config too)")
-    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
-    return {"num_layers": int(n), "hidden_size": int(h), "model_class": arch}
