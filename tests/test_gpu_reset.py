@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import host_cmd
+from kimi_eagle_host.ops.jobs import start_ticks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = host_cmd("ops.gpu_reset")
@@ -62,7 +63,8 @@ class Holders:
             job.mkdir()
             (job / "pgid").write_text(f"{os.getpgid(p.pid)}\n")
             (job / "pid").write_text(f"{p.pid}\n")
-            (job / "meta.json").write_text(json.dumps({"job_id": f"job-{p.pid}"}))
+            # as ops/jobs.py records a job: its shell's start tells it from a later process given its number
+            (job / "meta.json").write_text(json.dumps({"job_id": f"job-{p.pid}", "start_ticks": start_ticks(p.pid)}))
         return p
 
     def cleanup(self):

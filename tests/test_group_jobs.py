@@ -54,7 +54,7 @@ def group_env(tmp_path: Path, servers: dict, host_extra: dict | None = None, pip
 
 
 def gid_of(text: str) -> str:
-    return re.search(r"g-\d{8}-\d{6}-[a-z]+-[0-9a-f]{4}", text).group(0)
+    return re.search(r"g-\d{8}-\d{6}-[a-z]+-[0-9a-f]{8}", text).group(0)
 
 
 def wait_group(env, gid, states=("succeeded", "failed", "stopped"), timeout=180):

@@ -180,6 +180,66 @@ def test_status_reports_lost_for_a_reused_pid(env):
         other.kill()
 
 
+@pytest.mark.parametrize("record", ["with-start-time", "older-record"])
+def test_a_dead_jobs_group_number_given_to_another_group_is_not_the_jobs(env, record):
+    """A job killed whole (no exit code), whose number the kernel later gives to a process that leads a group of
+    its own (an sshd session, another user's job): the job is lost, `stop` signals nothing of that group, and
+    gpu-reset counts that group's GPU holders as foreign. A record from before start times were kept is told
+    apart by the job script in its shell's command line."""
+    from kimi_eagle_host.ops.gpu_reset import classify, load_job_pgids
+
+    job = start(env, "sleep", "60")
+    run_dir = Path(job["run_dir"])
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own session and group
+    try:
+        os.killpg(job["pgid"], signal.SIGKILL)
+        # The records now name the stranger's number, as they would once the kernel reused it.
+        meta = json.loads((run_dir / "meta.json").read_text())
+        assert meta["start_ticks"] > 0
+        meta["pgid"] = stranger.pid
+        if record == "older-record":
+            del meta["start_ticks"]
+        (run_dir / "meta.json").write_text(json.dumps(meta))
+        for name in ("pid", "pgid"):
+            (run_dir / name).write_text(f"{stranger.pid}\n")
+        got = wait_state(env, job["id"], {"lost", "running", "failed", "succeeded"})
+        assert got["state"] == "lost" and got["pgid"] is None
+        assert env.cli("logs", job["id"], "--host", "gpu").code == 4
+        r = env.cli("--json", "stop", job["id"], "--host", "gpu", "--grace", "1")
+        assert r.code == 0 and r.json()["stopped"] is False, r.stdout
+        time.sleep(0.5)
+        assert stranger.poll() is None, "stop signalled the group that now has the job's number"
+        pgids = load_job_pgids(str(run_dir.parent))
+        assert stranger.pid not in pgids
+        assert classify(stranger.pid, stranger.pid, stranger.pid, pgids, str(run_dir.parent))[0] == "foreign"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_start_under_an_id_the_host_holds_leaves_that_job_alone(env, monkeypatch):
+    """Two terminals drawing the same job id (the same step in the same second, and the same random part): the host
+    refuses the second start, and the first job stays recorded, in its folder, and is what `stop` ends."""
+    from kimi_eagle.config import inventory
+    from kimi_eagle.errors import CommandError
+    from kimi_eagle.hosts.session import HostSession
+    from kimi_eagle.jobs import direct
+
+    monkeypatch.setenv("HOME", str(env.home))
+    job_id = "20261207-030000-exec-0a1b2c3d"
+    host = inventory.load(env.inventory).hosts["gpu"]
+    with HostSession(host) as session:
+        first = direct.start(session, "exec", ["sleep", "60"], gpu=False, job_id=job_id)
+        with pytest.raises(CommandError, match=f"job id {job_id} is in use"):
+            direct.start(session, "exec", ["sleep", "61"], gpu=False, job_id=job_id)
+    run_dir = Path(first.run_dir)
+    assert run_dir.is_dir() and json.loads((run_dir / "meta.json").read_text())["started_at"] == first.started_at
+    assert wait_state(env, job_id, {"running"})["pid"] == first.pid
+    r = env.cli("--json", "stop", job_id, "--host", "gpu", "--grace", "1")
+    assert r.code == 0 and r.json()["stopped"] and first.pid in r.json()["signalled"], r.stdout
+    assert not Path(f"/proc/{first.pid}").exists() or Path(f"/proc/{first.pid}/stat").read_text().split()[2] == "Z"
+
+
 def test_bad_step_and_missing_command_are_usage_errors(env):
     r = env.cli("run", "bogus", "--host", "gpu")
     assert r.code == 2 and "unknown step 'bogus'" in r.stderr

@@ -200,6 +200,30 @@ def test_gpu_lock_held_and_stale(env):
     assert checks["gpu_lock"]["fix"]
 
 
+def test_a_gpu_lock_whose_jobs_pid_was_given_to_another_process_is_stale(env):
+    """The lock's job decides from its own record (ops/jobs.py): a later process that was given the job's pid, and
+    leads a group of that number, holds nothing of the job's."""
+    import time
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        run_dir = env["runs"] / "job-43"
+        run_dir.mkdir()
+        started = time.time() - 60
+        (run_dir / "meta.json").write_text(json.dumps({
+            "job_id": "job-43", "step": "extract", "started_at": started, "gpu": True, "marker": str(run_dir / "job.sh"),
+            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "pgid": holder.pid, "start_ticks": 1}))  # the job's shell started at boot, long before the holder
+        (run_dir / "pid").write_text(f"{holder.pid}\n")
+        lock = {"job_id": "job-43", "step": "extract", "started_at": started, "pid": holder.pid, "pgid": holder.pid}
+        (env["runs"] / "gpu.lock").write_text(json.dumps(lock))
+        rc, _, checks = run(env, "--min-free-disk-gib", "0.001")
+        assert checks["gpu_lock"]["status"] == "warn" and "stale" in checks["gpu_lock"]["detail"], checks["gpu_lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_gpu_lock_start_time_is_a_date(env):
     """jobctl records started_at as epoch seconds; a person reads a date, not 1796000000.123."""
     import time
@@ -379,6 +403,7 @@ def test_gpu_lock_of_another_workdir_on_this_machine_fails_a_gpu_step(env, tmp_p
     import time
 
     from kimi_eagle_host.ops import machine_claims
+    from kimi_eagle_host.ops.jobs import start_ticks
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     other = tmp_path / "otherwork"
@@ -387,7 +412,8 @@ def test_gpu_lock_of_another_workdir_on_this_machine_fails_a_gpu_step(env, tmp_p
             machine_claims.register({"job_id": "job-9", "step": "train", "gpu": True, "started_at": time.time(),
                                      "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip(),
                                      "run_dir": str(other / "runs" / "job-9"), "workdir": str(other),
-                                     "output_dir": None, "pid": holder.pid, "pgid": holder.pid})
+                                     "output_dir": None, "pid": holder.pid, "pgid": holder.pid,
+                                     "start_ticks": start_ticks(holder.pid)})
         rc, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
         assert rc == 1
         assert_failed(checks, "gpu_lock", "job-9", str(other))

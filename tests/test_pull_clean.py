@@ -299,3 +299,37 @@ def test_pull_to_a_place_it_cannot_write_is_one_line_naming_the_path(tmp_path, s
     subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
     line = one_line_usage_error(e.cli("pull", job, "--to", str(small_mount / "dest")))
     assert str(small_mount / "dest") in line and "Read-only file system" in line
+
+
+def test_the_hosts_clean_waits_for_every_task_of_a_slurm_array(tmp_path):
+    """The host's own check, made under the locks a start takes: an extraction array whose first task has ended
+    still writes into the folder through its other tasks, so nothing is removed until each one has recorded its
+    exit."""
+    import subprocess
+
+    from conftest import STEP_ENV, host_cmd
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    job = runs / "20261207-030000-extract-0a1b2c3d"
+    job.mkdir(parents=True)
+    (out / "hidden_states").mkdir(parents=True)
+    (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"\2" * 1000)
+    (job / "slurm_job_id").write_text("4242\n")
+    (job / "output_dir").write_text(f"{out}\n")
+    (job / "meta.json").write_text(json.dumps({"job_id": job.name, "step": "extract", "scheduler": "slurm",
+                                               "tasks": 4}))
+
+    def clean():
+        r = subprocess.run(host_cmd("ops.clean", "--runs-dir", runs, "--root", out, "hidden_states"),
+                           capture_output=True, text=True, env=STEP_ENV, timeout=120)
+        return r.returncode, json.loads(r.stdout.strip().splitlines()[-1])
+
+    for task in range(3):
+        (job / f"exit_code.{task}").write_text("0\n")
+        code, doc = clean()
+        assert code == 1 and doc["busy"][0]["id"] == job.name, doc
+        assert (out / "hidden_states" / "hs_0.safetensors").exists()
+    (job / "exit_code.3").write_text("0\n")
+    code, doc = clean()
+    assert code == 0 and doc["removed"] == ["hidden_states"], doc
+    assert not (out / "hidden_states").exists()

@@ -97,6 +97,8 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
                 raise KeyboardInterrupt from None
             raise
         if not data.get("started"):
+            if data.get("in_use"):  # another start's job owns the folder: it stays
+                raise CommandError(f"{session.name}: {data.get('error')}; start again (a new id is drawn)")
             remove_job_dir(session, job_id)
             held = data.get("held_by") or {}
             if held:

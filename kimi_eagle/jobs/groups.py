@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -199,7 +198,7 @@ class NotStarted(KimiEagleError):
 
 
 def new_group_id(step: str) -> str:
-    return f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
+    return new_job_id(step, PREFIX)
 
 
 def start(inventory, group: str, step: str, extra: list[str], *, mode: str | None = None, shard_by: str = "hosts",

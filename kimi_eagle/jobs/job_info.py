@@ -47,8 +47,10 @@ class Job:
         return d
 
 
-def new_job_id(step: str) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(2)}"
+def new_job_id(step: str, prefix: str = "") -> str:
+    """When, what, and 32 random bits: two terminals starting one step in the same second draw the same id once in
+    4 billion times (16 bits: once in 65,536), and the host refuses a start whose id it holds already."""
+    return f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}-{step}-{secrets.token_hex(4)}"
 
 
 # A job id names a directory under the host's runs/: one path component, never an option or a parent.

@@ -30,6 +30,16 @@ from kimi_eagle_host.ops import machine_claims
 from kimi_eagle_host.ops.jobs import job_state, live_claims, read, read_meta
 
 
+def slurm_job_ended(run_dir: str, meta: dict) -> bool:
+    """Stopped, or every task has recorded its exit: an array's tasks each write exit_code.<task>, and one task that
+    ended leaves the others writing into the folder."""
+    if os.path.exists(os.path.join(run_dir, "stopped")):
+        return True
+    n = meta.get("tasks") or 0
+    names = [f"exit_code.{t}" for t in range(n)] if isinstance(n, int) and n > 0 else ["exit_code"]
+    return all(os.path.isfile(os.path.join(run_dir, name)) for name in names)
+
+
 def users(runs: str, root: str, ended: set) -> list[dict]:
     """Jobs whose recorded output folder is `root` and that may be running."""
     busy = []
@@ -41,8 +51,7 @@ def users(runs: str, root: str, ended: set) -> list[dict]:
             continue
         meta = read_meta(d) or {}
         if os.path.exists(os.path.join(d, "slurm_job_id")) or meta.get("scheduler") == "slurm":
-            done = any(n.startswith("exit_code") for n in os.listdir(d)) or os.path.exists(os.path.join(d, "stopped"))
-            if not done:
+            if not slurm_job_ended(d, meta):
                 busy.append({"id": name, "step": meta.get("step"), "state": "submitted to Slurm"})
             continue
         if not os.path.isfile(os.path.join(d, "meta.json")):

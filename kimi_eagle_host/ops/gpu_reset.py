@@ -42,7 +42,7 @@ from pathlib import Path
 from kimi_eagle_host.gpus import find_nvidia_smi
 from kimi_eagle_host.step_runtime import atomic_write, host_runs_dir
 from kimi_eagle_host.step_runtime import log as _log
-from kimi_eagle_host.ops.jobs import JOB_ID, env_job, job_state, same_dir
+from kimi_eagle_host.ops.jobs import JOB_ID, env_job, job_state, own_group, same_dir
 
 DEFAULT_DEVICE_GLOB = "/dev/nvidia*"
 # A CUDA context costs a few hundred MiB; driver bookkeeping on an idle GPU a few MiB.
@@ -261,6 +261,7 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
         except (OSError, ValueError):
             continue
         job_id = os.path.basename(job_dir)
+        meta = {}
         try:
             meta = json.loads(Path(job_dir, "meta.json").read_text())
             job_id = meta.get("job_id") or job_id
@@ -269,7 +270,9 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
                 continue
         except (OSError, ValueError, AttributeError):
             pass
-        if pgid > 1:  # a pgid of 0/1 would mark everything as ours
+        record = {"marker": os.path.join(job_dir, "job.sh"), **(meta if isinstance(meta, dict) else {})}
+        # a pgid of 0/1 would mark everything as ours; one whose number now leads another group marks a stranger
+        if pgid > 1 and own_group(pgid, record):
             out[pgid] = job_id
     return out
 

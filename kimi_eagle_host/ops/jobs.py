@@ -55,7 +55,8 @@ def cmdline(pid):
 
 
 def process_matches(pid, marker):
-    """True when pid is alive AND is our job (guards against a reused pid)."""
+    """True when pid is alive AND its command line carries the marker (a job started before start times were
+    recorded; shell_alive compares the start time where it is)."""
     if not pid:
         return False
     try:
@@ -66,6 +67,47 @@ def process_matches(pid, marker):
         pass
     line = cmdline(pid)
     return bool(line) and marker in line
+
+
+def start_ticks(pid):
+    """When a process started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None when there is no such
+    process. With the boot id it tells a job's process from a later one that was given the same pid."""
+    stat = read(f"/proc/{pid}/stat") if pid else None
+    try:
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (AttributeError, ValueError, IndexError):
+        return None
+
+
+def shell_alive(pid, record):
+    """Whether the job's shell (pid) still runs: the process with that pid started when the job's did (the start
+    recorded at its start), or, in a record from before start times were kept, carries the job's script path."""
+    if record.get("start_ticks") is not None:
+        ticks = start_ticks(pid)
+        return ticks is not None and ticks == record["start_ticks"] and not zombie(pid)
+    return process_matches(pid, record.get("marker", "\0"))
+
+
+def zombie(pid):
+    stat = read(f"/proc/{pid}/stat") or ""
+    return stat[stat.rindex(")") + 2:].startswith("Z") if ")" in stat else False
+
+
+def own_group(pgid, record):
+    """The job's process group id, or None where the number now names another process's group.
+
+    A job's group id is its shell's pid. While any member of the group lives, the kernel gives that number to no
+    new process; so where a process with that pid runs and it is not the job's shell, the job's group is gone and
+    a later process (an sshd session, another job) leads a group of that number: a stop, a `status` or gpu-reset
+    must not take it for the job's."""
+    if not pgid:
+        return None
+    ticks = start_ticks(pgid)
+    if ticks is None:
+        return pgid  # no process has the number: what is left of the group, if anything, is the job's
+    if record.get("start_ticks") is not None:
+        return pgid if ticks == record["start_ticks"] else None
+    return pgid if zombie(pgid) or process_matches(pgid, record.get("marker", "\0")) else None
 
 
 def env_job(pid):
@@ -140,9 +182,9 @@ def unreadable_state(run_dir):
 
 def processes_live(pid, meta, run_dir):
     """Whether anything of the job still runs: its shell, or a member (or escapee) of its process group."""
-    if process_matches(pid, meta.get("marker", "\0")):
+    if shell_alive(pid, meta):
         return True
-    return bool(pid) and bool(group_members(meta.get("pgid") or pid, meta.get("job_id"), run_dir))
+    return bool(pid) and bool(group_members(own_group(meta.get("pgid") or pid, meta), meta.get("job_id"), run_dir))
 
 
 def job_state(run_dir):
@@ -154,6 +196,7 @@ def job_state(run_dir):
     code = int(code.strip()) if code and code.strip().lstrip("-").isdigit() else None
     stopped = os.path.exists(os.path.join(run_dir, "stopped"))
     same_boot = not meta.get("boot_id") or meta.get("boot_id") == boot_id()
+    group = own_group(meta.get("pgid") or pid, meta) if same_boot else None
     ended_at = None
     if stopped:
         # The marker is written before the signals; a stop cut short (Ctrl-C, a dropped connection, a job that
@@ -163,11 +206,11 @@ def job_state(run_dir):
         state = "succeeded" if code == 0 else "failed"
     elif not same_boot:
         state = "lost"  # the host rebooted under the job
-    elif process_matches(pid, meta.get("marker", "\0")):
+    elif shell_alive(pid, meta):
         state = "running"
     elif pid == 0 and time.time() - meta.get("started_at", 0) < 10:
         state = "running"  # starting up
-    elif pid and group_members(meta.get("pgid") or pid, meta.get("job_id"), run_dir):
+    elif pid and group_members(group, meta.get("job_id"), run_dir):
         # The job's shell is gone (killed alone) but its children live on, holding what they hold (a GPU):
         # still running for the lock, for `stop` (which ends the group) and for the user.
         state = "running"
@@ -186,7 +229,7 @@ def job_state(run_dir):
         "state": state,
         "exit_code": code,
         "pid": pid or None,
-        "pgid": meta.get("pgid") or pid or None,
+        "pgid": group,  # None where the number names another group now
         "started_at": started,
         "ended_at": ended_at,
         "runtime_s": round(runtime, 1) if runtime is not None else None,
@@ -208,8 +251,9 @@ def claim_alive(claim):
         state = job_state(run_dir)["state"]
         if state != "unreadable":
             return state == "running"
-    pgid = claim.get("pgid")
-    return bool(pgid) and bool(group_members(pgid, claim.get("job_id"), run_dir))
+    record = {"marker": os.path.join(run_dir, "job.sh"), **claim}
+    pgid = own_group(claim.get("pgid"), record)
+    return bool(claim.get("pgid")) and bool(group_members(pgid, claim.get("job_id"), run_dir))
 
 
 def live_claims(prune=False, where=None):
@@ -232,7 +276,7 @@ def _claim(meta, run_dir, workdir, pid=None):
             "boot_id": meta["boot_id"], "run_dir": os.path.realpath(run_dir), "workdir": os.path.realpath(workdir),
             # recorded before the start (ops/provenance.py); a job that records none claims no output folder
             "output_dir": (read(os.path.join(run_dir, "output_dir")) or "").strip() or None,
-            "pid": pid, "pgid": pid}
+            "pid": pid, "pgid": pid, "start_ticks": meta.get("start_ticks")}
 
 
 def cmd_start(a):
@@ -246,6 +290,10 @@ def cmd_start(a):
     # starts between another caller's look at the claims and what it does about them.
     with open(os.path.join(runs, ".lock"), "a+") as lockf, machine_claims.locked():
         fcntl.flock(lockf, fcntl.LOCK_EX)
+        if read_meta(run_dir) != {}:
+            # Another start took this id (two terminals in one second drew the same one): that job's record stays.
+            print(json.dumps({"started": False, "in_use": True, "error": f"job id {a.job_id} is in use on this host"}))
+            return 2
         holder = lock_holder(runs, live_claims(prune=True)) if a.gpu else None
         if holder:
             print(json.dumps({"started": False, "held_by": holder}))
@@ -272,6 +320,7 @@ def cmd_start(a):
         write_atomic(os.path.join(run_dir, "pid"), f"{proc.pid}\n")
         write_atomic(os.path.join(run_dir, "pgid"), f"{proc.pid}\n")
         meta["pgid"] = proc.pid
+        meta["start_ticks"] = start_ticks(proc.pid)  # unreaped until this process exits: there even if it ended
         write_atomic(os.path.join(run_dir, "meta.json"), json.dumps(meta, indent=1))
         machine_claims.register(_claim(meta, run_dir, a.workdir, proc.pid))
         if a.gpu:
@@ -313,10 +362,11 @@ def cmd_stop(a):
     sent = {"TERM": 0, "KILL": 0}
 
     def signal_all(sig):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
+        if pgid:  # else the number leads another group now: only escapees carrying the job's id are signalled
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
         for pid in group_members(pgid, a.job, run_dir):  # escapees that left the group
             try:
                 os.kill(pid, sig)

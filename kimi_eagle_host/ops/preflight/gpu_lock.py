@@ -31,6 +31,18 @@ def _pgid_alive(pgid) -> bool:
         return False
 
 
+def _lock_job_running(runs, info) -> bool:
+    """Whether the job a gpu.lock names still runs: its own state (ops/jobs.py: the pid and group checked against
+    the job's start, so a number given to a later process is not taken for it), else whether its pid or group live."""
+    from kimi_eagle_host.ops.jobs import JOB_ID, job_state
+
+    job_id = info.get("job_id")
+    run_dir = Path(runs) / job_id if isinstance(job_id, str) and JOB_ID.fullmatch(job_id) else None
+    if run_dir is not None and (run_dir / "meta.json").is_file():
+        return job_state(str(run_dir))["state"] == "running"
+    return _pid_alive(info.get("pid")) or _pgid_alive(info.get("pgid"))
+
+
 def machine_gpu_holder(args) -> dict | None:
     """The GPU check of the machine's claims (ops/machine_claims.py): another job, of any workdir, holding them."""
     from kimi_eagle_host.ops.jobs import lock_holder
@@ -68,7 +80,7 @@ def check_lock(args) -> dict:
     who = f"job {info.get('job_id')} (step {info.get('step')}, started {when}, pid {info.get('pid')})"
     if args.job_id and info.get("job_id") == args.job_id:
         return check("gpu_lock", "pass", f"{lock}: held by this job ({args.job_id})")
-    if _pid_alive(info.get("pid")) or _pgid_alive(info.get("pgid")):
+    if _lock_job_running(runs, info):
         status = "fail" if args.step in GPU_STEPS else "warn"
         return check("gpu_lock", status, f"{lock}: held by {who}, still running",
                      f"wait for job {info.get('job_id')} to finish, or stop it with the controller "
