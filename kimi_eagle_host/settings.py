@@ -358,6 +358,11 @@ def _text(s: Setting, key: str, value) -> str:
     return value
 
 
+def _digits(text: str) -> bool:
+    """0-9 only: str.isdigit() also takes '²' and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _ints(s: Setting, key: str, value) -> list[int]:
     items = value.split(",") if isinstance(value, str) else value
     what = "GPU" if s.name.endswith("_gpus") else "layer"
@@ -366,7 +371,7 @@ def _ints(s: Setting, key: str, value) -> list[int]:
         raise SettingError(key, f"expected a list of {what} numbers like {example} (got {value!r})")
     out = []
     for item in items:
-        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and item.strip().isdigit())):
+        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and _digits(item.strip()))):
             raise SettingError(key, f"expected non-negative integers (got {item!r})")
         out.append(int(item))
     dup = sorted({i for i in out if out.count(i) > 1})
@@ -414,7 +419,7 @@ def _bool(s: Setting, key: str, value) -> bool:
 def _count_or_auto(s: Setting, key: str, value):
     if value == "auto":
         return value
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and _digits(value):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SettingError(key, f"expected a positive number or auto (got {value!r})")

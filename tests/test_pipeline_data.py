@@ -345,6 +345,27 @@ def test_prepare_bad_rows_messages_and_skip(models, tmp_path):
     assert PreparedDataset(str(tmp_path / "o" / "prepared")).lines == [1, 4, 6, 7, 8]
 
 
+def test_a_prepare_that_fails_after_rewriting_the_shards_leaves_no_manifest(models, tmp_path):
+    """The manifest is the prepared data's identity: a prepare that stops between the new shards and the new
+    manifest (here token_freq.npy cannot be written) must not leave the old one describing the new shards, or
+    extract would continue, and vocab would count, the old data as if it were the new."""
+    lines = open(SAMPLE, encoding="utf-8").read().splitlines()
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("\n".join(lines[:12]) + "\n", encoding="utf-8")
+    second.write_text("\n".join(lines[12:24]) + "\n", encoding="utf-8")
+    common = ("--model", models["llama"], "--output-dir", tmp_path / "o", "--seq-len", str(SEQ_LEN))
+    code, _, err = run("prepare", "--dataset", first, *common)
+    assert code == 0, err
+    prepared = tmp_path / "o" / "prepared"
+    (prepared / "token_freq.npy").unlink()
+    (prepared / "token_freq.npy").mkdir()   # what is written after the shards now fails
+    code, _, err = run("prepare", "--dataset", second, *common)
+    assert code != 0
+    assert not (prepared / "manifest.json").exists()
+    code, _, err = run("vocab", "--model", models["llama"], "--output-dir", tmp_path / "o", "--draft-vocab-size", "64")
+    assert code == 2 and "prepare" in err.splitlines()[-1], err
+
+
 def test_prepare_in_several_processes_writes_what_one_writes(models, tmp_path):
     """--workers N tokenizes in N processes: the same shards, byte for byte, as one process, --max-samples too."""
     lines = open(SAMPLE, encoding="utf-8").read().splitlines()

@@ -106,6 +106,17 @@ def test_ttt_steps_9_is_the_same_line_wherever_it_is_set(tmp_path, listener, whe
     assert not _contacted(listener)
 
 
+@pytest.mark.parametrize("override", ["layer_ids=2,\u00b2,8", "gpus_per_replica=\u00b2", "engine_gpus=0,\u0663"])
+def test_digits_other_than_0_to_9_are_one_line_naming_the_key(tmp_path, listener, override):
+    """str.isdigit() takes superscripts (which int() then refuses with a traceback) and other scripts' digits (which
+    it reads): a layer or GPU number is 0-9, refused otherwise by the setting's own check, with the key."""
+    e = _env(tmp_path, listener)
+    key = override.split("=")[0]
+    line = _one_line(e.cli("run", "extract", "--host", "far", override))
+    assert key in line and "Traceback" not in line, line
+    assert not _contacted(listener)
+
+
 def _rendered_settings(e, tmp_path, *args) -> dict:
     out = tmp_path / "out"
     r = e.cli("render", "job", "--out", str(out), *args)

@@ -346,6 +346,81 @@ def test_resume_refuses_another_target(tmp_path):
     assert rc == 2 and "different settings" in bad["error"] and "model" in bad["error"]
 
 
+def _record_extraction(p, **fields):
+    """data_config.json as extract writes it for this target: its weights' fingerprint and the cut."""
+    from kimi_eagle_host.step_runtime import model_fingerprint
+
+    dc = p["out"] / "hidden_states" / "data_config.json"
+    record = {**json.loads(dc.read_text()), "weights_fingerprint": model_fingerprint(str(p["target"])),
+              "seq_len": SEQ, "prepared_sha256": "a" * 64, **fields}
+    dc.write_text(json.dumps(record))
+    write_manifest(str(dc.parent), SAMPLES, record["prepared_sha256"])   # an extraction's own manifest
+
+
+def test_hidden_states_of_other_weights_layers_or_cut_are_refused(tmp_path):
+    """Offline, train reads what extract wrote: features of another target's weights beside this target's head,
+    other layers than --layer-ids names, or a shorter cut than the files hold would train a draft that serves
+    worse with exit 0. Each is one line, exit 2, before any step."""
+    from safetensors.torch import load_file, save_file
+
+    p = make_pipeline(tmp_path)
+    _record_extraction(p)
+    other = tmp_path / "retrained-target"
+    shutil.copytree(p["target"], other)   # the same shapes and config, other weights
+    weights = load_file(str(other / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 1.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    for extra, says in [(("--seq-len", str(SEQ - 4)), "--seq-len"), (("--layer-ids", "1,3,4"), "--layer-ids")]:
+        rc, doc = run_train(p, "--max-steps", "1", *extra)
+        assert rc == 2 and says in doc["error"], doc
+    rc, doc = run_train({**p, "target": other}, "--max-steps", "1")
+    assert rc == 2 and "other weights" in doc["error"] and str(other) in doc["error"], doc
+    assert not (p["out"] / "draft").exists()
+    rc, doc = run_train(p, "--max-steps", "1", "--seq-len", str(SEQ), "--layer-ids", ",".join(map(str, LAYER_IDS)))
+    assert rc == 0, doc
+
+
+@pytest.mark.parametrize("change", ["prepared data", "cut", "vocabulary"])
+def test_resume_refuses_other_data_or_another_vocabulary(tmp_path, change):
+    """A checkpoint continues only the documents it was trained on, in its order, and its head's rows only for the
+    tokens they were trained for."""
+    p = make_pipeline(tmp_path)
+    _record_extraction(p)
+    common = ("--epochs", "5", "--save-every", "2")
+    rc, part = run_train(p, *common, "--stop-at-step", "2")
+    assert rc == 0 and part["step"] == 2
+    if change == "vocabulary":   # the same size, other tokens
+        t2d = np.load(p["out"] / "vocab" / "t2d.npy")
+        ids = np.sort(np.append(np.flatnonzero(t2d)[:-1], np.flatnonzero(~t2d)[0]))
+        t2d = np.zeros_like(t2d)
+        t2d[ids] = True
+        d2t = (ids - np.arange(len(ids))).astype(np.int64)
+        np.save(p["out"] / "vocab" / "d2t.npy", d2t)
+        np.save(p["out"] / "vocab" / "t2d.npy", t2d)
+        key = "draft_vocab_sha256"
+    else:
+        key = {"prepared data": "prepared_sha256", "cut": "seq_len"}[change]
+        _record_extraction(p, **{key: "b" * 64 if key == "prepared_sha256" else SEQ + 8})
+    rc, bad = run_train(p, *common, "--resume")
+    assert rc == 2 and "different settings" in bad["error"] and key in bad["error"], bad
+
+
+def test_a_run_from_step_0_removes_an_earlier_runs_checkpoints_and_candidates(tmp_path):
+    """Kept, an earlier run's checkpoints outrank the new run's own (the highest steps are kept) and a --resume
+    continues them; its candidates would be served by choose as this run's."""
+    p = make_pipeline(tmp_path)
+    common = ("--epochs", "5", "--save-every", "2", "--holdout-fraction", "0.25")
+    rc, first = run_train(p, *common, "--choose-checkpoints", "2")
+    assert rc == 0 and (p["out"] / "draft" / "candidates").is_dir(), first
+    rc, part = run_train(p, *common, "--lr", "1e-3", "--stop-at-step", "4")
+    assert rc == 0 and part["step"] == 4
+    assert sorted(f.name for f in (p["out"] / "draft" / "checkpoints").iterdir()) == [
+        "step_00000002.pt", "step_00000004.pt"]
+    assert not (p["out"] / "draft" / "candidates").exists()
+    rc, rest = run_train(p, *common, "--lr", "1e-3", "--resume")
+    assert rc == 0 and rest["resumed_from_step"] == 4 and rest["finished"], rest
+
+
 def test_help():
     r = subprocess.run([*TRAIN, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0

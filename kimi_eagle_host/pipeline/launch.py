@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         ap.error("give the step after --, e.g. launch -- -m kimi_eagle_host.pipeline.train --model M --output-dir OUT")
     for name in ("nproc_per_node", "gpus_per_replica"):
         v = getattr(a, name)
-        if v != "auto" and not v.isdigit():
+        if v != "auto" and not (v.isascii() and v.isdigit()):
             ap.error(f"--{name.replace('_', '-')}: a number or auto, got {v!r}")
     try:
         d = decide(a)

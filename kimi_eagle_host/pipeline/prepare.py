@@ -348,6 +348,11 @@ def write_prepared(args, out_dir, samples, tok, vocab, freq, provenance, bad, dr
     os.makedirs(out_dir, exist_ok=True)
     log(f"[prepare] {replaced(out_dir)}")
     old = {n for n in os.listdir(out_dir) if n.startswith("shard_") and n.endswith(".safetensors")}
+    # The manifest goes before the shards change and comes back last: a prepare that fails in between leaves the
+    # folder without one (the steps after it refuse: "run the prepare step first"), never an old manifest over
+    # new shards.
+    if os.path.exists(os.path.join(out_dir, "manifest.json")):
+        os.unlink(os.path.join(out_dir, "manifest.json"))
     shards = write_shards(out_dir, samples, args.shard_size)
     atomic_save_npy(os.path.join(out_dir, "token_freq.npy"), freq)
     manifest = {

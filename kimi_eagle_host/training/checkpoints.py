@@ -20,6 +20,17 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, names[-1]) if names else None
 
 
+def clear_earlier(ckpt_dir: str) -> None:
+    """A run from step 0 (no --resume) removes an earlier run's checkpoints, saying so: kept, they would outrank its
+    own (keep_checkpoints keeps the highest steps) and a later --resume would continue them."""
+    names = sorted(n for n in os.listdir(ckpt_dir) if CKPT_RE.match(n)) if os.path.isdir(ckpt_dir) else []
+    for n in names:
+        os.unlink(os.path.join(ckpt_dir, n))
+    if names:
+        log(f"starting from step 0 (no --resume): removed {len(names)} checkpoint(s) of an earlier run from "
+            f"{ckpt_dir} (the latest at step {int(CKPT_RE.match(names[-1]).group(1))})")
+
+
 def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int, sharding: str = "none",
                     trainable_names=None) -> str:
     """Rank 0 writes the whole (unsharded) state, so any world size can resume it; under FSDP every rank

@@ -18,7 +18,8 @@ from kimi_eagle_host.data.hidden_state_files import check_sample_headers
 from kimi_eagle_host.data.prepared_data import check_vocab_built_from, manifest_digest
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.draft.draft_model import draft_layer_config, load_target_config
-from kimi_eagle_host.step_runtime import BadInput
+from kimi_eagle_host.step_runtime import BadInput, log, model_fingerprint
+from kimi_eagle_host.target.model_layers import LayerIdError, parse_layer_ids
 from kimi_eagle_host.training.tracker import wanted
 
 
@@ -40,6 +41,7 @@ class TrainInputs:
     archs: list
     draft_cfg: dict          # the draft layer's config (draft_layer_config)
     draft_to_target: torch.Tensor   # d2t + arange(K): the target id of each draft id
+    weights: str | None      # the target's weights fingerprint (step_runtime.model_fingerprint; None: a hub id)
 
     @property
     def hs_dir(self) -> str:
@@ -120,6 +122,32 @@ def check_layer_ids(dc: dict, dc_path: str) -> tuple[list[int], int, int]:
     return layer_ids, N, H
 
 
+def check_extracted_for(args, dc: dict, dc_path: str, weights: str | None) -> None:
+    """Offline, the hidden states must come from the target, layers and cut train is given: features of other
+    weights beside this target's head, or other layers than --layer-ids asked for, would train a draft that serves
+    worse, with nothing said."""
+    extracted = dc.get("weights_fingerprint")
+    if extracted and weights and extracted != weights:
+        raise BadInput(f"{dc_path}: the hidden states were extracted from other weights (fingerprint {extracted}) "
+                       f"than --model {args.model} ({weights}); run extract again for this model")
+    if getattr(args, "layer_ids", None) is not None:
+        try:
+            asked = parse_layer_ids(args.layer_ids, int(dc["num_layers"]))
+        except LayerIdError as e:
+            raise BadInput(str(e)) from None
+        if asked != [int(i) for i in dc["layer_ids"]]:
+            raise BadInput(f"--layer-ids {','.join(map(str, asked))}: the hidden states in {os.path.dirname(dc_path)} "
+                           f"hold layers {dc['layer_ids']}; run extract again with these ids, or train on those")
+    cut = dc.get("seq_len")
+    if isinstance(cut, int) and getattr(args, "seq_len", None) is not None:
+        if args.seq_len < cut:
+            raise BadInput(f"--seq-len {args.seq_len}: the hidden states were extracted at seq_len {cut} and train "
+                           f"reads them whole; run extract again at {args.seq_len}, or train with seq_len {cut}")
+        if args.seq_len > cut:
+            log(f"note: --seq-len {args.seq_len}: the hidden states hold samples cut at {cut} tokens (extract's "
+                f"seq_len); train reads them as they are")
+
+
 def read_vocab(vocab_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) as vocab wrote them."""
     for name in ("d2t.npy", "t2d.npy"):
@@ -138,7 +166,9 @@ def read_inputs(args, out: str) -> TrainInputs:
     hs_dir, vocab_dir = os.path.join(out, "hidden_states"), os.path.join(out, "vocab")
     # Exactly the samples of this extraction, and only if they come from the prepared data at hand (when the
     # folder has one: hidden states copied alone to a training host carry their own manifest).
+    weights = model_fingerprint(args.model)
     if args.hidden_states != "online":
+        check_extracted_for(args, dc, dc_path, weights)
         files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
         lengths = check_sample_headers(files, len(layer_ids), H)
     check_vocab_built_from(vocab_dir, dc.get("prepared_sha256"))
@@ -161,4 +191,4 @@ def read_inputs(args, out: str) -> TrainInputs:
         raise BadInput(f"{vocab_dir}/d2t.npy: draft ids must map to increasing target ids")
     return TrainInputs(out=out, online=args.hidden_states == "online", dc=dc, dc_path=dc_path, files=files,
                        lengths=lengths, layer_ids=layer_ids, num_layers=N, hidden=H, d2t=d2t, t2d=t2d, tcfg=tcfg,
-                       archs=archs, draft_cfg=c, draft_to_target=draft_to_target)
+                       archs=archs, draft_cfg=c, draft_to_target=draft_to_target, weights=weights)

@@ -3,6 +3,7 @@ the draft and its optimizer, the settings a checkpoint records, the step it star
 what the loop, the checkpoints and the exports share."""
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports
 from kimi_eagle_host.draft.draft_model import Eagle3Draft
 from kimi_eagle_host.step_runtime import BadInput, log, model_identity
 from kimi_eagle_host.training import distributed as dist_  # (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
-from kimi_eagle_host.training.checkpoints import resume
+from kimi_eagle_host.training.checkpoints import clear_earlier, resume
 from kimi_eagle_host.training.data_plan import DataPlan, plan_data
 from kimi_eagle_host.training.optim import make_optimizer
 from kimi_eagle_host.training.target_head import TargetHead, document_tops, load_target_head
@@ -112,7 +113,11 @@ def run_meta(args, inputs: TrainInputs, data: DataPlan) -> dict:
             "draft_shape": {k: inputs.draft_cfg[k] for k in ("num_hidden_layers", "num_attention_heads",
                                                              "num_key_value_heads", "intermediate_size")},
             # the target: resuming a checkpoint against another model's features/head must refuse
-            "model": model_identity(args.model)}
+            "model": model_identity(args.model), "weights_fingerprint": inputs.weights,
+            # the data: other prepared data, or another cut, gives every step other documents; another vocabulary
+            # maps the draft's head rows onto other tokens
+            "prepared_sha256": inputs.dc.get("prepared_sha256"), "seq_len": inputs.dc.get("seq_len"),
+            "draft_vocab_sha256": hashlib.sha256(inputs.d2t.numpy().tobytes()).hexdigest()[:16]}
 
 
 def find_tops(run: TrainRun) -> dict | None:
@@ -155,7 +160,8 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
         run.resumed_from = resume(run.ckpt_dir, run.meta, model, opt, sharding, trainable_names, w, device, run.total)
         run.start = run.resumed_from or 0
     run.cand_steps = candidates.steps(run.total, args.choose_checkpoints)
-    if run.cand_steps and run.start == 0 and w.main:
+    if run.start == 0 and w.main:  # an earlier run's checkpoints and candidates were trained otherwise
+        clear_earlier(run.ckpt_dir)
         candidates.reset(run.out)
     run.tops = find_tops(run)
     return run
