@@ -407,7 +407,8 @@ def test_resume_refuses_other_data_or_another_vocabulary(tmp_path, change):
 
 def test_a_run_from_step_0_removes_an_earlier_runs_checkpoints_and_candidates(tmp_path):
     """Kept, an earlier run's checkpoints outrank the new run's own (the highest steps are kept) and a --resume
-    continues them; its candidates would be served by choose as this run's."""
+    continues them; its candidates would be served by choose as this run's. This run stopped and started again
+    without --resume is refused instead: its checkpoints are what a forgotten flag would cost."""
     p = make_pipeline(tmp_path)
     common = ("--epochs", "5", "--save-every", "2", "--holdout-fraction", "0.25")
     rc, first = run_train(p, *common, "--choose-checkpoints", "2")
@@ -417,6 +418,10 @@ def test_a_run_from_step_0_removes_an_earlier_runs_checkpoints_and_candidates(tm
     assert sorted(f.name for f in (p["out"] / "draft" / "checkpoints").iterdir()) == [
         "step_00000002.pt", "step_00000004.pt"]
     assert not (p["out"] / "draft" / "candidates").exists()
+    # the same run started again from step 0 by a forgotten --resume: refused, its checkpoints kept
+    rc, again = run_train(p, *common, "--lr", "1e-3")
+    assert rc == 2 and "--resume" in again["error"] and "stopped at step 4 of" in again["error"], again
+    assert len(list((p["out"] / "draft" / "checkpoints").iterdir())) == 2
     rc, rest = run_train(p, *common, "--lr", "1e-3", "--resume")
     assert rc == 0 and rest["resumed_from_step"] == 4 and rest["finished"], rest
 

@@ -20,15 +20,24 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, names[-1]) if names else None
 
 
-def clear_earlier(ckpt_dir: str) -> None:
+def clear_earlier(ckpt_dir: str, meta: dict) -> None:
     """A run from step 0 (no --resume) removes an earlier run's checkpoints, saying so: kept, they would outrank its
-    own (keep_checkpoints keeps the highest steps) and a later --resume would continue them."""
+    own (keep_checkpoints keeps the highest steps) and a later --resume would continue them. Refused where the
+    latest is this very run stopped before its end (the same settings): a forgotten --resume must not cost it."""
     names = sorted(n for n in os.listdir(ckpt_dir) if CKPT_RE.match(n)) if os.path.isdir(ckpt_dir) else []
+    if not names:
+        return
+    latest = os.path.join(ckpt_dir, names[-1])
+    ck = torch.load(latest, map_location="cpu", weights_only=False, mmap=True)  # the record, not the tensors
+    step, total = int(ck["step"]), int(ck["meta"].get("total_steps", 0))
+    if step < total and not settings_changed(ck["meta"], meta, meta):
+        raise BadInput(f"{latest}: this run, with these settings, stopped at step {step} of {total}: continue it "
+                       f"with --resume (steps.train.resume=true), or remove {ckpt_dir} to start it again from step 0")
+    del ck
     for n in names:
         os.unlink(os.path.join(ckpt_dir, n))
-    if names:
-        log(f"starting from step 0 (no --resume): removed {len(names)} checkpoint(s) of an earlier run from "
-            f"{ckpt_dir} (the latest at step {int(CKPT_RE.match(names[-1]).group(1))})")
+    log(f"starting from step 0 (no --resume): removed {len(names)} checkpoint(s) of an earlier run from {ckpt_dir} "
+        f"(the latest at step {step} of {total})")
 
 
 def save_checkpoint(ckpt_dir, step, model, opt, meta, keep: int, sharding: str = "none",

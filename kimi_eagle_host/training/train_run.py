@@ -161,7 +161,7 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
         run.start = run.resumed_from or 0
     run.cand_steps = candidates.steps(run.total, args.choose_checkpoints)
     if run.start == 0 and w.main:  # an earlier run's checkpoints and candidates were trained otherwise
-        clear_earlier(run.ckpt_dir)
+        clear_earlier(run.ckpt_dir, run.meta)
         candidates.reset(run.out)
     run.tops = find_tops(run)
     return run
