@@ -215,3 +215,41 @@ def test_each_engine_extracts_only_the_held_out_documents_its_ranks_evaluate():
         assert set(mine) == read and mine == sorted(mine)
     assert online_stream.group_held(held_docs, held, None) == held_docs
     assert online_stream.group_held([], None, (0, 1, 2)) == []
+
+
+def test_closing_a_ranks_batches_ends_its_readers_waiting_for_documents_not_yet_written(tmp_path, monkeypatch):
+    """The loop stops (a stop, a divergence) while loader threads wait for later steps' documents. With ranks that
+    share an engine, the engine may never write them (it writes in stream order, and the other ranks no longer take
+    theirs, so the buffer stays full): closing the batches must not wait for them. The held-out documents, which
+    the evaluation after the loop reads, are still handed out."""
+    import threading
+    import types
+
+    import torch
+
+    from kimi_eagle_host.data.step_batches import StepBatches
+
+    def engine_that_writes_nothing_yet(self, dc, device_type, local_rank, local_size):
+        self.engine_pid = os.getpid()   # alive, and holding back (its buffer full of another rank's documents)
+
+    monkeypatch.setattr(online_stream.Source, "_start_engine", engine_that_writes_nothing_yet)
+    plan = plan_of(12)
+    args = types.SimpleNamespace(online_engines=None, engine_gpus=None, tp_size=1, online_buffer_gb=1,
+                                 online_cache_gb=0, online_spool_dir=str(tmp_path))
+    dc = {"dtype": "float32", "layer_ids": [1, 2, 4], "hidden_size": 4}
+    world = types.SimpleNamespace(rank=0, size=1, local_rank=0, local_size=1, distributed=False)
+    lengths = [10 + (7 * d) % 30 for d in range(12)]
+    source = online_stream.Source(args, dc, plan, [11], None, 0, plan.steps_per_epoch, lengths, "cpu", world,
+                                  lambda mine: [mine])
+    try:
+        batches = StepBatches(plan, 0, plan.steps_per_epoch, 0, 1, source, 40, 2 * 4, 4, torch.float32,
+                              torch.device("cpu"), workers=2)
+        closer = threading.Thread(target=batches.close, daemon=True)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() waits for a reader of a document the engine has not written"
+        held = os.path.join(source.spool, online_stream.entry_name(online_stream.HELD, 0, 11))
+        open(held, "wb").close()
+        assert source.held[11] == held
+    finally:
+        source.close()

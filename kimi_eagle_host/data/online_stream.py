@@ -346,6 +346,7 @@ class Source:
         self.proc = self.engine_pid = self.spool = None
         self.waited_s = 0.0
         self.closed = False
+        self.steps_abandoned = False   # the loop has stopped: its readers ahead stop waiting (abandon_steps)
         self.copy_to = os.environ.get(COPY_ENV)
         itemsize = 4 if dc["dtype"] == "float32" else 2
         n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
@@ -449,11 +450,17 @@ class Source:
     def for_step(self, step: int) -> "StepFiles":
         return StepFiles(self, step)
 
-    def wait_for(self, path: str) -> str:
+    def abandon_steps(self) -> None:
+        """The training loop has stopped (its end, a stop, a divergence): readers of later steps stop waiting. The
+        engine may never write their documents: it writes in stream order, and the group's other ranks no longer
+        take theirs, so the buffer stays full. The held-out documents (written first) are still handed out."""
+        self.steps_abandoned = True
+
+    def wait_for(self, path: str, for_steps: bool = False) -> str:
         """`path` once the engine has written it; the engine's failure is raised here (Refused: one line)."""
         delay = 0.001
         while not os.path.exists(path):
-            if self.closed:
+            if self.closed or (for_steps and self.steps_abandoned):
                 raise RuntimeError("online: the buffer was closed")
             self._check_engine(path)
             time.sleep(delay)
@@ -478,7 +485,7 @@ class Source:
             entry.claimed = entry.claimed or first
         if first:
             try:
-                path = self.wait_for(os.path.join(self.spool, entry_name(KEPT, step, d)))
+                path = self.wait_for(os.path.join(self.spool, entry_name(KEPT, step, d)), for_steps=True)
                 entry.tensors = {k: v.clone() for k, v in map_sample(path).items()}   # off the file's pages
                 take(path)
             except BaseException as e:
@@ -487,7 +494,7 @@ class Source:
             finally:
                 entry.ready.set()
         while not entry.ready.wait(0.05):
-            if self.closed:
+            if self.closed or self.steps_abandoned:
                 raise RuntimeError("online: the buffer was closed")
         if entry.error is not None:
             raise RuntimeError(f"online: document {d}, kept for later epochs, was not read: {entry.error}")
@@ -594,7 +601,7 @@ class StepFiles:
         return os.path.join(self.source.spool, entry_name(kind, self.step, d))
 
     def __getitem__(self, d: int) -> str:
-        return self.source.wait_for(self._path(d))
+        return self.source.wait_for(self._path(d), for_steps=True)
 
     def sample(self, d: int) -> dict:
         """Document d's tensors (packing.map_sample's): kept in memory, or mapped from its file."""

@@ -183,6 +183,10 @@ class StepBatches:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        # Online: a reader ahead may wait for a document the engine will not write now (online_stream.Source).
+        abandon = getattr(self.files, "abandon_steps", None)
+        if abandon is not None:
+            abandon()
         for t in self.threads:
             if t is not threading.current_thread():
                 t.join()
