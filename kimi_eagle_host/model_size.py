@@ -22,15 +22,21 @@ def text_config_of(cfg: dict) -> dict:
     return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def read_text_config(model_dir) -> dict | None:
-    """The text part of <model_dir>/config.json as a dict; None where there is no readable one. Every reader of a
-    target's sizes (KV bytes, hidden size, positions, layers) starts here, without importing transformers."""
+def read_config(model_dir) -> dict | None:
+    """<model_dir>/config.json as a dict; None where there is no readable one."""
     try:
         with open(os.path.join(str(model_dir), "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None
-    return text_config_of(cfg) if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def read_text_config(model_dir) -> dict | None:
+    """The text part of <model_dir>/config.json as a dict; None where there is no readable one. Every reader of a
+    target's sizes (KV bytes, hidden size, positions, layers) starts here, without importing transformers."""
+    cfg = read_config(model_dir)
+    return text_config_of(cfg) if cfg is not None else None
 
 
 def _mla(t: dict) -> bool:

@@ -8,11 +8,9 @@ under text_config: that part is what is returned.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Callable
 
-from kimi_eagle_host.model_size import text_config_of
+from kimi_eagle_host.model_size import read_config, text_config_of
 from kimi_eagle_host.step_runtime import BadInput
 from kimi_eagle_host.target.model_layers import text_config
 
@@ -28,14 +26,8 @@ def states(*fields: str) -> Callable[[dict], bool]:
 
 def read_raw(model_dir: str) -> tuple[dict, list[str]] | None:
     """(text config, architectures) of <model_dir>/config.json as written; None where there is no readable one."""
-    try:
-        with open(os.path.join(str(model_dir), "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict):
-        return None
-    return text_config_of(raw), list(raw.get("architectures") or [])
+    cfg = read_config(model_dir)
+    return (text_config_of(cfg), list(cfg.get("architectures") or [])) if cfg is not None else None
 
 
 def read_target_config(model_dir: str, needs: Callable[[dict], bool]) -> tuple[dict, list[str]]:
