@@ -98,11 +98,13 @@ STARTED+=("$FOREIGN")
 wait_ready "$WORK/ours.ready" "$OURS"
 wait_ready "$WORK/foreign.ready" "$FOREIGN"
 
-# Record the job the way the controller does: <runs>/<job>/{pgid,pid,meta.json}.
+# Record the job the way the controller does: <runs>/<job>/{pgid,pid,meta.json}, the group leader's start time in
+# meta.json (what tells the job's group from a later one given the same number).
 OURS_PGID=$(awk '{print $2}' "$WORK/ours.ready")
 echo "$OURS_PGID" > "$RUNS/bench-ours/pgid"
 echo "$OURS" > "$RUNS/bench-ours/pid"
-echo '{"job_id": "bench-ours", "step": "extract"}' > "$RUNS/bench-ours/meta.json"
+TICKS=$("$PY" -c 'import sys; from kimi_eagle_host.ops.jobs import start_ticks; print(start_ticks(int(sys.argv[1])))' "$OURS_PGID")
+printf '{"job_id": "bench-ours", "step": "extract", "start_ticks": %s}\n' "$TICKS" > "$RUNS/bench-ours/meta.json"
 sleep 1
 LOADED=$(gpu_used)
 "$SMI" --query-compute-apps=pid,used_memory,gpu_uuid --format=csv,noheader,nounits > "$OUT/apps-loaded.csv" || true
