@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .resources import templates_dir
 from .shell import quote  # noqa: F401  (re-exported for callers)
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # fullmatch: `$` would also take a name ending in a newline
 
 
 class Quoted(str):
@@ -44,7 +44,7 @@ def sh_join(values) -> Quoted:
 
 
 def sh_name(value) -> Quoted:
-    if not _NAME.match(str(value)):
+    if not _NAME.fullmatch(str(value)):
         raise ConfigError(f"{value!r} is not a valid shell variable name")
     return Quoted(str(value))
 

@@ -73,6 +73,11 @@ CASES = {
         GOOD_HOST + "pipeline:\n  epochs: yes\n",
         ["inventory.yaml:7", "field pipeline.epochs", "not a boolean"],
     ),
+    # `^...$` took a name ending in a newline: `export FOO` and `='bar'` on two lines, the job dead at exit 127.
+    "env name ending in a newline": (
+        'hosts:\n  b:\n    env:\n      "FOO\\n": bar\n',
+        ["inventory.yaml:3", "host 'b'", "field env", "FOO"],
+    ),
     "NUL in an env value": (
         'hosts:\n  b:\n    env:\n      HF_HOME: "/data\\0/hf"\n',
         ["inventory.yaml:3", "host 'b'", "field env", "HF_HOME", "NUL"],

@@ -333,3 +333,23 @@ def test_the_hosts_clean_waits_for_every_task_of_a_slurm_array(tmp_path):
     code, doc = clean()
     assert code == 0 and doc["removed"] == ["hidden_states"], doc
     assert not (out / "hidden_states").exists()
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/absolute", "sub/../../escaped", ""])
+def test_pull_refuses_a_file_name_from_the_host_outside_its_destination(tmp_path, name):
+    """The names of the files to copy come from the host (its lister's answer): a host that names ~/.ssh/... or
+    ../.. (compromised, or its python replaced) must write nothing here, not even the files listed before it."""
+    from kimi_eagle.config import inventory
+    from kimi_eagle.errors import CommandError
+    from kimi_eagle.hosts import sync
+    from kimi_eagle.hosts.transport.local import LocalTransport
+
+    source = tmp_path / "host" / "report.json"
+    source.parent.mkdir()
+    source.write_text('{"ok": true}')
+    dest = tmp_path / "here" / "pulled"
+    transport = LocalTransport(inventory.load(None).hosts["local"])
+    files = [(str(source), "eval/report.json", source.stat().st_size), (str(source), name, source.stat().st_size)]
+    with pytest.raises(CommandError, match="outside the destination"):
+        sync.fetch(transport, files, dest)
+    assert not dest.exists() and not (tmp_path / "here" / "escaped").exists()

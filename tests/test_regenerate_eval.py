@@ -305,6 +305,11 @@ def test_regenerate_does_not_resume_answers_of_a_target_rebuilt_in_place(tmp_pat
     build_tiny_llama(tmp_path, out=model, seed=1)
     code, out, err = regenerate(model, prompts, tmp_path / "o")
     assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["weights"], err
+    # the chat template edited (chat_template.jinja, beside the weights): every prompt renders otherwise
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|end|>", "<|end|>\\n"))
+    code, out, err = regenerate(model, prompts, tmp_path / "o")
+    assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["chat_template"], err
 
 
 def weightless_copy(tmp_path, model):
@@ -510,7 +515,31 @@ def test_a_second_eval_takes_the_targets_answers_from_the_first(tmp_path, tiny_l
     assert ev("e")[0]["baseline"]["reused"]         # the same weights downloaded again: the same target
     build_tiny_llama(tmp_path, out=model, seed=1)   # rebuilt in place with other weights: another target
     assert not ev("f")[0]["baseline"]["reused"]
-    assert len(list(base.glob("*.json"))) == 3   # a, c, f: d re-recorded a's, e reused it
+    template = model / "chat_template.jinja"          # the template edited: every turn renders otherwise
+    template.write_text(template.read_text().replace("<|end|>", "<|end|>\\n"))
+    assert not ev("g")[0]["baseline"]["reused"]
+    assert len(list(base.glob("*.json"))) == 4   # a, c, f, g: d re-recorded a's, e reused it
+
+
+def test_the_recorded_baseline_is_keyed_on_the_code_that_runs_the_targets_engine(tmp_path, monkeypatch):
+    """The target alone is run by eval.py and by its engine's code (evaluation/served.py builds the vLLM engine and
+    its sampling; vllm_compat sizes it): a change to either is a baseline recorded by other code."""
+    import shutil
+    import types
+
+    from kimi_eagle_host.pipeline import eval as eval_step
+    from kimi_eagle_host.step_runtime import package_dir
+
+    args = types.SimpleNamespace(model=str(tmp_path / "m"), num_prompts=3, max_turns=2, max_tokens=6,
+                                 max_model_len=256, max_batch=8, tp_size=1, enforce_eager=False)
+    tok = types.SimpleNamespace(chat_template="{{ messages }}")
+    before = eval_step.baseline_settings(args, {"sha256": "p"}, "vllm", [1], 2, tok)["code"]
+    for changed in ("evaluation/served.py", "vllm_compat.py"):
+        copy = tmp_path / changed.replace("/", "_") / "kimi_eagle_host"
+        shutil.copytree(package_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+        (copy / changed).write_text((copy / changed).read_text() + "\n# changed\n")
+        monkeypatch.setattr(eval_step, "package_dir", lambda: str(copy))
+        assert eval_step.baseline_settings(args, {"sha256": "p"}, "vllm", [1], 2, tok)["code"] != before, changed
 
 
 # ---------------------------------------------------------------------------------------------- context length

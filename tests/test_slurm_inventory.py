@@ -28,3 +28,25 @@ pipeline: {{model: /models/Kimi-K2.5, backend: hf}}
     for rank in range(3):  # each array task runs the extraction with its own rank of 3
         assert f"--rank {rank} --world-size 3" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
+
+
+def test_an_array_task_runs_a_multi_line_argument_as_given(tmp_path):
+    """Each array task's steps sit inside a `case` branch; an argument holding newlines (a `python -c` program, the
+    settings a record step writes) must reach the task unchanged, not with every line after the first indented."""
+    import shlex
+
+    e = make_env(tmp_path, None)
+    e.inventory.write_text("""hosts:
+  login:
+    address: login.cluster.example
+    workdir: /scratch/me/eagle
+    scheduler: slurm
+    slurm: {partition: gpu, shards: 2}
+pipeline: {model: /models/Kimi-K2.5, backend: hf}
+""")
+    program = "import os\nif True:\n    print(os.getpid())\n"
+    r = e.cli("render", "job", "exec", "--host", "login", "--out", str(tmp_path / "out"), "--", "python3", "-c", program)
+    assert r.code == 0, r.stderr
+    script = next((tmp_path / "out").rglob("job.sbatch")).read_text()
+    assert script.count(shlex.quote(program)) == 2, script   # once in each task's branch, byte for byte
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

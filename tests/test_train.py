@@ -413,6 +413,8 @@ def test_a_run_from_step_0_removes_an_earlier_runs_checkpoints_and_candidates(tm
     common = ("--epochs", "5", "--save-every", "2", "--holdout-fraction", "0.25")
     rc, first = run_train(p, *common, "--choose-checkpoints", "2")
     assert rc == 0 and (p["out"] / "draft" / "candidates").is_dir(), first
+    chosen = p["out"] / "draft" / "export" / "selection.json"   # choose's record, as it installs a candidate
+    chosen.write_text(json.dumps({"chosen_step": 10}))
     rc, part = run_train(p, *common, "--lr", "1e-3", "--stop-at-step", "4")
     assert rc == 0 and part["step"] == 4
     assert sorted(f.name for f in (p["out"] / "draft" / "checkpoints").iterdir()) == [
@@ -424,6 +426,7 @@ def test_a_run_from_step_0_removes_an_earlier_runs_checkpoints_and_candidates(tm
     assert len(list((p["out"] / "draft" / "checkpoints").iterdir())) == 2
     rc, rest = run_train(p, *common, "--lr", "1e-3", "--resume")
     assert rc == 0 and rest["resumed_from_step"] == 4 and rest["finished"], rest
+    assert not chosen.exists()   # this run's export is no chosen checkpoint: eval must not say it is
 
 
 def test_help():

@@ -25,7 +25,7 @@ DEFAULT_INVENTORY = Path(__file__).resolve().parent / "default_inventory.yaml"
 EMBEDDED = "<embedded default>"
 
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # fullmatch: `$` would also take a name ending in a newline
 
 
 def _no_bool(value):
@@ -229,7 +229,7 @@ class HostFields(_Strict):
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
         for name, value in env.items():
-            if not _ENV_NAME.match(name):
+            if not _ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a valid environment variable name")
             if "\x00" in value:
                 # Values may hold newlines (quoted, they arrive intact); a NUL no environment can carry.

@@ -384,6 +384,14 @@ def _write_all(f, data: bytes) -> None:
         view = view[f.write(view):]
 
 
+def _check_local_name(transport, rel: str) -> None:
+    """A path under the destination, as the host named it: one that is absolute or climbs out ('..') would write
+    where the host chose (~/.ssh/authorized_keys), so it is refused, naming the host."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or posixpath.isabs(rel) or ".." in rel.split("/"):
+        raise CommandError(f"{transport.name}: the host named a file outside the destination ({rel!r}); nothing "
+                           f"was copied")
+
+
 def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> FetchReport:
     """Copy host files here: (absolute path on the host, path under `local_root`, size). Hashed on the host in
     one round trip; a local file of the same size and sha256 is skipped; each other file is written to a
@@ -391,6 +399,8 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
     into place, so a local path holds the old file or the whole new one."""
     local_root = Path(local_root)
     report = FetchReport(transport.name, str(local_root))
+    for _, rel, _ in files:   # every name before anything is written
+        _check_local_name(transport, rel)
     remote = _hash_remote(transport, [(path, size) for path, _, size in files])
     token = secrets.token_hex(6)
     for path, rel, size in files:

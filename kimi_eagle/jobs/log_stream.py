@@ -127,7 +127,7 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
             if first and tail is not None:
                 # The last N lines of what exists now; then follow from the end of those bytes.
                 res = session.transport.run(f"head -c {int(job.log_size)} -- {join([job.log])} | tail -n {int(tail)}", check=True)
-                splitter.feed(res.stdout.encode())
+                splitter.feed(res.stdout_bytes)
                 offset = job.log_size
             first = False
             running = follow and job.state == "running"

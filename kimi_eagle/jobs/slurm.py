@@ -421,7 +421,7 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
                     offsets[t] = 0
                     if tail is not None and info["log_size"]:
                         res = session.transport.run(f"head -c {int(info['log_size'])} -- {quote(info['log'])} | tail -n {int(tail)}")
-                        splitters[t].feed(res.stdout.encode())
+                        splitters[t].feed(res.stdout_bytes)
                         offsets[t] = info["log_size"]
                 if info["log_size"] > offsets[t]:
                     data = session.transport.read_bytes(info["log"], offsets[t])

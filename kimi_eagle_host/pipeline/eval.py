@@ -38,7 +38,7 @@ import time
 
 from kimi_eagle_host import compute_dtype, cpu_threads
 from kimi_eagle_host.draft import parity
-from kimi_eagle_host.target.tokenizer import load_tokenizer
+from kimi_eagle_host.target.tokenizer import chat_template_sha256, load_tokenizer
 from kimi_eagle_host.step_runtime import parse_step_args
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomic_write_json, files_digest,
                                           job_headline, package_dir, log, model_fingerprint, model_identity, run_step,
@@ -287,15 +287,17 @@ def measure(open_runner, convs, budget, k, batch_sizes, timing_n, max_batch, bas
 # the target alone, recorded: the next eval of another draft on the same target, prompts and settings takes its
 # answers and tokens/s from the file instead of starting an engine for them (for a 1T target, a half-hour load)
 
-def baseline_settings(args, prov, engine_name, batch_sizes, timing_n) -> dict:
+def baseline_settings(args, prov, engine_name, batch_sizes, timing_n, tok) -> dict:
     """Everything that changes the target's answers or its tokens/s without the draft."""
     return {"model": model_identity(args.model), "weights": model_fingerprint(args.model),
+            "chat_template": chat_template_sha256(tok),
             "prompts_sha256": prov.get("sha256"), "num_prompts": args.num_prompts, "max_turns": args.max_turns,
             "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "max_batch": args.max_batch,
             "batch_sizes": batch_sizes, "timing_prompts": timing_n, "engine": engine_name, "tp_size": args.tp_size,
             "enforce_eager": args.enforce_eager,
-            "code": files_digest(package_dir(), ("pipeline/eval.py", "data/prompts.py",
-                                                          "evaluation/spec_hf.py", "target/tokenizer.py"))}
+            # the code that runs the target: its engine (served.py, vllm_compat's sizing and arguments) included
+            "code": files_digest(package_dir(), ("pipeline/eval.py", "data/prompts.py", "evaluation/spec_hf.py",
+                                                 "evaluation/served.py", "vllm_compat.py", "target/tokenizer.py"))}
 
 
 def baseline_file(args, settings) -> str:
@@ -585,7 +587,7 @@ def run(args):
     log(f"eval: {len(convs)} prompts ({sum(len(c.user_turns) for c in convs)} turns) from {args.prompts}, k={k}, "
         f"max {args.max_tokens} tokens, engine {engine}, batch sizes {batch_sizes} on {timing_n} prompts")
     meta, open_runner = open_engine(args, engine, tok, engine_env)
-    settings = baseline_settings(args, prov, meta["engine_name"], batch_sizes, timing_n)
+    settings = baseline_settings(args, prov, meta["engine_name"], batch_sizes, timing_n, tok)
     bfile = baseline_file(args, settings)
     recorded = recorded_baseline(bfile, settings, len(convs)) if args.reuse_baseline else None
     if recorded:

@@ -28,7 +28,7 @@ import sys
 
 from kimi_eagle_host.data.curation import curate, policy_from_args
 from kimi_eagle_host.data.prepared_data import FORMAT
-from kimi_eagle_host.target.tokenizer import load_tokenizer
+from kimi_eagle_host.target.tokenizer import chat_template_sha256, load_tokenizer
 from kimi_eagle_host.step_runtime import (BadInput, atomic_save_npy, atomic_write, atomic_write_json, log,
                                           parse_step_args, progress, run_step, sha256_file)
 
@@ -360,7 +360,7 @@ def write_prepared(args, out_dir, samples, tok, vocab, freq, provenance, bad, dr
         "count": len(samples),
         "model": args.model,
         "tokenizer_class": type(tok).__name__,
-        "chat_template_sha256": hashlib.sha256(tok.chat_template.encode("utf-8")).hexdigest(),
+        "chat_template_sha256": chat_template_sha256(tok),
         "seq_len": args.seq_len,
         "source": os.path.abspath(args.dataset),
         "source_sha256": provenance["sha256"],

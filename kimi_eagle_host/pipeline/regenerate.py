@@ -57,13 +57,13 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           model_fingerprint, model_identity, package_dir, progress_line, run_step,
                                           stdout_for_result_only)
 from kimi_eagle_host.target.model_layers import text_config
-from kimi_eagle_host.target.tokenizer import load_tokenizer
+from kimi_eagle_host.target.tokenizer import chat_template_sha256, load_tokenizer
 from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
-KEYED = ("model", "weights", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
+KEYED = ("model", "weights", "chat_template", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
          "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
 
 
@@ -315,8 +315,9 @@ def prompts_digest(convs):
     return h.hexdigest()
 
 
-def settings_of(args, prov, engine, convs):
-    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model), "dataset": args.dataset,
+def settings_of(args, prov, engine, convs, tok):
+    return {"model": model_identity(args.model), "weights": model_fingerprint(args.model),
+            "chat_template": chat_template_sha256(tok), "dataset": args.dataset,
             "dataset_sha256": prov["sha256"], "prompts_sha256": prompts_digest(convs),
             "dedupe": args.dedupe, "min_prompt_chars": args.min_prompt_chars,
             "max_prompt_chars": args.max_prompt_chars, "scripts": args.scripts, "self_prompts": args.self_prompts,
@@ -603,7 +604,7 @@ def run(args):
         engine.size()
         added, self_record = add_self_prompts(args, convs, tok, budget, curator, engine, out_dir)
         convs = convs + added
-    settings = settings_of(args, prov, engine_name, convs)
+    settings = settings_of(args, prov, engine_name, convs, tok)
     key = run_key(settings)
     chunks_root = os.path.join(out_dir, "chunks")
     chunks_dir = os.path.join(chunks_root, key)

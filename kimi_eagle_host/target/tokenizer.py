@@ -41,3 +41,14 @@ def load_tokenizer(model: str):
     if not getattr(tok, "chat_template", None):
         raise BadInput(f"{model}: the tokenizer has no chat_template")
     return tok
+
+
+def chat_template_sha256(tok) -> str:
+    """The template that renders every turn, as a digest: edited (a fixed template, chat_template.jinja replaced),
+    the same weights answer other prompts. The weights' fingerprint does not see it."""
+    import hashlib
+    import json
+
+    template = tok.chat_template
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

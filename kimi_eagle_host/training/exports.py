@@ -48,6 +48,10 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
     i, export_dir = run.inputs, run.export_dir
     plain = plain_copy(run)
     if run.w.main:
+        # choose's record of the checkpoint it installed here earlier: not this export's (eval reports it)
+        selection = os.path.join(export_dir, "selection.json")
+        if os.path.exists(selection):
+            os.unlink(selection)
         cfg = export_to(run, export_dir, plain)
         atomic_write_json(os.path.join(export_dir, "training_info.json"),
                           {"data_config": i.dc, "meta": run.meta, "final": history[-1] if history else None,

@@ -21,6 +21,7 @@ class CommandResult:
     stdout: str
     stderr: str
     duration: float = 0.0
+    stdout_bytes: bytes = b""   # as received: a log's tail may end inside a character the next read completes
 
     @property
     def ok(self) -> bool:
@@ -82,7 +83,8 @@ class Transport(abc.ABC):
         t0 = time.monotonic()
         code, out, err = self._exec(command, stdin, timeout)
         result = CommandResult(
-            self.name, command, code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), time.monotonic() - t0
+            self.name, command, code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), time.monotonic() - t0,
+            out,
         )
         if check and self._python_missing(result):
             raise ConfigError(f"{self.name}: python {self.host.python} not found on the host — set `python:` in the "
