@@ -253,3 +253,32 @@ def test_closing_a_ranks_batches_ends_its_readers_waiting_for_documents_not_yet_
         assert source.held[11] == held
     finally:
         source.close()
+
+
+def test_a_dead_runs_buffer_is_removed_even_where_its_pid_now_names_another_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from kimi_eagle_host import procfs
+
+    def spool(name, owner):
+        path = tmp_path / (online_stream.SPOOL_PREFIX + name)
+        path.mkdir()
+        (path / online_stream.OWNER).write_text(json.dumps(owner))
+        return path
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = procfs.stat(os.getpid())
+        boot = procfs.boot_id()
+        live = spool("live", {"pid": os.getpid(), "boot_id": boot, "start_ticks": mine.start_ticks})
+        # the dead trainer's pid was given to a later process (here `other`, which started after it)
+        reused = spool("reused", {"pid": other.pid, "boot_id": boot, "start_ticks": mine.start_ticks - 1})
+        older = spool("older", {"pid": other.pid, "boot_id": boot})   # a record from before start times were kept
+        online_stream.sweep_stale(str(tmp_path))
+        assert live.exists() and older.exists()
+        assert not reused.exists()
+    finally:
+        other.kill()
+        other.wait()

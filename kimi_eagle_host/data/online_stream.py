@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 
+from kimi_eagle_host import procfs
 from kimi_eagle_host.data.hidden_state_files import taken_path
 from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
@@ -224,7 +225,7 @@ def sweep_stale(base: str) -> None:
                 continue
             with open(os.path.join(path, OWNER)) as f:
                 owner = json.load(f)
-            if owner.get("boot_id") == _boot_id() and _alive(int(owner["pid"])):
+            if owner.get("boot_id") == procfs.boot_id() and _owner_alive(owner):
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             if time.time() - _mtime(path) < 60:   # being made right now
@@ -238,14 +239,6 @@ def _mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return 0.0
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def kill_marked(spool: str) -> list[int]:
@@ -270,22 +263,11 @@ def kill_marked(spool: str) -> list[int]:
     return killed
 
 
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owner_alive(owner: dict) -> bool:
+    """The trainer that made a spool still runs: its pid lives and, where recorded, started when that trainer did
+    (a later process given the number must not keep a dead run's buffer in memory forever)."""
+    st = procfs.stat(int(owner["pid"]))
+    return st is not None and st.alive and owner.get("start_ticks") in (None, st.start_ticks)
 
 
 def gpu_env(env: dict, gpus: list[int] | None, what: str) -> dict:
@@ -407,7 +389,8 @@ class Source:
             raise Refused(f"online: the buffer's folder cannot be made in online_spool_dir {base}: "
                           f"{e.strerror or e}") from None
         with open(os.path.join(self.spool, OWNER), "w") as f:
-            json.dump({"pid": os.getpid(), "boot_id": _boot_id()}, f)
+            json.dump({"pid": os.getpid(), "boot_id": procfs.boot_id(),
+                       "start_ticks": procfs.stat(os.getpid()).start_ticks}, f)
         for sub in ("held", "cache"):
             os.makedirs(os.path.join(self.spool, sub))
         np.save(os.path.join(self.spool, STREAM), np.array(stream, dtype=np.int64).T.reshape(-1, 3))
@@ -508,7 +491,8 @@ class Source:
         if self.proc is not None:
             rc = self.proc.poll()
         else:   # the host's engine, started by its first rank: gone, or a zombie that rank has not reaped yet
-            rc = None if _alive(self.engine_pid) and _state(self.engine_pid) != "Z" else "unknown"
+            engine = procfs.stat(self.engine_pid)
+            rc = None if engine is not None and engine.alive else "unknown"
         if rc is not None and not os.path.exists(path):
             if os.path.exists(err):
                 return self._check_engine(path)

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kimi_eagle_host import procfs
 from kimi_eagle_host.gpus import find_nvidia_smi
 from kimi_eagle_host.step_runtime import atomic_write, host_runs_dir
 from kimi_eagle_host.step_runtime import log as _log
@@ -58,17 +59,6 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------
 # /proc helpers
 # ---------------------------------------------------------------------------
-
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) or None if the pid is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
-        return None
-    # comm may contain spaces and parentheses: split after the last ')'.
-    rest = raw[raw.rfind(")") + 2:].split()
-    return rest[0], int(rest[19])
-
 
 def _cmdline(pid: int) -> str:
     try:
@@ -108,10 +98,10 @@ def _protected_pids() -> set[int]:
     pids = {1, os.getpid()}
     pid = os.getpid()
     for _ in range(64):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        st = procfs.stat(pid)
+        if st is None:
             break
+        ppid = st.ppid
         if ppid <= 1:
             break
         pids.add(ppid)
@@ -250,10 +240,7 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
     out: dict[int, str] = {}
     if not runs_dir:
         return out
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = None
+    boot = procfs.boot_id()
     for pg in sorted(glob.glob(os.path.join(runs_dir, "*", "pgid"))):
         job_dir = os.path.dirname(pg)
         try:
@@ -317,12 +304,9 @@ def default_runs_dir() -> str | None:
 # ---------------------------------------------------------------------------
 
 def _gone(pid: int, start: int | None) -> bool:
-    st = _read_stat(pid)
-    if st is None:
-        return True
-    state, started = st
+    st = procfs.stat(pid)
     # A zombie holds no device memory; a different start time means the pid was reused.
-    return state in ("Z", "X") or (start is not None and started != start)
+    return st is None or not st.alive or (start is not None and st.start_ticks != start)
 
 
 def _signal(h: dict, sig: signal.Signals) -> bool:
@@ -366,7 +350,7 @@ def gather_holders(snap0, by_fuser: dict, job_pgids, runs_dir) -> tuple[list[dic
 
     holders: list[dict] = []
     for pid in sorted(set(by_fuser) | set(smi_mem)):
-        stat = _read_stat(pid)
+        st = procfs.stat(pid)
         gpus = {i for i in by_fuser.get(pid, set()) if i is not None} | {
             i for i in smi_mem.get(pid, {}) if i is not None}
         mem = smi_mem.get(pid)
@@ -377,11 +361,11 @@ def gather_holders(snap0, by_fuser: dict, job_pgids, runs_dir) -> tuple[list[dic
              "pgid": None, "sid": None, "state": None, "job_id": None, "owner": "foreign",
              "action": "keep", "planned": "keep", "result": None, "signal_sent": None,
              "_start": None}
-        if stat is None:
+        if st is None:
             h["owner"], h["action"], h["result"] = "invisible", "none", "not-visible"
             holders.append(h)
             continue
-        h["state"], h["_start"] = stat
+        h["state"], h["_start"] = st.state, st.start_ticks
         h["user"], h["cmd"] = _user(pid), _cmdline(pid)
         h["pgid"], h["sid"] = _pgid_sid(pid)
         h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
@@ -475,8 +459,8 @@ def verify_stopped(report: dict, holders: list[dict], targets: list[dict], smi, 
         if _gone(h["pid"], h["_start"]):
             h["result"] = "killed-after-term" if "SIGKILL" in (h["signal_sent"] or "") else "gone"
         else:
-            st = _read_stat(h["pid"])
-            h["state"] = st[0] if st else h["state"]
+            st = procfs.stat(h["pid"])
+            h["state"] = st.state if st else h["state"]
             h["result"] = "d-state" if h["state"] == "D" else "still-running"
             report["problems"].append(
                 f"pid {h['pid']} ({h['owner']}, {h['cmd'][:80]!r}) is {h['result']} after "

@@ -24,20 +24,14 @@ import subprocess
 import sys
 import time
 
+from kimi_eagle_host import procfs
 from kimi_eagle_host.ops import machine_claims
+from kimi_eagle_host.procfs import boot_id
 from kimi_eagle_host.step_runtime import atomic_write as write_atomic
 
 EXIT_HELD = 3
 # A job id is one directory name under the runs dir (the controller checks the same before it calls).
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def boot_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def read(path, default=None):
@@ -70,27 +64,19 @@ def process_matches(pid, marker):
 
 
 def start_ticks(pid):
-    """When a process started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None when there is no such
-    process. With the boot id it tells a job's process from a later one that was given the same pid."""
-    stat = read(f"/proc/{pid}/stat") if pid else None
-    try:
-        return int(stat[stat.rindex(")") + 2:].split()[19])
-    except (AttributeError, ValueError, IndexError):
-        return None
+    """When a process started, in clock ticks since boot; None when there is no such process. With the boot id it
+    tells a job's process from a later one that was given the same pid."""
+    st = procfs.stat(pid)
+    return st.start_ticks if st else None
 
 
 def shell_alive(pid, record):
     """Whether the job's shell (pid) still runs: the process with that pid started when the job's did (the start
     recorded at its start), or, in a record from before start times were kept, carries the job's script path."""
     if record.get("start_ticks") is not None:
-        ticks = start_ticks(pid)
-        return ticks is not None and ticks == record["start_ticks"] and not zombie(pid)
+        st = procfs.stat(pid)
+        return st is not None and st.start_ticks == record["start_ticks"] and st.alive
     return process_matches(pid, record.get("marker", "\0"))
-
-
-def zombie(pid):
-    stat = read(f"/proc/{pid}/stat") or ""
-    return stat[stat.rindex(")") + 2:].startswith("Z") if ")" in stat else False
 
 
 def own_group(pgid, record):
@@ -102,12 +88,12 @@ def own_group(pgid, record):
     must not take it for the job's."""
     if not pgid:
         return None
-    ticks = start_ticks(pgid)
-    if ticks is None:
+    st = procfs.stat(pgid)
+    if st is None:
         return pgid  # no process has the number: what is left of the group, if anything, is the job's
     if record.get("start_ticks") is not None:
-        return pgid if ticks == record["start_ticks"] else None
-    return pgid if zombie(pgid) or process_matches(pgid, record.get("marker", "\0")) else None
+        return pgid if st.start_ticks == record["start_ticks"] else None
+    return pgid if not st.alive or process_matches(pgid, record.get("marker", "\0")) else None
 
 
 def env_job(pid):
@@ -140,13 +126,10 @@ def group_members(pgid, job_id=None, run_dir=None):
         if not name.isdigit():
             continue
         pid = int(name)
-        stat = read(f"/proc/{pid}/stat")
-        if not stat:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue  # a zombie holds nothing; its parent reaps it
-        if int(fields[2]) == pgid:
+        st = procfs.stat(pid)
+        if st is None or not st.alive:
+            continue  # gone, or a zombie: it holds nothing; its parent reaps it
+        if st.pgid == pgid:
             found.append(pid)
         elif job_id:
             env_id, env_run = env_job(pid)

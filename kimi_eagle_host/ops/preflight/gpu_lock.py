@@ -7,16 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from kimi_eagle_host import procfs
 from kimi_eagle_host.ops.preflight.report import GPU_STEPS, check
-
-def _pid_alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _pgid_alive(pgid) -> bool:
@@ -40,7 +32,8 @@ def _lock_job_running(runs, info) -> bool:
     run_dir = Path(runs) / job_id if isinstance(job_id, str) and JOB_ID.fullmatch(job_id) else None
     if run_dir is not None and (run_dir / "meta.json").is_file():
         return job_state(str(run_dir))["state"] == "running"
-    return _pid_alive(info.get("pid")) or _pgid_alive(info.get("pgid"))
+    pid = procfs.stat(info.get("pid"))
+    return (pid is not None and pid.alive) or _pgid_alive(info.get("pgid"))
 
 
 def machine_gpu_holder(args) -> dict | None:
