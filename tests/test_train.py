@@ -334,6 +334,10 @@ def test_full_vocab_and_two_aux_layers_export(tmp_path):
     assert cfg["draft_vocab_size"] == V and tuple(tensors["lm_head.weight"].shape) == (V, H)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[1:-1]
     assert cfg["num_aux_hidden_states"] == 2 and tuple(tensors["fc.weight"].shape) == (H, 2 * H)
+    # eval's transformers engine serves it: each draft id is the same target id
+    from kimi_eagle_host.evaluation.spec_hf import load_draft
+    _, aux, draft_to_target, _ = load_draft(str(p["out"] / "draft" / "export"), torch.zeros(V, H), "cpu")
+    assert aux == LAYER_IDS[1:-1] and draft_to_target.tolist() == list(range(V))
 
 
 def test_resume_refuses_another_target(tmp_path):

@@ -39,7 +39,8 @@ def load_draft(export_dir, target_embed, device):
     sd = load_file(os.path.join(export_dir, "model.safetensors"))
     K = int(cfg["draft_vocab_size"])
     model = Eagle3Draft(c, len(aux), K, bool(cfg.get("norm_before_residual", False)))
-    d2t = sd.pop("d2t").long()
+    # A draft over the target's whole vocabulary is exported without d2t (vLLM keeps none): the identity map.
+    d2t = sd.pop("d2t", torch.zeros(K, dtype=torch.long)).long()
     sd.pop("t2d", None)
     embed = sd.pop("embed_tokens.weight", None)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
