@@ -174,6 +174,31 @@ def test_self_written_prompts_without_regenerate_are_refused_in_one_line(tmp_pat
     assert not (tmp_path / "r").exists()
 
 
+BROKEN_LINKS = {
+    "regenerated elsewhere": (["regenerate=true", "steps.regenerate.out=/data/regen"], "steps.regenerate.out"),
+    "prepared elsewhere": (["steps.prepare.out=/data/prepared"], "steps.prepare.out"),
+    "extracted elsewhere": (["steps.extract.out=/data/hs"], "steps.extract.out"),
+    "vocabulary elsewhere": (["steps.vocab.out=/data/vocab"], "steps.vocab.out"),
+    "train stopped early": (["steps.train.stop_at_step=5"], "steps.train.stop_at_step"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_LINKS))
+def test_run_all_refuses_settings_that_leave_its_later_steps_an_earlier_runs_outputs(tmp_path, case):
+    """The later steps of `run all` read each step's output from its folder under output_dir and serve train's
+    export: a step written elsewhere, or a train that stops before its export, would have them read what an
+    earlier run left there (and end as succeeded). Alone, each setting is the user's to use."""
+    overrides, named = BROKEN_LINKS[case]
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), *overrides)
+    lines = r.stderr.strip().splitlines()
+    assert r.code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {named}: "), r.stderr
+    assert not (tmp_path / "r").exists()
+    step = named.split(".")[1]
+    alone = e.cli("render", "job", step, "--host", "local", "--out", str(tmp_path / "alone"), *overrides)
+    assert alone.code == 0, alone.stderr
+
+
 def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, sshd):
     """A real job over sshd: <output_dir>/runs/<job-id>/recipe.yaml (the resolved settings, overrides included,
     readable as YAML), versions.json (ours and the host's), and the job's pointer to its outputs."""

@@ -72,7 +72,29 @@ def chain(pipeline) -> list[str]:
         names.append("choose")
     if pipeline.eval_prompts:
         names.append("eval")
+    refuse_broken_links(names, pipeline)
     return names
+
+
+# The steps whose output a later step of `run all` reads from its place under output_dir (prepare the regenerated
+# conversations, extract and train the prepared data, train the hidden states and the vocabulary).
+READ_LATER = ("regenerate", "prepare", "extract", "vocab")
+
+
+def refuse_broken_links(names: list[str], pipeline) -> None:
+    """One line (exit 2) for a `run all` whose later steps would read another run's outputs, or none: a step written
+    elsewhere (`steps.<step>.out`) while the next ones read its usual folder, or a train stopped before its export
+    (`stop_at_step`) while choose, eval or the smoke test then serve whatever export an earlier run left."""
+    resolved = pipeline.model_dump()
+    for name in names:
+        section = settings.step_section(name, resolved)
+        if name in READ_LATER and section.get("out"):
+            raise ConfigError(f"steps.{name}.out: the steps after {name} in `run all` read its output under "
+                              f"output_dir, not {section['out']}; set output_dir instead, or run {name} alone")
+        if name == "train" and section.get("stop_at_step"):
+            raise ConfigError("steps.train.stop_at_step: train would stop before its export and the steps after it "
+                              "in `run all` would serve an earlier one; run `run train` with it, then `run all` "
+                              "with steps.train.resume=true")
 
 
 def step_names(step: str, pipeline) -> list[str]:
