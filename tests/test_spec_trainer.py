@@ -298,3 +298,55 @@ def test_loss_and_gradients_equal_speculators_on_the_same_batch(trained, specula
     for name, grad in mine.items():
         assert grad is not None and float(grad.abs().max()) > 0, name
         torch.testing.assert_close(grad, theirs["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_shorter_run_publishes_its_own_checkpoint_not_an_earlier_runs_later_epoch(trained, tmp_path, monkeypatch):
+    """speculators overwrites the epoch folders it writes and never removes the others: a run of 2 epochs after one
+    of 5 in the same output dir must export its own epoch 1, not the earlier run's epoch 4. Its trainer needs CUDA,
+    so a stand-in writes what it writes (folders 0 and epochs-1 with config, weights and training_state.json; the
+    real one on the GPU: bench/gpu/spec_step_smoke.sh); everything around it is the step's own."""
+    import argparse
+    import sys
+    import types
+
+    import torch
+
+    p, _ = trained
+    made = p["out"] / "draft" / "export"
+
+    def speculators_trains(argv):
+        flags = dict(zip(argv[::2], argv[1::2]))
+        epochs, save = int(flags["--epochs"]), flags["--save-path"]
+        for epoch in sorted({0, epochs - 1}):
+            folder = os.path.join(save, str(epoch))
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(made, folder)
+            with open(os.path.join(folder, "training_state.json"), "w") as f:
+                json.dump({"global_step": 10 * (epoch + 1), "lr": flags["--lr"]}, f)
+
+    cli, config = types.ModuleType("speculators.train.cli"), types.ModuleType("speculators.train.config")
+    cli.main, config.TrainConfig = speculators_trains, types.SimpleNamespace(resolve=lambda argv: argv)
+    for name, module in {"speculators": types.ModuleType("speculators"), "speculators.train":
+                         types.ModuleType("speculators.train"), "speculators.train.cli": cli,
+                         "speculators.train.config": config}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(spec_trainer, "installed_version", lambda: "0.9.0")
+    monkeypatch.setattr(spec_trainer, "known_flags", lambda: None)
+    monkeypatch.setattr(spec_trainer, "write_rows", lambda files, dest: os.makedirs(dest))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+
+    out = tmp_path / "out"
+    files = sorted((p["out"] / "hidden_states").glob("hs_*.safetensors"), key=lambda f: int(f.stem[3:]))
+
+    def run(epochs, lr):
+        args = argparse.Namespace(model="/m", epochs=epochs, lr=lr, ttt_steps=3, optimizer="adamw", max_steps=None,
+                                  tokens_per_step=128, batch_size=None, holdout_fraction=0.02, seed=0)
+        return spec_trainer.train(args, out=str(out), files=[str(f) for f in files], aux_ids=[1, 2, 3],
+                                  d2t=p["d2t"], t2d=p["t2d"], hidden=32, lengths=[8] * len(files), log=lambda m: None)
+
+    run(5, 1e-4)
+    second = run(2, 3e-4)
+    assert second["checkpoint"].endswith(os.sep + "1") and second["steps_done"] == 20
+    assert json.loads((out / "draft" / "export" / "training_state.json").read_text())["lr"] == "0.0003"
+    assert second["checkpoints"] == ["0", "1"]

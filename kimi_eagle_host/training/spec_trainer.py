@@ -212,15 +212,19 @@ def check_export(export_dir: str, aux_ids: list[int], d2t, t2d, hidden: int) -> 
     return problems
 
 
-def share_rows(files: list[str], data_dir: str, rank0: bool) -> None:
-    """speculators' rows of `files` in data_dir, written by rank 0. Under torchrun every rank runs this;
-    speculators joins the process group only later, so the other ranks wait for rank 0's rows by a marker naming
-    this run (no collective exists yet)."""
+def share_rows(files: list[str], data_dir: str, save_dir: str, rank0: bool) -> None:
+    """speculators' rows of `files` in data_dir, written by rank 0, and its checkpoint folder emptied. Under
+    torchrun every rank runs this; speculators joins the process group only later, so the other ranks wait for
+    rank 0's rows by a marker naming this run (no collective exists yet)."""
     import time
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
     ready = os.path.join(data_dir, "READY")
     if rank0:
+        # Each run starts from scratch (--no-resume-from-checkpoint), and speculators overwrites the epoch folders
+        # it writes but never removes the others: an earlier run of more epochs would leave a higher-numbered
+        # folder, which would be taken for this run's last and published as its export.
+        shutil.rmtree(save_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
         write_rows(files, data_dir + ".tmp")
         os.replace(data_dir + ".tmp", data_dir)
@@ -269,7 +273,7 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     root = os.path.join(out, "draft", "speculators")
     data_dir, save_dir = os.path.join(root, "data"), os.path.join(root, "checkpoints")
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    share_rows(files, data_dir, rank0)
+    share_rows(files, data_dir, save_dir, rank0)
     requested = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
     tokens_per_step = spec_tokens_per_step(requested)
     if tokens_per_step != requested:
