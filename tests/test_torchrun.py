@@ -286,6 +286,11 @@ def test_ddp_two_ranks_same_curve_and_resume_on_one(train_inputs, reference):
     assert a["history"][-1]["step"] == 4 and not a["finished"]
     # Each rank computed half of every global batch; their update is the global batch's.
     assert losses(a) == pytest.approx(losses(reference)[:4], rel=1e-4)
+    # a forgotten --resume: every rank refuses it in one line, none is left training or waiting for rank 0
+    code, again, err = train(train_inputs, out, nproc=2)
+    assert code != 0 and "stopped at step 4 of 8: continue it with --resume" in again["error"], err
+    rank1 = next(ln for ln in err.splitlines() if ln.startswith("[rank 1] result: "))
+    assert "stopped at step 4 of 8" in rank1 and "Connection closed" not in err, err[-3000:]
     code, b, err = train(train_inputs, out, "--resume")
     assert code == 0 and b["world_size"] == 1 and b["resumed_from_step"] == 4 and b["finished"], err
     assert "saved by 2 rank(s), now 1" in err

@@ -160,8 +160,22 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
         run.resumed_from = resume(run.ckpt_dir, run.meta, model, opt, sharding, trainable_names, w, device, run.total)
         run.start = run.resumed_from or 0
     run.cand_steps = candidates.steps(run.total, args.choose_checkpoints)
-    if run.start == 0 and w.main:  # an earlier run's checkpoints and candidates were trained otherwise
-        clear_earlier(run.ckpt_dir, run.meta)
-        candidates.reset(run.out)
+    if run.start == 0:  # an earlier run's checkpoints and candidates were trained otherwise
+        start_afresh(run, w)
     run.tops = find_tops(run)
     return run
+
+
+def start_afresh(run, w) -> None:
+    """Rank 0 removes an earlier run's checkpoints and candidates, or refuses (a forgotten --resume); every rank
+    learns which and refuses with it, instead of going on to wait in a collective for a rank 0 that left."""
+    refusal = None
+    if w.main:
+        try:
+            clear_earlier(run.ckpt_dir, run.meta)
+            candidates.reset(run.out)
+        except BadInput as e:
+            refusal = str(e)
+    refusal = dist_.gather(refusal)[0]
+    if refusal:
+        raise BadInput(refusal)
