@@ -364,6 +364,8 @@ def _digits(text: str) -> bool:
 
 
 def _ints(s: Setting, key: str, value) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]  # `engine_gpus: 1` (YAML, KEY=VALUE) reads as an int: one GPU, as `--engine-gpus 1` does
     items = value.split(",") if isinstance(value, str) else value
     what = "GPU" if s.name.endswith("_gpus") else "layer"
     if not isinstance(items, list) or not items:
@@ -371,7 +373,9 @@ def _ints(s: Setting, key: str, value) -> list[int]:
         raise SettingError(key, f"expected a list of {what} numbers like {example} (got {value!r})")
     out = []
     for item in items:
-        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and _digits(item.strip()))):
+        # a YAML list gives ints, whose sign the digits test of the string form does not see
+        if isinstance(item, bool) or not ((isinstance(item, int) and item >= 0) or
+                                          (isinstance(item, str) and _digits(item.strip()))):
             raise SettingError(key, f"expected non-negative integers (got {item!r})")
         out.append(int(item))
     dup = sorted({i for i in out if out.count(i) > 1})
@@ -392,6 +396,11 @@ def _trackers(s: Setting, key: str, value) -> str:
 
 
 def _choice(s: Setting, key: str, value):
+    # YAML 1.1 (files, and KEY=VALUE read as YAML) turns a bare on/off into a bool: where "on"/"off" is a
+    # choice, that word is what was written
+    word = {True: "on", False: "off"}.get(value) if isinstance(value, bool) else None
+    if word in s.choices:
+        return word
     for c in s.choices:
         if value == c or (isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) == str(c)):
             return c
