@@ -320,6 +320,10 @@ def step_setting(step: str, key: str) -> Setting | None:
 
 # ---- checking one value ----------------------------------------------------------------------------------------
 
+def _brief(text: str) -> str:
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
+
+
 def _number(s: Setting, key: str, value, integer: bool):
     what = "an integer" if integer else "a number"
     if isinstance(value, bool):
@@ -327,13 +331,17 @@ def _number(s: Setting, key: str, value, integer: bool):
     if isinstance(value, str):
         try:
             value = int(value) if integer else float(value)
-        except ValueError:
-            raise SettingError(key, f"expected {what} (got {value!r})") from None
+        except ValueError:  # also beyond int()'s 4300 digits: shown shortened, the line stays readable
+            raise SettingError(key, f"expected {what} (got {_brief(value)})") from None
     if integer and isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise SettingError(key, f"expected {what} (got {value!r})")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float: YAML reads up to 4300 digits
+        raise SettingError(key, f"expected a finite number (got an integer of {len(str(abs(value)))} digits)") from None
+    if not finite:
         raise SettingError(key, f"expected a finite number (got {value!r})")
     if not integer:
         value = float(value)

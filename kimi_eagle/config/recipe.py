@@ -19,6 +19,7 @@ from kimi_eagle_host import settings
 from ..errors import ConfigError
 from pydantic import ValidationError, model_validator
 
+from .yaml_files import CANNOT_READ
 from .inventory import PipelineOverride, _checked_section, check_settings, line_of, read_config_text, read_yaml, refuse_duplicate_keys
 
 COMMAND_LINE = "<command line>"
@@ -115,9 +116,10 @@ def _override(text: str) -> tuple[tuple, object]:
         # the same bounded reader as the files: `lr=[[[[…` is one line, not a RecursionError
         parsed = read_yaml(value, f"override {key.strip()}")[0] if value.strip() else ""
     except ConfigError as e:
-        if "YAML syntax error" not in str(e):
+        if "YAML syntax error" not in str(e) and CANNOT_READ not in str(e):
             raise
-        parsed = value  # `{workdir}/models/x` is a path, not a YAML mapping
+        # `{workdir}/models/x` is a path, not a YAML mapping; `dataset=2024-02-30` a name, not a date
+        parsed = value
     return keys, value if isinstance(parsed, dict) else parsed
 
 
