@@ -243,8 +243,13 @@ class Controller:
         """Stop the GPU holders of each host (ours; every one with stop_all) and verify the memory is back
         (HostOutcome values: gpu_reset.ResetResult). `only_pids` {host: pids}: signal no process but these
         (what a person saw in a dry run and confirmed)."""
+        from .jobs import job_info
         from .operations import gpu_reset
 
+        # Checked here, not only by the CLI's options: inf or nan from Python (or typer) would wait forever.
+        grace = job_info.check_grace(grace)
+        timeout = job_info.check_seconds("--timeout", timeout, "seconds to wait for processes to go and memory "
+                                         "to free", job_info.MAX_WAIT_S)
         gpu_reset.check_device_paths(device_paths or [])
         extra = [a for p in device_paths or [] for a in ("--device-path", p)]
         kw = dict(grace=grace, timeout=timeout, require_gpu=require_gpu, stop_all=stop_all, dry_run=dry_run)

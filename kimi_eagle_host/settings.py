@@ -320,6 +320,10 @@ def step_setting(step: str, key: str) -> Setting | None:
 
 # ---- checking one value ----------------------------------------------------------------------------------------
 
+def _brief(text: str) -> str:
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
+
+
 def _number(s: Setting, key: str, value, integer: bool):
     what = "an integer" if integer else "a number"
     if isinstance(value, bool):
@@ -327,13 +331,17 @@ def _number(s: Setting, key: str, value, integer: bool):
     if isinstance(value, str):
         try:
             value = int(value) if integer else float(value)
-        except ValueError:
-            raise SettingError(key, f"expected {what} (got {value!r})") from None
+        except ValueError:  # also beyond int()'s 4300 digits: shown shortened, the line stays readable
+            raise SettingError(key, f"expected {what} (got {_brief(value)})") from None
     if integer and isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise SettingError(key, f"expected {what} (got {value!r})")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float: YAML reads up to 4300 digits
+        raise SettingError(key, f"expected a finite number (got an integer of {len(str(abs(value)))} digits)") from None
+    if not finite:
         raise SettingError(key, f"expected a finite number (got {value!r})")
     if not integer:
         value = float(value)
@@ -364,6 +372,8 @@ def _digits(text: str) -> bool:
 
 
 def _ints(s: Setting, key: str, value) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]  # `engine_gpus: 1` (YAML, KEY=VALUE) reads as an int: one GPU, as `--engine-gpus 1` does
     items = value.split(",") if isinstance(value, str) else value
     what = "GPU" if s.name.endswith("_gpus") else "layer"
     if not isinstance(items, list) or not items:
@@ -371,7 +381,9 @@ def _ints(s: Setting, key: str, value) -> list[int]:
         raise SettingError(key, f"expected a list of {what} numbers like {example} (got {value!r})")
     out = []
     for item in items:
-        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and _digits(item.strip()))):
+        # a YAML list gives ints, whose sign the digits test of the string form does not see
+        if isinstance(item, bool) or not ((isinstance(item, int) and item >= 0) or
+                                          (isinstance(item, str) and _digits(item.strip()))):
             raise SettingError(key, f"expected non-negative integers (got {item!r})")
         out.append(int(item))
     dup = sorted({i for i in out if out.count(i) > 1})
@@ -392,6 +404,11 @@ def _trackers(s: Setting, key: str, value) -> str:
 
 
 def _choice(s: Setting, key: str, value):
+    # YAML 1.1 (files, and KEY=VALUE read as YAML) turns a bare on/off into a bool: where "on"/"off" is a
+    # choice, that word is what was written
+    word = {True: "on", False: "off"}.get(value) if isinstance(value, bool) else None
+    if word in s.choices:
+        return word
     for c in s.choices:
         if value == c or (isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) == str(c)):
             return c

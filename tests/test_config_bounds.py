@@ -89,3 +89,39 @@ hosts:
     r = env.cli("render", "job", "train", "--host", "local", "--out", str(out))
     assert r.code == 0, r.stderr
     assert json.loads(next(out.rglob("settings.json")).read_text())["steps"]["train"]["epochs"] == 5
+
+
+# A scalar YAML reads by its form but cannot build: an impossible date, an int past Python's 4300 digits.
+UNREADABLE = {"impossible date": ("2024-02-30", "'2024-02-30' cannot be read as timestamp"),
+              "5000 digits": ("1" * 5000, "'11111111111111111111'... (5000 characters) cannot be read as int")}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+@pytest.mark.parametrize("given_as", ["inventory", "recipe"])
+def test_a_value_yaml_cannot_build_is_one_line_with_its_line(tmp_path, given_as, case):
+    value, words = UNREADABLE[case]
+    env = make_env(tmp_path, None)
+    text = f"hosts:\n  local:\n    transport: local\n    port: {value}\n" if given_as == "inventory" else \
+        f"epochs: 2\nseq_len: {value}\n"
+    line = _refused(env, tmp_path, text, given_as)
+    assert f"bad.yaml:{4 if given_as == 'inventory' else 2}: {words}" in line and "quote it" in line, line
+
+
+def test_a_number_beyond_any_float_is_refused_naming_the_key(tmp_path):
+    env = make_env(tmp_path, None)
+    line = _refused(env, tmp_path, f"lr: {'1' * 4000}\n", "recipe")
+    assert "field lr: expected a finite number (got an integer of 4000 digits)" in line, line
+
+
+def test_an_override_yaml_cannot_build_is_the_text_as_written(tmp_path):
+    """`dataset=2024-02-30` names a dataset (a date-like folder), not an impossible date."""
+    env = make_env(tmp_path, None)
+    out = tmp_path / "out"
+    r = env.cli("render", "job", "prepare", "--host", "local", "--out", str(out), "model=/models/m",
+                "dataset=2024-02-30")
+    assert r.code == 0, r.stderr
+    assert json.loads(next(out.rglob("settings.json")).read_text())["pipeline"]["dataset"] == "2024-02-30"
+    line = one_line_usage_error(env.cli("render", "job", "train", "--host", "local", "--out", str(tmp_path / "o2"),
+                                        "seq_len=" + "1" * 5000))
+    assert "override seq_len=" in line and "expected an integer (got '1111" in line and "(5000 characters)" in line
+    assert not (tmp_path / "o2").exists()

@@ -127,3 +127,24 @@ def test_host_without_gpu_is_a_clear_no_op(tmp_path, sshd):
     r = e.cli("gpu-reset", "--host", "gpu")
     assert r.code == 0 and "no NVIDIA driver" in r.stdout
     assert e.cli("gpu-reset", "--host", "gpu", "--require-gpu").code == 1
+
+
+@pytest.mark.parametrize("flag,value", [("--grace", "inf"), ("--grace", "1e300"), ("--timeout", "1e9"),
+                                        ("--grace", "3601")])
+def test_a_grace_or_timeout_that_would_wait_forever_is_refused_before_the_host(tmp_path, sshd, flag, value):
+    e = make_env(tmp_path, sshd)
+    line = one_line_usage_error(e.cli("gpu-reset", "--host", "gpu", flag, value))
+    assert line.startswith(f"error: {flag} ") and "from 0 to 3600" in line, line
+    assert not e.workdir.exists(), "the command reached the host"
+
+
+@pytest.mark.parametrize("kw", [{"grace": float("inf")}, {"grace": float("nan")}, {"timeout": float("nan")},
+                                {"timeout": float("inf")}, {"timeout": -1.0}])
+def test_the_api_bounds_gpu_reset_as_the_cli_does(tmp_path, sshd, kw):
+    from kimi_eagle.api import Controller
+    from kimi_eagle.errors import ConfigError
+
+    e = make_env(tmp_path, sshd)
+    with pytest.raises(ConfigError, match=r"^--(grace|timeout) (inf|nan|-1\.0): .*from 0 to 3600$"):
+        Controller(str(e.inventory)).gpu_reset("gpu", **kw)
+    assert not e.workdir.exists()

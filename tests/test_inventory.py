@@ -120,6 +120,20 @@ CASES = {
                                  ["field slurm.sbatch_args", "--name=value"]),
     "zero nodes": (SLURM_HOST + "    slurm: {partition: gpu, nodes: 0}\n", ["field slurm.nodes"]),
     "rendezvous port out of range": ("hosts:\n  b:\n    rdzv_port: 70000\n", ["inventory.yaml:3", "field rdzv_port"]),
+    # Passed validation, then failed at the first connection with exit 1 (OverflowError, UnicodeError from IDNA).
+    **{f"connect_timeout {v}": (f"hosts:\n  b:\n    connect_timeout: {v}\n",
+                                ["inventory.yaml:3", "host 'b'", "field connect_timeout", shown])
+       for v, shown in ((".inf", "(got inf)"), (".nan", "(got nan)"), ("1.0e+300", "3600"), ("0", "greater than 0"))},
+    "connect_timeout in defaults": ("defaults:\n  connect_timeout: .inf\nhosts:\n  b: {}\n",
+                                    ["inventory.yaml:2", "field defaults.connect_timeout"]),
+    "empty label in an address": ("hosts:\n  b:\n    address: a..b\n",
+                                  ["inventory.yaml:3", "host 'b'", "field address", "is not a host name", "'a..b'"]),
+    "label over 63 characters": (f"hosts:\n  b:\n    address: {'a' * 64}.example\n",
+                                 ["inventory.yaml:3", "host 'b'", "field address", "1 to 63 characters"]),
+    "a host name standing in for its address": ("hosts:\n  x..y: {}\n",
+                                                ["host 'x..y'", "field address", "is not a host name"]),
+    "empty label in a rendezvous address": ("hosts:\n  b:\n    rdzv_address: .b\n",
+                                            ["inventory.yaml:3", "host 'b'", "field rdzv_address", "not a host name"]),
 }
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, make_env, write_fake_export
+from conftest import REPO, make_env, one_line_usage_error, write_fake_export
 
 INVENTORY_PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n  epochs: 1\n"
 
@@ -58,6 +58,34 @@ pipeline:
     recipe.write_text("batch_size: 16\n")
     line = _train_line(e, tmp_path, "-c", str(recipe))
     assert "--batch-size 16" in line and "--model /models/m" in line, line
+
+
+@pytest.mark.parametrize("given", [["-c", "RECIPE", "tiny_model=llama"], ["model_source=smollm2", "tiny_model=llama"]])
+def test_an_override_picking_tiny_model_replaces_the_model_source_it_overrides(tmp_path, given):
+    """Two ways to build `model`: the last one given wins, as a recipe does over the inventory's pipeline."""
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_source: smollm2\n")
+    out = tmp_path / "out"
+    r = e.cli("render", "job", "train", "--host", "local", "--out", str(out),
+              *[str(recipe) if a == "RECIPE" else a for a in given])
+    assert r.code == 0, (r.stdout, r.stderr)
+    pipeline = json.loads(next(out.rglob("settings.json")).read_text())["pipeline"]
+    assert pipeline["tiny_model"] == "llama" and pipeline["model_source"] is None, pipeline
+    both = tmp_path / "both.yaml"
+    both.write_text("model_source: smollm2\ntiny_model: llama\n")  # one file giving both is still a mistake
+    line = one_line_usage_error(e.cli("render", "job", "train", "--host", "local", "--out", str(out), "-c", str(both)))
+    assert f"{both}:" in line and "set only one" in line, line
+
+
+def test_a_combination_the_schema_refuses_is_one_config_error_naming_the_recipe():
+    from kimi_eagle.config import recipe
+    from kimi_eagle.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        recipe._validated({"tiny_model": "llama", "model_source": "smollm2"}, "r.yaml", ["epochs=2"])
+    assert str(e.value).splitlines() == ["recipe r.yaml with overrides epochs=2: field model_source: tiny_model and "
+                                         "model_source both build `model`: set only one"], str(e.value)
 
 
 def test_without_a_batch_size_the_steps_own_defaults_apply(tmp_path):

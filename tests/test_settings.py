@@ -221,3 +221,46 @@ def test_a_flag_kimi_eagle_sets_itself_is_not_a_recipe_setting():
     with pytest.raises(SettingError, match=r"steps.extract.rank: is set by kimi-eagle for each extract worker"):
         check_steps({"extract": {"rank": 1}})
     assert check_steps({"extract": {"overwrite": True}}) == {"extract": {"overwrite": True}}
+
+
+# YAML 1.1 reads a bare on/off as a bool and a bare number as an int: in a recipe and in KEY=VALUE (read as
+# YAML) both are what the user wrote, as they are after `--`.
+WORDS_AND_NUMBERS = {
+    "dedupe=off": ("prepare", ["dedupe=off"], "dedupe: off\n", ("prepare", "dedupe"), "off"),
+    "steps.train.compile=on": ("train", ["steps.train.compile=on"], "steps:\n  train: {compile: on}\n",
+                               ("train", "compile"), "on"),
+    "steps.train.compile=off": ("train", ["steps.train.compile=off"], "steps:\n  train: {compile: off}\n",
+                                ("train", "compile"), "off"),
+    "engine_gpus=1": ("train", ["hidden_states=online", "engine_gpus=1"], "hidden_states: online\nengine_gpus: 1\n",
+                      ("train", "engine_gpus"), [1]),
+    "train_gpus=0": ("train", ["hidden_states=online", "train_gpus=0"], "hidden_states: online\ntrain_gpus: 0\n",
+                     ("train", "train_gpus"), [0]),
+}
+
+
+@pytest.mark.parametrize("given_as", ["override", "recipe"])
+@pytest.mark.parametrize("case", sorted(WORDS_AND_NUMBERS))
+def test_on_off_and_a_single_number_reach_the_settings_as_written(tmp_path, listener, case, given_as):
+    step, overrides, recipe_text, (section, key), want = WORDS_AND_NUMBERS[case]
+    e = _env(tmp_path, listener)
+    args = overrides
+    if given_as == "recipe":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(recipe_text)
+        args = ["-c", str(recipe)]
+    doc = _rendered_settings(e, tmp_path, step, "--host", "far", *args)
+    assert doc["steps"][section][key] == want, doc["steps"][section]
+
+
+@pytest.mark.parametrize("given_as", ["override", "recipe"])
+@pytest.mark.parametrize("value", ["[-1, 2, 3]", "-1"])
+def test_a_negative_layer_is_refused_in_a_list_too(tmp_path, listener, given_as, value):
+    """The string form `2,-1` was refused, a YAML list's ints were not (the host's argparse then failed)."""
+    e = _env(tmp_path, listener)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"layer_ids: {value}\n")
+    args = [f"layer_ids={value}"] if given_as == "override" else ["-c", str(recipe)]
+    line = _one_line(e.cli("render", "job", "train", "--host", "far", "--out", str(tmp_path / "out"), *args))
+    assert "layer_ids: expected non-negative integers (got -1)" in line, line
+    assert str(recipe) in line if given_as == "recipe" else f"override layer_ids={value}" in line
+    assert not (tmp_path / "out").exists()

@@ -25,6 +25,7 @@ DEFAULT_INVENTORY = Path(__file__).resolve().parent / "default_inventory.yaml"
 EMBEDDED = "<embedded default>"
 
 
+MAX_CONNECT_TIMEOUT_S = 3600.0
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # fullmatch: `$` would also take a name ending in a newline
 
 
@@ -61,7 +62,19 @@ def _host_name(value):
             raise ValueError("starts with '-' (it would reach ssh as an option)")
         if any(c.isspace() for c in value):
             raise ValueError("contains white space")
+        _idna(value)
     return value
+
+
+def _idna(value: str) -> None:
+    # Every connection encodes the name as IDNA (socket, paramiko): `a..b` or a label past 63 characters fails
+    # there as a UnicodeError at the first command; here it is the file's line and the field.
+    try:
+        value.encode("idna")
+    except UnicodeError as e:
+        reason = re.search(r"UnicodeError: (.*)\)$", str(e))
+        raise ValueError(f"is not a host name ({reason.group(1) if reason else e}; the parts between dots are 1 to "
+                         f"63 characters)") from None
 
 
 def _given(value):
@@ -216,7 +229,8 @@ class HostFields(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     transport: Literal["ssh", "local"] | None = None
     known_hosts: Given | None = None
-    connect_timeout: Real | None = Field(None, gt=0)
+    # finite and at most an hour: inf or 1e300 overflowed the socket's deadline (OverflowError at the first connect)
+    connect_timeout: Real | None = Field(None, gt=0, le=MAX_CONNECT_TIMEOUT_S, allow_inf_nan=False)
     pipeline: PipelineOverride | None = None
     # Several hosts and Slurm (how jobs are launched; see kimi_eagle/jobs/scheduler.py):
     scheduler: Literal["direct", "slurm"] | None = None  # direct: a detached process group; slurm: sbatch

@@ -17,8 +17,9 @@ import yaml
 from kimi_eagle_host import settings
 
 from ..errors import ConfigError
-from pydantic import model_validator
+from pydantic import ValidationError, model_validator
 
+from .yaml_files import CANNOT_READ
 from .inventory import PipelineOverride, _checked_section, check_settings, line_of, read_config_text, read_yaml, refuse_duplicate_keys
 
 COMMAND_LINE = "<command line>"
@@ -49,7 +50,18 @@ def load(path: str | None, overrides: list[str] | None = None) -> Recipe | None:
         one: dict = {}
         _set(one, keys, value, o)
         raw = _merge(raw, _checked_override(one, o, path))
-    return Recipe.model_validate(raw)
+    return _validated(raw, path, overrides)
+
+
+def _validated(raw: dict, path: str | None, overrides: list[str]) -> Recipe:
+    # The file and each override were checked alone; what is left to fail is how they combine: one line too.
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        given = f"recipe {path} with overrides {' '.join(overrides)}" if path and overrides else \
+            f"recipe {path}" if path else f"overrides {' '.join(overrides)}"
+        raise ConfigError(f"{given}: field {msg}") from None
 
 
 def _checked_override(one: dict, text: str, path: str | None) -> dict:
@@ -65,6 +77,12 @@ def _checked_override(one: dict, text: str, path: str | None) -> dict:
 
 def _merge(base: dict, over: dict) -> dict:
     """`over` on `base`, the per-step settings key by key (steps.train.lr=… keeps the recipe's other train keys)."""
+    base = dict(base)
+    # One way to build `model`: an override that picks one replaces the other, as a level does over the
+    # inventory's (Inventory._resolve).
+    for mine, other in (("tiny_model", "model_source"), ("model_source", "tiny_model")):
+        if over.get(mine):
+            base.pop(other, None)
     merged = {**base, **{k: v for k, v in over.items() if k != "steps"}}
     steps = {s: dict(v) for s, v in (base.get("steps") or {}).items()}
     for step, section in (over.get("steps") or {}).items():
@@ -98,9 +116,10 @@ def _override(text: str) -> tuple[tuple, object]:
         # the same bounded reader as the files: `lr=[[[[…` is one line, not a RecursionError
         parsed = read_yaml(value, f"override {key.strip()}")[0] if value.strip() else ""
     except ConfigError as e:
-        if "YAML syntax error" not in str(e):
+        if "YAML syntax error" not in str(e) and CANNOT_READ not in str(e):
             raise
-        parsed = value  # `{workdir}/models/x` is a path, not a YAML mapping
+        # `{workdir}/models/x` is a path, not a YAML mapping; `dataset=2024-02-30` a name, not a date
+        parsed = value
     return keys, value if isinstance(parsed, dict) else parsed
 
 

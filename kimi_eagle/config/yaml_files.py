@@ -48,6 +48,26 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node, deep=False):
+        # A scalar of the right form and an impossible value (2024-02-30, an int of 5000 digits) fails in the
+        # constructor with a bare ValueError or OverflowError: named here, where the node's line is known.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:
+            if isinstance(e, yaml.YAMLError):
+                raise
+            raise _Refused(_unreadable(node, e), node.start_mark) from None
+
+
+CANNOT_READ = "cannot be read as"
+
+
+def _unreadable(node, error: Exception) -> str:
+    text = str(node.value) if isinstance(node, yaml.ScalarNode) else "value"
+    text = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+    reason = str(error).split(";")[0]  # int()'s advice to raise the interpreter's digit limit is not the user's
+    return f"{text} {CANNOT_READ} {node.tag.rsplit(':', 1)[-1]} ({reason}); quote it to mean text"
+
 
 def read_config_text(path: str | os.PathLike, what: str) -> str:
     """A YAML file's text (the inventory, a recipe), or one ConfigError line naming the file."""

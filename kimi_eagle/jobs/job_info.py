@@ -71,10 +71,18 @@ def check_job_id(job_id: str) -> str:
 MAX_GRACE_S = 3600.0  # ops/jobs.py's bound: a stop waits at most an hour between SIGTERM and SIGKILL
 
 
+MAX_WAIT_S = 3600.0  # gpu-reset --timeout: an hour for processes to go and memory to free is already generous
+
+
 def check_grace(grace: float) -> float:
-    """`stop --grace`: finite seconds from 0 to an hour, else a ConfigError (nan, inf, 1e308 would never end)."""
-    if not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_GRACE_S:  # false for nan as well
-        raise ConfigError(f"--grace {grace}: seconds between SIGTERM and SIGKILL, from 0 to {MAX_GRACE_S:g}")
-    return float(grace)
+    """`stop --grace`, `gpu-reset --grace`: finite seconds from 0 to an hour, else a ConfigError (nan, inf, 1e308
+    would never end)."""
+    return check_seconds("--grace", grace, "seconds between SIGTERM and SIGKILL", MAX_GRACE_S)
+
+
+def check_seconds(flag: str, value: float, what: str, maximum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= maximum:  # nan too
+        raise ConfigError(f"{flag} {value}: {what}, from 0 to {maximum:g}")
+    return float(value)
 
 
