@@ -1,7 +1,7 @@
 """Jobs through a REAL Slurm (Debian's slurm-wlm: slurmctld + two slurmd emulating nodes n1, n2), submitted
 through our product over the real sshd: the sshd host is the login node.
 
-A 2-node torchrun job (gloo on CPU, c10d on the first node), a job array whose tasks get their ranks, a failing
+A 2-node torchrun job (gloo on CPU, c10d on the first node), two of them at once on one first node, a job array whose tasks get their ranks, a failing
 array task, a cancel with a grace signal, preflight against sinfo, a real prepare + sharded extraction, and a
 train requeued (as a preemption does) mid-run and again once finished.
 """
@@ -67,6 +67,23 @@ def test_two_node_torchrun_job(tmp_path, sshd, cluster):
     assert slurm_id == job["slurm_job_id"]
     shown = cluster.run(["scontrol", "show", "job", slurm_id]).stdout
     assert "NumNodes=2" in shown and "JobState=COMPLETED" in shown
+
+
+def test_two_torchrun_jobs_on_one_first_node_each_get_a_rendezvous_port_of_their_own(tmp_path, sshd, cluster):
+    """Both jobs' first node is n1 (and every emulated node is this machine). A fixed port (29500 when the inventory
+    sets none) failed the second with EADDRINUSE; unset, each job picks one free on its first node as it starts."""
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "nodes": 2, "gres": "gpu:1", "time_limit": "10:00"})
+    ids = []
+    for _ in range(2):
+        r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--", DDP, "--steps", "10", "--sleep", "1")
+        assert r.code == 0, r.stderr
+        ids.append(r.json()["id"])
+    jobs = [wait_state(env, j, {"succeeded", "failed", "lost", "stopped"}, timeout=300) for j in ids]
+    logs = [(env.workdir / "runs" / j / "log").read_text() for j in ids]
+    assert [j["state"] for j in jobs] == ["succeeded", "succeeded"], logs
+    assert jobs[1]["started_at"] < jobs[0]["ended_at"], jobs   # they ran at the same time
+    endpoints = [re.search(r"rendezvous at (\S+)", log).group(1) for log in logs]
+    assert endpoints[0] != endpoints[1] and not any(e.endswith(":29500") for e in endpoints), endpoints
 
 
 def test_job_array_gives_each_task_its_rank_and_reports_a_failing_task(tmp_path, sshd, cluster):
