@@ -312,6 +312,17 @@ def host_runs_dir() -> str | None:
     return None
 
 
+# How many times the scheduler has started this job's script again (a Slurm requeue after a preemption): the
+# Slurm batch script (templates/slurm_job.sbatch.j2) exports Slurm's SLURM_RESTART_COUNT under this name; 0 or
+# unset on a job's first run and outside Slurm.
+RESTART_ENV = "KIMI_EAGLE_RESTART_COUNT"
+
+
+def restart_count() -> int:
+    text = os.environ.get(RESTART_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
+
+
 def job_headline(text: str) -> str | None:
     """Record a step's one-line result for `kimi-eagle status`/`logs` (<runs>/<job-id>/headline), when
     running inside a kimi-eagle job on a host; the last step of a chain to call it wins. Returns the path."""

@@ -1,14 +1,16 @@
 """Jobs through a REAL Slurm (Debian's slurm-wlm: slurmctld + two slurmd emulating nodes n1, n2), submitted
 through our product over the real sshd: the sshd host is the login node.
 
-A 2-node torchrun job (gloo on CPU, c10d on the first node), a job array whose tasks get their ranks, a failing
-array task, a cancel with a grace signal, preflight against sinfo, and a real prepare + sharded extraction.
+A 2-node torchrun job (gloo on CPU, c10d on the first node), two of them at once on one first node, a job array whose tasks get their ranks, a failing
+array task, a cancel with a grace signal, preflight against sinfo, a real prepare + sharded extraction, and a
+train requeued (as a preemption does) mid-run and again once finished.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -30,9 +32,10 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def slurm_env(tmp_path, sshd, cluster, slurm: dict, name="login", pipeline=""):
+def slurm_env(tmp_path, sshd, cluster, slurm: dict, name="login", pipeline="", host_env: dict | None = None):
     env = make_env(tmp_path, sshd, host_env={"SLURM_CONF": str(cluster.conf), "OMP_NUM_THREADS": "1",
-                                             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+                                             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                             **(host_env or {})})
     text = env.inventory.read_text().replace("\n  gpu:\n", f"\n  {name}:\n", 1)
     text = text.replace(f"    known_hosts:", f"    scheduler: slurm\n    slurm: {json.dumps(slurm)}\n    known_hosts:", 1)
     env.inventory.write_text(text + pipeline)
@@ -64,6 +67,23 @@ def test_two_node_torchrun_job(tmp_path, sshd, cluster):
     assert slurm_id == job["slurm_job_id"]
     shown = cluster.run(["scontrol", "show", "job", slurm_id]).stdout
     assert "NumNodes=2" in shown and "JobState=COMPLETED" in shown
+
+
+def test_two_torchrun_jobs_on_one_first_node_each_get_a_rendezvous_port_of_their_own(tmp_path, sshd, cluster):
+    """Both jobs' first node is n1 (and every emulated node is this machine). A fixed port (29500 when the inventory
+    sets none) failed the second with EADDRINUSE; unset, each job picks one free on its first node as it starts."""
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug", "nodes": 2, "gres": "gpu:1", "time_limit": "10:00"})
+    ids = []
+    for _ in range(2):
+        r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--", DDP, "--steps", "10", "--sleep", "1")
+        assert r.code == 0, r.stderr
+        ids.append(r.json()["id"])
+    jobs = [wait_state(env, j, {"succeeded", "failed", "lost", "stopped"}, timeout=300) for j in ids]
+    logs = [(env.workdir / "runs" / j / "log").read_text() for j in ids]
+    assert [j["state"] for j in jobs] == ["succeeded", "succeeded"], logs
+    assert jobs[1]["started_at"] < jobs[0]["ended_at"], jobs   # they ran at the same time
+    endpoints = [re.search(r"rendezvous at (\S+)", log).group(1) for log in logs]
+    assert endpoints[0] != endpoints[1] and not any(e.endswith(":29500") for e in endpoints), endpoints
 
 
 def test_job_array_gives_each_task_its_rank_and_reports_a_failing_task(tmp_path, sshd, cluster):
@@ -206,3 +226,79 @@ def test_a_ctrl_c_that_ends_sbatch_on_a_local_login_node_before_it_runs_leaves_n
     assert run.returncode == 130 and "Traceback" not in err and "refused" not in err, (run.returncode, out, err)
     assert _job_dirs(tmp_path / "localwork") == {}
     assert set(cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()) <= before
+
+
+# A train of TRAIN_STEPS slow steps (the loop's test delay), a checkpoint every SAVE_EVERY: long enough to be requeued
+# mid-run, short enough for the suite.
+TRAIN_STEPS, SAVE_EVERY = 200, 20
+REQUEUE_PIPELINE = TINY_PIPELINE + f"""  draft_vocab_size: 256
+  epochs: 20
+  steps:
+    train: {{max_steps: {TRAIN_STEPS}, save_every: {SAVE_EVERY}, log_every: 10}}
+"""
+
+
+def requeue(cluster, env, job_id: str) -> None:
+    """`scontrol requeue`, as a preemption does, and the job eligible again at once (Slurm holds a requeued job
+    back for its credential lifetime, two minutes); returns once Slurm has it queued again."""
+    slurm_id = (env.workdir / "runs" / job_id / "slurm_job_id").read_text().strip()
+    assert cluster.run(["scontrol", "requeue", slurm_id]).returncode == 0
+    deadline = time.monotonic() + 60
+    while cluster.run(["squeue", "-h", "-j", slurm_id, "-o", "%T"]).stdout.strip() != "PENDING":
+        assert time.monotonic() < deadline, cluster.run(["scontrol", "show", "job", slurm_id]).stdout
+        time.sleep(0.3)
+    r = cluster.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"])
+    assert r.returncode == 0, r.stderr
+
+
+def attempts(env, job_id: str) -> list[str]:
+    """The job's log cut at each start of its batch script: one part per run of it."""
+    log = (env.workdir / "runs" / job_id / "log").read_text()
+    return ["==> kimi-eagle: slurm job" + part for part in log.split("==> kimi-eagle: slurm job")[1:]]
+
+
+def train_result(part: str) -> dict:
+    return json.loads(next(line for line in part.splitlines() if line.startswith("{") and '"total_steps"' in line))
+
+
+def trained_steps(part: str) -> list[int]:
+    """The steps the loop logged (`step 10/200 loss ...`)."""
+    return [int(m) for m in re.findall(r"^step (\d+)/\d+ loss", part, re.M)]
+
+
+def test_a_requeued_train_continues_from_its_checkpoint_and_a_finished_one_is_not_trained_again(tmp_path, sshd, cluster):
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"}, pipeline=REQUEUE_PIPELINE,
+                    host_env={"KIMI_EAGLE_TEST_STEP_DELAY_S": "0.1"})
+    for step in ("prepare", "extract", "vocab"):
+        r = env.cli("run", step, "--host", "login", "--no-preflight", timeout=600)
+        assert r.code == 0, (step, r.stdout[-2000:], r.stderr[-2000:])
+    r = env.cli("--json", "run", "train", "--host", "login", "--no-preflight", "--detach")
+    assert r.code == 0, r.stderr
+    job_id = r.json()["id"]
+    checkpoints = env.workdir / "out" / "draft" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(checkpoints.glob("step_*.pt")):
+        assert time.monotonic() < deadline and wait_state(env, job_id, {"pending", "running", "failed"})["state"] != "failed"
+        time.sleep(0.5)
+    requeue(cluster, env, job_id)   # mid-run: the job is ended with SIGTERM (train saves its step) and run again
+    job = wait_state(env, job_id, {"succeeded", "failed", "lost", "stopped"}, timeout=600)
+    first, second = attempts(env, job_id)
+    assert job["state"] == "succeeded", second[-3000:]
+    stopped_at = train_result(first)["step"]
+    assert 0 < stopped_at < TRAIN_STEPS and "exited with code 143" in first, first[-3000:]
+    resumed = train_result(second)
+    assert resumed["finished"] and resumed["resumed_from_step"] == stopped_at, second[-3000:]
+    assert f"at step {stopped_at}/{TRAIN_STEPS}" in second and min(trained_steps(second)) > stopped_at, second[-3000:]
+    assert "starting from step 0" not in second   # its checkpoints were continued, not cleared as an earlier run's
+    export = env.workdir / "out" / "draft" / "export"
+    info = json.loads((export / "training_info.json").read_text())
+    # Requeued once finished (a preemption during a later step of `run all` runs the whole script again): train
+    # exports again from its last checkpoint, without a step of training.
+    requeue(cluster, env, job_id)
+    job = wait_state(env, job_id, {"succeeded", "failed", "lost", "stopped"}, timeout=600)
+    third = attempts(env, job_id)[2]
+    assert job["state"] == "succeeded" and "exited with code 0" in third, third[-3000:]
+    again = train_result(third)
+    assert again["finished"] and again["resumed_from_step"] == TRAIN_STEPS and not again["history"], third[-3000:]
+    assert f"at step {TRAIN_STEPS}/{TRAIN_STEPS}" in third and trained_steps(third) == [], third[-3000:]
+    assert json.loads((export / "training_info.json").read_text())["final"] == info["final"] is not None

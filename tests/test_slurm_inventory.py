@@ -50,3 +50,28 @@ pipeline: {model: /models/Kimi-K2.5, backend: hf}
     script = next((tmp_path / "out").rglob("job.sbatch")).read_text()
     assert script.count(shlex.quote(program)) == 2, script   # once in each task's branch, byte for byte
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_multi_node_job_picks_its_rendezvous_port_on_its_first_node_unless_the_inventory_sets_one(tmp_path):
+    """Unset, the port is found free when the job starts (two jobs may share a first node); set, it is used as is."""
+    scripts = {}
+    for port in (None, 29611):
+        e = make_env(tmp_path / str(port), None)
+        e.inventory.write_text(f"""hosts:
+  login:
+    address: login.cluster.example
+    workdir: /scratch/me/eagle
+    scheduler: slurm
+    slurm: {{partition: gpu, nodes: 2}}
+{f"    rdzv_port: {port}" if port else ""}
+pipeline: {{model: /models/Kimi-K2.5}}
+""")
+        out = tmp_path / str(port) / "out"
+        r = e.cli("render", "job", "exec", "--host", "login", "--out", str(out), "--", "train.py")
+        assert r.code == 0, r.stderr
+        scripts[port] = next(out.rglob("job.sbatch")).read_text()
+        assert subprocess.run(["bash", "-n"], input=scripts[port], text=True).returncode == 0
+    assert "s.bind((\"\", 0))" in scripts[None] and "29500" not in scripts[None]
+    assert "rdzv_port=29611\n" in scripts[29611] and "s.bind" not in scripts[29611]
+    endpoint = 'export KIMI_EAGLE_RDZV_ENDPOINT="${head_addr:-$head}:$rdzv_port"'
+    assert endpoint in scripts[None] and endpoint in scripts[29611]

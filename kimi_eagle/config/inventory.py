@@ -237,7 +237,9 @@ class HostFields(_Strict):
     slurm: SlurmSettings | None = None
     gpus: int | None = Field(None, ge=0)  # GPUs used per host: shard weight and torchrun's processes per node
     rdzv_address: HostName | None = None  # how the other hosts of a group reach this one (default: address)
-    rdzv_port: int | None = Field(None, gt=0, lt=65536)  # torchrun's c10d rendezvous port (default 29500)
+    # torchrun's c10d rendezvous port. Unset: a group's first host takes 29500 (layout.DEFAULT_RDZV_PORT); a
+    # multi-node Slurm job takes a port free on its first node when it starts (two jobs may share that node).
+    rdzv_port: int | None = Field(None, gt=0, lt=65536)
 
     @field_validator("env")
     @classmethod
@@ -277,7 +279,7 @@ class Host(BaseModel):
     slurm: SlurmSettings | None = None
     gpus: int | None = None
     rdzv_address: str | None = None  # None: the address
-    rdzv_port: int = 29500
+    rdzv_port: int | None = None  # None: unset (HostFields.rdzv_port says what that means)
     recipe_source: str | None = None  # the recipe file and overrides over this host's pipeline, for the record
 
 
@@ -336,7 +338,7 @@ class Inventory:
             slurm=pick("slurm"),
             gpus=pick("gpus"),
             rdzv_address=pick("rdzv_address"),
-            rdzv_port=pick("rdzv_port", 29500),
+            rdzv_port=pick("rdzv_port"),
             recipe_source=self.recipe_source,
         )
 

@@ -122,10 +122,19 @@ def shard_shapes(hosts, by: str = "hosts") -> list[Shape]:
 
 def torchrun_shapes(hosts, rdzv_id: str) -> list[Shape]:
     """One torchrun node per host; the rendezvous is on the first host (its rdzv_address and rdzv_port)."""
-    endpoint = f"{rdzv_address(hosts[0])}:{hosts[0].rdzv_port}"
+    endpoint = f"{rdzv_address(hosts[0])}:{rdzv_port(hosts[0])}"
     return [Shape(torchrun=Torchrun(nnodes=len(hosts), node_rank=i, endpoint=endpoint, rdzv_id=rdzv_id, is_host=(i == 0)),
                   gpus=h.gpus)
             for i, h in enumerate(hosts)]
+
+
+# A group's rendezvous port where the inventory sets none (torchrun's own default).
+DEFAULT_RDZV_PORT = 29500
+
+
+def rdzv_port(host) -> int:
+    """The port a group's first host serves the rendezvous on: `rdzv_port`, else DEFAULT_RDZV_PORT."""
+    return host.rdzv_port or DEFAULT_RDZV_PORT
 
 
 def rdzv_address(host) -> str:

@@ -59,7 +59,7 @@ def check(sessions, timeout: float = 5.0) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     head = sessions[0]
-    addr, port = layout.rdzv_address(head.host), head.host.rdzv_port
+    addr, port = layout.rdzv_address(head.host), layout.rdzv_port(head.host)
     endpoint = f"{addr}:{port}"
     listener = head.transport.stream(_py(head.host, _LISTEN, [addr, port, len(sessions) - 1, timeout + 10]))
     try:

@@ -90,7 +90,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
         nodes=slurm.nodes if torchrun else 1, run_dir=run_dir, steps=steps, tasks=tasks, array_spec=array_spec,
         log_pattern="log.%a" if tasks else "log",
         torchrun=torchrun, before=steps[:-1],
-        rdzv_port=host.rdzv_port, node_script=f"{run_dir}/node.sh",
+        rdzv_port=host.rdzv_port, node_script=f"{run_dir}/node.sh",  # None: the script picks a free one
     )
     meta = {"job_id": job_id, "step": step, "host": host.name, "args": extra, "scheduler": "slurm",
             "tasks": len(tasks), "nodes": slurm.nodes if torchrun else 1, "submitted_at": time.time()}

@@ -40,7 +40,7 @@ import torch
 from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.data import online_stream  # (hidden_states online: the engine feeds the trainer)
-from kimi_eagle_host.step_runtime import BadInput, log, parse_step_args
+from kimi_eagle_host.step_runtime import BadInput, log, parse_step_args, restart_count
 from kimi_eagle_host.training import spec_trainer  # (--trainer speculators)
 from kimi_eagle_host.training import distributed as dist_  # (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 from kimi_eagle_host.training.checkpoints import latest_checkpoint
@@ -126,8 +126,21 @@ def result_of(run: TrainRun, o: Outcome, t_start: float) -> dict:
     return result
 
 
+def resume_after_a_restart(args) -> None:
+    """A job the scheduler started again (a Slurm requeue after a preemption) runs train again with the settings it
+    had: without --resume its own checkpoints, stopped early, would be refused as a forgotten --resume, and one that
+    had finished would be trained again from step 0. So it resumes them: where there is none it starts from scratch,
+    and at the last step it exports again without training. `restarted` marks the resume as implied, not asked for:
+    checkpoints made with other settings are then an earlier run's, cleared as by a run from step 0 (train_run)."""
+    args.restarted = restart_count() > 0 and not args.resume
+    if args.restarted:
+        args.resume = True
+        log(f"train: this job was started again by its scheduler ({restart_count()} time(s)): resuming its checkpoints")
+
+
 def main(argv=None) -> int:
     args = parse_step_args("train", argv, __doc__)
+    resume_after_a_restart(args)
     # Our loop compiles in processes of the job's group; speculators' trainer is stopped by the signal itself.
     spared = dist_.sparing_children() if args.trainer == "ours" else contextlib.nullcontext()
     with spared:

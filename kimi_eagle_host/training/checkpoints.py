@@ -94,15 +94,20 @@ def restore_rng(ck: dict, rank: int, world_size: int, cuda_devices: int, set_cpu
 
 
 def resume(ckpt_dir: str, meta: dict, model, opt, sharding: str, trainable_names, w, device,
-           total: int) -> int | None:
+           total: int, others_are_earlier: bool = False) -> int | None:
     """--resume: the latest checkpoint's weights, optimizer and RNG state put back; the step it was saved at (None
-    when there is none: the run starts from scratch). Refused when it was made with other settings."""
+    when there is none: the run starts from scratch). Refused when it was made with other settings, unless
+    `others_are_earlier` (a resume implied by a restarted job, which may have stopped before its train cleared
+    an earlier run's checkpoints): then None, and the run from step 0 clears them (clear_earlier)."""
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         log(f"--resume: no checkpoint under {ckpt_dir}; starting from scratch")
         return None
     ck = torch.load(path, map_location="cpu", weights_only=False)
     diff = {k: (ck["meta"].get(k), meta[k]) for k in settings_changed(ck["meta"], meta, meta)}
+    if diff and others_are_earlier:
+        log(f"--resume: {path} was made with other settings {diff}, by an earlier run; starting from scratch")
+        return None
     if diff:
         raise BadInput(f"{path}: checkpoint was made with different settings {diff}")
     dist_.load_full_state(model, opt, sharding, trainable_names, ck["model"], ck["optimizer"])

@@ -3,6 +3,7 @@ run, and with --choose-checkpoints N the candidates the choose step serves (draf
 these (FSDP gathers the shards); rank 0 writes."""
 from __future__ import annotations
 
+import json
 import os
 
 from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
@@ -52,9 +53,10 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
         selection = os.path.join(export_dir, "selection.json")
         if os.path.exists(selection):
             os.unlink(selection)
+        final = history[-1] if history else earlier_final(export_dir, run.meta)
         cfg = export_to(run, export_dir, plain)
         atomic_write_json(os.path.join(export_dir, "training_info.json"),
-                          {"data_config": i.dc, "meta": run.meta, "final": history[-1] if history else None,
+                          {"data_config": i.dc, "meta": run.meta, "final": final,
                            "heldout": evals[-1] if evals else None,
                            # which job wrote this export: `pull JOB` takes it only for that job
                            "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
@@ -63,3 +65,14 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
         log(f"exported {export_dir}")
     result["export_dir"] = export_dir
     dist_.barrier()
+
+
+def earlier_final(export_dir: str, meta: dict):
+    """The last training step's figures the export of this same run recorded, for an export again without training
+    (a run resumed at its last step: a requeued job); None when there is none or it was another run's."""
+    try:
+        with open(os.path.join(export_dir, "training_info.json"), encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info.get("final") if isinstance(info, dict) and info.get("meta") == meta else None

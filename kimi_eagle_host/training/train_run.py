@@ -157,7 +157,8 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
     run = TrainRun(args, inputs, w, device, dtype, feat_dtype, flex, compiled, data, head, model, opt, sharding,
                    trainable_names, n_trainable, run_meta(args, inputs, data))
     if args.resume:
-        run.resumed_from = resume(run.ckpt_dir, run.meta, model, opt, sharding, trainable_names, w, device, run.total)
+        run.resumed_from = resume(run.ckpt_dir, run.meta, model, opt, sharding, trainable_names, w, device, run.total,
+                                  others_are_earlier=getattr(args, "restarted", False))
         run.start = run.resumed_from or 0
     run.cand_steps = candidates.steps(run.total, args.choose_checkpoints)
     if run.start == 0:  # an earlier run's checkpoints and candidates were trained otherwise
