@@ -1,9 +1,17 @@
-"""Where a host's nvidia-smi is: one rule for every step and ops payload that asks the driver. Stdlib only."""
+"""Where a host's nvidia-smi is: one rule for every step and ops payload that asks the driver; which of the GPUs a
+process sees one of several shards takes. Stdlib only.
+
+    python -m kimi_eagle_host.gpus --gpus N [--gpu-offset O] -- COMMAND [ARGS...]
+
+runs COMMAND (an exec shard of a group job) with CUDA_VISIBLE_DEVICES naming N of the GPUs this process sees, from
+the O-th on (pick_gpus: what launch.py does for the steps it starts).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 # A non-interactive SSH login may lack the driver's folder on PATH (seen on the H200: /usr/local/nvidia/bin).
 NVIDIA_SMI_FALLBACKS = ("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi")
@@ -64,3 +72,53 @@ def gpu_numbers(given) -> list[int] | None:
     if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
         raise ValueError("each GPU once, numbers from 0")
     return gpus
+
+
+def visible_names(environ=os.environ) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES would name them: its names (indices, UUIDs or MIG
+    names) when set, else nvidia-smi's indices, else none."""
+    names = cuda_visible_names(environ)
+    if names is not None:
+        return names
+    return [str(i) for i in range(len(query_gpus("index") or []))]
+
+
+def pick_gpus(names: list[str], count: int | None, offset: int = 0) -> list[str]:
+    """names[offset:offset + count] (count None: to the end): the GPUs one shard takes among those its host's
+    process sees. They are taken by name, not by number, so a host whose env reserves GPUs 4-7 (or lists UUIDs)
+    keeps its shards on those. ValueError when the slice runs past them (the caller names the flags)."""
+    if offset < 0 or (count is not None and count < 0):
+        raise ValueError("--gpus and --gpu-offset count from 0")
+    end = len(names) if count is None else offset + count
+    if end > len(names) or offset > len(names):
+        raise ValueError(f"this host shows {len(names)} GPU(s)")
+    return names[offset:end]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kimi_eagle_host.gpus", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, required=True, help="how many of the visible GPUs COMMAND gets")
+    ap.add_argument("--gpu-offset", type=int, default=0, help="the first of them, counted among the visible ones")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        ap.error("give the command after --")
+    try:
+        names = pick_gpus(visible_names(), a.gpus, a.gpu_offset)
+    except ValueError as e:
+        print(f"gpus: --gpus {a.gpus} --gpu-offset {a.gpu_offset}: {e}", file=sys.stderr)
+        return 2
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(names)
+    try:
+        os.execvp(command[0], command)
+    except OSError as e:
+        print(f"gpus: cannot run {command[0]}: {e}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -214,6 +214,20 @@ def make_env(tmp_path: Path, sshd: Sshd | None, *, trusted: bool = True, host_en
 
 
 @pytest.fixture
+def fake_gpus(tmp_path):
+    """An nvidia-smi on PATH that reports GPUs of the given sizes (MiB), like the real one: {"PATH": ...} for the
+    environment of a launch (kimi_eagle_host.pipeline.launch) that should see them."""
+    def make(*mib):
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        tool = bin_dir / "nvidia-smi"
+        tool.write_text("#!/bin/sh\n" + "".join(f"echo {m}\n" for m in mib))
+        tool.chmod(0o755)
+        return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return make
+
+
+@pytest.fixture
 def env(tmp_path, sshd):
     return make_env(tmp_path, sshd)
 

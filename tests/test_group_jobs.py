@@ -38,7 +38,10 @@ def group_env(tmp_path: Path, servers: dict, host_extra: dict | None = None, pip
     env = Env(tmp_path, home, tmp_path / "inventory.yaml", tmp_path / "work-a")
     hosts = ""
     for name, s in servers.items():
-        extra = "".join(f"\n    {k}: {json.dumps(v)}" for k, v in (host_extra or {}).get(name, {}).items())
+        fields = dict((host_extra or {}).get(name, {}))
+        host_env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false", **fields.pop("env", {})}
+        extra = "".join(f"\n    {k}: {json.dumps(v)}" for k, v in fields.items())
         hosts += f"""
   {name}:
     address: 127.0.0.1
@@ -48,7 +51,7 @@ def group_env(tmp_path: Path, servers: dict, host_extra: dict | None = None, pip
     python: {PY}
     workdir: {tmp_path / f"work-{name}"}
     known_hosts: {known}
-    env: {{PYTHONPATH: {json.dumps(str(REPO))}, OMP_NUM_THREADS: "1", HF_HUB_OFFLINE: "1", TOKENIZERS_PARALLELISM: "false"}}{extra}"""
+    env: {{{", ".join(f"{k}: {json.dumps(v)}" for k, v in host_env.items())}}}{extra}"""
     env.inventory.write_text(f"hosts:{hosts}\ngroups:\n  pair: [{', '.join(servers)}]\n{pipeline}")
     return env
 
@@ -92,7 +95,11 @@ def done_ranks(out: Path) -> list[int]:
 
 
 def test_sharded_extraction_across_two_hosts_weighted_by_gpus_and_resumed(tmp_path, servers):
-    env = group_env(tmp_path, servers, {"a": {"gpus": 1}, "b": {"gpus": 2}}, pipeline=TINY_PIPELINE)
+    # Each host's env names the GPUs it may use (by UUID here: on a machine with GPUs, no test GPU is taken); b's
+    # shards get their own one each among b's, a's one shard its `gpus: 1` of a's two.
+    env = group_env(tmp_path, servers, {"a": {"gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "GPU-a0,GPU-a1"}},
+                                        "b": {"gpus": 2, "env": {"CUDA_VISIBLE_DEVICES": "GPU-b5,GPU-b7,GPU-b9"}}},
+                    pipeline=TINY_PIPELINE)
     r = env.cli("run", "prepare", "--host", "a", "--no-preflight")
     assert r.code == 0, r.stderr
     # b gets the same tiny model and prepared samples by a local copy (both "hosts" live on this machine): the
@@ -104,6 +111,9 @@ def test_sharded_extraction_across_two_hosts_weighted_by_gpus_and_resumed(tmp_pa
     # One view: both hosts' lines, prefixed by host; b runs its two ranks at once.
     assert "[a] [extract] rank 0/3" in r.stdout
     assert "[b] [extract] rank 1/3" in r.stdout and "[b] [extract] rank 2/3" in r.stdout
+    # Where each shard ran, as launch says it in the log: among the GPUs each host's env lets it see.
+    ran_on = sorted(re.findall(r"^\[([ab])\] ==> kimi-eagle: single: .*CUDA_VISIBLE_DEVICES=(\S+)", r.stdout, re.M))
+    assert ran_on == [("a", "GPU-a0"), ("b", "GPU-b5"), ("b", "GPU-b7")], r.stdout[-3000:]
     gid = gid_of(r.stderr)
     # Every prepared sample was extracted exactly once across the hosts, by contiguous ranges.
     n = json.loads((tmp_path / "work-a" / "out" / "prepared" / "manifest.json").read_text())["count"]

@@ -60,19 +60,6 @@ def in_process(script, *args):
 # ----------------------------------------------------------------------------------------------------
 # launch.py: one process or torchrun, from the visible GPUs
 
-@pytest.fixture
-def fake_gpus(tmp_path):
-    """An nvidia-smi on PATH that reports GPUs of the given sizes (MiB), like the real one."""
-    def make(*mib):
-        bin_dir = tmp_path / "bin"
-        bin_dir.mkdir(exist_ok=True)
-        tool = bin_dir / "nvidia-smi"
-        tool.write_text("#!/bin/sh\n" + "".join(f"echo {m}\n" for m in mib))
-        tool.chmod(0o755)
-        return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    return make
-
-
 def decide(*args, env):
     e = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
     p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", "--print", *map(str, args)],
@@ -173,6 +160,37 @@ def test_launch_decides_processes_from_gpus_and_model_size(fake_gpus, tmp_path):
         assert p.returncode == 2 and why in p.stderr, p.stderr
     d = decide("--gpus", "2", "--", "x.py", env={**env, "CUDA_VISIBLE_DEVICES": "3,1,2"})
     assert d["nproc_per_node"] == 2 and d["env"] == {"CUDA_VISIBLE_DEVICES": "3,1"}
+
+
+def test_a_shard_takes_its_gpus_by_name_among_those_its_host_lets_it_see(fake_gpus):
+    """--gpus N --gpu-offset O (a --shard-by gpus shard): N of the GPUs CUDA_VISIBLE_DEVICES names, from the O-th on,
+    exported by name. A host reserved to GPUs 4-7 runs its second shard on 6,7 (not the machine's 2,3); UUIDs and MIG
+    names go through as the host lists them."""
+    env = fake_gpus(*[81920] * 8)
+    for visible, flags, picked in (
+            ("4,5,6,7", ("--gpus", "2", "--gpu-offset", "2"), "6,7"),
+            ("4,5,6,7", ("--gpus", "2"), "4,5"),
+            ("GPU-aa11,GPU-bb22,GPU-cc33", ("--gpus", "1", "--gpu-offset", "1"), "GPU-bb22"),
+            ("MIG-GPU-aa11/1/0, MIG-GPU-aa11/2/0", ("--gpus", "1", "--gpu-offset", "1"), "MIG-GPU-aa11/2/0"),
+            ("MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001,MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000002",
+             ("--gpus", "2"), "MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001,MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000002"),
+            (None, ("--gpus", "2", "--gpu-offset", "6"), "6,7")):    # nvidia-smi's 8, numbered as CUDA does
+        e = env if visible is None else {**env, "CUDA_VISIBLE_DEVICES": visible}
+        d = decide(*flags, "--", "-m", "kimi_eagle_host.pipeline.train", env=e)
+        assert d["env"]["CUDA_VISIBLE_DEVICES"] == picked, (visible, flags, d)
+        assert d["gpus"] == d["nproc_per_node"] == len(picked.split(",")), d
+    # a slice past the GPUs the host shows: one line, exit 2, nothing started
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.pipeline.launch", "--gpus", "2", "--gpu-offset", "3",
+                        "--", "x.py"], capture_output=True, text=True,
+                       env={**ENV, **env, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "launch.py: --gpus 2 --gpu-offset 3 but this host shows 4 GPU(s)"], p.stderr
+    # an exec shard's command (not a step the launcher starts) gets its slice the same way
+    show = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES'], sys.argv[1:])"
+    p = subprocess.run([sys.executable, "-m", "kimi_eagle_host.gpus", "--gpus", "1", "--gpu-offset", "1", "--",
+                        sys.executable, "-c", show, "--rank", "1"], capture_output=True, text=True,
+                       env={**ENV, **env, "CUDA_VISIBLE_DEVICES": "GPU-aa11,GPU-bb22"}, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "GPU-bb22 ['--rank', '1']", (p.stdout, p.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -106,9 +106,11 @@ def step_names(step: str, pipeline) -> list[str]:
     raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
 
 
-def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str | None = None) -> list[Step]:
+def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str | None = None,
+         gpus: int | None = None) -> list[Step]:
     """The commands a job runs, in order. `extra` (after --) is appended to the step's flags. With `settings_path`
-    (the job's settings.json, see job_settings) each step reads its section from there instead of flags."""
+    (the job's settings.json, see job_settings) each step reads its section from there instead of flags. `gpus`:
+    the host's `gpus:`, for the launcher (launch_flags)."""
     extra = list(extra or [])
     if step == "exec":
         if not extra:
@@ -139,7 +141,7 @@ def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str
             args = settings.section_to_argv(n, section)
         argv = [*module_argv(f"pipeline.{n}"), *args, *extra]
         if n in TORCHRUN_STEPS:
-            argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline), "--", *argv]
+            argv = [*module_argv("pipeline.launch"), *launch_flags(n, pipeline, gpus), "--", *argv]
         steps.append(Step(n, argv))
     if step == "all":   # a run whose export vLLM cannot serve does not end as succeeded (eval --smoke)
         if "eval" in names:
@@ -200,7 +202,7 @@ def plan_for_host(step: str, host, extra: list[str] | None = None, job_id: str |
     from .. import __version__
     from .recipe import resolved_yaml
 
-    steps = plan(step, host.pipeline, extra, settings_path(job_id) if job_id and step != "exec" else None)
+    steps = plan(step, host.pipeline, extra, settings_path(job_id) if job_id and step != "exec" else None, host.gpus)
     if step == "exec":
         return steps
     settings_yaml = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
@@ -220,10 +222,11 @@ def output_record(step: str, session, job_id: str) -> dict[str, str]:
     return {f"{RUNS}/{job_id}/output_dir": path + "\n"}
 
 
-def launch_flags(step: str, pipeline) -> list[str]:
+def launch_flags(step: str, pipeline, gpus: int | None = None) -> list[str]:
     """The launcher's flags (kimi_eagle_host.pipeline.launch) from the inventory; what is not set there it finds out on
-    the host."""
-    flags = []
+    the host. `gpus` (the host's `gpus:`) caps the GPUs the step may use there: without --gpus the launcher starts a
+    worker on every GPU it sees (0 or unset: all of them, as the group layouts read it too)."""
+    flags = ["--gpus", str(gpus)] if gpus else []
     if pipeline.nproc_per_node is not None:
         flags += ["--nproc-per-node", str(pipeline.nproc_per_node)]
     if step == "extract":

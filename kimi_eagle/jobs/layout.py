@@ -20,6 +20,8 @@ SHARDABLE = {"extract", "exec"}
 # Steps that run as one torchrun job over several nodes (exec: the command is a Python script).
 DISTRIBUTED = {"train", "exec"}
 LAUNCHER = module_argv("pipeline.launch")  # after the host's Python
+# An exec shard's command is not a step the launcher starts: this picks its GPUs the same way (pick_gpus), then runs it.
+GPU_SLICE = module_argv("gpus")
 
 
 @dataclass
@@ -43,8 +45,10 @@ class Shape:
     ranks: list[int] = field(default_factory=list)  # extraction shards this host runs, one launch each
     world_size: int | None = None
     torchrun: Torchrun | None = None
-    devices_per_rank: int = 0  # GPUs each shard's launch sees (CUDA_VISIBLE_DEVICES); 0: leave them alone
-    gpus: int | None = None  # the host's `gpus:` (launch.py --gpus) for a torchrun node
+    # GPUs each of several shards takes, its own slice of those the host's job sees (--gpus N --gpu-offset O,
+    # chosen on the host by name); 0: leave them alone
+    devices_per_rank: int = 0
+    gpus: int | None = None  # the host's `gpus:` (launch.py --gpus) for a torchrun node (an exec has no plan's)
 
     def describe(self) -> str:
         if self.torchrun:
@@ -65,10 +69,37 @@ def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     return [], list(argv)
 
 
+def launched(argv: list[str]) -> bool:
+    return argv[:len(LAUNCHER)] == LAUNCHER and "--" in argv
+
+
+def merge_flags(own: list[str], flags: list[str]) -> list[str]:
+    """The launcher's `own` flags with `flags` over them: each flag once (the plan's --gpus, the host's count, gives
+    way to a shard's slice), the way argparse would read the two with the later winning. Both are `--name value`
+    pairs (launch_flags and the shapes write no other kind)."""
+    given = set(flags[::2])
+    kept = [x for i in range(0, len(own), 2) if own[i] not in given for x in own[i:i + 2]]
+    return [*kept, *flags]
+
+
 def through_launcher(main: Step, flags: list[str]) -> Step:
     """`main` started by the launcher with more flags (an exec command becomes the script it runs)."""
     own, command = split_launch(main.argv)
-    return replace(main, python=True, argv=[*LAUNCHER, *own, *flags, "--", *command])
+    return replace(main, python=True, argv=[*LAUNCHER, *merge_flags(own, flags), "--", *command])
+
+
+def shard_branch(main: Step, rank: int, world_size: int, gpu_slice: tuple[int, int] | None) -> Step:
+    """One shard's command: the step with --rank/--world-size, and with `gpu_slice` (count, offset) its GPUs among
+    those the host's job sees, picked there by name (launch.py, or kimi_eagle_host.gpus for an exec command): the
+    host's CUDA_VISIBLE_DEVICES (e.g. 4,5,6,7 from its env) is where the slice is counted, not the machine's GPU 0."""
+    shard = replace(main, argv=[*main.argv, "--rank", str(rank), "--world-size", str(world_size)])
+    if gpu_slice is None:
+        return shard
+    flags = ["--gpus", str(gpu_slice[0]), "--gpu-offset", str(gpu_slice[1])]
+    if launched(shard.argv):
+        return through_launcher(shard, flags)
+    # an exec shard: a whole command of the user's (no launcher, no step), run by the host's Python's helper
+    return replace(shard, python=True, argv=[*GPU_SLICE, *flags, "--", *shard.argv])
 
 
 def apply(steps: list[Step], step: str, shape: Shape | None) -> list[Step]:
@@ -79,13 +110,9 @@ def apply(steps: list[Step], step: str, shape: Shape | None) -> list[Step]:
     if shape.ranks:
         if step not in SHARDABLE:
             raise ConfigError(f"`{step}` cannot be sharded across hosts (only {', '.join(sorted(SHARDABLE))})")
-        branches = []
-        for i, rank in enumerate(shape.ranks):
-            env = {}
-            if shape.devices_per_rank and len(shape.ranks) > 1:
-                first = i * shape.devices_per_rank
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + d) for d in range(shape.devices_per_rank))
-            branches.append(replace(main, env=env, argv=[*main.argv, "--rank", str(rank), "--world-size", str(shape.world_size)]))
+        per = shape.devices_per_rank if len(shape.ranks) > 1 else 0   # one shard: the host's gpus (the plan's --gpus)
+        branches = [shard_branch(main, rank, shape.world_size, (per, i * per) if per else None)
+                    for i, rank in enumerate(shape.ranks)]
         if len(branches) == 1:
             return [*before, branches[0]]
         return [*before, replace(main, name=f"{main.name} x{len(branches)}", branches=branches)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Start a pipeline step as one process, or as torchrun workers (one per GPU, or per group of GPUs).
 
-    launch.py [--gpus N] [--nproc-per-node N|auto] [--gpus-per-replica N|auto]
+    launch.py [--gpus N [--gpu-offset O]] [--nproc-per-node N|auto] [--gpus-per-replica N|auto]
               [--nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V]
                [--max-restarts N]] -- -m STEP_MODULE [STEP ARGS...]
 
@@ -11,7 +11,8 @@ with either `python -m STEP ARGS` or `python -m torch.distributed.run ... -m STE
 process group, signals and exit code are the step's or torchrun's own.
 
 - GPUs: those CUDA_VISIBLE_DEVICES names when set, else the ones `nvidia-smi` lists, else none. --gpus N
-  (the inventory's `gpus:`) takes the first N of them and narrows CUDA_VISIBLE_DEVICES to those.
+  (the inventory's `gpus:`) takes the first N of them and narrows CUDA_VISIBLE_DEVICES to those (their names:
+  indices, UUIDs or MIG names as given). --gpu-offset O (a --shard-by gpus shard) takes them from the O-th on.
 - --gpus-per-replica (extract): GPUs one model copy is spread over. auto = the smallest count whose
   memory holds the step's --model weights with 25% headroom (its safetensors size); 1 when unknown.
 - --nproc-per-node: auto = GPUs // gpus-per-replica (at least 1; 1 on a host without GPUs). A number
@@ -34,7 +35,7 @@ import math
 import os
 import sys
 
-from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers, query_gpus
+from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers, pick_gpus, query_gpus
 from kimi_eagle_host.model_size import model_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
@@ -123,6 +124,26 @@ def trainer_gpus(train_gpus, gpus: list[int]) -> list[int] | None:
     return [gpus[i] for i in picked] if gpus else []
 
 
+def narrow_gpus(a, gpus: list[int], env) -> tuple[list[int], dict]:
+    """(the GPUs the step gets, the env that says so): --gpus N from the --gpu-offset-th on, taken by name among the
+    visible ones (a host's CUDA_VISIBLE_DEVICES may reserve GPUs 4-7, or list UUIDs or MIG names: the step gets those
+    names, never numbers counted from the machine's first GPU); all of them, env untouched, without either flag."""
+    if a.gpus is None and not a.gpu_offset:
+        return gpus, {}
+    if (a.gpus or 0) < 0 or a.gpu_offset < 0:
+        raise LaunchError(f"--gpus and --gpu-offset count from 0, got {a.gpus} and {a.gpu_offset}")
+    names = cuda_visible_names(env)
+    if names is None:   # nvidia-smi's GPUs, by number from 0: what CUDA_VISIBLE_DEVICES would name them by
+        names = [str(i) for i in range(len(gpus))]
+    try:
+        picked = pick_gpus(names, a.gpus, a.gpu_offset)
+    except ValueError as e:
+        given = f"--gpus {a.gpus}" if a.gpus is not None else ""
+        given += f" --gpu-offset {a.gpu_offset}" if a.gpu_offset else " (the inventory's gpus:)"
+        raise LaunchError(f"{given.strip()} but {e}") from None
+    return gpus[a.gpu_offset:a.gpu_offset + len(picked)], {"CUDA_VISIBLE_DEVICES": ",".join(picked)}
+
+
 def decide(a, environ=None) -> dict:
     env = os.environ if environ is None else environ
     # The step: `-m MODULE ARGS` (how kimi-eagle starts steps), or a script path `SCRIPT ARGS`.
@@ -132,14 +153,7 @@ def decide(a, environ=None) -> dict:
         raise LaunchError("-m needs the step's module after it")
     step = script[-1].rsplit(".", 1)[-1] if n == 2 else os.path.basename(script[0]).removesuffix(".py")
     flags = step_flags(step_args, step)
-    gpus = visible_gpus(env)
-    set_env = {}
-    if a.gpus is not None:
-        if a.gpus > len(gpus):
-            raise LaunchError(f"--gpus {a.gpus} (the inventory's gpus:) but this host shows {len(gpus)} GPU(s)")
-        names = cuda_visible_names(env) or [str(i) for i in range(len(gpus))]
-        set_env["CUDA_VISIBLE_DEVICES"] = ",".join(names[:a.gpus])
-        gpus = gpus[:a.gpus]
+    gpus, set_env = narrow_gpus(a, visible_gpus(env), env)
     where = f"this host shows {len(gpus)}"
     online_train = step == "train" and flags.hidden_states == "online"
     # the split layout: the trainer's ranks on train_gpus only, not one per visible GPU (two ranks would share the
@@ -202,9 +216,17 @@ def decide(a, environ=None) -> dict:
             "gpus_per_replica": per_replica, "reason": single_reason, "env": set_env, "argv": cmd}
 
 
+def _narrowed(d: dict) -> str:
+    """Which GPUs the step got, when launch chose them (the log then says where each shard ran)."""
+    cvd = d["env"].get("CUDA_VISIBLE_DEVICES")
+    return "" if cvd is None else f", CUDA_VISIBLE_DEVICES={cvd}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, default=None, help="use the first N visible GPUs (default: all)")
+    ap.add_argument("--gpus", type=int, default=None, help="use N of the visible GPUs (default: all)")
+    ap.add_argument("--gpu-offset", type=int, default=0,
+                    help="the first of them, counted among the visible ones (a shard's slice; default 0)")
     ap.add_argument("--nproc-per-node", default="auto", help="processes on this host, or auto (default)")
     ap.add_argument("--gpus-per-replica", default="1", help="GPUs per process (extract: auto sizes by the model)")
     ap.add_argument("--nnodes", type=int, default=1)
@@ -232,7 +254,8 @@ def main(argv=None) -> int:
         print(json.dumps(d))
         return 0
     print(f"==> kimi-eagle: {d['mode']}: {d['nproc_per_node']} process(es) per node x {d['nnodes']} node(s), "
-          f"{d['gpus_per_replica']} GPU(s) each ({d['gpus']} visible)" + (f"; {d['reason']}" if d["reason"] else ""),
+          f"{d['gpus_per_replica']} GPU(s) each ({d['gpus']} visible)" + _narrowed(d)
+          + (f"; {d['reason']}" if d["reason"] else ""),
           file=sys.stderr, flush=True)
     os.environ.update(d["env"])
     os.execv(d["argv"][0], d["argv"])
