@@ -262,6 +262,110 @@ def test_prepare_loss_mask_is_exactly_assistant_tokens(models, pipeline):
     assert len(man["source_sha256"]) == 64 and man["loss_tokens"] == int(freq.sum())
 
 
+# A Qwen3-style template (the shape of Qwen3's own, without tools): an assistant turn after the last user message
+# shows its reasoning in a <think> block (an empty one when it has none); earlier turns show only the text after their
+# </think>. Rendering the conversation turn by turn is then not a prefix of rendering it whole.
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] != 'assistant' -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{%- set content = m['content'] -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\n' + content -}}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def qwen3_style_tokenizer(out, template=QWEN3_STYLE):
+    """The tiny tokenizer with Qwen3's turn markers as special tokens, <|im_end|> its eos, and a Qwen3-style template."""
+    tok = tiny_model.build_tokenizer(512)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    return tok
+
+
+def masked_runs(tok, ids, mask):
+    """The text of each run of consecutive trained tokens."""
+    runs, run_ids = [], []
+    for t, m in zip([*ids, 0], [*mask, 0]):
+        if m:
+            run_ids.append(int(t))
+        elif run_ids:
+            runs.append(tok.decode(run_ids))
+            run_ids = []
+    return runs
+
+
+def prepared_runs(tmp_path, template, rows):
+    """prepare (the step, as a host runs it) over `rows` with a Qwen3-style tokenizer: each row's trained text runs."""
+    tok = qwen3_style_tokenizer(tmp_path / "tok", template)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows), encoding="utf-8")
+    code, out, err = run("prepare", "--model", tmp_path / "tok", "--dataset", data, "--output-dir", tmp_path / "o")
+    assert code == 0 and out["count"] == len(rows), err
+    ds = PreparedDataset(str(tmp_path / "o" / "prepared"))
+    got = []
+    for i, row in enumerate(rows):
+        ids, mask = ds[i]
+        assert tok.decode(ids) == tok.apply_chat_template(row, tokenize=False)  # the whole conversation, once
+        got.append(masked_runs(tok, ids, mask))
+    return got
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text):
+    return {"role": "assistant", "content": text}
+
+
+END = "<|im_end|>\n"
+
+
+def test_prepare_masks_the_answers_of_a_template_that_renders_earlier_turns_otherwise(tmp_path):
+    """A Qwen3-style template drops the reasoning of earlier answers (what regenerate writes for a thinking target
+    holds <think>...</think>): each earlier turn trains on the text the template keeps and its end of turn, the last
+    on all it renders, as when it is the only one; never on a user's words that repeat the answer ("Yes")."""
+    rows = [
+        [user("Reply with Yes or No: is water wet?"), bot("Yes"), user("Are you sure?"), bot("Yes, quite.")],
+        [{"role": "system", "content": "Greet back."}, user("Hi"), bot("<think>\nuser greets\n</think>\n\nHello!"),
+         user("Bye"), bot("<think>\nok\n</think>\n\nBye!")],
+        [user("Say Yes."), bot("Yes"), user("Again: Yes?"), bot("<think>\nsure\n</think>\n\nYes"), user("Once more."),
+         bot("<think>\nsame\n</think>\n\nYes")],
+    ]
+    assert prepared_runs(tmp_path, QWEN3_STYLE, rows) == [
+        ["Yes" + END, "<think>\n\n</think>\n\nYes, quite." + END],
+        ["Hello!" + END, "<think>\nok\n</think>\n\nBye!" + END],
+        ["Yes" + END, "Yes" + END, "<think>\nsame\n</think>\n\nYes" + END],
+    ]
+
+
+def test_prepare_masks_an_earlier_answer_that_begins_as_the_generation_prompt_goes_on(tmp_path):
+    """A generation prompt that opens the reasoning (QwQ: "<|im_start|>assistant\n<think>\n") and an earlier answer
+    that begins with "<" too: the answer is found where its turn parts from that prompt, not one character in."""
+    qwq_style = QWEN3_STYLE.replace("{{- '<|im_start|>assistant\n' -}}{%- endif -%}",
+                                    "{{- '<|im_start|>assistant\n<think>\n' -}}{%- endif -%}")
+    assert qwq_style != QWEN3_STYLE
+    rows = [[user("Some HTML?"), bot("<think>\nbold\n</think>\n\n<b>hi</b>"), user("More, <b>hi</b>?"),
+             bot("<think>\nitalic\n</think>\n\n<i>ok</i>")]]
+    # the last turn as the incremental path sees it: after the prompt's "<think>\n"
+    assert prepared_runs(tmp_path, qwq_style, rows) == [["<b>hi</b>" + END, "italic\n</think>\n\n<i>ok</i>" + END]]
+
+
 BAD_ROWS = [
     ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}', "conversations[1]: missing field 'value'"),
     ('{"messages": [{"role": "user", "content": "hi"}', "invalid JSON"),

@@ -312,6 +312,31 @@ def test_regenerate_does_not_resume_answers_of_a_target_rebuilt_in_place(tmp_pat
     assert code == 0 and out["chunks_done_now"] == 2 and out["not_reused_because"] == ["chat_template"], err
 
 
+def test_a_regenerate_with_nothing_left_to_do_leaves_the_prepared_data_and_its_features(tmp_path, tiny_llama):
+    """regenerate → prepare → extract, then the same again: the second regenerate answers nothing and writes the same
+    data, so prepare writes the same manifest (the prepared data's identity) and extract continues, removing no
+    sample. This run's figures (tokens/s) stay in regenerate's own manifest, out of the record prepare copies."""
+    prompts = chat_file(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Hi {i}?"}]}
+                                               for i in range(3)])
+    out_dir = tmp_path / "o"
+    chat = out_dir / "regenerated" / "chat.jsonl"
+    identity = []
+    for again in (False, True):
+        code, regen, err = regenerate(tiny_llama, prompts, out_dir)
+        assert code == 0 and regen["chunks_done_now"] == (0 if again else 2), err
+        if not again:  # the run's tokens/s, for the user, in regenerate's own manifest
+            assert json.loads((out_dir / "regenerated" / "manifest.json").read_text())["throughput"]["answer_tokens_now"]
+        code, prep, err = payload("prepare.py", "--model", tiny_llama, "--dataset", chat, "--output-dir", out_dir)
+        assert code == 0 and prep["count"] == 3, err
+        code, ext, err = payload("extract.py", "--model", tiny_llama, "--output-dir", out_dir, "--engine", "hf")
+        assert code == 0, err
+        assert (ext["written"], ext["skipped_existing"]) == ((0, 3) if again else (3, 0)), err
+        assert ("continuing the extraction" in err) == again and "removed" not in err, err
+        identity.append(json.loads((out_dir / "hidden_states" / "data_config.json").read_text())["prepared_sha256"])
+    assert identity[0] == identity[1]
+    assert "throughput" not in json.loads(Path(str(chat) + ".source.json").read_text())
+
+
 def weightless_copy(tmp_path, model):
     """The tokenizer and config of a model without its weights: loading the model would fail."""
     d = tmp_path / "weightless"

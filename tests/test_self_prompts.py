@@ -89,6 +89,8 @@ def test_the_target_writes_prompts_from_its_own_templates_opening_until_the_set_
     recorded = json.loads((tmp_path / "a" / "prepared" / "manifest.json").read_text())["dataset"]["converted_from"]
     assert recorded["self_prompts"]["written"] == 7 and recorded["source"]["path"] == str(data)
     assert recorded["curation"]["dropped"] == {"exact_duplicate": 1}
+    # this run's figures stay in regenerate's manifest: the same data must give prepare the same record
+    assert "throughput" not in recorded and not [k for k in recorded["self_prompts"] if k.endswith("_now")]
 
 
 def test_several_engines_share_the_chunks_and_write_what_one_engine_writes(tmp_path, target):

@@ -9,7 +9,11 @@ from). Input rows (one JSON object per line, blank lines ignored), either shape:
 Each row is rendered with the target tokenizer's chat template (trust_remote_code) and tokenized; the loss
 mask is 1 exactly on the tokens the template emits for assistant messages (their content and the template's
 end-of-turn marker), found by rendering the conversation incrementally: the text between
-render(messages[:k], add_generation_prompt=True) and render(messages[:k+1]) is assistant message k.
+render(messages[:k], add_generation_prompt=True) and render(messages[:k+1]) is assistant message k. A template that
+renders earlier turns otherwise than the last (Qwen3, DeepSeek-R1: without their <think> reasoning) is not
+incremental: message k is then looked for in the whole rendering after its own generation header, as written or as
+such templates keep it (the text after its last </think>), followed by the end-of-turn marker the template writes
+after a last message.
 
 Output under <output-dir>/prepared/ (every file written atomically, manifest.json last):
   shard_00000.safetensors  input_ids int64 [sum T], loss_mask uint8 [sum T], offsets int64 [n+1],
@@ -111,28 +115,65 @@ def assistant_char_spans(tok, messages):
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        span = None
+        prefix = upto = None
         try:
             prefix = _render(tok, messages[:k], True)
             upto = _render(tok, messages[:k + 1], False)
-            if upto.startswith(prefix) and full.startswith(upto) and len(prefix) >= cursor:
-                span = (len(prefix), len(upto))
         except Exception:
-            span = None  # e.g. templates that refuse an empty/partial conversation: use the fallback below
-        if span is None:
-            # Templates that rewrite earlier turns (e.g. drop old reasoning) are not incremental; locate the
-            # message text itself after the previous span and include a directly following eos marker.
-            pos = full.find(m["content"], cursor) if m["content"] else -1
-            if pos < 0:
+            pass  # e.g. templates that refuse an empty/partial conversation: located in the full text below
+        if upto is not None and upto.startswith(prefix) and full.startswith(upto) and len(prefix) >= cursor:
+            span = (len(prefix), len(upto))
+        else:
+            span = _located_span(tok, full, m["content"], cursor, prefix, upto)
+            if span is None:
                 raise BadRow(f"cannot locate assistant message {k} in the rendered chat template")
-            end = pos + len(m["content"])
-            eos = getattr(tok, "eos_token", None)
-            if eos and full.startswith(eos, end):
-                end += len(eos)
-            span = (pos, end)
         spans.append(span)
         cursor = span[1]
     return full, spans
+
+
+def _history_forms(content):
+    """What a template may show of an assistant message in the history: the message, and for a reasoning answer
+    what templates that drop old reasoning (Qwen3, DeepSeek-R1) keep: the text after the last </think>, without the
+    newlines that follow it."""
+    forms = [content] if content else []
+    if "</think>" in content:
+        kept = content.split("</think>")[-1].lstrip("\n")
+        if kept and kept != content:
+            forms.append(kept)
+    return forms
+
+
+def _located_span(tok, full, content, cursor, prefix, upto):
+    """Assistant message `content` in `full` when the template is not incremental (it renders earlier turns otherwise
+    than the last, e.g. without their reasoning): (start, end) or None.
+
+    The full text runs as the conversation so far with the generation prompt up to `lo`: a match that ends there is the
+    user's or system's text or the turn's header (an answer the question also holds, "Yes", would be masked in the
+    question), so the message must end after `lo`. It may begin before: a generation prompt that goes on past the
+    header (QwQ's and DeepSeek-R1's "<think>\\n") shares the first characters of an answer like "<b>...". Of the forms
+    the message may take, the earliest found is this turn's (a later one is a later turn's), the whole message before
+    its kept tail."""
+    lo = len(os.path.commonprefix([prefix, full])) if prefix is not None else 0
+    found = [(pos, text) for text in _history_forms(content)
+             if (pos := full.find(text, max(cursor, lo - len(text) + 1))) >= 0]
+    if not found:
+        return None
+    pos, text = min(found, key=lambda f: (f[0], -len(f[1])))
+    end = pos + len(text)
+    return pos, end + _turn_end_length(tok, full, end, text, prefix, upto)
+
+
+def _turn_end_length(tok, full, end, text, prefix, upto):
+    """Characters of the end-of-turn marker at full[end:], trained on as on the incremental path: what the template
+    writes after the message when it is the last one (e.g. Qwen3's '<|im_end|>\\n'), else the eos token, else 0."""
+    if prefix is not None and upto is not None and upto.startswith(prefix):
+        i = upto.rfind(text)
+        marker = upto[i + len(text):] if i >= len(prefix) else ""  # only what follows it inside its own turn
+        if marker and full.startswith(marker, end):
+            return len(marker)
+    eos = getattr(tok, "eos_token", None)
+    return len(eos) if eos and full.startswith(eos, end) else 0
 
 
 def tokenize_with_mask(tok, messages):

@@ -21,7 +21,8 @@ opening of a user turn, sampled; each judged against the set so far), answered l
   <output-dir>/regenerated/chat.jsonl                          every chunk in order, once all exist
   <output-dir>/regenerated/manifest.json                       run key, settings, provenance (dataset, curation,
                                                                self prompts), counts, this run's tokens/s
-  <output-dir>/regenerated/chat.jsonl.source.json              the same record, where prepare looks for it
+  <output-dir>/regenerated/chat.jsonl.source.json              the same record without this run's figures, where
+                                                               prepare looks for it (the same data, the same record)
 
 Resumable, and only with itself: chunks live under a run key, a hash of what produced them (the dataset's
 sha256, the digest of the prompts kept and written, the model, every setting that changes an answer, the engine and this code's version). A re-run with
@@ -378,8 +379,18 @@ def merge(out_dir, chunks_dir, n_chunks, chunk_size, manifest):
     manifest["sha256"] = hashlib.sha256(data).hexdigest()
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
     # beside the data, under the name data_sources.resolve looks for: prepare records where its input came from
-    atomic_write_json(final + ".source.json", manifest)
+    atomic_write_json(final + ".source.json", source_record(manifest))
     return final
+
+
+def source_record(manifest):
+    """The run's manifest as the data's provenance, without this run's own figures (tokens/s, what it sampled now):
+    prepare copies the record into its manifest, whose sha256 is the prepared data's identity, so a re-run that writes
+    the same data (a resume with nothing left to do) must write the same record, or extract starts clean."""
+    record = {k: v for k, v in manifest.items() if k != "throughput"}
+    if record.get("self_prompts"):
+        record["self_prompts"] = {k: v for k, v in record["self_prompts"].items() if not k.endswith("_now")}
+    return record
 
 
 # ---------------------------------------------------------------------------------------------- step
