@@ -100,6 +100,22 @@ def test_pull_of_a_job_takes_no_export_or_report_a_later_job_wrote_in_its_folder
     assert r.code == 0 and "draft/export/model.safetensors" in r.json()["changed"], r.stdout
 
 
+def test_pull_of_a_run_without_held_out_prompts_takes_its_smoke_test(tmp_path, sshd):
+    """`run all` without eval_prompts ends with eval's served smoke test alone: eval/ holds smoke.json and no report.
+    `pull JOB` brings it back (it names its job), and not another job's."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, out = _a_finished_run(e)
+    (out / "eval" / "report.json").unlink()
+    (out / "eval" / "smoke.json").write_text(json.dumps({"served_smoke": "ok", "job_id": job}))
+    r = e.cli("--json", "pull", job, "--to", str(tmp_path / "mine"))
+    assert r.code == 0 and "eval/smoke.json" in r.json()["changed"] and r.json()["skipped"] == [], r.stdout
+    other = e.cli("--json", "run", "vocab", "--host", "gpu", "--detach", "--no-preflight", "--", "--help").json()["id"]
+    assert e.cli("logs", other, "--follow").code == 0
+    r = e.cli("--json", "pull", other, "--to", str(tmp_path / "other"))
+    assert r.code == 0 and not (tmp_path / "other" / "eval").exists(), r.stdout
+    assert {s["folder"]: s["written_by"] for s in r.json()["skipped"]}["eval"] is None
+
+
 def test_pull_of_a_job_without_a_record_or_a_missing_folder_is_one_line(tmp_path, sshd):
     e = make_env(tmp_path, sshd, extra=PIPELINE)
     r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "true")

@@ -17,6 +17,9 @@ JOB_FILES = ("log", "meta.json", "exit_code", "headline")  # a job's own record,
 # Outputs that one job writes for the whole folder, and the file in them that names the job (train's
 # training_info.json, choose's and eval's report.json): `pull JOB` takes them only when JOB wrote them.
 OWNED = {"draft/export": "training_info.json", "choose": "report.json", "eval": "report.json"}
+# Files in such a folder that one job writes alone and that name it: `pull JOB` takes them where the folder's report
+# is another job's or absent (a run without held-out prompts writes only eval's served smoke test).
+OWN_FILES = {"eval": ["smoke.json"]}
 
 # Lists what `pull` takes: {"files": [[host path, local path, size]], "skipped": [[folder, writer or null]]}.
 # Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
@@ -24,21 +27,27 @@ _LIST = r"""
 import json, os, sys
 root, runs, job = sys.argv[1], sys.argv[2], sys.argv[3]
 subs, job_files, owned = sys.argv[4].split(","), sys.argv[5].split(","), json.loads(sys.argv[6])
+own_files = json.loads(sys.argv[7])
 out, skipped = [], []
 def add(path, rel):
     if os.path.isfile(path) and not os.path.basename(path).startswith("."):
         out.append([path, rel, os.path.getsize(path)])
-def writer(s):
+def named(path):
     try:
-        with open(os.path.join(root, s, owned[s]), "rb") as f:
+        with open(path, "rb") as f:
             found = json.loads(f.read().decode())
         return found.get("job_id") if isinstance(found, dict) else None
     except (OSError, ValueError):
         return None
 for s in subs:
     base = os.path.join(root, s)
-    if job and s in owned and os.path.isdir(base) and writer(s) != job:
-        skipped.append([s, writer(s)])
+    writer = named(os.path.join(base, owned[s])) if s in owned else None
+    if job and s in owned and os.path.isdir(base) and writer != job:
+        alone = [f for f in own_files.get(s, []) if named(os.path.join(base, f)) == job]
+        for f in alone:
+            add(os.path.join(base, f), os.path.join(s, f))
+        if writer is not None or not alone:
+            skipped.append([s, writer])
         continue
     for d, dirs, files in os.walk(base):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
@@ -64,7 +73,8 @@ def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
     subs = ["draft/export", "choose", "eval"]
     subs += [f"runs/{run.job_id}", f"tracking/{run.job_id}"] if run.job_id else ["runs", "tracking"]
     listed = json_of(session, _LIST, [run.path, session.path(RUNS), run.job_id or "", ",".join(subs),
-                                       ",".join(JOB_FILES), json.dumps(OWNED)], "listing the run's files")
+                                       ",".join(JOB_FILES), json.dumps(OWNED),
+                                       json.dumps(OWN_FILES)], "listing the run's files")
     if not listed["files"]:
         raise CommandError(f"{session.name}:{run.path}: nothing to pull (no export, report or log there yet)")
     report = sync.fetch(session.transport, [tuple(f) for f in listed["files"]], dest)

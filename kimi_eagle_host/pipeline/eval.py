@@ -443,7 +443,9 @@ def served_smoke(args, out_dir) -> dict:
         rec = {**smoke_verdict(counters, f"vLLM {info}"), "smoke_prompts": len(chats)}
     log(f"eval: served_smoke: {rec['served_smoke']}")
     os.makedirs(out_dir, exist_ok=True)
-    atomic_write_json(os.path.join(out_dir, "smoke.json"), {**rec, "draft": args.draft})
+    # which job wrote it: `pull JOB` takes it for that job (pull's OWN_FILES)
+    atomic_write_json(os.path.join(out_dir, "smoke.json"),
+                      {**rec, "draft": args.draft, "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
     return {"ok": True, "step": "eval", **rec, "draft": args.draft, "engine_env": engine_env}
 
 
