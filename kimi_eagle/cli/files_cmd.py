@@ -13,7 +13,7 @@ from .context import RECIPE_HELP, console_ui, split_extra, state
 def render(
     ctx: typer.Context,
     what: str = typer.Argument(..., metavar="WHAT", help="probe | patch | gpu-reset | preflight | job STEP (e.g. 'job extract')."),
-    step: Optional[str] = typer.Argument(None, help="The step, for WHAT=job: prepare|extract|vocab|train|all."),
+    step: Optional[str] = typer.Argument(None, help="The step, for WHAT=job: regenerate|prepare|extract|vocab|train|choose|eval|all|exec."),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host from the inventory."),
     out: Path = typer.Option(..., "--out", "-o", help="Local folder to write the rendered files into."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),

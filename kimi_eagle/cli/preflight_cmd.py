@@ -15,7 +15,7 @@ STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
 
 def preflight(
     ctx: typer.Context,
-    step: str = typer.Argument("all", help="prepare | extract | vocab | train | all"),
+    step: str = typer.Argument("all", help="regenerate | prepare | extract | vocab | train | choose | eval | all"),
     host: Optional[str] = typer.Option(None, "--host", "-H", help="Host (or group) from the inventory."),
     group: Optional[str] = typer.Option(None, "--group", "-g", help="Group from the inventory."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-c", metavar="FILE", help=RECIPE_HELP),
