@@ -64,8 +64,8 @@ from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
 
 # Settings that change an answer: part of the run key (rank/world size and batch sizes do not).
-KEYED = ("model", "weights", "chat_template", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns", "temperature", "max_tokens", "seed",
-         "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
+KEYED = ("model", "weights", "chat_template", "dataset_sha256", "prompts_sha256", "max_prompts", "max_turns",
+         "temperature", "max_tokens", "seed", "chunk_size", "max_model_len", "long_prompts", "engine", "dtype", "code")
 
 
 def chunk_path(chunks_dir, start):
