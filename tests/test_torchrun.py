@@ -307,8 +307,9 @@ def test_ddp_two_ranks_same_curve_and_resume_on_one(train_inputs, reference):
     # a forgotten --resume: every rank refuses it in one line, none is left training or waiting for rank 0
     code, again, err = train(train_inputs, out, nproc=2)
     assert code != 0 and "stopped at step 4 of 8: continue it with --resume" in again["error"], err
-    rank1 = next(ln for ln in err.splitlines() if ln.startswith("[rank 1] result: "))
-    assert "stopped at step 4 of 8" in rank1 and "Connection closed" not in err, err[-3000:]
+    # rank 1 says the same, or torchrun ends it first when rank 0 leaves; never a crash in a collective
+    rank1 = [ln for ln in err.splitlines() if ln.startswith("[rank 1] result: ")]
+    assert all("stopped at step 4 of 8" in ln for ln in rank1) and "Connection closed" not in err, err[-3000:]
     code, b, err = train(train_inputs, out, "--resume")
     assert code == 0 and b["world_size"] == 1 and b["resumed_from_step"] == 4 and b["finished"], err
     assert "saved by 2 rank(s), now 1" in err
