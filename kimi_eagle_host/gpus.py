@@ -74,13 +74,16 @@ def gpu_numbers(given) -> list[int] | None:
     return gpus
 
 
-def visible_names(environ=os.environ) -> list[str]:
+def visible_names(environ=os.environ, driver_count: int | None = None) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES would name them: its names (indices, UUIDs or MIG
-    names) when set, else nvidia-smi's indices, else none."""
+    names) when set, else the driver's indices (`driver_count` of them when the caller asked nvidia-smi already),
+    else none."""
     names = cuda_visible_names(environ)
     if names is not None:
         return names
-    return [str(i) for i in range(len(query_gpus("index") or []))]
+    if driver_count is None:
+        driver_count = len(query_gpus("index") or [])
+    return [str(i) for i in range(driver_count)]
 
 
 def pick_gpus(names: list[str], count: int | None, offset: int = 0) -> list[str]:
@@ -88,7 +91,7 @@ def pick_gpus(names: list[str], count: int | None, offset: int = 0) -> list[str]
     process sees. They are taken by name, not by number, so a host whose env reserves GPUs 4-7 (or lists UUIDs)
     keeps its shards on those. ValueError when the slice runs past them (the caller names the flags)."""
     if offset < 0 or (count is not None and count < 0):
-        raise ValueError("--gpus and --gpu-offset count from 0")
+        raise ValueError("both count from 0")
     end = len(names) if count is None else offset + count
     if end > len(names) or offset > len(names):
         raise ValueError(f"this host shows {len(names)} GPU(s)")

@@ -12,6 +12,7 @@ class ProcStat(NamedTuple):
     state: str          # R, S, D, Z, ... (Z: a zombie holds nothing, it waits for its parent to reap it)
     ppid: int
     pgid: int
+    sid: int
     start_ticks: int    # field 22 of /proc/<pid>/stat
 
     @property
@@ -28,7 +29,7 @@ def stat(pid) -> ProcStat | None:
             raw = f.read()
         # comm may hold spaces and parentheses: the fields start after the last ')'.
         fields = raw[raw.rindex(")") + 2:].split()
-        return ProcStat(fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+        return ProcStat(fields[0], int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
     except (OSError, ValueError, IndexError):
         return None
 

@@ -63,6 +63,9 @@ class Setting:
     # unset pipeline value such as batch_size), where it differs from `default`
     step_defaults: dict = field(default_factory=dict)
     internal: bool = False  # set by kimi-eagle itself (a shard's --rank): a flag of the step, never a setting
+    # For its step run alone: why `run all` refuses it set (the later steps would read another run's outputs);
+    # {step} and {value} are filled in (config/step_plan.refuse_broken_links).
+    alone: str = ""
 
     def default_for(self, step: str):
         return self.step_defaults.get(step, self.default)
@@ -182,7 +185,11 @@ _ENGINE = dict(kind="choice", choices=("auto", "vllm", "hf"))
 _VLLM_DTYPE_DOC = ("vllm engine dtype; auto: bfloat16, float32 on a CPU without AMX or AVX512-BF16 "
                    "(compute_dtype.for_vllm)")
 STEP_SETTINGS = [
-    *_per_step(("regenerate", "prepare", "extract", "vocab", "choose", "eval"), "out", "text", None,
+    *_per_step(("regenerate", "prepare", "extract", "vocab"), "out", "text", None,
+               "write here instead of the step's folder under output_dir", nonempty=True,
+               alone="the steps after {step} in `run all` read its output under output_dir, not {value}; set "
+                     "output_dir instead, or run {step} alone"),
+    *_per_step(("choose", "eval"), "out", "text", None,
                "write here instead of the step's folder under output_dir", nonempty=True),
     *_per_step(("regenerate", "extract"), "rank", "int", 0, "this worker's shard", minimum=0,
                internal=True),
@@ -237,7 +244,9 @@ STEP_SETTINGS = [
     _step("train", "resume", "switch", False, "continue from the latest checkpoint"),
     _step("train", "parallel", "choice", "auto", "under torchrun: ddp or fsdp", choices=("auto", "ddp", "fsdp")),
     _step("train", "max_steps", "int", None, "cap the total number of optimizer steps", positive=True),
-    _step("train", "stop_at_step", "int", None, "checkpoint and exit after this step", positive=True),
+    _step("train", "stop_at_step", "int", None, "checkpoint and exit after this step", positive=True,
+          alone="train would stop before its export and the steps after it in `run all` would serve an earlier "
+                "one; run `run train` with it, then `run all` with steps.train.resume=true"),
     _step("train", "seed", "int", 0, "initialisation and shuffling seed"),
     _step("train", "log_every", "int", 10, "log every N steps", positive=True),
     _step("train", "save_every", "int", 500, "checkpoint every N steps (and at the end)", positive=True),
@@ -718,8 +727,9 @@ def markdown_table() -> str:
         name = s.name if s.pipeline else f"steps.{next(iter(s.reads))}.{s.name}"
         reads = ", ".join(_shown_reader(s, st) for st in s.reads)
         name = f"`{name}`" + (" (set by kimi-eagle, not a setting)" if s.internal else "")
+        doc = s.doc + ("; its step alone, refused in `run all`" if s.alone else "")
         rows.append(f"| {name} | {s.kind} | {_shown_default(s)} | {_shown_range(s)} | {reads or 'controller'} "
-                    f"| {s.doc.replace('|', '/')} |")
+                    f"| {doc.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 
 

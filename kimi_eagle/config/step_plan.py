@@ -78,23 +78,17 @@ def chain(pipeline) -> list[str]:
 
 # The steps whose output a later step of `run all` reads from its place under output_dir (prepare the regenerated
 # conversations, extract and train the prepared data, train the hidden states and the vocabulary).
-READ_LATER = ("regenerate", "prepare", "extract", "vocab")
-
-
 def refuse_broken_links(names: list[str], pipeline) -> None:
-    """One line (exit 2) for a `run all` whose later steps would read another run's outputs, or none: a step written
-    elsewhere (`steps.<step>.out`) while the next ones read its usual folder, or a train stopped before its export
-    (`stop_at_step`) while choose, eval or the smoke test then serve whatever export an earlier run left."""
+    """One line (exit 2) for a `run all` whose later steps would read another run's outputs, or none: a setting
+    declared for its step alone (settings.Setting.alone: `steps.<step>.out` while the next steps read its usual
+    folder; a train's `stop_at_step` while choose, eval or the smoke test serve whatever export an earlier run
+    left)."""
     resolved = pipeline.model_dump()
     for name in names:
         section = settings.step_section(name, resolved)
-        if name in READ_LATER and section.get("out"):
-            raise ConfigError(f"steps.{name}.out: the steps after {name} in `run all` read its output under "
-                              f"output_dir, not {section['out']}; set output_dir instead, or run {name} alone")
-        if name == "train" and section.get("stop_at_step"):
-            raise ConfigError("steps.train.stop_at_step: train would stop before its export and the steps after it "
-                              "in `run all` would serve an earlier one; run `run train` with it, then `run all` "
-                              "with steps.train.resume=true")
+        for key, s in settings.BY_STEP[name].items():
+            if s.alone and section.get(key):
+                raise ConfigError(f"steps.{name}.{key}: " + s.alone.format(step=name, value=section[key]))
 
 
 def step_names(step: str, pipeline) -> list[str]:

@@ -68,16 +68,15 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-MAX_GRACE_S = 3600.0  # ops/jobs.py's bound: a stop waits at most an hour between SIGTERM and SIGKILL
-
-
-MAX_WAIT_S = 3600.0  # gpu-reset --timeout: an hour for processes to go and memory to free is already generous
+# --grace (ops/jobs.py's bound too) and gpu-reset --timeout: an hour between SIGTERM and SIGKILL, or for processes to go
+# and memory to free, is already generous; a longer wait is a typo, not a plan.
+MAX_WAIT_S = 3600.0
 
 
 def check_grace(grace: float) -> float:
     """`stop --grace`, `gpu-reset --grace`: finite seconds from 0 to an hour, else a ConfigError (nan, inf, 1e308
     would never end)."""
-    return check_seconds("--grace", grace, "seconds between SIGTERM and SIGKILL", MAX_GRACE_S)
+    return check_seconds("--grace", grace, "seconds between SIGTERM and SIGKILL", MAX_WAIT_S)
 
 
 def check_seconds(flag: str, value: float, what: str, maximum: float) -> float:

@@ -86,13 +86,6 @@ def _user(pid: int) -> str | None:
 
 
 
-def _pgid_sid(pid: int) -> tuple[int | None, int | None]:
-    try:
-        return os.getpgid(pid), os.getsid(pid)
-    except OSError:
-        return None, None
-
-
 def _protected_pids() -> set[int]:
     """Never signal ourselves, our ancestors (the SSH session running us) or init."""
     pids = {1, os.getpid()}
@@ -367,7 +360,7 @@ def gather_holders(snap0, by_fuser: dict, job_pgids, runs_dir) -> tuple[list[dic
             continue
         h["state"], h["_start"] = st.state, st.start_ticks
         h["user"], h["cmd"] = _user(pid), _cmdline(pid)
-        h["pgid"], h["sid"] = _pgid_sid(pid)
+        h["pgid"], h["sid"] = st.pgid, st.sid
         h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
         h["job_running"] = job_running(h["job_run_dir"])
         holders.append(h)

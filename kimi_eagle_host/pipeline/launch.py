@@ -35,7 +35,7 @@ import math
 import os
 import sys
 
-from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers, pick_gpus, query_gpus
+from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers, pick_gpus, query_gpus, visible_names
 from kimi_eagle_host.model_size import model_weight_bytes
 
 HEADROOM = 1.25  # weights * this must fit one replica's GPUs (activations, CUDA context, allocator slack)
@@ -130,13 +130,8 @@ def narrow_gpus(a, gpus: list[int], env) -> tuple[list[int], dict]:
     names, never numbers counted from the machine's first GPU); all of them, env untouched, without either flag."""
     if a.gpus is None and not a.gpu_offset:
         return gpus, {}
-    if (a.gpus or 0) < 0 or a.gpu_offset < 0:
-        raise LaunchError(f"--gpus and --gpu-offset count from 0, got {a.gpus} and {a.gpu_offset}")
-    names = cuda_visible_names(env)
-    if names is None:   # nvidia-smi's GPUs, by number from 0: what CUDA_VISIBLE_DEVICES would name them by
-        names = [str(i) for i in range(len(gpus))]
     try:
-        picked = pick_gpus(names, a.gpus, a.gpu_offset)
+        picked = pick_gpus(visible_names(env, driver_count=len(gpus)), a.gpus, a.gpu_offset)
     except ValueError as e:
         given = f"--gpus {a.gpus}" if a.gpus is not None else ""
         given += f" --gpu-offset {a.gpu_offset}" if a.gpu_offset else " (the inventory's gpus:)"
