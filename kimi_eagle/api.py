@@ -260,7 +260,7 @@ class Controller:
                 mine = extra + ["--only-pids", ",".join(map(str, only_pids.get(session.name, []))) or "0"]
             return gpu_reset.reset(session, extra=mine, **kw)
 
-        return each_host(self.inventory.select(host, group), one)
+        return each_host(self.inventory.select(host, group), one, read_only=dry_run)
 
     # -------------------------------------------------------------------------------------------- jobs
     def job_host(self, job_id: str, host: str | None = None):
@@ -469,7 +469,7 @@ class Controller:
         from .operations import clean, runs
 
         h = self._run_host(job_id, host)
-        with HostSession(h) as session:
+        with HostSession(h, read_only=dry_run) as session:
             return clean.clean(session, runs.locate(session, job_id, run_dir), dry_run=dry_run, confirm=confirm)
 
     def export(self, host: str, step: str, session=None, job_id: str | None = None):

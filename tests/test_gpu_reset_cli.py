@@ -148,3 +148,42 @@ def test_the_api_bounds_gpu_reset_as_the_cli_does(tmp_path, sshd, kw):
     with pytest.raises(ConfigError, match=r"^--(grace|timeout) (inf|nan|-1\.0): .*from 0 to 3600$"):
         Controller(str(e.inventory)).gpu_reset("gpu", **kw)
     assert not e.workdir.exists()
+
+
+def tree(root: Path) -> dict:
+    """Every path under root with its size, mode and modification time: what a write would change."""
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mode, p.lstat().st_mtime_ns)
+            for p in root.rglob("*")} if root.exists() else {}
+
+
+def test_a_dry_run_writes_nothing_on_the_host(tmp_path, sshd):
+    """gpu-reset --dry-run on a host kimi-eagle never used lists the holders and leaves no workdir behind (it uploaded
+    the host package there); on a used host whose payload set is older, it leaves every file as it was and still
+    tells our stale holder from a foreign one. The host's Python cannot import the package from anywhere else."""
+    dev = tmp_path / "nvidia0"
+    dev.write_bytes(b"")
+    e = make_env(tmp_path, sshd, host_env={"KIMI_EAGLE_GPU_DEVICES": str(dev), "PYTHONPATH": str(tmp_path / "none")})
+    e.dev, e.procs = dev, []
+    try:
+        foreign = foreign_holder(e)
+        wait_held(e, 1)
+        dry = e.cli("--json", "gpu-reset", "--host", "gpu", "--all", "--dry-run")
+        assert dry.code == 0, dry.stderr
+        (held,) = dry.json()[0]["holders"]
+        assert held["pid"] == foreign and held["planned"] == "stop" and alive(foreign)
+        assert not e.workdir.exists()
+
+        our_stale_holder(e)
+        (ours,) = holding(dev) - {foreign}
+        (e.workdir / ".kimi-eagle" / "payloads" / "MANIFEST").write_text("an older set\n")
+        before = tree(e.workdir)
+        dry = e.cli("--json", "gpu-reset", "--host", "gpu", "--dry-run")
+        assert dry.code == 0, dry.stderr
+        owners = {h["pid"]: (h["owner"], h["planned"]) for h in dry.json()[0]["holders"]}
+        assert owners == {ours: ("ours", "stop"), foreign: ("foreign", "keep")}, owners
+        assert tree(e.workdir) == before and alive(ours) and alive(foreign)
+    finally:
+        for p in e.procs:
+            p.kill()
+        for pid in holding(dev):
+            subprocess.run(["kill", "-9", str(pid)])

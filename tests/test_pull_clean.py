@@ -369,3 +369,16 @@ def test_pull_refuses_a_file_name_from_the_host_outside_its_destination(tmp_path
     with pytest.raises(CommandError, match="outside the destination"):
         sync.fetch(transport, files, dest)
     assert not dest.exists() and not (tmp_path / "here" / "escaped").exists()
+
+
+def test_clean_dry_run_writes_nothing_on_a_host_with_an_older_payload_set(tmp_path, sshd):
+    """clean --dry-run measures through the host package; where the host's set is older it used to upload the new
+    one (and status's scripts) first. Now every file under the workdir stays as it was."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, out = _a_finished_run(e)
+    (e.workdir / ".kimi-eagle" / "payloads" / "MANIFEST").write_text("an older set\n")
+    before = {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in e.workdir.rglob("*")}
+    dry = e.cli("clean", job, "--dry-run")
+    assert dry.code == 0, dry.stderr
+    assert "3.1 MiB would be freed; nothing was removed" in dry.stdout, dry.stdout
+    assert {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in e.workdir.rglob("*")} == before

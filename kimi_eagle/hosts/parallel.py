@@ -27,12 +27,13 @@ def failure_exit(outcomes) -> int:
     return by_errors(o.error for o in outcomes)
 
 
-def each_host(hosts, fn: Callable, max_workers: int = 16) -> list[HostOutcome]:
-    """fn(session) for every host, each over its own connection, closed afterwards."""
+def each_host(hosts, fn: Callable, max_workers: int = 16, *, read_only: bool = False) -> list[HostOutcome]:
+    """fn(session) for every host, each over its own connection, closed afterwards (`read_only`: a dry run's
+    sessions, which never write to the host)."""
     from .session import HostSession
 
     def one(host):
-        session = HostSession(host)
+        session = HostSession(host, read_only=read_only)
         try:
             return HostOutcome(host.name, fn(session))
         except KimiEagleError as e:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .. import templating
 from ..errors import CommandError, ConfigError
 from ..resources import HOST_PACKAGE, payload_files, payloads_dir
-from . import sync
+from . import stdin_payload, sync
 from .transport import open_transport
 
 STATE = ".kimi-eagle"
@@ -53,9 +53,13 @@ def expand(value):
 
 
 class HostSession:
-    def __init__(self, host, transport=None):
+    """`read_only`: a dry run's session; it never uploads (deploy_payloads and upload_scripts refuse), and a payload
+    the host lacks runs from the call's stdin instead (stdin_payload.py)."""
+
+    def __init__(self, host, transport=None, *, read_only: bool = False):
         self.host = host
         self.transport = transport or open_transport(host)
+        self.read_only = read_only
         self._deployed = None
         self._deployed_digest = None
 
@@ -79,6 +83,7 @@ class HostSession:
     # -- payloads ---------------------------------------------------------
     def deploy_payloads(self) -> sync.SyncReport:
         """Upload what changed in the kimi_eagle_host package, then record the set's digest in MANIFEST."""
+        self._refuse_writes("upload the host package")
         if self._deployed is None:
             items = _payload_items()
             report = sync.sync(self.transport, self.path(PAYLOADS), items)
@@ -105,10 +110,22 @@ class HostSession:
             if res.exited != 222:
                 self._deployed, self._deployed_digest = sync.SyncReport(self.name, self.path(PAYLOADS)), digest
                 return res
+            if self.read_only:
+                return self._call_from_stdin(module, args, timeout)
             self.deploy_payloads()
         # The digest of the set deployed, not one read before it: a checkout edited in between (a developer saving a
         # file while a command runs) would otherwise fail this call with a bare exit 222.
         return self.transport.run(command(self._deployed_digest), timeout=timeout)
+
+    def _call_from_stdin(self, module: str, args: list[str], timeout: float | None):
+        return self.transport.run(stdin_payload.command(workdir=self.host.workdir, python=self.host.python,
+                                                        env=self.host.env, payloads=PAYLOADS, module=module,
+                                                        args=[str(a) for a in args]),
+                                  stdin=stdin_payload.package_zip(), timeout=timeout)
+
+    def _refuse_writes(self, what: str) -> None:
+        if self.read_only:   # a bug of ours, never the user's input: a dry run must not write to the host
+            raise RuntimeError(f"{self.name}: a read-only session (a dry run) was asked to {what}")
 
     def payload_wrapper(self, name: str, module: str) -> tuple[str, str]:
         """The wrapper that runs payload `module` with the host's env and Python: (path under the workdir, text).
@@ -129,15 +146,20 @@ class HostSession:
         return {rel: text, f"{BIN}/{name}.sh": call}
 
     def upload_scripts(self, files: dict[str, str]) -> sync.SyncReport:
+        self._refuse_writes("upload scripts")
         items = [sync.Item(remote=rel, data=text.encode(), mode=0o755) for rel, text in files.items()]
         return sync.sync(self.transport, self.path(""), items)
 
     def run_payload(self, name: str, module: str, args: list[str], *, timeout: float | None = None) -> PayloadResult:
-        """Deploy, upload the rendered wrapper, run it once, parse the JSON it prints."""
-        self.deploy_payloads()
-        rel, text = self.payload_wrapper(name, module)
-        self.upload_scripts({rel: text})
-        res = self.transport.run(f"bash {templating.sh_join([self.path(rel), *args])}", timeout=timeout)
+        """Deploy, upload the rendered wrapper, run it once, parse the JSON it prints. Read-only: the module runs
+        from the deployed set where the host has it, else from stdin; nothing is uploaded."""
+        if self.read_only:
+            res = self._call_from_stdin(module, args, timeout)
+        else:
+            self.deploy_payloads()
+            rel, text = self.payload_wrapper(name, module)
+            self.upload_scripts({rel: text})
+            res = self.transport.run(f"bash {templating.sh_join([self.path(rel), *args])}", timeout=timeout)
         data = _parse_json(res.stdout)
         if data is None:
             if res.exited == 2:

@@ -60,7 +60,8 @@ def check_device_paths(paths: list[str]) -> None:
 
 def reset_args(session: HostSession, *, stop_all=False, dry_run=False, grace=10.0, timeout=60.0,
                require_gpu=False, stale_only=False, extra=None) -> list[str]:
-    args = ["--runs-dir", RUNS, "--grace", str(grace), "--timeout", str(timeout)]
+    # The runs folder by its full path: a dry run on a host without the workdir runs in / (hosts/stdin_payload.py).
+    args = ["--runs-dir", session.path(RUNS), "--grace", str(grace), "--timeout", str(timeout)]
     if stale_only:
         args.append("--stale-only")
     if stop_all:

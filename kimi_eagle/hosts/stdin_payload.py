@@ -1,0 +1,65 @@
+"""Run a host module without writing to the host: what a dry run does where the host lacks this payload set.
+
+A normal call uploads the kimi_eagle_host package to <workdir>/.kimi-eagle/payloads/ first (session.py). A dry run
+promises not to act, so it must not create that folder (or the workdir) either: the package's Python files travel
+on the call's stdin as a zip, and a short bootstrap given to `python -c` imports them from memory. The modules see
+the paths they would have had when deployed (`__file__` under <workdir>/.kimi-eagle/payloads/), so what they derive
+from their own place (the runs folder) is the same either way; none of them reads a file of the package.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from functools import cache
+
+from .. import templating
+from ..resources import HOST_PACKAGE, payload_files, payloads_dir
+
+# Runs on the host's Python (3.8+ and stdlib only, like the ops payloads): argv = [module, args...], stdin = the zip.
+BOOT = '''\
+import importlib.abc, importlib.util, io, os, runpy, sys, zipfile
+ZIP = zipfile.ZipFile(io.BytesIO(sys.stdin.buffer.read()))
+ROOT = os.path.join(os.getcwd(), sys.argv[1])
+class InMemory(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    names = set(ZIP.namelist())
+    def find_spec(self, name, path=None, target=None):
+        base = name.replace(".", "/")
+        for rel, package in ((base + "/__init__.py", True), (base + ".py", False)):
+            if rel in self.names:
+                spec = importlib.util.spec_from_loader(name, self, origin=os.path.join(ROOT, rel), is_package=package)
+                spec.has_location = True
+                if package:
+                    spec.submodule_search_locations = [os.path.join(ROOT, base)]
+                return spec
+        return None
+    def create_module(self, spec):
+        return None
+    def get_code(self, name):
+        return compile(ZIP.read(self.find_spec(name).origin[len(ROOT) + 1:]), self.find_spec(name).origin, "exec")
+    def exec_module(self, module):
+        exec(self.get_code(module.__name__), module.__dict__)
+sys.meta_path.insert(0, InMemory())
+sys.stdin.close()
+module, sys.argv = sys.argv[2], sys.argv[2:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+'''
+
+
+@cache
+def package_zip() -> bytes:
+    """The host package's Python files, zipped under their paths below the payloads folder (kimi_eagle_host/...)."""
+    root = payloads_dir()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for path in payload_files():
+            if path.suffix == ".py":
+                z.write(path, path.relative_to(root).as_posix())
+    return buf.getvalue()
+
+
+def command(*, workdir: str, python: str, env: dict, payloads: str, module: str, args: list[str]) -> str:
+    """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from the zip on its stdin. Run in the
+    workdir, or in / when there is none yet (nothing of ours can be there to read)."""
+    return templating.render("payload_stdin.sh.j2", env=env, workdir=workdir, python=python, boot=BOOT,
+                             payloads=payloads, argv=[f"{HOST_PACKAGE}.{module}", *args])
