@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 from test_gpu_reset_cli import HOLDER, PY, alive, foreign_holder, gpu_env, holding, our_stale_holder, wait_held  # noqa: F401
 from test_jobs import wait_state
@@ -100,3 +103,53 @@ def test_concurrent_gpu_resets_each_run_their_own_flags(gpu_env):
         assert dry["mode"] == "dry-run" and real["mode"] == "ours", (dry["mode"], real["mode"])
         assert alive(foreign)  # neither was asked to stop a foreign process
         os.kill(foreign, signal.SIGKILL)
+
+
+STRANGER = """
+import os, sys, time
+if sys.argv[2] == "own-group":
+    os.setpgid(0, 0)  # `nohup cmd &` from a login shell: a group of its own, in the shell's session
+f = open(sys.argv[1], "rb")
+time.sleep(600)
+"""
+
+
+def test_a_strangers_group_that_got_a_dead_jobs_number_is_never_the_jobs(gpu_env):
+    """A GPU job killed whole (no exit code). The kernel gives its number to a login shell that starts two GPU
+    programs of someone else's and exits: one stays in the shell's group, one leads its own group in the shell's
+    session. The job is lost and holds no lock; `stop`, gpu-reset and `run --reset-gpus` leave the strangers be."""
+    job = gpu_env.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "sleep", "60").json()
+    run_dir = Path(job["run_dir"])
+    assert wait_state(gpu_env, job["id"], {"running"})["state"] == "running"
+    os.killpg(job["pgid"], signal.SIGKILL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_EAGLE_")}
+    script = gpu_env.root / "stranger.py"
+    script.write_text(STRANGER)
+    shell = subprocess.Popen(["bash", "-c", f"{PY} {script} {gpu_env.dev} same-group >/dev/null & a=$!; "
+                              f"{PY} {script} {gpu_env.dev} own-group >/dev/null & echo $a $!"],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True, env=env)
+    strangers = [int(p) for p in shell.stdout.read().split()]
+    shell.wait()  # the login shell is gone; its number lives on as its children's group and session
+    try:
+        wait_held(gpu_env, 2)
+        number = shell.pid
+        meta = json.loads((run_dir / "meta.json").read_text())
+        meta["pgid"] = number  # the records as they read once the kernel gave the job's number to that shell
+        (run_dir / "meta.json").write_text(json.dumps(meta))
+        for name in ("pid", "pgid"):
+            (run_dir / name).write_text(f"{number}\n")
+        assert [os.getpgid(p) for p in strangers] == [number, strangers[1]]
+        assert [os.getsid(p) for p in strangers] == [number, number]
+        got = gpu_env.cli("--json", "status", "--host", "gpu").json()
+        assert [j["state"] for j in got["jobs"] if j["id"] == job["id"]] == ["lost"], got
+        r = gpu_env.cli("--json", "stop", job["id"], "--host", "gpu", "--grace", "1")
+        assert r.code == 0 and not r.json()["stopped"], r.stdout
+        r = gpu_env.cli("gpu-reset", "--host", "gpu", "--grace", "1")
+        assert r.code == 0, r.stdout + r.stderr
+        r = gpu_env.cli("run", "exec", "--host", "gpu", "--reset-gpus", "--gpu", "--", "true")
+        assert r.code == 0, r.stdout + r.stderr  # not held by the lost job
+        time.sleep(0.5)
+        assert all(alive(p) for p in strangers), r.stdout
+    finally:
+        for p in strangers:
+            os.kill(p, signal.SIGKILL)

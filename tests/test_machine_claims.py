@@ -83,6 +83,66 @@ def test_clean_from_another_entry_refuses_the_folder_a_running_job_writes(tmp_pa
     assert r.code == 0 and not (out / "hidden_states").exists(), r.stderr
 
 
+# ops.jobs as another machine runs it: its own boot id (the registry is keyed by it), the same home folder
+ON_ANOTHER_MACHINE = """
+import sys
+from kimi_eagle_host import procfs
+from kimi_eagle_host.ops import jobs
+procfs.boot_id = jobs.boot_id = lambda: "boot-id-of-another-machine"
+sys.exit(jobs.main(sys.argv[1:]))
+"""
+
+
+def test_a_gpu_start_on_another_machine_sharing_the_home_leaves_this_machines_claims_alone(tmp_path, sshd):
+    """Two GPU nodes with one NFS home: a GPU start on the other node neither waits for this node's GPU job nor
+    removes its claim, so this node's GPUs stay held for the other workdir's GPU start."""
+    env = two_entries(tmp_path, sshd)
+    first = start(env, "gpu", "sleep", "60", gpu=True)
+    try:
+        work_b = tmp_path / "node-b"
+        (work_b / "runs" / "job-b").mkdir(parents=True)
+        (work_b / "runs" / "job-b" / "job.sh").write_text("true\n")
+        r = subprocess.run([PY, "-c", ON_ANOTHER_MACHINE, "--runs-dir", str(work_b / "runs"), "start", "--job-id",
+                            "job-b", "--step", "exec", "--host", "b", "--workdir", str(work_b), "--gpu"],
+                           env={**os.environ, "KIMI_EAGLE_MACHINE_DIR": str(sshd.root / "machine"),
+                                "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)["started"], (r.stdout, r.stderr)  # that node's GPUs
+        r = env.cli("run", "exec", "--host", "gpu2", "--detach", "--gpu", "--", "true")
+        assert r.code == 1 and f"GPU job {first['id']} (exec" in r.stderr, (r.code, r.stderr)
+    finally:
+        assert env.cli("stop", first["id"], "--host", "gpu", "--grace", "1").code == 0
+
+
+def test_claims_left_by_an_older_version_count_for_this_machine_only(tmp_path):
+    """Before the per-machine folders every machine sharing the home wrote claims/ directly under the registry: a
+    GPU job an older version started during this boot still holds the GPUs, and another machine's claim there is
+    neither counted nor removed."""
+    from conftest import host_cmd
+    from kimi_eagle_host import procfs
+    from kimi_eagle_host.ops.jobs import start_ticks
+
+    machine, runs = tmp_path / "machine", tmp_path / "work" / "runs"
+    (machine / "claims").mkdir(parents=True)
+    (runs / "job-new").mkdir(parents=True)
+    (runs / "job-new" / "job.sh").write_text("true\n")
+    holder = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        for name, boot in (("old-here", procfs.boot_id()), ("old-elsewhere", "boot-id-of-another-machine")):
+            (machine / "claims" / f"{name}.json").write_text(json.dumps({
+                "job_id": name, "step": "train", "gpu": True, "started_at": time.time(), "boot_id": boot,
+                "run_dir": str(tmp_path / name / "runs" / name), "workdir": str(tmp_path / name), "output_dir": None,
+                "pid": holder.pid, "pgid": holder.pid, "start_ticks": start_ticks(holder.pid)}))
+        r = subprocess.run(host_cmd("ops.jobs", "--runs-dir", runs, "start", "--job-id", "job-new", "--step", "exec",
+                                    "--host", "h", "--workdir", tmp_path / "work", "--gpu"),
+                           env={**os.environ, "KIMI_EAGLE_MACHINE_DIR": str(machine), "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 3 and json.loads(r.stdout)["held_by"]["job_id"] == "old-here", (r.stdout, r.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (machine / "claims" / "old-elsewhere.json").is_file()
+
+
 IGNORES_TERM = "trap '' TERM; echo ready; while :; do sleep 0.2; done"
 
 

@@ -245,6 +245,30 @@ def test_no_gpu_fails_vllm_warns_hf(env):
     assert_failed(checks, "gpu", "no GPU visible", "--engine hf")
 
 
+def test_a_gpu_host_whose_driver_does_not_answer_fails_the_gpu_steps_in_one_line(env):
+    """nvidia-smi there but failing (a driver upgraded without a reboot) is a broken GPU host, not a CPU one: the
+    GPU steps fail (train and engine hf would otherwise go on on CPU), each in one line; no nvidia-smi at all stays
+    a warning for hf, and nvidia-smi's own "No devices were found" is a host without GPUs."""
+    broken = env["tmp"] / "broken-smi"
+    broken.write_text("#!/usr/bin/env bash\necho 'Failed to initialize NVML: Driver/library version mismatch'\n"
+                      "echo 'NVML library version: 550.127'\nexit 18\n")
+    broken.chmod(0o755)
+    env["smi"] = broken
+    for step, backend in (("train", "hf"), ("extract", "hf"), ("all", "hf"), ("extract", "vllm")):
+        rc, _, checks = run(env, "--min-free-disk-gib", "0.001", backend=backend, step=step)
+        c = assert_failed(checks, "gpu", "the NVIDIA driver does not answer", "Driver/library version mismatch",
+                          "NVML library version: 550.127", "reboot")
+        assert rc == 1 and "\n" not in c["detail"], (step, backend, c)
+    none = env["tmp"] / "no-devices-smi"
+    none.write_text("#!/usr/bin/env bash\necho 'No devices were found'\nexit 6\n")
+    none.chmod(0o755)
+    for smi in (none, env["tmp"] / "no-nvidia-smi"):
+        env["smi"] = smi
+        for step in ("train", "extract"):
+            _, _, checks = run(env, "--min-free-disk-gib", "0.001", backend="hf", step=step)
+            assert checks["gpu"]["status"] == "warn" and "no GPU visible" in checks["gpu"]["detail"], checks["gpu"]
+
+
 def test_gpu_too_small_for_model(env, tmp_path):
     idx = {"metadata": {"total_size": 600 * (1 << 30)}, "weight_map": {}}
     model = tmp_path / "big"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, make_env
+from conftest import REPO, make_env, one_line_usage_error
 
 PY = sys.executable
 PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n"
@@ -147,6 +147,113 @@ def test_clean_shows_the_bytes_asks_and_removes_only_the_bulky_parts(tmp_path, s
     assert (out / "draft" / "export" / "model.safetensors").is_file() and (out / "eval" / "report.json").is_file()
     assert not [p for p in out.rglob("*") if ".removing-" in p.name]
     assert "nothing to remove" in e.cli("clean", job, "--yes").stdout
+
+
+def test_clean_of_a_linked_hidden_states_frees_the_space_where_it_points_and_keeps_the_link(tmp_path, sshd):
+    """hidden_states on a big disk (a link): the space is freed there, the link stays (the next extract writes
+    where the user chose), and a link an earlier version renamed aside (it failed on links) is found again."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, out = _a_finished_run(e)
+    big = tmp_path / "bigdisk" / "hs"
+    big.parent.mkdir()
+    (out / "hidden_states").rename(big)
+    (out / "hidden_states").symlink_to(big)
+    dry = e.cli("clean", job, "--dry-run")
+    assert dry.code == 0 and f"hidden_states (at {big}): 2.9 MiB in 3 files" in dry.stdout, (dry.stdout, dry.stderr)
+    done = e.cli("clean", job, "--yes")
+    assert done.code == 0 and "removed hidden_states, draft/checkpoints" in done.stdout, (done.stdout, done.stderr)
+    assert "3.1 MiB freed" in done.stdout
+    assert (out / "hidden_states").is_symlink() and big.is_dir() and not list(big.iterdir())
+    assert not [p for p in [*out.rglob("*"), *big.parent.rglob("*")] if ".removing-" in p.name]
+    assert "nothing to remove" in e.cli("clean", job, "--yes").stdout
+    # What an earlier version left: the link renamed aside, the data behind it never freed.
+    (big / "hs_0.safetensors").write_bytes(b"\2" * 1_000_000)
+    (out / "hidden_states").rename(out / ".hidden_states.removing-0cb9afd791c9")
+    done = e.cli("clean", job, "--yes")
+    assert done.code == 0 and "removed hidden_states" in done.stdout, (done.stdout, done.stderr)
+    assert (out / "hidden_states").is_symlink() and not list(big.iterdir())
+    # A link to a folder that holds far more than hidden states (here the workdir, the run's folder in it): refused.
+    (out / "hidden_states").unlink()
+    (out / "hidden_states").symlink_to(e.workdir)
+    line = one_line_usage_error(e.cli("clean", job, "--yes"))
+    assert f"leads to {e.workdir}, which holds the run's folder" in line and "nothing was removed" in line, line
+    assert (out / "draft" / "export" / "model.safetensors").is_file()
+
+
+def test_a_clean_that_cannot_delete_everything_says_what_is_left_and_the_next_clean_finishes(tmp_path, sshd):
+    """A folder that cannot go yet (a mount point inside the hidden states: busy) is named, the rest goes, and
+    once the cause is gone the next clean (its dry run first) sees what was left aside and removes it."""
+    import subprocess
+
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    job, out = _a_finished_run(e)
+    stuck = out / "hidden_states" / "mounted"
+    stuck.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "none", str(stuck)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (stuck / "f").write_bytes(b"\3" * 1000)
+        r = e.cli("clean", job, "--yes")
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.code == 1 and len(lines) == 1 and "Traceback" not in r.stderr, (r.code, r.stdout, r.stderr)
+        assert "could not remove all of hidden_states" in lines[0] and "removed draft/checkpoints" in lines[0]
+        assert f"{out}/.hidden_states.removing-" in lines[0] and "clean again" in lines[0], lines[0]
+        assert not (out / "draft" / "checkpoints").exists()
+    finally:
+        for aside in out.glob(".hidden_states.removing-*/mounted"):
+            subprocess.run(["umount", "-l", str(aside)], check=False)
+    dry = e.cli("clean", job, "--dry-run")
+    assert dry.code == 0 and "would remove" in dry.stdout and "hidden_states" in dry.stdout, (dry.stdout, dry.stderr)
+    done = e.cli("clean", job, "--yes")
+    assert done.code == 0 and "removed hidden_states" in done.stdout, (done.stdout, done.stderr)
+    assert not [p for p in out.rglob("*") if ".removing-" in p.name]
+
+
+def test_a_job_start_on_the_machine_does_not_wait_while_a_clean_deletes(tmp_path, monkeypatch):
+    """clean renames the folders aside under the machine's lock and deletes them after: a job start of another
+    workdir returns while the deletion goes on (held still here with SIGSTOP, mid-deletion)."""
+    import fcntl
+    import signal
+    import subprocess
+
+    from conftest import STEP_ENV, host_cmd
+    from kimi_eagle_host.ops import machine_claims
+
+    env = {**STEP_ENV, "KIMI_EAGLE_MACHINE_DIR": str(tmp_path / "machine")}
+    out = tmp_path / "out"
+    for d in range(20):
+        (out / "hidden_states" / f"d{d}").mkdir(parents=True)
+        for f in range(250):
+            (out / "hidden_states" / f"d{d}" / f"hs_{f}").touch()
+    (tmp_path / "work2" / "runs" / "job-2").mkdir(parents=True)
+    (tmp_path / "work2" / "runs" / "job-2" / "job.sh").write_text("true\n")
+    monkeypatch.setenv("KIMI_EAGLE_MACHINE_DIR", env["KIMI_EAGLE_MACHINE_DIR"])
+    lock_path = os.path.join(machine_claims.machine_dir(), ".lock")
+    clean = subprocess.Popen(host_cmd("ops.clean", "--runs-dir", tmp_path / "runs", "--root", out, "hidden_states"),
+                             env=env, stdout=subprocess.PIPE, text=True)
+    deleting = False
+    try:
+        while clean.poll() is None and not deleting:
+            if list(out.glob(".hidden_states.removing-*")):
+                clean.send_signal(signal.SIGSTOP)
+                with open(lock_path, "a+") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        deleting = bool(list(out.glob(".hidden_states.removing-*")))
+                    except BlockingIOError:
+                        pass  # still renaming, under the lock
+                if not deleting:
+                    clean.send_signal(signal.SIGCONT)
+            time.sleep(0.002)
+        assert deleting, "the machine's lock was held for as long as the folder was there"
+        r = subprocess.run(host_cmd("ops.jobs", "--runs-dir", tmp_path / "work2" / "runs", "start", "--job-id",
+                                    "job-2", "--step", "exec", "--host", "h", "--workdir", tmp_path / "work2", "--gpu"),
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)["started"], (r.stdout, r.stderr)
+    finally:
+        clean.send_signal(signal.SIGCONT)
+        doc = json.loads(clean.communicate(timeout=120)[0])
+    assert doc["removed"] == ["hidden_states"] and not list(out.iterdir()), doc
 
 
 def test_clean_refuses_while_a_job_using_the_folder_runs(tmp_path, sshd):
@@ -286,8 +393,6 @@ def small_mount(tmp_path):
 
 
 def test_pull_to_a_place_it_cannot_write_is_one_line_naming_the_path(tmp_path, sshd, small_mount):
-    from conftest import one_line_usage_error
-
     e = make_env(tmp_path, sshd, extra=PIPELINE)
     job, _ = _a_finished_run(e)
     a_file = tmp_path / "a-file"

@@ -62,7 +62,7 @@ def clean(
 
     def ask(result) -> bool:
         for b in result.found:
-            ui.line(f"[{h.name}] {result.run.path}/{b.rel}: {runs.human(b.bytes)} in {b.files} files")
+            ui.line(f"[{h.name}] {result.run.path}/{b.rel}{_where(b)}: {runs.human(b.bytes)} in {b.files} files")
         if yes:
             return True
         if not sys.stdin.isatty():
@@ -80,7 +80,7 @@ def clean(
         ui.line(f"[{h.name}] {run.path}: no hidden states or checkpoints; nothing to remove")
     elif dry_run:
         for b in result.found:
-            ui.line(f"[{h.name}] would remove {run.path}/{b.rel}: {runs.human(b.bytes)} in {b.files} files")
+            ui.line(f"[{h.name}] would remove {run.path}/{b.rel}{_where(b)}: {runs.human(b.bytes)} in {b.files} files")
         ui.line(f"[{h.name}] --dry-run: {runs.human(result.bytes)} would be freed; nothing was removed")
     elif result.removed or result.gone_before:
         if result.removed:
@@ -91,6 +91,11 @@ def clean(
     else:
         ui.line(f"[{h.name}] nothing was removed")
         raise typer.Exit(EXIT_FAILED)
+
+
+def _where(b) -> str:
+    """Where a link leads: the folder whose space clean frees (a link itself stays, to an empty folder)."""
+    return f" (at {b.at})" if b.at else ""
 
 
 def _job_or_run(command: str, job_id: Optional[str], run_dir: Optional[str]) -> None:

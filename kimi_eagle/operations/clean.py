@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..errors import CommandError, ConnectionFailed
+from ..errors import CommandError, ConfigError, ConnectionFailed
 from ..hosts.session import RUNS, HostSession
 from ..shell import join
 from .runs import RunDir, host_python
@@ -20,6 +20,7 @@ class Bulky:
     rel: str
     bytes: int
     files: int
+    at: str | None = None  # the real folder, where a link leads elsewhere (the one emptied; the link stays)
 
 
 @dataclass
@@ -52,10 +53,13 @@ def _clean_on_host(session: HostSession, args: list[str]) -> dict:
         raise ConnectionFailed(f"{session.name}: connection lost while measuring or removing the run's folders",
                                result=res)
     try:
-        return json.loads(res.stdout.strip().splitlines()[-1])
+        data = json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         raise CommandError(f"{session.name}: ops.clean failed (exit {res.exited}): {res.stderr.strip()[-300:]}",
                            result=res) from None
+    if data.get("error"):  # exit 2: a folder clean must not touch (a link to the home folder); nothing was done
+        raise (ConfigError if res.exited == 2 else CommandError)(f"{session.name}: {data['error']}", result=res)
+    return data
 
 
 def users(session: HostSession, run: RunDir, listed: list | None = None) -> list:
@@ -95,10 +99,16 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
     if data.get("busy"):
         b = data["busy"][0]
         raise _busy(session, run, b["id"], b.get("step"), b["state"], b.get("workdir") if b.get("other_workdir") else None)
-    if not data.get("ok"):
-        raise CommandError(f"{session.name}: ops.clean: {data.get('error') or data}")
     result.removed = data["removed"]
     result.gone_before = [b.rel for b in result.found if b.rel not in {f[0] for f in data["found"]}]
+    if data.get("left"):
+        rel, path, why = data["left"][0]
+        more = f" (and {len(data['left']) - 1} more)" if len(data["left"]) > 1 else ""
+        done = f"; removed {', '.join(result.removed)}" if result.removed else ""
+        raise CommandError(f"{session.name}: could not remove all of {rel}: {path} is left ({why}){more}{done}. "
+                           "Run clean again to finish it once the cause is fixed, or remove it by hand", result=result)
+    if not data.get("ok"):
+        raise CommandError(f"{session.name}: ops.clean: {data}")
     return result
 
 

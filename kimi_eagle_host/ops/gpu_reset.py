@@ -6,7 +6,8 @@ One call does the whole reset:
 1. gather the GPU holders from ``fuser`` on the NVIDIA device files and from
    ``nvidia-smi --query-compute-apps`` (either may see processes the other cannot);
 2. classify each holder as ``ours`` (in the process group / session of a kimi-eagle job
-   recorded under ``<runs-dir>/*/pgid``, or carrying ``KIMI_EAGLE_JOB_ID`` in its
+   recorded under ``<runs-dir>/*/pgid``: led by the job's shell, or, once that shell is gone,
+   with the job's id in its environment; or carrying ``KIMI_EAGLE_JOB_ID`` in its
    environment with a ``KIMI_EAGLE_RUN_DIR`` under this runs dir), ``other-workdir`` (a
    kimi-eagle job of another workdir on the same machine: its environment names that run
    dir), ``foreign`` or ``invisible`` (listed by nvidia-smi, absent from our PID namespace).
@@ -43,7 +44,7 @@ from kimi_eagle_host import procfs
 from kimi_eagle_host.gpus import find_nvidia_smi
 from kimi_eagle_host.step_runtime import atomic_write, host_runs_dir
 from kimi_eagle_host.step_runtime import log as _log
-from kimi_eagle_host.ops.jobs import JOB_ID, env_job, job_state, own_group, same_dir
+from kimi_eagle_host.ops.jobs import JOB_ID, env_job, in_job_group, job_state, own_group, same_dir
 
 DEFAULT_DEVICE_GLOB = "/dev/nvidia*"
 # A CUDA context costs a few hundred MiB; driver bookkeeping on an idle GPU a few MiB.
@@ -267,7 +268,8 @@ def job_running(run_dir: str | None) -> bool:
 def classify(pid: int, pgid: int | None, sid: int | None, job_pgids: dict[int, str], runs_dir: str | None) -> tuple[str, str | None, str | None]:
     """(owner, job id, the job's run dir) of a live holder: ours, other-workdir or foreign."""
     for g in (pgid, sid):
-        if g in job_pgids:
+        # a group or session of that number whose leader is gone may be a stranger's now (in_job_group)
+        if g in job_pgids and in_job_group(pid, g, job_pgids[g], os.path.join(runs_dir, job_pgids[g])):
             return "ours", job_pgids[g], os.path.join(runs_dir, job_pgids[g])
     job_id, run_dir = env_job(pid)
     if not job_id:

@@ -90,7 +90,7 @@ def own_group(pgid, record):
         return None
     st = procfs.stat(pgid)
     if st is None:
-        return pgid  # no process has the number: what is left of the group, if anything, is the job's
+        return pgid  # no process has the number: which members of the group are the job's, in_job_group says
     if record.get("start_ticks") is not None:
         return pgid if st.start_ticks == record["start_ticks"] else None
     return pgid if not st.alive or process_matches(pgid, record.get("marker", "\0")) else None
@@ -117,10 +117,27 @@ def same_dir(a, b):
     return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def group_members(pgid, job_id=None, run_dir=None):
-    """Pids in the process group, plus any escapee that still carries the job's id in its environment.
+def carries_job(pid, job_id, run_dir=None):
+    """Whether the process's environment names the job (job.sh exports its id and run dir to all it starts). One
+    naming another run dir is another workdir's job with the same id; an unreadable one (another user's) is not
+    the job's, whose processes are its user's."""
+    env_id, env_run = env_job(pid)
+    return bool(job_id) and env_id == job_id and (env_run is None or run_dir is None or same_dir(env_run, run_dir))
 
-    An escapee whose environment names another run dir is another workdir's job with the same id: not ours."""
+
+def in_job_group(pid, group, job_id, run_dir=None):
+    """Whether a process whose process group (or session) is `group`, the number the job's shell had, is the
+    job's. While a process has that pid, own_group has checked it is the job's shell, and the kernel gives the
+    number to no other group. Once the shell is gone, the group's other members keep it, but so may a stranger's:
+    the job's group died, the kernel gave the number to a new process that led a group or session (a login
+    shell, a setsid daemon) and exited, leaving its children in it (`nohup cmd &`, then logout). Then only the
+    environment tells the job's processes."""
+    return procfs.stat(group) is not None or carries_job(pid, job_id, run_dir)
+
+
+def group_members(pgid, job_id=None, run_dir=None):
+    """Pids in the job's process group (in_job_group), plus any escapee that still carries the job's id in its
+    environment."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -129,12 +146,8 @@ def group_members(pgid, job_id=None, run_dir=None):
         st = procfs.stat(pid)
         if st is None or not st.alive:
             continue  # gone, or a zombie: it holds nothing; its parent reaps it
-        if st.pgid == pgid:
+        if (pgid and st.pgid == pgid and in_job_group(pid, pgid, job_id, run_dir)) or carries_job(pid, job_id, run_dir):
             found.append(pid)
-        elif job_id:
-            env_id, env_run = env_job(pid)
-            if env_id == job_id and (env_run is None or run_dir is None or same_dir(env_run, run_dir)):
-                found.append(pid)
     return found
 
 
@@ -345,12 +358,14 @@ def cmd_stop(a):
     sent = {"TERM": 0, "KILL": 0}
 
     def signal_all(sig):
-        if pgid:  # else the number leads another group now: only escapees carrying the job's id are signalled
+        # The whole group at once only while its leader is the job's shell (own_group checked it); without it the
+        # number may be a stranger's group, and only the processes group_members found the job's are signalled.
+        if pgid and procfs.stat(pgid) is not None:
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 pass
-        for pid in group_members(pgid, a.job, run_dir):  # escapees that left the group
+        for pid in group_members(pgid, a.job, run_dir):  # escapees that left the group, or all without a leader
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:

@@ -2,7 +2,11 @@
 
 A claim belongs to the machine, not to a workdir or an inventory entry: two entries (or two workdirs, or two
 controllers) that reach one machine as one user see the same claims. The registry is one folder per user and
-machine, $KIMI_EAGLE_MACHINE_DIR or else ~/.cache/kimi-eagle/machine:
+machine: <base>/<boot id>/, where <base> is $KIMI_EAGLE_MACHINE_DIR or else ~/.cache/kimi-eagle/machine. A home
+folder shared by several machines (NFS) holds one such folder per machine, and a machine never counts, nor
+removes, another's claims; containers on one kernel share its boot id and its GPUs, so they share the claims
+too. The claims of an earlier boot are dead by construction (no process outlives a reboot), and nothing reads
+their folder again.
 
   .lock                 flock'd by whoever reads the claims and then acts on them (a job's start, clean)
   claims/<key>.json     one per job started on this machine: job_id, run_dir, workdir, output_dir, gpu, step,
@@ -21,14 +25,26 @@ import json
 import os
 import tempfile
 
+from kimi_eagle_host import procfs
 
-def machine_dir() -> str:
+
+def _base() -> str:
     return os.environ.get("KIMI_EAGLE_MACHINE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kimi-eagle",
                                                                      "machine")
 
 
+def machine_dir() -> str:
+    return os.path.join(_base(), procfs.boot_id() or "no-boot-id")
+
+
 def _claims_dir() -> str:
     return os.path.join(machine_dir(), "claims")
+
+
+def _legacy_claims_dir() -> str:
+    """Where versions before the per-machine folders kept the claims, of every machine sharing the home: a job
+    they started during this boot still counts (its boot id says it is this machine's)."""
+    return os.path.join(_base(), "claims")
 
 
 @contextlib.contextmanager
@@ -56,20 +72,24 @@ def register(claim: dict) -> None:
 
 def _read_all() -> list[tuple[str, dict]]:
     found = []
-    try:
-        names = sorted(os.listdir(_claims_dir()))
-    except OSError:
-        return found
-    for name in names:
-        if name.startswith(".") or not name.endswith(".json"):
-            continue
-        path = os.path.join(_claims_dir(), name)
+    for folder in (_claims_dir(), _legacy_claims_dir()):
         try:
-            with open(path, "rb") as f:
-                claim = json.loads(f.read().decode())
-        except (OSError, ValueError):
-            continue  # unreadable: not a claim anyone can honour; left for a person to look at
-        if isinstance(claim, dict) and claim.get("run_dir"):
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(".") or not name.endswith(".json"):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "rb") as f:
+                    claim = json.loads(f.read().decode())
+            except (OSError, ValueError):
+                continue  # unreadable: not a claim anyone can honour; left for a person to look at
+            if not isinstance(claim, dict) or not claim.get("run_dir"):
+                continue
+            if folder == _legacy_claims_dir() and claim.get("boot_id") != procfs.boot_id():
+                continue  # another machine's (or an earlier boot's): neither counted nor removed here
             found.append((path, claim))
     return found
 

@@ -19,8 +19,8 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{smi}: {exc}"
-    if res.returncode != 0:
-        return None, f"{smi} exited {res.returncode}: {(res.stderr or res.stdout).strip()[:200]}"
+    if res.returncode != 0:  # its message on one line: the check's detail is one
+        return None, f"{smi} exited {res.returncode}: {' '.join((res.stderr or res.stdout).split())[:200]}"
     gpus = []
     for line in res.stdout.splitlines():
         parts = [x.strip() for x in line.split(",")]
@@ -33,10 +33,25 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     return gpus, ""
 
 
+def broken_driver(smi: str | None, err: str) -> dict | None:
+    """The check of a host whose nvidia-smi is there but does not answer (`Failed to initialize NVML:
+    Driver/library version mismatch` after a driver upgrade without a reboot, a hung driver): a GPU host, which
+    must not be taken for a CPU one and run the step on CPU. None where nvidia-smi is missing, answers, or says
+    it finds no GPU."""
+    if not smi or not err or "No devices were found" in err:
+        return None
+    return check("gpu", "fail", f"the NVIDIA driver does not answer ({err})",
+                 "reboot the host (a driver upgraded since the last boot), or reinstall the NVIDIA driver, until "
+                 "nvidia-smi lists the GPUs")
+
+
 def check_gpu(args, ctx: dict) -> dict:
     need_b, how = model_bytes(args.model, ctx) if ctx.get("num_layers") else (None, "unknown")
     gpus, err = query_gpus(args.smi_path)
     if not gpus:
+        broken = broken_driver(args.smi_path, err)
+        if broken:
+            return broken
         detail = f"no GPU visible ({err or 'nvidia-smi lists none'})"
         if args.engine == "hf":
             return check("gpu", "warn", detail + "; engine hf will run on CPU (very slow for big models)",
@@ -87,7 +102,8 @@ def check_gpu_present(args) -> dict:
     """train loads only the draft head (and the target's embeddings), not the full model."""
     gpus, err = query_gpus(args.smi_path)
     if not gpus:
-        return check("gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",
-                     "run on a host with NVIDIA GPUs (CPU is fine only for a tiny model)")
+        return broken_driver(args.smi_path, err) or check(
+            "gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",
+            "run on a host with NVIDIA GPUs (CPU is fine only for a tiny model)")
     return check("gpu", "pass", ", ".join(f"GPU{g['index']} {g['name']} {g['free_mib'] / 1024:.0f} GiB free"
                                           for g in gpus))
