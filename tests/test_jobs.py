@@ -275,3 +275,61 @@ print("line 1", flush=True)
     release.touch()   # the detached job goes on to its end on its own
     assert wait_state(env, job_id, {"succeeded", "failed"})["state"] == "succeeded"
     assert "line 1" in env.cli("logs", job_id, "--host", "gpu").stdout
+
+
+def test_a_follow_survives_a_second_drop_long_after_the_first(env, sshd, tmp_path):
+    """Two real drops (the sshd restarted, every connection cut) farther apart than the follower's give-up time, with
+    good streaming in between: each drop is retried from a fresh clock and the first backoff, and every line comes.
+    The clock of the first drop ran on, so the second drop gave up at once ("connection lost for ...")."""
+    import threading
+
+    from kimi_eagle.config import inventory
+    from kimi_eagle.jobs import log_stream
+
+    r1, r2 = tmp_path / "r1", tmp_path / "r2"
+    script = write_script(tmp_path / "stages.py", f"""
+import os, time
+def wait(p):
+    deadline = time.monotonic() + 300
+    while not os.path.exists(p) and time.monotonic() < deadline:
+        time.sleep(0.02)
+print("stage 1", flush=True)
+wait({str(r1)!r})
+print("stage 2", flush=True)
+wait({str(r2)!r})
+print("stage 3", flush=True)
+""")
+    job = start(env, PY, script)
+    host = inventory.load(env.inventory).hosts["gpu"]
+    lines, waits, ended = [], [], {}
+
+    def follow():
+        try:
+            ended["result"] = log_stream.follow(host, job["id"], lambda kind, text: lines.append(text), give_up_after=2.0,
+                                                on_reconnect=lambda n, wait: waits.append(wait))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            ended["error"] = e
+
+    def until(cond, what):
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline and "error" not in ended, (what, lines, waits, ended)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    until(lambda: "stage 1" in lines, "the first line")
+    sshd.restart()                           # drop 1
+    r1.touch()
+    until(lambda: "stage 2" in lines, "a line streamed after reconnecting")
+    after_first = len(waits)
+    assert after_first >= 1, waits           # the drop really happened
+    time.sleep(3.0)                          # longer than give_up_after, streaming fine all along
+    sshd.restart()                           # drop 2
+    until(lambda: len(waits) > after_first, "a retry of the second drop")
+    r2.touch()
+    t.join(60)
+    assert "error" not in ended, ended
+    got = [ln for ln in lines if ln.startswith("stage ")]
+    assert ended["result"].job.state == "succeeded" and got == ["stage 1", "stage 2", "stage 3"], (ended, lines)
+    assert waits[after_first] == waits[0] == 0.5, waits  # the backoff starts afresh too
