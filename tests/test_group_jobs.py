@@ -217,6 +217,33 @@ def test_logs_follow_and_stop_cover_every_host(tmp_path, servers):
     assert done_ranks(out) == []
 
 
+def test_stop_and_logs_name_a_member_whose_host_this_inventory_lacks(tmp_path, servers):
+    """A group job stopped (or read) through an inventory without one of its hosts: that member's job is named, with
+    its host, as not stopped (not read), and the exit is not 0; the others are stopped. It was left out silently:
+    `stop` exited 0 while b's job ran on."""
+    env = group_env(tmp_path, servers)
+    r = env.cli("--json", "run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+                PY, shard_script(tmp_path, sleep=300), str(tmp_path / "shards"))
+    assert r.code == 0, r.stderr
+    gid = r.json()["id"]
+    members = {o["host"]: o["job_id"] for o in r.json()["outcomes"]}
+    text = env.inventory.read_text()
+    only_a = Env(tmp_path, env.home, tmp_path / "only-a.yaml", env.workdir)
+    only_a.inventory.write_text(text[:text.index("\n  b:\n")] + text[text.index("\ngroups:"):].replace("[a, b]", "[a]"))
+    try:
+        stop = only_a.cli("stop", gid, "--grace", "1")
+        said = stop.stdout + stop.stderr
+        assert stop.code == 1, (stop.code, said)
+        assert f"[a] job {members['a']} stopped" in said, said
+        assert f"[b] b: not in this inventory" in said and f"its job {members['b']} was not stopped" in said, said
+        data = env.cli("--json", "status", gid).json()
+        assert [m["state"] for m in data["members"]] == ["stopped", "running"], data
+        logs = only_a.cli("logs", gid)
+        assert logs.code != 0 and f"its job {members['b']} was not read" in logs.stdout + logs.stderr, (logs.stdout, logs.stderr)
+    finally:
+        assert env.cli("stop", gid, "--grace", "1").code == 0
+
+
 def test_the_ports_tests_listen_on_are_never_ones_the_kernel_lends_to_outgoing_connections():
     """A rendezvous (or sshd) port picked early and bound later must not be taken in between as the local end of
     one of the suite's outgoing connections: picked below the ephemeral range, each one once."""
