@@ -244,6 +244,25 @@ def test_stop_and_logs_name_a_member_whose_host_this_inventory_lacks(tmp_path, s
         assert env.cli("stop", gid, "--grace", "1").code == 0
 
 
+def test_a_member_job_is_found_through_another_inventory_that_names_its_machine_otherwise(tmp_path, servers):
+    """`status MEMBER` (no --host) through another inventory file, where a's machine is called node-a and the name a
+    is another machine (b's): the member is found where it runs, by its recorded machine, as a --host job is.
+    The group's start recorded the member by name alone, so the other machine was asked ("no job ...", exit 2)."""
+    env = group_env(tmp_path, servers)
+    r = env.cli("--json", "run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+                PY, shard_script(tmp_path), str(tmp_path / "shards"))
+    assert r.code == 0, r.stderr
+    members = {o["host"]: o["job_id"] for o in r.json()["outcomes"]}
+    wait_group(env, r.json()["id"])
+    renamed = Env(tmp_path, env.home, tmp_path / "renamed.yaml", env.workdir)
+    renamed.inventory.write_text(env.inventory.read_text().replace("\n  a:\n", "\n  node-a:\n")
+                                 .replace("\n  b:\n", "\n  a:\n").replace("[a, b]", "[node-a, a]"))
+    for host, job in members.items():
+        st = renamed.cli("--json", "status", job)
+        assert st.code == 0, (host, st.stdout, st.stderr)
+        assert st.json()["jobs"][0]["host"] == {"a": "node-a", "b": "a"}[host], st.stdout
+
+
 def test_the_ports_tests_listen_on_are_never_ones_the_kernel_lends_to_outgoing_connections():
     """A rendezvous (or sshd) port picked early and bound later must not be taken in between as the local end of
     one of the suite's outgoing connections: picked below the ephemeral range, each one once."""

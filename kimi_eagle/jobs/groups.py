@@ -21,7 +21,6 @@ from ..errors import EXIT_FAILED, EXIT_TRANSPORT, CommandError, ConfigError, Kim
 from ..hosts.parallel import HostOutcome, each_host
 from . import direct, interrupts, layout, scheduler
 from .job_info import STATE_EXIT, Job, new_job_id
-from .local_index import remember
 
 PREFIX = "g-"
 # Group-job states, worst first: one running host keeps the group running; else a failure fails it.
@@ -246,10 +245,7 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
                 # Never "succeeded before" for outputs made with other inputs: every shard runs again, and says why.
                 for o in outcomes:
                     o.message += f" (not resuming {previous.id}: {'; '.join(changed)} changed since)"
-            g.save()
-            for m in g.members:
-                if m.job_id:
-                    remember(m.job_id, m.host)
+            g.save()  # each member's job is in jobs.json already, with where its host is (the scheduler's start)
             named = interrupts.StartInterrupted.for_group(g.id, started)
             if started:
                 interrupts.recorded(named)
