@@ -263,6 +263,34 @@ def test_a_member_job_is_found_through_another_inventory_that_names_its_machine_
         assert st.json()["jobs"][0]["host"] == {"a": "node-a", "b": "a"}[host], st.stdout
 
 
+def test_a_member_whose_start_lost_its_answer_is_kept_and_not_started_twice(tmp_path, servers):
+    """b's connection drops (really) after its host started b's shard, before the answer came back: the group job
+    keeps that job as b's, so `status` shows it running and the same command again leaves it alone. b's part was
+    "not started", and the command again started a second shard on b beside the first."""
+    from test_jobs import cutting_python
+
+    env = group_env(tmp_path, servers)
+    text = env.inventory.read_text()
+    at = text.index("\n  b:\n")
+    wrapper = cutting_python(tmp_path, servers["b"], "after")
+    env.inventory.write_text(text[:at] + text[at:].replace(f"python: {PY}", f"python: {wrapper}", 1))
+    cmd = ["run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+           PY, shard_script(tmp_path, sleep=300), str(tmp_path / "shards")]
+    r = env.cli(*cmd)
+    assert r.code == 5, (r.stdout, r.stderr)
+    gid = gid_of(r.stderr)
+    try:
+        (job_b,) = [p.name for p in (tmp_path / "work-b" / "runs").iterdir() if p.is_dir()]
+        assert f"job {job_b} may have started on b" in r.stderr, r.stderr
+        members = env.cli("--json", "status", gid).json()["members"]
+        assert [(m["host"], m["state"], (m["job"] or {}).get("id")) for m in members][1] == ("b", "running", job_b), members
+        again = env.cli(*cmd)
+        assert again.code == 0 and again.stderr.count("still running; not started again") == 2, again.stderr
+        assert len([p for p in (tmp_path / "work-b" / "runs").iterdir() if p.is_dir()]) == 1
+    finally:
+        assert env.cli("stop", gid, "--grace", "1").code == 0
+
+
 def test_the_ports_tests_listen_on_are_never_ones_the_kernel_lends_to_outgoing_connections():
     """A rendezvous (or sshd) port picked early and bound later must not be taken in between as the local end of
     one of the suite's outgoing connections: picked below the ephemeral range, each one once."""

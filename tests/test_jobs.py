@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_env
 
 PY = sys.executable
 
@@ -333,3 +333,41 @@ print("stage 3", flush=True)
     got = [ln for ln in lines if ln.startswith("stage ")]
     assert ended["result"].job.state == "succeeded" and got == ["stage 1", "stage 2", "stage 3"], (ended, lines)
     assert waits[after_first] == waits[0] == 0.5, waits  # the backoff starts afresh too
+
+
+def cutting_python(tmp_path, sshd, when: str) -> str:
+    """The host's `python:`: the real one, except that `ops.jobs start` loses its connection (the sshd processes it
+    runs under are killed, tests/sshd.py cutter) before it runs, or after it started the job and before its answer
+    went back."""
+    cutter = sshd.cutter(tmp_path / "cut-connection")
+    wrapper = tmp_path / "cutting-python"
+    wrapper.write_text(f"""#!{PY}
+import os, subprocess, sys
+args = sys.argv[1:]
+if "kimi_eagle_host.ops.jobs" in args and "start" in args:
+    if {when!r} == "after":
+        subprocess.run([{PY!r}, *args], stdout=subprocess.DEVNULL)  # the job starts; its answer never goes back
+    subprocess.run([{str(cutter)!r}])
+    sys.exit(0)
+os.execv({PY!r}, [{PY!r}, *args])
+""")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.parametrize("cut", ["after", "before"])
+def test_a_connection_lost_during_the_start_names_the_job_and_keeps_it_recorded(tmp_path, sshd, cut):
+    """A real drop while the host runs the start: the job is in this machine's index before the host is asked, the
+    error names it, its host and what shows whether it began; `status JOB` (no --host) then finds it running, or
+    says it never began. The job ran on unnamed and unrecorded (exit 5, "connection lost while running a command")."""
+    env = make_env(tmp_path, sshd, python=cutting_python(tmp_path, sshd, cut))
+    r = env.cli("run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "sleep", "60")
+    assert r.code == 5, (r.stdout, r.stderr)
+    (job,) = [p.name for p in (env.workdir / "runs").iterdir() if p.is_dir()]
+    assert f"job {job} may have started on gpu" in r.stderr and f"kimi-eagle status {job}" in r.stderr, r.stderr
+    st = env.cli("--json", "status", job)
+    if cut == "after":
+        assert st.code == 3 and st.json()["jobs"][0]["state"] == "running", (st.stdout, st.stderr)
+        assert env.cli("stop", job, "--grace", "1").code == 0
+    else:
+        assert st.code == 2 and f"no job {job} on this host" in st.stderr and "it did not start" in st.stderr, st.stderr

@@ -97,3 +97,61 @@ def test_sbatch_args_cannot_set_managed_flags(tmp_path, sshd, cluster, flag):
     line = one_line_usage_error(env.cli("run", "exec", "--host", "login", "--", "true"))
     assert "sbatch_args" in line and "manages" in line, line
     assert not (env.workdir / "runs").exists()
+
+
+def sbatch_wrapper(tmp_path, body: str) -> dict:
+    """The host env that puts an `sbatch` first on the login node's PATH: `body` (bash), around the real one
+    ("$REAL" "$@")."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/usr/bin/env bash\nREAL={shutil.which('sbatch')}\n{body}\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("cut", ["after", "before"])
+def test_a_connection_lost_during_sbatch_names_the_job_and_keeps_it_recorded(tmp_path, sshd, cluster, cut):
+    """A real drop (the sshd processes of the submitting connection killed) right after sbatch queued the job, or
+    before it ran: the job is in this machine's index, the error names it with what shows whether it was queued,
+    and `status JOB` then finds it or says it never got a Slurm id. The job was queued unnamed and unrecorded."""
+    cutter = sshd.cutter(tmp_path / "cut-connection")
+    # before: the drop, then sbatch fails (the host's shell goes on after a drop; only a failing sbatch queues nothing)
+    body = f'"$REAL" "$@"; rc=$?; {cutter}; exit $rc' if cut == "after" else f"{cutter}; exit 1"
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"}, host_env=sbatch_wrapper(tmp_path, body))
+    r = env.cli("run", "exec", "--host", "login", "--detach", "--no-preflight", "--", "sleep", "60")
+    assert r.code == 5, (r.stdout, r.stderr)
+    (job,) = [p.name for p in (env.workdir / "runs").iterdir() if p.is_dir()]
+    assert f"job {job} may have started on login" in r.stderr and f"kimi-eagle status {job}" in r.stderr, r.stderr
+    if cut == "after":
+        assert wait_state(env, job, {"pending", "running"})["state"] in ("pending", "running")
+        assert env.cli("stop", job, "--grace", "1").code == 0
+    else:
+        st = env.cli("status", job)
+        assert st.code == 2 and "got no answer and no Slurm job id is recorded" in st.stderr, st.stderr
+
+
+def test_an_sbatch_that_does_not_answer_in_time_is_a_timeout_not_a_refusal(tmp_path, sshd, cluster, monkeypatch):
+    """sbatch queues the job but answers after the submission's time limit (a busy slurmctld): the start says it
+    timed out and that the job may be queued, naming it; it said "sbatch refused the job" and left it unrecorded."""
+    from kimi_eagle.api import Controller
+    from kimi_eagle.errors import ConnectionFailed
+    from kimi_eagle.jobs import slurm
+
+    monkeypatch.setattr(slurm, "SUBMIT_TIMEOUT_S", 2.0, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the job index, shared with env.cli below
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"},
+                    host_env=sbatch_wrapper(tmp_path, '"$REAL" "$@"; rc=$?; sleep 6; exit $rc'))
+    with pytest.raises(ConnectionFailed) as raised:
+        Controller(env.inventory).run("exec", host="login", extra=["sleep", "60"], preflight=False)
+    said = str(raised.value)
+    (job,) = [p.name for p in (env.workdir / "runs").iterdir() if p.is_dir()]
+    assert "sbatch gave no answer within 2s" in said and f"job {job} may have started" in said, said
+    assert "refused" not in said
+    deadline = time.monotonic() + 60
+    while (st := env.cli("--json", "status", job)).code == 2:  # "no Slurm job" until sbatch returned
+        assert time.monotonic() < deadline and "got no answer" in st.stderr, st.stderr
+        time.sleep(0.5)
+    assert st.json()["jobs"][0]["state"] in ("pending", "running"), st.stdout
+    assert env.cli("stop", job, "--grace", "1").code == 0

@@ -308,6 +308,8 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
             outcomes.append(StartOutcome(o.host, "started", o.value.id, layout.Shape.describe(shape_of(m))))
         else:
             m.error, m.unreachable = str(o.error), is_transport_failure(o.error)
+            if isinstance(o.error, direct.StartUnconfirmed):  # it may run: status and a resume look at that job
+                m.job_id = o.error.job_id
             outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error), o.error))
     return outcomes
 
