@@ -155,3 +155,57 @@ def test_an_sbatch_that_does_not_answer_in_time_is_a_timeout_not_a_refusal(tmp_p
         time.sleep(0.5)
     assert st.json()["jobs"][0]["state"] in ("pending", "running"), st.stdout
     assert env.cli("stop", job, "--grace", "1").code == 0
+
+
+@pytest.mark.parametrize("session", ["own", "given"])
+def test_a_drop_during_the_tail_read_still_prints_only_the_last_lines(tmp_path, sshd, cluster, monkeypatch, session):
+    """`logs --tail 3 --follow` of a Slurm job whose connection drops (really: the sshd's connection processes killed)
+    just as the tail is read: after the reconnect the last 3 lines come, then what the job writes later. The task
+    was taken as read, and the whole log came from byte 0; over a connection of its own (`logs`, not `run`'s), the
+    follow gave up at once ("cannot follow"), the connection not yet counted as having worked."""
+    from kimi_eagle.config import inventory
+    from kimi_eagle.hosts.session import HostSession
+    from kimi_eagle.hosts.transport.ssh import SSHTransport
+    from kimi_eagle.jobs import slurm
+
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
+    release = tmp_path / "release"
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\nfor i in range(1000):\n    print('old line', i)\nsys.stdout.flush()\n"
+                      "t = time.monotonic()\nwhile not os.path.exists(sys.argv[1]) and time.monotonic() - t < 150:\n"
+                      "    time.sleep(0.1)\nprint('new line', flush=True)\n")
+    r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--no-preflight", "--", PY, str(script), str(release))
+    assert r.code == 0, r.stderr
+    job = r.json()["id"]
+    log = env.workdir / "runs" / job / "log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "old line 999" in log.read_text()):
+        assert time.monotonic() < deadline, "the job never wrote its lines"
+        time.sleep(0.2)
+
+    real_run, cuts = SSHTransport.run, []
+
+    def run(self, command, **kw):
+        if command.startswith("head -c") and not cuts:  # the tail read: the connection drops just before it
+            cuts.append(command)
+            sshd.drop_connections()
+            deadline = time.monotonic() + 20
+            while self._conn is not None and self._conn.is_connected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real_run(self, command, **kw)
+
+    monkeypatch.setattr(SSHTransport, "run", run)
+    lines = []
+
+    def emit_for(task):
+        def emit(kind, text):
+            lines.append(text)
+            if text == "old line 999":
+                release.touch()
+        return emit
+
+    host = inventory.load(env.inventory).hosts["login"]
+    result = slurm.follow(host, job, emit_for, tail=3, poll_s=0.2, session=HostSession(host) if session == "given" else None)
+    assert cuts and result.reconnects >= 1, (cuts, result)
+    got = [ln for ln in lines if " line" in ln]
+    assert got == ["old line 997", "old line 998", "old line 999", "new line"], (len(got), got[:3])

@@ -429,19 +429,22 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
                 time.sleep(poll_s)
                 continue
             queue_down_since = None
+            reconnects.connected()  # reached (again): a drop from here on is retried, from a fresh clock and backoff
             for t, info in sorted(job.extra["tasks"].items(), key=lambda kv: int(kv[0] or 0)):
                 if t not in splitters:
-                    splitters[t] = LineSplitter(emit_for(t))
-                    offsets[t] = 0
+                    splitter, start = LineSplitter(emit_for(t)), 0
                     if tail is not None and info["log_size"]:
-                        res = session.transport.run(f"head -c {int(info['log_size'])} -- {quote(info['log'])} | tail -n {int(tail)}")
-                        splitters[t].feed(res.stdout_bytes)
-                        offsets[t] = info["log_size"]
+                        res = session.transport.run(f"head -c {int(info['log_size'])} -- {quote(info['log'])} | tail -n {int(tail)}",
+                                                    check=True)
+                        splitter.feed(res.stdout_bytes)
+                        start = info["log_size"]
+                    # Known only once its tail was read: a drop during that read reads the tail again on reconnect
+                    # (known before, the task was read from byte 0: the whole log instead of its last N lines).
+                    splitters[t], offsets[t] = splitter, start
                 if info["log_size"] > offsets[t]:
                     data = session.transport.read_bytes(info["log"], offsets[t])
                     offsets[t] += len(data)
                     splitters[t].feed(data)
-            reconnects.connected()
             done = job.state not in ("running", "pending")
             if not follow or (done and all(offsets[t] >= i["log_size"] for t, i in job.extra["tasks"].items())):
                 break
