@@ -139,12 +139,37 @@ SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine {threads}
         sessions = self._sshd_descendants() if kill_sessions else []
         self.proc.terminate()
         self.proc.wait(10)
-        for pid in sessions:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        _kill(sessions)
+
+    def drop_connections(self):
+        """Cut every open connection (SIGKILL to the per-connection sshd processes); the server goes on listening:
+        a network drop, with the host up."""
+        _kill(self._sshd_descendants())
+
+    def cutter(self, path: Path) -> Path:
+        """A script that cuts the one connection it runs under, from the host's side (SIGKILL to the sshd processes
+        above it, never the listener): run by a command at a chosen point, it is a network drop at exactly that
+        point of that command, which then goes on (nothing it says reaches the client any more)."""
+        path.write_text(f"""#!/usr/bin/env bash
+p=$$
+while :; do
+  p=$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f2)
+  # up to this test's listener and no further: what is above it is the test run's, never a connection of ours
+  if [ "$p" -le 1 ] || [ "$p" = {self.proc.pid} ]; then exit 0; fi
+  case "$(cat /proc/$p/comm 2>/dev/null)" in sshd*) kill -9 "$p" ;; esac
+done
+""")
+        path.chmod(0o755)
+        return path
 
     def restart(self):
         self.stop()
         self.start()
+
+
+def _kill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass

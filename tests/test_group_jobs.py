@@ -217,6 +217,80 @@ def test_logs_follow_and_stop_cover_every_host(tmp_path, servers):
     assert done_ranks(out) == []
 
 
+def test_stop_and_logs_name_a_member_whose_host_this_inventory_lacks(tmp_path, servers):
+    """A group job stopped (or read) through an inventory without one of its hosts: that member's job is named, with
+    its host, as not stopped (not read), and the exit is not 0; the others are stopped. It was left out silently:
+    `stop` exited 0 while b's job ran on."""
+    env = group_env(tmp_path, servers)
+    r = env.cli("--json", "run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+                PY, shard_script(tmp_path, sleep=300), str(tmp_path / "shards"))
+    assert r.code == 0, r.stderr
+    gid = r.json()["id"]
+    members = {o["host"]: o["job_id"] for o in r.json()["outcomes"]}
+    text = env.inventory.read_text()
+    only_a = Env(tmp_path, env.home, tmp_path / "only-a.yaml", env.workdir)
+    only_a.inventory.write_text(text[:text.index("\n  b:\n")] + text[text.index("\ngroups:"):].replace("[a, b]", "[a]"))
+    try:
+        stop = only_a.cli("stop", gid, "--grace", "1")
+        said = stop.stdout + stop.stderr
+        assert stop.code == 1, (stop.code, said)
+        assert f"[a] job {members['a']} stopped" in said, said
+        assert f"[b] b: not in this inventory" in said and f"its job {members['b']} was not stopped" in said, said
+        data = env.cli("--json", "status", gid).json()
+        assert [m["state"] for m in data["members"]] == ["stopped", "running"], data
+        logs = only_a.cli("logs", gid)
+        assert logs.code != 0 and f"its job {members['b']} was not read" in logs.stdout + logs.stderr, (logs.stdout, logs.stderr)
+    finally:
+        assert env.cli("stop", gid, "--grace", "1").code == 0
+
+
+def test_a_member_job_is_found_through_another_inventory_that_names_its_machine_otherwise(tmp_path, servers):
+    """`status MEMBER` (no --host) through another inventory file, where a's machine is called node-a and the name a
+    is another machine (b's): the member is found where it runs, by its recorded machine, as a --host job is.
+    The group's start recorded the member by name alone, so the other machine was asked ("no job ...", exit 2)."""
+    env = group_env(tmp_path, servers)
+    r = env.cli("--json", "run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+                PY, shard_script(tmp_path), str(tmp_path / "shards"))
+    assert r.code == 0, r.stderr
+    members = {o["host"]: o["job_id"] for o in r.json()["outcomes"]}
+    wait_group(env, r.json()["id"])
+    renamed = Env(tmp_path, env.home, tmp_path / "renamed.yaml", env.workdir)
+    renamed.inventory.write_text(env.inventory.read_text().replace("\n  a:\n", "\n  node-a:\n")
+                                 .replace("\n  b:\n", "\n  a:\n").replace("[a, b]", "[node-a, a]"))
+    for host, job in members.items():
+        st = renamed.cli("--json", "status", job)
+        assert st.code == 0, (host, st.stdout, st.stderr)
+        assert st.json()["jobs"][0]["host"] == {"a": "node-a", "b": "a"}[host], st.stdout
+
+
+def test_a_member_whose_start_lost_its_answer_is_kept_and_not_started_twice(tmp_path, servers):
+    """b's connection drops (really) after its host started b's shard, before the answer came back: the group job
+    keeps that job as b's, so `status` shows it running and the same command again leaves it alone. b's part was
+    "not started", and the command again started a second shard on b beside the first."""
+    from test_jobs import cutting_python
+
+    env = group_env(tmp_path, servers)
+    text = env.inventory.read_text()
+    at = text.index("\n  b:\n")
+    wrapper = cutting_python(tmp_path, servers["b"], "after")
+    env.inventory.write_text(text[:at] + text[at:].replace(f"python: {PY}", f"python: {wrapper}", 1))
+    cmd = ["run", "exec", "--group", "pair", "--mode", "shards", "--detach", "--",
+           PY, shard_script(tmp_path, sleep=300), str(tmp_path / "shards")]
+    r = env.cli(*cmd)
+    assert r.code == 5, (r.stdout, r.stderr)
+    gid = gid_of(r.stderr)
+    try:
+        (job_b,) = [p.name for p in (tmp_path / "work-b" / "runs").iterdir() if p.is_dir()]
+        assert f"job {job_b} may have started on b" in r.stderr, r.stderr
+        members = env.cli("--json", "status", gid).json()["members"]
+        assert [(m["host"], m["state"], (m["job"] or {}).get("id")) for m in members][1] == ("b", "running", job_b), members
+        again = env.cli(*cmd)
+        assert again.code == 0 and again.stderr.count("still running; not started again") == 2, again.stderr
+        assert len([p for p in (tmp_path / "work-b" / "runs").iterdir() if p.is_dir()]) == 1
+    finally:
+        assert env.cli("stop", gid, "--grace", "1").code == 0
+
+
 def test_the_ports_tests_listen_on_are_never_ones_the_kernel_lends_to_outgoing_connections():
     """A rendezvous (or sshd) port picked early and bound later must not be taken in between as the local end of
     one of the suite's outgoing connections: picked below the ephemeral range, each one once."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_env
 
 PY = sys.executable
 
@@ -275,3 +275,99 @@ print("line 1", flush=True)
     release.touch()   # the detached job goes on to its end on its own
     assert wait_state(env, job_id, {"succeeded", "failed"})["state"] == "succeeded"
     assert "line 1" in env.cli("logs", job_id, "--host", "gpu").stdout
+
+
+def test_a_follow_survives_a_second_drop_long_after_the_first(env, sshd, tmp_path):
+    """Two real drops (the sshd restarted, every connection cut) farther apart than the follower's give-up time, with
+    good streaming in between: each drop is retried from a fresh clock and the first backoff, and every line comes.
+    The clock of the first drop ran on, so the second drop gave up at once ("connection lost for ...")."""
+    import threading
+
+    from kimi_eagle.config import inventory
+    from kimi_eagle.jobs import log_stream
+
+    r1, r2 = tmp_path / "r1", tmp_path / "r2"
+    script = write_script(tmp_path / "stages.py", f"""
+import os, time
+def wait(p):
+    deadline = time.monotonic() + 300
+    while not os.path.exists(p) and time.monotonic() < deadline:
+        time.sleep(0.02)
+print("stage 1", flush=True)
+wait({str(r1)!r})
+print("stage 2", flush=True)
+wait({str(r2)!r})
+print("stage 3", flush=True)
+""")
+    job = start(env, PY, script)
+    host = inventory.load(env.inventory).hosts["gpu"]
+    lines, waits, ended = [], [], {}
+
+    def follow():
+        try:
+            ended["result"] = log_stream.follow(host, job["id"], lambda kind, text: lines.append(text), give_up_after=2.0,
+                                                on_reconnect=lambda n, wait: waits.append(wait))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            ended["error"] = e
+
+    def until(cond, what):
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline and "error" not in ended, (what, lines, waits, ended)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    until(lambda: "stage 1" in lines, "the first line")
+    sshd.restart()                           # drop 1
+    r1.touch()
+    until(lambda: "stage 2" in lines, "a line streamed after reconnecting")
+    after_first = len(waits)
+    assert after_first >= 1, waits           # the drop really happened
+    time.sleep(3.0)                          # longer than give_up_after, streaming fine all along
+    sshd.restart()                           # drop 2
+    until(lambda: len(waits) > after_first, "a retry of the second drop")
+    r2.touch()
+    t.join(60)
+    assert "error" not in ended, ended
+    got = [ln for ln in lines if ln.startswith("stage ")]
+    assert ended["result"].job.state == "succeeded" and got == ["stage 1", "stage 2", "stage 3"], (ended, lines)
+    assert waits[after_first] == waits[0] == 0.5, waits  # the backoff starts afresh too
+
+
+def cutting_python(tmp_path, sshd, when: str) -> str:
+    """The host's `python:`: the real one, except that `ops.jobs start` loses its connection (the sshd processes it
+    runs under are killed, tests/sshd.py cutter) before it runs, or after it started the job and before its answer
+    went back."""
+    cutter = sshd.cutter(tmp_path / "cut-connection")
+    wrapper = tmp_path / "cutting-python"
+    wrapper.write_text(f"""#!{PY}
+import os, subprocess, sys
+args = sys.argv[1:]
+if "kimi_eagle_host.ops.jobs" in args and "start" in args:
+    if {when!r} == "after":
+        subprocess.run([{PY!r}, *args], stdout=subprocess.DEVNULL)  # the job starts; its answer never goes back
+    subprocess.run([{str(cutter)!r}])
+    sys.exit(0)
+os.execv({PY!r}, [{PY!r}, *args])
+""")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.parametrize("cut", ["after", "before"])
+def test_a_connection_lost_during_the_start_names_the_job_and_keeps_it_recorded(tmp_path, sshd, cut):
+    """A real drop while the host runs the start: the job is in this machine's index before the host is asked, the
+    error names it, its host and what shows whether it began; `status JOB` (no --host) then finds it running, or
+    says it never began. The job ran on unnamed and unrecorded (exit 5, "connection lost while running a command")."""
+    env = make_env(tmp_path, sshd, python=cutting_python(tmp_path, sshd, cut))
+    r = env.cli("run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "sleep", "60")
+    assert r.code == 5, (r.stdout, r.stderr)
+    (job,) = [p.name for p in (env.workdir / "runs").iterdir() if p.is_dir()]
+    assert f"job {job} may have started on gpu" in r.stderr and f"kimi-eagle status {job}" in r.stderr, r.stderr
+    st = env.cli("--json", "status", job)
+    if cut == "after":
+        assert st.code == 3 and st.json()["jobs"][0]["state"] == "running", (st.stdout, st.stderr)
+        assert env.cli("stop", job, "--grace", "1").code == 0
+    else:
+        assert st.code == 2 and f"no job {job} on this host" in st.stderr and "it did not start" in st.stderr, st.stderr

@@ -75,6 +75,47 @@ def test_pull_copies_the_results_verified_and_then_only_what_changed(tmp_path, s
     assert f"logs/{job}/log" in by_dir.json()["changed"] and "eval/report.json" in by_dir.json()["changed"]
 
 
+def test_pull_of_a_running_job_copies_its_growing_log_and_events_as_they_were_listed(tmp_path, sshd):
+    """A job that writes its log and a tensorboard event file all the time: `pull JOB` while it runs copies both as
+    the first bytes they had when listed (checked against those bytes' digest) and says they are still being
+    written; a file that does not change is copied whole and verified as ever. Each pull failed ("changed or
+    vanished while being read; run the command again", or a sha256 mismatch), however often it was run."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    out = e.workdir / "out"
+    script = tmp_path / "writes.py"
+    script.write_text("import os, sys, time\nout = sys.argv[1]\n"
+                      "open(os.path.join(os.environ['KIMI_EAGLE_RUN_DIR'], 'output_dir'), 'w').write(out)\n"
+                      "d = os.path.join(out, 'tracking', os.environ['KIMI_EAGLE_JOB_ID'])\nos.makedirs(d, exist_ok=True)\n"
+                      "with open(os.path.join(d, 'events.out.tfevents.1'), 'ab', buffering=0) as ev:\n"
+                      "    for i in range(60000):\n"
+                      "        print('line', i, flush=True)\n        ev.write(b'event %d\\n' % i)\n        time.sleep(0.005)\n")
+    r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script), str(out))
+    assert r.code == 0, r.stderr
+    job = r.json()["id"]
+    log, events = e.workdir / "runs" / job / "log", out / "tracking" / job / "events.out.tfevents.1"
+    try:
+        deadline = time.monotonic() + 30
+        while not (events.exists() and events.stat().st_size > 1000):
+            assert time.monotonic() < deadline, "the job never wrote its events"
+            time.sleep(0.1)
+        (out / "eval").mkdir()
+        (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.5, "job_id": job}))
+        dest = tmp_path / "here"
+        for _ in range(3):
+            r = e.cli("--json", "pull", job, "--to", str(dest))
+            assert r.code == 0, (r.stdout, r.stderr)
+            assert {f"logs/{job}/log", f"tracking/{job}/events.out.tfevents.1"} <= set(r.json()["growing"]), r.stdout
+            for here, there in ((dest / "logs" / job / "log", log), (dest / "tracking" / job / "events.out.tfevents.1", events)):
+                copied = here.read_bytes()
+                assert copied and there.read_bytes()[:len(copied)] == copied  # a snapshot: what the file began with
+        assert _sha(dest / "eval" / "report.json") == _sha(out / "eval" / "report.json")
+        assert "eval/report.json" not in r.json()["growing"]
+        said = e.cli("pull", job, "--to", str(dest))
+        assert said.code == 0 and "still being written on the host" in said.stdout and f"logs/{job}/log" in said.stdout
+    finally:
+        assert e.cli("stop", job, "--grace", "1").code == 0
+
+
 def test_pull_of_a_job_takes_no_export_or_report_a_later_job_wrote_in_its_folder(tmp_path, sshd):
     """A job's folder later holds another job's export and report (the first died before training): pulling the
     first job brings its own record and logs, and says that the export and report are the later job's."""

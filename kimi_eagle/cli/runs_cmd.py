@@ -31,12 +31,16 @@ def pull(
     if state.json:
         return ui.emit_json({"host": h, "run": run.path, "to": str(dest), "changed": report.changed,
                              "unchanged": report.unchanged, "bytes_received": report.bytes_received,
+                             "growing": report.growing,
                              "skipped": [{"folder": f, "written_by": w} for f, w in report.skipped]})
     for path, status in report.rows():
         ui.line(f"[{h}] {status:9} {dest / path}")
     for folder, writer in report.skipped:
         ui.line(f"[{h}] skipped   {run.path}/{folder}: written by {f'job {writer}' if writer else 'no recorded job'}, "
                 f"not by {job_id} (pull that job, or the folder with --run)", style="yellow")
+    if report.growing:
+        ui.line(f"[{h}] still being written on the host, copied as they were when listed (pull again for more): "
+                f"{', '.join(report.growing)}", style="yellow")
     ui.line(f"[{h}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
             f"{len(report.unchanged)} unchanged", style="green")
     if (dest / "tracking").is_dir():

@@ -64,26 +64,45 @@ class SyncReport:
 # Hashing on the host runs under the host's Python: hashlib (OpenSSL, SHA-NI) is ~4x coreutils' sha256sum.
 _SHA_FN = """
 import hashlib, os, sys
-def sha(p):
-    h = hashlib.sha256()
+def sha(p, size=None):
+    h, left = hashlib.sha256(), size
     with open(p, "rb") as f:
-        while True:
-            b = f.read(1 << 20)
+        while left is None or left > 0:
+            b = f.read(1 << 20 if left is None else min(1 << 20, left))
             if not b:
-                return h.hexdigest()
+                break
             h.update(b)
+            if left is not None:
+                left -= len(b)
+    return h.hexdigest()
 """
 
-# Arguments come in pairs (path, expected size or -1); a file whose size differs is not worth hashing.
+# Arguments come in pairs (path, expected size or -1); a file whose size differs is not worth hashing. "+N" (a
+# download): the first N bytes, also of a file that has grown since it was listed with N bytes (a running job's log).
 _HASH_CODE = _SHA_FN + """
 a = sys.argv[1:]
 for p, want in zip(a[::2], a[1::2]):
     try:
-        if int(want) >= 0 and os.path.getsize(p) != int(want):
+        prefix, n, size = want.startswith("+"), int(want), os.path.getsize(p)
+        if n >= 0 and size != n and not (prefix and size > n):
             continue
-        print(sha(p) + "  " + p)
+        print(sha(p, n if prefix else None) + "  " + p)
     except OSError:
         continue
+"""
+
+# Arguments come in pairs (path, size): the paths whose file is larger now.
+_GROWN_CODE = """
+import json, os, sys
+a = sys.argv[1:]
+grown = []
+for p, n in zip(a[::2], a[1::2]):
+    try:
+        if os.path.getsize(p) > int(n):
+            grown.append(p)
+    except OSError:
+        pass
+print(json.dumps(grown))
 """
 
 # Verify what is about to be renamed (the temporary file itself, not the stream that filled it), then rename.
@@ -208,7 +227,7 @@ def _python(transport) -> str:
     return sh_path(transport.host.python)
 
 
-def _hash_remote(transport, sized: list[tuple[str, int]], prefix: str = "") -> dict[str, str]:
+def _hash_remote(transport, sized: list[tuple[str, int | str]], prefix: str = "") -> dict[str, str]:
     if not sized:
         return {}
     args = [str(v) for pair in sized for v in pair]
@@ -369,6 +388,7 @@ class FetchReport:
     unchanged: list[str] = field(default_factory=list)
     bytes_received: int = 0
     skipped: list = field(default_factory=list)  # (folder, the job that wrote it or None): not this job's output
+    growing: list[str] = field(default_factory=list)  # still being written on the host: copied as they were listed
 
     def rows(self):
         return [(p, "changed") for p in self.changed] + [(p, "unchanged") for p in self.unchanged]
@@ -396,12 +416,16 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
     """Copy host files here: (absolute path on the host, path under `local_root`, size). Hashed on the host in
     one round trip; a local file of the same size and sha256 is skipped; each other file is written to a
     temporary name unique to this call, hashed while it arrives, checked against the host's digest and renamed
-    into place, so a local path holds the old file or the whole new one."""
+    into place, so a local path holds the old file or the whole new one.
+
+    Each file is copied as it was listed: its first `size` bytes. A file still being appended to (a running job's
+    log and event files) is a snapshot of those bytes, checked against their digest, and named in `growing`; one
+    that changed otherwise (shrank, vanished, its listed bytes rewritten) fails the check, as any file does."""
     local_root = Path(local_root)
     report = FetchReport(transport.name, str(local_root))
     for _, rel, _ in files:   # every name before anything is written
         _check_local_name(transport, rel)
-    remote = _hash_remote(transport, [(path, size) for path, _, size in files])
+    remote = _hash_remote(transport, [(path, f"+{int(size)}") for path, _, size in files])
     token = secrets.token_hex(6)
     for path, rel, size in files:
         want = remote.get(path)
@@ -415,7 +439,7 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
             dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.{token}.part"
         h = hashlib.sha256()
-        stream = transport.stream(f"exec cat -- {join([path])}")
+        stream = transport.stream(f"exec head -c {int(size)} -- {join([path])}")  # what was listed and hashed
         try:
             # Only the local file calls are guarded: a connection lost while reading chunks stays exit 5.
             with writing(local_root):
@@ -439,4 +463,9 @@ def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> Fet
                 tmp.unlink(missing_ok=True)
         report.changed.append(rel)
         report.bytes_received += size
+    if files:
+        res = transport.run(f"{_python(transport)} -c {join([_GROWN_CODE, *[str(v) for f in files for v in (f[0], f[2])]])}",
+                            check=True, what="file sizes on the host")
+        grown = set(json.loads(res.stdout.strip().splitlines()[-1]))
+        report.growing = [rel for path, rel, _ in files if path in grown]
     return report

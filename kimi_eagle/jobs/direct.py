@@ -13,11 +13,26 @@ from ..hosts.session import PAYLOADS, RUNS, HostSession
 from ..shell import join
 from . import interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
-from .local_index import host_identity, remember
+from .local_index import forget, host_identity, remember, start_unanswered
 
 
 class LockHeld(KimiEagleError):
     exit_code = EXIT_FAILED
+
+
+class StartUnconfirmed(ConnectionFailed):
+    """The host's answer to a start never came (the connection dropped, sbatch did not answer in time): the job may
+    run. It is in this machine's job index, and the message names it with what shows whether it began."""
+
+    def __init__(self, message: str, job_id: str):
+        super().__init__(message)
+        self.job_id = job_id
+
+    @classmethod
+    def lost(cls, host: str, job_id: str, why: BaseException | str) -> "StartUnconfirmed":
+        said = str(why).removeprefix(f"{host}: ")
+        return cls(f"{host}: {said}; job {job_id} may have started on {host} (it is in this machine's job index): "
+                   f"see kimi-eagle status {job_id}", job_id)
 
 
 def render_job(session: HostSession, step: str, extra: list[str], job_id: str = "JOB-ID",
@@ -89,22 +104,29 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, gpu: 
     with interrupts.deferred() as interrupted:
         with interrupts.uploading(interrupted, lambda: remove_job_dir(session, job_id)):
             session.upload_scripts({**files, **record})
+        # In the index before the host is asked (marked: it may not begin): a connection lost after the host started
+        # the job, before its answer came back, left a job running that nobody was told about.
+        remember(job_id, session.name, host_identity(session.host), starting=True)
         try:
             code, data = _call_host_jobs(session, args)
-        except CommandError as e:
+        except ConnectionFailed as e:
+            raise StartUnconfirmed.lost(session.name, job_id, e) from None
+        except CommandError as e:  # an ops.jobs that failed after starting the job stays recorded (marked)
             if interrupted and e.result is not None and interrupts.ended_before_it_ran(e.result.exited):
+                forget(job_id)
                 remove_job_dir(session, job_id)
                 raise KeyboardInterrupt from None
             raise
         if not data.get("started"):
-            if data.get("in_use"):  # another start's job owns the folder: it stays
+            if data.get("in_use"):  # another start's job owns the folder (and the id's record here): it stays
                 raise CommandError(f"{session.name}: {data.get('error')}; start again (a new id is drawn)")
+            forget(job_id)
             remove_job_dir(session, job_id)
             held = data.get("held_by") or {}
             if held:
                 raise _lock_held(session, held)
             raise CommandError(f"{session.name}: job did not start: {data}")
-        remember(job_id, session.name, host_identity(session.host))
+        remember(job_id, session.name, host_identity(session.host))  # started: no longer marked
         named = interrupts.StartInterrupted.for_job(session.name, job_id, step)
         if interrupted.owner:  # else the start the deferral is part of (a group's) names what started
             interrupts.recorded(named)
@@ -148,15 +170,22 @@ def status(session: HostSession, job_id: str | None = None) -> list[Job]:
         check_job_id(job_id)
     code, data = _call_host_jobs(session, ["status"] + ([f"--job={job_id}"] if job_id is not None else []))
     if code == 2:
-        raise ConfigError(f"{session.name}: {data.get('error')}")
+        raise ConfigError(f"{session.name}: {data.get('error')}{_never_began(job_id)}")
     return [Job.from_host(session.name, d) for d in data["jobs"]]
+
+
+def _never_began(job_id: str) -> str:
+    """What a host's "no job" means for a job whose start from here lost its answer."""
+    if start_unanswered(job_id):
+        return "; its start from this machine lost the connection before the job began: it did not start"
+    return ""
 
 
 def stop(session: HostSession, job_id: str, grace: float = 10.0) -> dict:
     check_job_id(job_id)
     code, data = _call_host_jobs(session, ["stop", f"--job={job_id}", "--grace", str(grace)])
     if code == 2:
-        raise ConfigError(f"{session.name}: {data.get('error')}")
+        raise ConfigError(f"{session.name}: {data.get('error')}{_never_began(job_id)}")
     if code != 0:
         raise CommandError(f"{session.name}: processes of job {job_id} remain after SIGKILL: {data.get('remaining')}", result=data)
     return data

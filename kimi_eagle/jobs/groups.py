@@ -18,10 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, CommandError, ConfigError, KimiEagleError, is_transport_failure
-from ..hosts.parallel import each_host
+from ..hosts.parallel import HostOutcome, each_host
 from . import direct, interrupts, layout, scheduler
 from .job_info import STATE_EXIT, Job, new_job_id
-from .local_index import remember
 
 PREFIX = "g-"
 # Group-job states, worst first: one running host keeps the group running; else a failure fails it.
@@ -246,10 +245,7 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
                 # Never "succeeded before" for outputs made with other inputs: every shard runs again, and says why.
                 for o in outcomes:
                     o.message += f" (not resuming {previous.id}: {'; '.join(changed)} changed since)"
-            g.save()
-            for m in g.members:
-                if m.job_id:
-                    remember(m.job_id, m.host)
+            g.save()  # each member's job is in jobs.json already, with where its host is (the scheduler's start)
             named = interrupts.StartInterrupted.for_group(g.id, started)
             if started:
                 interrupts.recorded(named)
@@ -312,6 +308,8 @@ def _start_shards(inventory, g: GroupJob, todo: list[Member], gpu, host_check) -
             outcomes.append(StartOutcome(o.host, "started", o.value.id, layout.Shape.describe(shape_of(m))))
         else:
             m.error, m.unreachable = str(o.error), is_transport_failure(o.error)
+            if isinstance(o.error, direct.StartUnconfirmed):  # it may run: status and a resume look at that job
+                m.job_id = o.error.job_id
             outcomes.append(StartOutcome(o.host, "failed", m.job_id, str(o.error), o.error))
     return outcomes
 
@@ -455,12 +453,30 @@ def exit_code(state: str, rows: list[MemberState] | None = None) -> int:
     return code
 
 
+def _in_inventory(inventory, g: GroupJob, not_done: str) -> tuple[list[Member], list[HostOutcome]]:
+    """The members with a job whose host this inventory names, and an error for each other one, naming its job and
+    host: a member left out silently was a `stop` that exited 0 while that job ran on, holding its GPUs."""
+    here, missing = [], []
+    for m in g.members:
+        if not m.job_id:
+            continue
+        if m.host in inventory.hosts:
+            here.append(m)
+        else:
+            # exit 1, not 2: the others' part was done; this one was not (a person must pick the inventory)
+            missing.append(HostOutcome(m.host, error=KimiEagleError(
+                f"{m.host}: not in this inventory ({inventory.path}); its job {m.job_id} was not {not_done}: use the "
+                f"inventory that names host {m.host}")))
+    return here, missing
+
+
 def stop(inventory, g: GroupJob, grace: float = 10.0):
     """Stop every member's job (in parallel); one host's trouble does not keep the others running."""
-    members = [m for m in g.members if m.job_id and m.host in inventory.hosts]
+    members, missing = _in_inventory(inventory, g, "stopped")
     by_host = {m.host: m for m in members}
     hosts = [inventory.hosts[m.host] for m in members]
-    return each_host(hosts, lambda s: scheduler.for_host(s.host).stop(s, by_host[s.name].job_id, grace)) if hosts else []
+    stopped = each_host(hosts, lambda s: scheduler.for_host(s.host).stop(s, by_host[s.name].job_id, grace)) if hosts else []
+    return sorted(stopped + missing, key=lambda o: g.hosts.index(o.host))
 
 
 def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: int | None = None, on_reconnect=None,
@@ -470,7 +486,8 @@ def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: in
     Returns {host: FollowResult or the error}; a host that cannot be followed is reported, the others go on.
     """
     lock = threading.Lock()
-    results: dict[str, object] = {}
+    members, missing = _in_inventory(inventory, g, "read")
+    results: dict[str, object] = {o.host: o.error for o in missing if hosts is None or o.host in hosts}
 
     def locked(label):
         p = printer_for(label)
@@ -492,8 +509,7 @@ def follow(inventory, g: GroupJob, printer_for, *, follow: bool = True, tail: in
         except Exception as e:  # noqa: BLE001 - one host's trouble never ends the others' streams
             results[m.host] = KimiEagleError(f"{m.host}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in g.members
-               if m.job_id and m.host in inventory.hosts and (hosts is None or m.host in hosts)]
+    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in members if hosts is None or m.host in hosts]
     for t in threads:
         t.start()
     for t in threads:

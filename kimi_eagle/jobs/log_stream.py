@@ -123,7 +123,9 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
     while True:
         try:
             job = direct.status(session, job_id)[0]
-            reconnects.was_connected = True  # reached once: from now on a drop is retried
+            # Reached (again): a later drop is retried, and its give-up clock and backoff start afresh. Reset only when
+            # a stream ended, a job followed for hours gave up at its second drop, timed from its first.
+            reconnects.connected()
             if first and tail is not None:
                 # The last N lines of what exists now; then follow from the end of those bytes.
                 res = session.transport.run(f"head -c {int(job.log_size)} -- {join([job.log])} | tail -n {int(tail)}", check=True)
@@ -142,7 +144,6 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
                     splitter.feed(chunk)
             finally:
                 stream.close()
-            reconnects.connected()
             if not follow:
                 break
             job = direct.status(session, job_id)[0]

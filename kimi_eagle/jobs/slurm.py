@@ -22,7 +22,7 @@ from ..hosts.session import PAYLOADS, RUNS, HostSession
 from ..shell import join, quote
 from . import direct, interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
-from .local_index import host_identity, remember
+from .local_index import forget, host_identity, remember, start_unanswered
 
 # squeue states in which a task still holds or waits for resources.
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
@@ -39,6 +39,8 @@ class QueueUnavailable(KimiEagleError):
 
 # A failed squeue is asked again this many times, this far apart (a controller restart takes seconds).
 QUEUE_RETRIES = (2.0, 4.0)
+# How long sbatch may take to answer before the submission is reported as unknown (a busy slurmctld).
+SUBMIT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -170,14 +172,23 @@ def start(session: HostSession, step: str, extra: list[str] | None = None, *, jo
     with interrupts.deferred() as interrupted:
         with interrupts.uploading(interrupted, lambda: direct.remove_job_dir(session, job_id)):
             sync.sync(session.transport, session.path(""), items)
-        res = session.transport.run(cmd, timeout=120)
+        # As direct.start: in the index before sbatch, marked until its answer says the job is queued.
+        remember(job_id, session.name, host_identity(session.host), starting=True)
+        try:
+            res = session.transport.run(cmd, timeout=SUBMIT_TIMEOUT_S)
+        except ConnectionFailed as e:
+            raise direct.StartUnconfirmed.lost(session.name, job_id, e) from None
         if interrupted and interrupts.ended_before_it_ran(res.exited):
+            forget(job_id)
             direct.remove_job_dir(session, job_id)
             raise KeyboardInterrupt
+        if res.timed_out:  # a slow slurmctld: the job may well be queued, and sbatch never refused it
+            raise direct.StartUnconfirmed.lost(session.name, job_id, f"sbatch gave no answer within {SUBMIT_TIMEOUT_S:g}s")
         if res.exited != 0:
+            forget(job_id)
             raise CommandError(f"{session.name}: sbatch refused the job: {res.stderr.strip()[-300:] or res.stdout.strip()[-300:]}",
                                result=res)
-        remember(job_id, session.name, host_identity(session.host))
+        remember(job_id, session.name, host_identity(session.host))  # queued: no longer marked
         named = interrupts.StartInterrupted.for_job(session.name, job_id, step)
         if interrupted.owner:  # else the start the deferral is part of (a group's) names what started
             interrupts.recorded(named)
@@ -297,7 +308,10 @@ def _status_once(session: HostSession, job_id: str | None) -> list[Job]:
         said = queue_said[-1] if queue_said else (res.stderr.strip().splitlines() or ["no answer"])[-1]
         raise QueueUnavailable(f"{session.name}: squeue failed, job states unknown: {said[-200:]}")
     if job_id is not None and not jobs_raw:
-        raise ConfigError(f"{session.name}: no Slurm job {job_id} in {runs}")
+        unanswered = start_unanswered(job_id)
+        raise ConfigError(f"{session.name}: no Slurm job {job_id} in {runs}" + (
+            "; its submission from this machine got no answer and no Slurm job id is recorded for it (an sbatch "
+            "still running records it when it returns)" if unanswered else ""))
     return [_job(session, runs, raw, squeue) for raw in jobs_raw]
 
 
@@ -415,19 +429,22 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
                 time.sleep(poll_s)
                 continue
             queue_down_since = None
+            reconnects.connected()  # reached (again): a drop from here on is retried, from a fresh clock and backoff
             for t, info in sorted(job.extra["tasks"].items(), key=lambda kv: int(kv[0] or 0)):
                 if t not in splitters:
-                    splitters[t] = LineSplitter(emit_for(t))
-                    offsets[t] = 0
+                    splitter, start = LineSplitter(emit_for(t)), 0
                     if tail is not None and info["log_size"]:
-                        res = session.transport.run(f"head -c {int(info['log_size'])} -- {quote(info['log'])} | tail -n {int(tail)}")
-                        splitters[t].feed(res.stdout_bytes)
-                        offsets[t] = info["log_size"]
+                        res = session.transport.run(f"head -c {int(info['log_size'])} -- {quote(info['log'])} | tail -n {int(tail)}",
+                                                    check=True)
+                        splitter.feed(res.stdout_bytes)
+                        start = info["log_size"]
+                    # Known only once its tail was read: a drop during that read reads the tail again on reconnect
+                    # (known before, the task was read from byte 0: the whole log instead of its last N lines).
+                    splitters[t], offsets[t] = splitter, start
                 if info["log_size"] > offsets[t]:
                     data = session.transport.read_bytes(info["log"], offsets[t])
                     offsets[t] += len(data)
                     splitters[t].feed(data)
-            reconnects.connected()
             done = job.state not in ("running", "pending")
             if not follow or (done and all(offsets[t] >= i["log_size"] for t, i in job.extra["tasks"].items())):
                 break

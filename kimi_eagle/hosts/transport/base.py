@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from ...errors import CommandError, ConfigError
 
 
+# A command cut off by its `timeout` (run's): it exits 124, as under coreutils' timeout, with this last line on stderr,
+# on every transport. What it did on the host before is unknown (a submission may have gone through).
+TIMED_OUT = 124
+TIMED_OUT_NOTE = b"\nkimi-eagle: command timed out\n"
+
+
 @dataclass
 class CommandResult:
     host: str
@@ -26,6 +32,10 @@ class CommandResult:
     @property
     def ok(self) -> bool:
         return self.exited == 0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.exited == TIMED_OUT and self.stderr.endswith(TIMED_OUT_NOTE.decode())
 
     def check(self, what: str | None = None) -> "CommandResult":
         if not self.ok:

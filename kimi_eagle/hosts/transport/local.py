@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .base import Stream, Transport
+from .base import TIMED_OUT, TIMED_OUT_NOTE, Stream, Transport
 
 
 class LocalTransport(Transport):
@@ -16,16 +16,19 @@ class LocalTransport(Transport):
 
     def _exec(self, command, stdin, timeout):
         # bash -c in the home directory, like sshd running the login shell for a command.
-        proc = subprocess.run(
-            ["bash", "-c", command],
-            input=stdin if stdin is not None else b"",
-            capture_output=True,
-            timeout=timeout,
-            cwd=self.abspath("~"),
-            # Like a command over SSH, out of the terminal's reach: Ctrl-C is the controller's to handle (a job's
-            # start finishes or is undone, see jobs/direct.py start); it never kills ops.jobs between a start and its answer.
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.run(
+                ["bash", "-c", command],
+                input=stdin if stdin is not None else b"",
+                capture_output=True,
+                timeout=timeout,
+                cwd=self.abspath("~"),
+                # Like a command over SSH, out of the terminal's reach: Ctrl-C is the controller's to handle (a job's
+                # start finishes or is undone, see jobs/direct.py start); it never kills ops.jobs between a start and its answer.
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as e:  # as over SSH: an exit status, not a traceback (base.TIMED_OUT)
+            return TIMED_OUT, e.stdout or b"", (e.stderr or b"") + TIMED_OUT_NOTE
         return proc.returncode, proc.stdout, proc.stderr
 
     def stream(self, command: str) -> Stream:

@@ -14,7 +14,7 @@ import threading
 
 from ...errors import ConfigError, ConnectionFailed, HostError, HostUnreachable
 from .. import hostkeys
-from .base import HashingReader, Stream, Transport
+from .base import TIMED_OUT, TIMED_OUT_NOTE, HashingReader, Stream, Transport
 
 _GCM_FIRST = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 # paramiko logs a failed handshake (no banner, reset) with its traceback through logging's last-resort handler,
@@ -203,7 +203,7 @@ class SSHTransport(Transport):
                 break
             if deadline and time.monotonic() > deadline:
                 chan.close()
-                return 124, bytes(out), bytes(err) + b"\nkimi-eagle: command timed out\n"
+                return TIMED_OUT, bytes(out), bytes(err) + TIMED_OUT_NOTE
             if not progressed:
                 try:
                     data = chan.recv(65536)
