@@ -120,8 +120,9 @@ class SSHTransport(Transport):
             conn.connect_kwargs["sock"] = sock
         try:
             conn.open()
-        except hostkeys.UnknownHostKey as e:
-            raise e.for_host(h.name) from None
+        except (hostkeys.UnknownHostKey, hostkeys.RevokedHostKey) as e:
+            through = hostkeys.known_host_name(conn.host, conn.port) if conn.gateway else None
+            raise e.for_host(h.name, through=through, known_hosts=h.known_hosts) from None
         except paramiko.BadHostKeyException as e:
             # paramiko names the bare host; known_hosts (and ssh-keygen -R) name `[host]:port` off port 22.
             known_name = hostkeys.known_host_name(conn.host, conn.port) if e.hostname == conn.host else e.hostname
