@@ -558,7 +558,9 @@ def settings_document(resolved: dict, steps: list[str]) -> dict:
 
 
 def section_to_argv(step: str, section: dict) -> list[str]:
-    """A step's section as its command-line flags (switches only when on; toggles as --x / --no-x)."""
+    """A step's section as its command-line flags (switches only when on; toggles as --x / --no-x). A value goes
+    in the flag's own word (`--output-dir=-o`): as a word of its own, one starting with '-' reads as an option to
+    argparse, and the step would refuse a value the settings accepted."""
     argv: list[str] = []
     for key, value in section.items():
         s = BY_STEP[step][key]
@@ -568,7 +570,7 @@ def section_to_argv(step: str, section: dict) -> list[str]:
         elif s.kind == "toggle":
             argv += [flag if value else f"--no-{flag[2:]}"]
         else:
-            argv += [flag, shown(value)]
+            argv.append(f"{flag}={shown(value)}")
     return argv
 
 

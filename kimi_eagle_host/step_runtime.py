@@ -300,16 +300,24 @@ def package_dir() -> str:
 
 
 def payload_root() -> str:
-    """The folder that holds the package (on a host, <workdir>/.kimi-eagle/payloads: what PYTHONPATH names)."""
+    """The folder that holds the package (on a host, a payload set's <workdir>/.kimi-eagle/payloads/<digest>: what
+    PYTHONPATH names)."""
     return os.path.dirname(package_dir())
 
 
-def host_runs_dir() -> str | None:
-    """<workdir>/runs when these payloads were deployed to a host's <workdir>/.kimi-eagle/payloads, else None."""
-    root = payload_root()
-    if os.path.basename(root) == "payloads" and os.path.basename(os.path.dirname(root)) == ".kimi-eagle":
-        return os.path.join(os.path.dirname(os.path.dirname(root)), "runs")
+def host_workdir() -> str | None:
+    """<workdir> when these payloads were deployed to a payload set's folder, <workdir>/.kimi-eagle/payloads/<digest>,
+    else None (a checkout, an installed package)."""
+    payloads = os.path.dirname(payload_root())
+    if os.path.basename(payloads) == "payloads" and os.path.basename(os.path.dirname(payloads)) == ".kimi-eagle":
+        return os.path.dirname(os.path.dirname(payloads))
     return None
+
+
+def host_runs_dir() -> str | None:
+    """<workdir>/runs when these payloads were deployed to a host's workdir (host_workdir), else None."""
+    workdir = host_workdir()
+    return os.path.join(workdir, "runs") if workdir else None
 
 
 # How many times the scheduler has started this job's script again (a Slurm requeue after a preemption): the

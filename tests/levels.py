@@ -132,7 +132,7 @@ EXCEPTIONS = {
     "test_step_flags.py": {name: INTEGRATION for name in (   # the sshd, or the host steps run or imported
         "test_a_typo_is_one_line_exit_2_and_nothing_reaches_the_host", "test_every_step_parser_is_the_one_the_schema_builds",
         "test_a_step_run_by_hand_refuses_what_the_controller_refuses", "test_a_settings_file_value_is_checked_as_a_flag_is",
-        "test_extract_and_preflight_call_the_engine_engine")},
+        "test_extract_and_preflight_call_the_engine_engine", "test_a_path_setting_that_starts_with_a_dash_is_a_path_on_the_host")},
     "test_lr_schedule.py": {"test_a_run_trains_each_step_at_the_scheduled_rate_also_after_a_resume": INTEGRATION},
 }
 

@@ -68,25 +68,125 @@ def test_payload_wrappers_carry_no_flags_and_are_named_by_content(env):
     assert hashlib.sha256(text.encode()).hexdigest()[:12] in wrappers[0].name
 
 
-def test_a_checkout_edited_while_a_call_deploys_still_runs_the_call(env, monkeypatch):
-    # A developer saves a host-package file while a command runs: the set read for the first attempt (its digest)
-    # differs from the set deployed after that attempt found the host behind. The call runs against what was
-    # deployed; before, it failed with a bare "exit 222" (seen in the suite when the checkout was edited mid-run).
+def _checkout_copy(dest, marker: str):
+    """Another checkout of kimi-eagle (another user's, or a newer release) whose host package differs by one line."""
+    import shutil
+
+    for part in ("kimi_eagle", "kimi_eagle_host", "templates", "recipes"):
+        shutil.copytree(REPO / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+    init = dest / "kimi_eagle_host" / "__init__.py"
+    init.write_text(init.read_text() + f"# {marker}\n")
+    return dest
+
+
+def test_a_running_job_keeps_the_host_code_it_started_with(env, tmp_path):
+    """Two checkouts on one host: while checkout A's job runs, checkout B deploys its own host package. The job's
+    later steps used to import B's code (one shared payloads folder, read at each step's start) and the job still
+    ended as succeeded. Now each set has its own folder, named by its content, and the job names its own."""
+    import shlex
+    import time
+
+    other = _checkout_copy(tmp_path / "checkout-b", "checkout B")
+    go = tmp_path / "go"
+    show = ("import sys, kimi_eagle_host as k; print('step', sys.argv[1], k.__file__, "
+            "open(k.__file__).read().splitlines()[-1])")
+    py = shlex.quote(sys.executable)
+    script = (f"{py} -c {shlex.quote(show)} 1; while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.05; done; "
+              f"{py} -c {shlex.quote(show)} 2")
+    rc, out, err = _cli(env, "--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "bash", "-c", script)
+    assert rc == 0, (out, err)
+    job = json.loads(out)["id"]
+    # Checkout B, meanwhile: its own set goes to the host, and its commands run it.
+    e = {**os.environ, "HOME": str(env.home), "NO_COLOR": "1", "PYTHONPATH": str(other)}
+    b = subprocess.run([sys.executable, "-m", "kimi_eagle", "--inventory", str(env.inventory), "hosts", "check", "gpu"],
+                       env=e, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert b.returncode == 0, (b.stdout, b.stderr)
+    go.touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rc, out, err = _cli(env, "--json", "status", job, "--host", "gpu")
+        if json.loads(out)["jobs"][0]["state"] != "running":
+            break
+        time.sleep(0.2)
+    rc, out, err = _cli(env, "logs", job, "--host", "gpu")
+    steps = [ln.split(" ", 3)[3] for ln in out.splitlines() if ln.startswith("[gpu] step ")]
+    assert len(steps) == 2 and steps[0] == steps[1], out   # the same file, the same text, in both steps
+    assert "checkout B" not in out and "/.kimi-eagle/payloads/" in steps[0], out
+    # Both sets lie on the host, each in its own folder; B's commands run B's.
+    payloads = env.workdir / ".kimi-eagle" / "payloads"
+    inits = [p / "kimi_eagle_host" / "__init__.py" for p in payloads.iterdir() if not p.name.startswith(".")]
+    assert len(inits) == 2 and sum("checkout B" in p.read_text() for p in inits) == 1, inits
+
+
+def test_one_command_deploys_and_names_one_set_even_if_the_checkout_changes_meanwhile(env, tmp_path, monkeypatch):
+    """A developer saves a host-package file while a command runs: the command read the package once (the folder its
+    calls and job scripts name is that set's), and it deploys exactly that set; the saved file waits for the next
+    command. Before, a call whose first try read one digest and whose deploy read another failed with a bare exit 222."""
     from kimi_eagle.config import inventory
-    from kimi_eagle.hosts import session, sync
+    from kimi_eagle.hosts import session
 
-    reads = []
+    checkout = _checkout_copy(tmp_path / "checkout", "as read")
+    monkeypatch.setattr(session, "payloads_dir", lambda: checkout)
+    monkeypatch.setattr(session, "payload_files", lambda: sorted(
+        p for p in (checkout / "kimi_eagle_host").rglob("*") if p.is_file() and "__pycache__" not in p.parts))
+    session.payload_set.cache_clear()
+    try:
+        before = session.payload_set()
+        (checkout / "kimi_eagle_host" / "edited_meanwhile.py").write_text("# saved during the command\n")
+        h = inventory.load(env.inventory).hosts["gpu"]
+        with session.HostSession(h) as s:
+            res = s.call("ops.probe", [])
+        assert res.exited == 0, (res.exited, res.stderr)
+        assert session.payload_set() is before
+        deployed = env.workdir / before.folder
+        assert (deployed / "MANIFEST").read_text() == before.digest
+        assert "as read" in (deployed / "kimi_eagle_host" / "__init__.py").read_text()
+        assert not (deployed / "kimi_eagle_host" / "edited_meanwhile.py").exists()
+    finally:
+        session.payload_set.cache_clear()  # the real package again for the next test
 
-    def items_then_an_edit():
-        items = list(session.sync.tree_items(session.payloads_dir(), session.payload_files()))
-        reads.append(len(reads))
-        if len(reads) > 1:   # every read after the first sees the file as saved since
-            items.append(sync.Item(remote="kimi_eagle_host/edited_meanwhile.py", data=b"# saved during the call\n"))
-        return items
 
-    monkeypatch.setattr(session, "_payload_items", items_then_an_edit)
-    h = inventory.load(env.inventory).hosts["gpu"]
-    with session.HostSession(h) as s:
-        res = s.call("ops.probe", [])
-    assert res.exited == 0, (res.exited, res.stderr)
-    assert len(reads) >= 2 and (env.workdir / session.PAYLOADS / "kimi_eagle_host" / "edited_meanwhile.py").exists()
+def test_old_payload_sets_go_unless_a_job_that_may_run_names_them(env):
+    """One folder per set would pile up with every upgrade: a deploy removes the sets no deploy has used for a week,
+    except one a job that may still run names (no exit code yet, or active within the week). Older layouts stay."""
+    import time
+
+    payloads = env.workdir / ".kimi-eagle" / "payloads"
+    runs = env.workdir / "runs"
+    old = time.time() - 8 * 86400
+
+    def a_set(name, *, age=old):
+        folder = payloads / name
+        (folder / "kimi_eagle_host").mkdir(parents=True)
+        (folder / "MANIFEST").write_text(name + "0" * 48)
+        os.utime(folder / "MANIFEST", (age, age))
+        return folder
+
+    def a_job(job, names, *, exit_code=None, age=old):
+        run = runs / job
+        run.mkdir(parents=True)
+        (run / "job.sh").write_text(f'export PYTHONPATH="$PWD"/.kimi-eagle/payloads/{names}\n')
+        if exit_code is not None:
+            (run / "exit_code").write_text(f"{exit_code}\n")
+        for f in run.iterdir():
+            os.utime(f, (age, age))
+
+    unused, running, queued_data, finished, recent, active = (c * 16 for c in "abcdef")
+    for name in (unused, running, queued_data, finished, active):
+        a_set(name)
+    a_set(recent, age=time.time() - 86400)
+    a_job("j-running", running)                       # no exit code: running, queued or lost
+    (runs / "j-data").mkdir(parents=True)            # its settings read a file of the set ({payloads})
+    (runs / "j-data" / "settings.json").write_text(json.dumps({"dataset": f".kimi-eagle/payloads/{queued_data}/x"}))
+    a_job("j-finished", finished, exit_code=0)
+    a_job("j-active", active, exit_code=143, age=time.time() - 3600)  # e.g. a Slurm job requeued after preemption
+    (payloads / "kimi_eagle_host").mkdir()            # the layout before sets had folders: an old job may run it
+    (payloads / "MANIFEST").write_text("the old layout\n")
+
+    r = env.cli("hosts", "check", "gpu")
+    assert r.code == 0, r.stdout + r.stderr
+    from kimi_eagle.hosts.session import payload_set
+
+    left = sorted(p.name for p in payloads.iterdir())
+    assert left == sorted([payload_set().digest[:16], running, queued_data, recent, active, "MANIFEST",
+                           "kimi_eagle_host"]), left

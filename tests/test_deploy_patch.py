@@ -184,12 +184,15 @@ def test_render_patch_writes_engine_sets_and_script_offline(tmp_path, install):
     r = e.cli("render", "patch", "--host", "gpu", "--out", str(work), timeout=60)
     assert r.code == 0, r.stderr
     script = work / ".kimi-eagle" / "bin" / "patch.sh"
-    engine = work / ".kimi-eagle" / "payloads" / "kimi_eagle_host" / "ops" / "deploy_patch.py"
+    from kimi_eagle.hosts.session import payload_set
+
+    package = work / payload_set().folder / "kimi_eagle_host"
+    engine = package / "ops" / "deploy_patch.py"
     assert engine.read_bytes() == (REPO / "kimi_eagle_host" / "ops" / "deploy_patch.py").read_bytes()
-    sets = sorted(p.name for p in (work / ".kimi-eagle" / "payloads" / "kimi_eagle_host" / "patch_sets").iterdir())
+    sets = sorted(p.name for p in (package / "patch_sets").iterdir())
     assert sets == sorted(p.name for p in PATCH_DIR.glob("*.json")) and sets
     for name in sets:
-        assert (work / ".kimi-eagle/payloads/kimi_eagle_host/patch_sets" / name).read_bytes() == (PATCH_DIR / name).read_bytes()
+        assert (package / "patch_sets" / name).read_bytes() == (PATCH_DIR / name).read_bytes()
     (wrapper,) = (work / ".kimi-eagle" / "bin").glob("patch-*.sh")  # as uploaded: named by content, no flags
     assert "-m kimi_eagle_host.ops.deploy_patch" in wrapper.read_text() and "--patch-set" not in wrapper.read_text()
     text = script.read_text()  # how it is run: the wrapper with this call's flags

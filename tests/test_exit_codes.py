@@ -147,3 +147,85 @@ def test_an_openssh_upload_refused_at_its_start_is_the_connections_failure(tmp_p
         transport._openssh_receive(str(big), "/tmp/kimi-eagle-never/big", 0o644, None)
     assert failure_exit([refused.value]) == 5, refused.value
     assert "Connection refused" in str(refused.value)
+
+
+def _ip(*args, check=True):
+    import subprocess
+
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def test_a_silently_dropped_link_is_exit_5_within_a_minute_not_fifteen(tmp_path):
+    """A VPN or Wi-Fi drop sends no reset: the sshd's machine just stops answering. Our SSH keepalive keeps data in
+    flight, so the kernel sends no TCP keepalive probe, and a command without a timeout of its own (`hosts check`,
+    status, uploads) hung until the retransmissions ran out, about 15 minutes. Here the sshd lives in a network
+    namespace of its own, the CLI in another, joined by a veth pair whose far end goes down mid-command."""
+    import os
+    import secrets
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO
+    from sshd import SSHD, Sshd
+
+    if os.geteuid() != 0 or not shutil.which("ip") or _ip("netns", "list", check=False).returncode:
+        pytest.skip("needs root and `ip netns` (network namespaces)")
+    tag = "ke" + secrets.token_hex(3)
+    client_ns, server_ns, near, far = f"{tag}c", f"{tag}s", f"{tag}a", f"{tag}b"
+    server, cli = Sshd(tmp_path / "sshd"), None
+    started = tmp_path / "probe-started"
+    try:
+        _ip("netns", "add", client_ns)
+        _ip("netns", "add", server_ns)
+        _ip("link", "add", near, "netns", client_ns, "type", "veth", "peer", "name", far, "netns", server_ns)
+        for ns, dev, addr in ((client_ns, near, "10.203.0.1/30"), (server_ns, far, "10.203.0.2/30")):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        server.config.write_text(server.config.read_text().replace("ListenAddress 127.0.0.1", "ListenAddress 10.203.0.2"))
+        server.proc = subprocess.Popen(["ip", "netns", "exec", server_ns, SSHD, "-D", "-e", "-f", str(server.config)],
+                                       stderr=open(server.root / "sshd.log", "ab"))
+        reach = f"exec 3<>/dev/tcp/10.203.0.2/{server.port}"
+        deadline = time.monotonic() + 15
+        while subprocess.run(["ip", "netns", "exec", client_ns, "bash", "-c", reach], capture_output=True).returncode:
+            assert time.monotonic() < deadline and server.proc.poll() is None, (server.root / "sshd.log").read_text()
+            time.sleep(0.1)
+        # The host's Python, except that the probe of `hosts check` stays busy (silent) for two minutes.
+        python = tmp_path / "python"
+        python.write_text(f'#!/bin/bash\ncase "$*" in *ops.probe*) echo $$ > {started}; sleep 120;; esac\n'
+                          f'exec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+        e = make_env(tmp_path, server)
+        kind, b64 = (server.root / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        (tmp_path / "known_hosts").write_text(f"[10.203.0.2]:{server.port} {kind} {b64}\n")
+        e.inventory.write_text(e.inventory.read_text().replace("address: 127.0.0.1", "address: 10.203.0.2")
+                               .replace(f"python: {sys.executable}", f"python: {python}", 1))
+        env = {**os.environ, "HOME": str(e.home), "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
+        cli = subprocess.Popen(["ip", "netns", "exec", client_ns, sys.executable, "-m", "kimi_eagle", "--inventory",
+                                str(e.inventory), "hosts", "check", "gpu"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
+            time.sleep(0.1)
+        _ip("-n", server_ns, "link", "set", far, "down")
+        dropped = time.monotonic()
+        try:
+            out, err = cli.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail("`hosts check` still hangs 150 s after the link went down")
+        assert cli.returncode == 5 and "connection lost" in out + err, (cli.returncode, out, err)
+        assert time.monotonic() - dropped < 100
+    finally:
+        if cli is not None and cli.poll() is None:
+            cli.kill()
+        if started.exists():
+            try:
+                os.kill(int(started.read_text()), signal.SIGKILL)
+            except (ValueError, ProcessLookupError):
+                pass
+        server.stop()
+        for ns in (client_ns, server_ns):
+            _ip("netns", "del", ns, check=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_env, one_line_usage_error
+from kimi_eagle.hosts.session import payload_set
 
 PY = sys.executable
 
@@ -175,7 +176,7 @@ def test_a_dry_run_writes_nothing_on_the_host(tmp_path, sshd):
 
         our_stale_holder(e)
         (ours,) = holding(dev) - {foreign}
-        (e.workdir / ".kimi-eagle" / "payloads" / "MANIFEST").write_text("an older set\n")
+        (e.workdir / payload_set().folder / "MANIFEST").write_text("an older set\n")  # this set, not whole
         before = tree(e.workdir)
         dry = e.cli("--json", "gpu-reset", "--host", "gpu", "--dry-run")
         assert dry.code == 0, dry.stderr

@@ -171,11 +171,11 @@ def test_trusting_the_same_key_twice_adds_no_duplicate_line(tmp_path, sshd):
         assert r.code == 0, r.stderr
     assert known.read_text() == sshd.host_key_line()
     assert "already recorded" in r.stdout
-    # A key already in ~/.ssh/known_hosts is not copied into the inventory's file either.
+    # A key only ~/.ssh/known_hosts holds is recorded in the inventory's file all the same: teammates read that one.
     known.write_text("")
     (e.home / ".ssh" / "known_hosts").write_text(sshd.host_key_line())
-    assert e.cli("hosts", "trust", "gpu", "--yes").code == 0
-    assert known.read_text() == ""
+    r = e.cli("hosts", "trust", "gpu", "--yes")
+    assert r.code == 0 and f"recorded in {known}" in r.stdout and known.read_text() == sshd.host_key_line()
 
 
 def test_a_changed_key_is_replaced_only_by_naming_old_and_new_fingerprints(tmp_path, sshd):
@@ -215,3 +215,108 @@ def test_unreachable_is_said_only_when_no_connection_was_made(tmp_path, sshd):
     e.inventory.write_text(e.inventory.read_text().replace(f"port: {sshd.port}", f"port: {free_port()}"))
     r = e.cli("hosts", "check", "gpu")
     assert r.code == 5 and "[gpu] unreachable:" in r.stdout, r.stdout  # the network, not the host: its own code
+
+
+def _key_line(name: str, pub) -> str:
+    kind, b64 = pub.read_text().split()[:2]
+    return f"{name} {kind} {b64}\n"
+
+
+def test_certificate_authorities_revoked_keys_and_damaged_lines_leave_the_other_hosts_reachable(tmp_path, sshd):
+    """An `@cert-authority` line (SSH certificates, common on clusters), an `@revoked` line or one damaged line, even
+    about other machines, made every host unreachable: paramiko's loader raised on them. They are read as OpenSSH
+    reads them: a CA line is skipped, a damaged line too (one warning naming the file and line), a revoked key is
+    never accepted."""
+    e = make_env(tmp_path, sshd)
+    _other_key(tmp_path)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "ca")], check=True)
+    ca_line = _key_line("@cert-authority *.example.org", tmp_path / "ca.pub")
+    revoked_other = _key_line("@revoked *", tmp_path / "other.pub")
+    damaged = "old.example.org ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE\n"   # a paste cut short
+    user_file = e.home / ".ssh" / "known_hosts"
+    user_file.write_text(ca_line + revoked_other + damaged)
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 0, r.stdout + r.stderr
+    assert f"{user_file}:3:" in r.stderr and r.stderr.count("warning") == 1, r.stderr
+    # OpenSSH reads the same files the same way
+    ssh = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                          "-o", f"UserKnownHostsFile={user_file} {tmp_path / 'known_hosts'}", "-i", str(sshd.client_key),
+                          "-p", str(sshd.port), "root@127.0.0.1", "true"], capture_output=True, text=True)
+    assert ssh.returncode == 0, ssh.stderr
+    # The host's own key marked revoked: refused, though the inventory's file trusts it; and never recorded again.
+    user_file.write_text(ca_line + _key_line("@revoked *", sshd.host_key.with_suffix(".pub")))
+    r = e.cli("hosts", "check", "gpu")
+    assert r.code == 1 and "@revoked" in r.stdout and f"{user_file}:2" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "known_hosts").write_text("")
+    r = e.cli("hosts", "trust", "gpu", "--yes")
+    assert r.code == 1 and "@revoked" in r.stdout + r.stderr and (tmp_path / "known_hosts").read_text() == ""
+
+
+def test_trust_compares_keys_of_the_same_type_and_records_into_the_inventorys_file(tmp_path):
+    """OpenSSH records every key a host has (ed25519, ecdsa, rsa); paramiko is offered the ed25519 one. `hosts trust`
+    took the others for a changed key (a false man-in-the-middle alarm whose advice removed valid keys), and called a
+    key "already recorded" in the inventory's file when only ~/.ssh/known_hosts held it (teammates sharing the
+    inventory's file kept meeting an unknown key)."""
+    from sshd import Sshd, keygen
+
+    server = Sshd(tmp_path / "sshd")
+    extra = {k: keygen(server.root / f"ssh_host_{k}_key", k) for k in ("ecdsa", "rsa")}
+    server.write_config("\n".join(f"HostKey {k}" for k in extra.values()))
+    server.start()
+    try:
+        e = make_env(tmp_path, server, trusted=False)
+        name = f"[127.0.0.1]:{server.port}"
+        lines = {"ed25519": server.host_key_line(), **{k: _key_line(name, v.with_suffix(".pub")) for k, v in extra.items()}}
+        user_file, team = e.home / ".ssh" / "known_hosts", tmp_path / "known_hosts"
+        user_file.write_text(lines["ed25519"] + lines["ecdsa"] + lines["rsa"])
+        r = e.cli("hosts", "trust", "gpu", "--yes")
+        assert r.code == 0 and "HOST KEY CHANGED" not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert team.read_text() == lines["ed25519"]            # into the inventory's file, which teammates read
+        assert user_file.read_text() == lines["ed25519"] + lines["ecdsa"] + lines["rsa"]   # nothing removed
+        r = e.cli("hosts", "trust", "gpu", "--yes")
+        assert r.code == 0 and f"already recorded in {team}" in r.stdout and team.read_text() == lines["ed25519"]
+        # Only another type known (an older ssh recorded ecdsa): not a change either, and nothing of it is touched.
+        user_file.write_text(lines["ecdsa"])
+        team.write_text("")
+        r = e.cli("hosts", "trust", "gpu", "--yes")
+        assert r.code == 0, r.stdout + r.stderr
+        assert team.read_text() == lines["ed25519"] and user_file.read_text() == lines["ecdsa"]
+        assert e.cli("hosts", "check", "gpu").code == 0
+    finally:
+        server.stop()
+
+
+def _run_advice(out: str) -> None:
+    """Runs the command an error line tells the user to run (`…record it: echo '…' >> FILE`), as a user would."""
+    command = out.split("record it: ", 1)[1].splitlines()[0].strip()
+    subprocess.run(["bash", "-c", command], check=True)
+
+
+def test_first_contact_through_proxyjump_gives_advice_that_works(tmp_path, sshd):
+    """An unknown key on a ProxyJump host or on its jump host said `run: kimi-eagle hosts trust box`, which refuses
+    every ProxyJump host. Now it names whose key it is and the exact known_hosts line, as a command to run."""
+    import sys
+
+    e = make_env(tmp_path, sshd)
+    (e.home / ".ssh" / "config").write_text(
+        f"Host jump\n  HostName localhost\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.client_key}\n"
+        f"Host box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.client_key}\n  ProxyJump jump\n"
+    )
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    e.write_inventory(f"hosts:\n  box:\n    address: box\n    known_hosts: {known}\n    python: {sys.executable}\n"
+                      f"    workdir: {tmp_path / 'w'}\n")
+    r = e.cli("hosts", "check", "box")
+    assert r.code == 1 and "a jump host on the way to box" in r.stdout and f"[localhost]:{sshd.port}" in r.stdout, r.stdout
+    _run_advice(r.stdout)
+    r = e.cli("hosts", "check", "box")
+    assert r.code == 1 and "box itself, reached through ProxyJump" in r.stdout, r.stdout
+    assert f"[127.0.0.1]:{sshd.port}" in r.stdout and _fp(sshd) in r.stdout
+    _run_advice(r.stdout)
+    r = e.cli("--json", "hosts", "check", "box")
+    assert r.code == 0, r.stdout + r.stderr
+    assert sorted(known.read_text().splitlines()) == sorted(
+        [sshd.host_key_line().strip(), sshd.host_key_line().replace("[127.0.0.1]", "[localhost]").strip()])
+    # `hosts trust` says what to do instead of a dead end
+    r = e.cli("hosts", "trust", "box", "--yes")
+    assert r.code == 2 and "kimi-eagle hosts check box" in r.stderr, r.stderr

@@ -108,3 +108,34 @@ def test_openssh_gets_the_address_after_the_end_of_options(tmp_path):
     time.sleep(0.2)
     assert not marker.exists()
     assert argv[-2:] == ["--", host.address]
+
+
+@pytest.mark.parametrize("field, value, hint", [
+    ("address", "root@gpu-01.example", "`user:`"),
+    ("address", "gpu-01.example:2222", "`port:`"),
+    ("rdzv_address", "head.example:29500", "`rdzv_port:`"),
+])
+def test_a_login_or_port_written_into_an_address_is_refused_naming_its_own_field(tmp_path, field, value, hint):
+    """`address: host:port` or `user@host` passed, and half worked: fabric's small commands honoured them, OpenSSH (a
+    model upload) read them as a host name it cannot resolve (exit 5 on a reachable host), and `user@host` with
+    `user:` ended in a bare ValueError. They belong in their own fields: one line, exit 2, before any connection."""
+    env = make_env(tmp_path, None)
+    env.write_inventory(f"""hosts:
+  h1:
+    {field}: {json.dumps(value)}
+    user: root
+    workdir: {tmp_path / 'w'}
+""")
+    line = one_line_usage_error(env.cli("hosts", "check"))
+    assert f"host 'h1', field {field}" in line and hint in line, line
+
+
+def test_an_ipv6_address_is_still_an_address(tmp_path):
+    env = make_env(tmp_path, None)
+    env.write_inventory(f"""hosts:
+  h1:
+    address: "fe80::1"
+    workdir: {tmp_path / 'w'}
+""")
+    r = env.cli("--json", "hosts")
+    assert r.code == 0 and r.json()["hosts"][0]["address"] == "fe80::1", r.stdout + r.stderr

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, make_env, one_line_usage_error
+from kimi_eagle.hosts.session import payload_set
 
 PY = sys.executable
 PIPELINE = "pipeline:\n  model: /models/m\n  dataset: /data/d.jsonl\n"
@@ -522,7 +523,7 @@ def test_clean_dry_run_writes_nothing_on_a_host_with_an_older_payload_set(tmp_pa
     one (and status's scripts) first. Now every file under the workdir stays as it was."""
     e = make_env(tmp_path, sshd, extra=PIPELINE)
     job, out = _a_finished_run(e)
-    (e.workdir / ".kimi-eagle" / "payloads" / "MANIFEST").write_text("an older set\n")
+    (e.workdir / payload_set().folder / "MANIFEST").write_text("an older set\n")  # this set, not whole
     before = {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in e.workdir.rglob("*")}
     dry = e.cli("clean", job, "--dry-run")
     assert dry.code == 0, dry.stderr

@@ -92,7 +92,7 @@ def test_hostile_values_arrive_byte_exact(env, host, tmp_path):
     with HostSession(h) as s:
         # A module of the host package, next to the deployed ones: wrappers run `python -m kimi_eagle_host.<module>`.
         s.deploy_payloads()
-        sync.sync(s.transport, s.path(".kimi-eagle/payloads"), [sync.Item(remote="kimi_eagle_host/echo.py", local=echo)])
+        sync.sync(s.transport, s.path(s.payloads), [sync.Item(remote="kimi_eagle_host/echo.py", local=echo)])
         files = s.render_payload("echo", "echo", HOSTILE)
         s.upload_scripts(files)
         # Both ways in: the wrapper with the flags at run time (what run_payload does), and the rendered call.
@@ -197,7 +197,9 @@ def test_a_payload_layout_from_before_the_package_is_left_alone_and_never_import
     code = "import kimi_eagle_host.step_runtime as s, kimi_eagle_host.gpus; print('runtime at', s.__file__)"
     r = e.cli("--json", "run", "exec", "--host", "gpu", "--no-gpu", "--", sys.executable, "-c", code)
     assert r.code == 0, (r.stdout, r.stderr)
-    assert f"runtime at {old}/kimi_eagle_host/step_runtime.py" in r.stdout + r.stderr
+    from kimi_eagle.hosts.session import payload_set
+
+    assert f"runtime at {e.workdir / payload_set().folder}/kimi_eagle_host/step_runtime.py" in r.stdout + r.stderr
     status = e.cli("--json", "status", "--host", "gpu")
     assert status.code == 0 and "stale payload" not in status.stdout + status.stderr, (status.stdout, status.stderr)
     assert all((old / rel).exists() for rel in stale)  # left for the jobs that may still use them

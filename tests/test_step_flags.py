@@ -161,3 +161,14 @@ def test_a_job_rendered_before_the_rename_keeps_its_engine(tmp_path, capsys):
     args = parse_step_args("extract", ["--settings", str(old)])
     assert (args.engine, args.model) == ("vllm", "/m")
     assert f"--settings {old}: backend is now engine" in capsys.readouterr().err
+
+
+def test_a_path_setting_that_starts_with_a_dash_is_a_path_on_the_host(tmp_path, sshd):
+    """`output_dir: "-o"` passed the checks, the job started, then its first step refused it: `--output-dir -o`
+    reads as two options to argparse. Values travel as `--flag=value`, so the step reads the path as given."""
+    from conftest import TINY_PIPELINE
+
+    e = make_env(tmp_path, sshd, extra=TINY_PIPELINE + '  output_dir: "-o"\n')
+    r = e.cli("run", "prepare", "--host", "gpu", timeout=600)
+    assert r.code == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    assert (e.workdir / "-o" / "prepared").is_dir() and list((e.workdir / "-o" / "runs").iterdir())

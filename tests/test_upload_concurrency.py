@@ -134,3 +134,20 @@ def test_read_only_folder_is_one_line(env, tmp_path):
         assert len(msg.splitlines()) == 1 and f"gpu:{ro} is read-only" in msg, msg
     finally:
         subprocess.run(["umount", "-l", str(ro)])
+
+
+def test_a_folder_in_the_way_of_one_file_replaces_none_of_them(env, tmp_path):
+    """`upload d` where the host's d/b.txt is a folder: the files before it were replaced, then the rename failed
+    naming a temporary file (exit 1). Every destination is checked before the first rename: one line, exit 2."""
+    src = tmp_path / "d"
+    src.mkdir()
+    (src / "a.txt").write_text("new a\n")
+    (src / "b.txt").write_text("new b\n")
+    dest = env.workdir / "incoming" / "d"
+    (dest / "b.txt").mkdir(parents=True)
+    (dest / "a.txt").write_text("old a\n")
+    r = env.cli("upload", str(src), "--host", "gpu", "--to", "incoming")
+    msg = (r.stdout + r.stderr).strip()
+    assert r.code == 2 and len(msg.splitlines()) == 1, (r.code, msg)
+    assert f"gpu:{dest / 'b.txt'} is a folder" in msg and "nothing was replaced" in msg, msg
+    assert (dest / "a.txt").read_text() == "old a\n" and sorted(p.name for p in dest.iterdir()) == ["a.txt", "b.txt"]

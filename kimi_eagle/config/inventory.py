@@ -62,6 +62,13 @@ def _host_name(value):
             raise ValueError("starts with '-' (it would reach ssh as an option)")
         if any(c.isspace() for c in value):
             raise ValueError("contains white space")
+        # `user@host` and `host:port` work for fabric's small commands but reach OpenSSH (large uploads) and torchrun
+        # as a host name: they go in their own fields. Two colons or more are an IPv6 address.
+        if "@" in value:
+            raise ValueError("contains '@': give the login name as `user:` and the host alone here")
+        if value.count(":") == 1:
+            raise ValueError("contains ':': give the port as `port:` (`rdzv_port:` for rdzv_address) and the host "
+                             "alone here")
         _idna(value)
     return value
 

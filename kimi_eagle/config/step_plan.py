@@ -117,11 +117,12 @@ def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str
     steps = []
     if pipeline.tiny_model:
         model = str(expand(pipeline.model))
-        steps.append(Step("tiny-model", [*module_argv("pipeline.tiny_model"), "--kind", pipeline.tiny_model, "--out", model],
+        # `--flag=value` wherever a value comes from the inventory: one starting with '-' is a value, not an option.
+        steps.append(Step("tiny-model", [*module_argv("pipeline.tiny_model"), f"--kind={pipeline.tiny_model}", f"--out={model}"],
                           unless_exists=f"{model}/config.json"))
     elif pipeline.model_source:
         model = str(expand(pipeline.model))
-        steps.append(Step("model", [*module_argv("pipeline.models"), "--source", pipeline.model_source, "--out", model],
+        steps.append(Step("model", [*module_argv("pipeline.models"), f"--source={pipeline.model_source}", f"--out={model}"],
                           unless_exists=f"{model}/config.json"))
     refuse_output_flags(step, extra)
     given = extra_settings(names[0], extra)  # a typo or a bad value is refused here, before anything is rendered
@@ -200,8 +201,8 @@ def plan_for_host(step: str, host, extra: list[str] | None = None, job_id: str |
     if step == "exec":
         return steps
     settings_yaml = resolved_yaml(host.pipeline, source=host.recipe_source, host=host.name)
-    record = Step("record", [*module_argv("ops.provenance"), "--output-dir", str(expand(host.pipeline.output_dir)),
-                             "--runs-dir", RUNS, "--product-version", __version__, "--settings", settings_yaml])
+    record = Step("record", [*module_argv("ops.provenance"), f"--output-dir={expand(host.pipeline.output_dir)}",
+                             "--runs-dir", RUNS, "--product-version", __version__, f"--settings={settings_yaml}"])
     return [record, *steps]
 
 

@@ -1,8 +1,12 @@
 """A host plus its open transport: the library's unit of work for one command.
 
 Knows the layout on the host (everything relative to the workdir) and how to deploy and run a payload: the
-kimi_eagle_host package, uploaded to <workdir>/.kimi-eagle/payloads/kimi_eagle_host/ and run as modules
-(`python -m kimi_eagle_host.ops.probe`) with PYTHONPATH naming <workdir>/.kimi-eagle/payloads.
+kimi_eagle_host package, uploaded to <workdir>/.kimi-eagle/payloads/<digest>/kimi_eagle_host/ and run as modules
+(`python -m kimi_eagle_host.ops.probe`) with PYTHONPATH naming that <digest> folder.
+
+One folder per payload set, named by its content: a job's script names the folder of the set it was rendered with,
+so its later steps import that code even when another checkout (or an upgraded kimi-eagle) deploys its own set to
+the same workdir meanwhile; they once all shared one folder and a running job picked up whatever was there last.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
+from functools import cache
 
 from .. import templating
 from ..errors import CommandError, ConfigError
@@ -18,7 +23,7 @@ from . import stdin_payload, sync
 from .transport import open_transport
 
 STATE = ".kimi-eagle"
-PAYLOADS = f"{STATE}/payloads"
+PAYLOADS = f"{STATE}/payloads"  # one folder per payload set (PayloadSet.folder); kimi_eagle_host.payload_sets
 BIN = f"{STATE}/bin"
 RUNS = "runs"
 MANIFEST = "MANIFEST"
@@ -45,11 +50,35 @@ class PayloadResult:
 def expand(value):
     """Placeholders in pipeline settings: paths on the host, relative to the workdir (scripts cd there).
 
-    {payloads} is the uploaded package's folder, so `{payloads}/sample_data/chat.jsonl` still names the bundled data
-    (inventories written before the host code became a package keep working)."""
+    {payloads} is the uploaded package's folder (in this command's payload set), so
+    `{payloads}/sample_data/chat.jsonl` still names the bundled data (inventories written before the host code
+    became a package keep working)."""
     if isinstance(value, str):
-        return value.replace("{workdir}", ".").replace("{payloads}", f"{PAYLOADS}/{HOST_PACKAGE}")
+        value = value.replace("{workdir}", ".")
+        if "{payloads}" in value:
+            value = value.replace("{payloads}", f"{payload_set().folder}/{HOST_PACKAGE}")
     return value
+
+
+@dataclass(frozen=True)
+class PayloadSet:
+    """The host package as this process deploys it: its files (in memory) and the digest that names its folder."""
+
+    items: tuple
+    digest: str
+
+    @property
+    def folder(self) -> str:
+        """Where the set lies, relative to the workdir: what PYTHONPATH names."""
+        return f"{PAYLOADS}/{self.digest[:16]}"
+
+
+@cache
+def payload_set() -> PayloadSet:
+    """Read once per process, like the controller's own modules: the folder a job's script names (rendered before
+    connecting) and the files deployed there are then the same set, even when the checkout is edited meanwhile."""
+    items = [sync.Item(remote=i.remote, data=i.local.read_bytes(), mode=i.mode) for i in _payload_items()]
+    return PayloadSet(tuple(items), _manifest(items))
 
 
 class HostSession:
@@ -61,11 +90,15 @@ class HostSession:
         self.transport = transport or open_transport(host)
         self.read_only = read_only
         self._deployed = None
-        self._deployed_digest = None
 
     @property
     def name(self) -> str:
         return self.host.name
+
+    @property
+    def payloads(self) -> str:
+        """The folder of this command's payload set, relative to the workdir (templates render it into PYTHONPATH)."""
+        return payload_set().folder
 
     def path(self, rel: str) -> str:
         """Absolute path on the host of something under the workdir."""
@@ -82,44 +115,45 @@ class HostSession:
 
     # -- payloads ---------------------------------------------------------
     def deploy_payloads(self) -> sync.SyncReport:
-        """Upload what changed in the kimi_eagle_host package, then record the set's digest in MANIFEST."""
+        """Upload what the host lacks of this payload set into its own folder, then seal it (payload_sets.py): its
+        MANIFEST written last says the set is whole; sets no deploy and no unfinished job has used for a week go."""
         self._refuse_writes("upload the host package")
         if self._deployed is None:
-            items = _payload_items()
-            report = sync.sync(self.transport, self.path(PAYLOADS), items)
-            self._deployed_digest = _manifest(items)
-            sync.sync(self.transport, self.path(PAYLOADS), [sync.Item(remote=MANIFEST, data=self._deployed_digest.encode())])
+            ps = payload_set()
+            report = sync.sync(self.transport, self.path(ps.folder), list(ps.items))
+            self.transport.run(self._module_command("payload_sets", ["seal", ps.digest]), check=True,
+                               what="seal the payload set")
             self._deployed = report
         return self._deployed
 
     def call(self, module: str, args: list[str], *, timeout: float | None = None):
         """Run a payload module (e.g. "ops.jobs") directly, in one round trip when the host already has this set.
 
-        The command checks MANIFEST first; on a mismatch (exit 222) the set is deployed and the call repeated.
+        The command checks the set's MANIFEST first; where the set is missing or not whole (exit 222) it is deployed
+        and the call repeated.
         """
-        python = templating.sh_path(self.host.python)
-
-        def command(digest: str) -> str:
-            return (f"cd {templating.sh_path(self.host.workdir)} && "
-                    f"[ \"$(cat {PAYLOADS}/{MANIFEST} 2>/dev/null)\" = {templating.quote(digest)} ] || exit 222; "
-                    f"{pythonpath_export()}; exec {python} {templating.sh_join([*module_argv(module), *args])}")
-
+        ps = payload_set()
+        manifest = templating.quote(f"{ps.folder}/{MANIFEST}")
+        whole = f"[ \"$(cat {manifest} 2>/dev/null)\" = {templating.quote(ps.digest)} ] || exit 222; "
+        command = self._module_command(module, args, first=whole)
         if self._deployed is None:
-            digest = _manifest(_payload_items())
-            res = self.transport.run(command(digest), timeout=timeout)
+            res = self.transport.run(command, timeout=timeout)
             if res.exited != 222:
-                self._deployed, self._deployed_digest = sync.SyncReport(self.name, self.path(PAYLOADS)), digest
+                self._deployed = sync.SyncReport(self.name, self.path(ps.folder))
                 return res
             if self.read_only:
                 return self._call_from_stdin(module, args, timeout)
             self.deploy_payloads()
-        # The digest of the set deployed, not one read before it: a checkout edited in between (a developer saving a
-        # file while a command runs) would otherwise fail this call with a bare exit 222.
-        return self.transport.run(command(self._deployed_digest), timeout=timeout)
+        return self.transport.run(command, timeout=timeout)
+
+    def _module_command(self, module: str, args: list[str], first: str = "") -> str:
+        """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from this payload set, in the workdir."""
+        return (f"cd {templating.sh_path(self.host.workdir)} && {first}{pythonpath_export(self.payloads)}; "
+                f"exec {templating.sh_path(self.host.python)} {templating.sh_join([*module_argv(module), *args])}")
 
     def _call_from_stdin(self, module: str, args: list[str], timeout: float | None):
         return self.transport.run(stdin_payload.command(workdir=self.host.workdir, python=self.host.python,
-                                                        env=self.host.env, payloads=PAYLOADS, module=module,
+                                                        env=self.host.env, payloads=self.payloads, module=module,
                                                         args=[str(a) for a in args]),
                                   stdin=stdin_payload.package_zip(), timeout=timeout)
 
@@ -135,7 +169,7 @@ class HostSession:
         import hashlib
 
         text = templating.render("payload.sh.j2", host=self.host.name, env=self.host.env, workdir=self.host.workdir,
-                             python=self.host.python, argv=module_argv(module), payloads=PAYLOADS)
+                             python=self.host.python, argv=module_argv(module), payloads=self.payloads)
         return f"{BIN}/{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh", text
 
     def render_payload(self, name: str, module: str, args: list[str]) -> dict[str, str]:
@@ -171,13 +205,14 @@ class HostSession:
         return PayloadResult(self.name, name, res.exited, data, res.stderr)
 
 
-def pythonpath_export() -> str:
-    """The shell line, run in the workdir, that lets the host's Python import kimi_eagle_host (templates include it)."""
-    return templating.render("_pythonpath.sh.j2", payloads=PAYLOADS).strip()
+def pythonpath_export(folder: str) -> str:
+    """The shell line, run in the workdir, that lets the host's Python import kimi_eagle_host from the payload set
+    in `folder` (templates include it)."""
+    return templating.render("_pythonpath.sh.j2", payloads=folder).strip()
 
 
 def _payload_items() -> list[sync.Item]:
-    """The host package's files as they land under <workdir>/.kimi-eagle/payloads/ (kimi_eagle_host/...)."""
+    """The host package's files as they land in a payload set's folder (kimi_eagle_host/...)."""
     return sync.tree_items(payloads_dir(), payload_files())
 
 

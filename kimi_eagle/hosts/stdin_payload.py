@@ -1,10 +1,10 @@
 """Run a host module without writing to the host: what a dry run does where the host lacks this payload set.
 
-A normal call uploads the kimi_eagle_host package to <workdir>/.kimi-eagle/payloads/ first (session.py). A dry run
-promises not to act, so it must not create that folder (or the workdir) either: the package's Python files travel
-on the call's stdin as a zip, and a short bootstrap given to `python -c` imports them from memory. The modules see
-the paths they would have had when deployed (`__file__` under <workdir>/.kimi-eagle/payloads/), so what they derive
-from their own place (the runs folder) is the same either way; none of them reads a file of the package.
+A normal call uploads the kimi_eagle_host package to its payload set's folder, <workdir>/.kimi-eagle/payloads/<digest>/,
+first (session.py). A dry run promises not to act, so it must not create that folder (or the workdir) either: the
+package's Python files travel on the call's stdin as a zip, and a short bootstrap given to `python -c` imports them
+from memory. The modules see the paths they would have had when deployed (`__file__` under that folder), so what
+they derive from their own place (the runs folder) is the same either way; none of them reads a file of the package.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CommandError, KimiEagleError
+from ..errors import CommandError, ConfigError, KimiEagleError
 from ..shell import join
 from .local_dest import writing
 
@@ -107,15 +107,18 @@ print(json.dumps(grown))
 
 # Verify what is about to be renamed (the temporary file itself, not the stream that filled it), then rename.
 # Arguments come in triples (temporary, final, expected sha256 or "-" when the receiver hashed its own file).
+# A folder where a file goes would fail its rename after the files before it were replaced: every destination is
+# checked before the first rename, and then none is renamed.
 _COMMIT_CODE = _SHA_FN + """
 import json
 a = sys.argv[1:]
 todo = list(zip(a[0::3], a[1::3], a[2::3]))
 bad = [final for tmp, final, want in todo if want != "-" and sha(tmp) != want]
-if not bad:
+in_the_way = [final for tmp, final, want in todo if os.path.isdir(final) and not os.path.islink(final)]
+if not bad and not in_the_way:
     for tmp, final, want in todo:
         os.replace(tmp, final)
-print(json.dumps({"mismatch": bad}))
+print(json.dumps({"mismatch": bad, "in_the_way": in_the_way}))
 """
 
 # The lease: sweeps `.part` files of these names that no lease holds any more (and that stopped changing), then
@@ -333,7 +336,11 @@ def sync(transport, root: str, items: list[Item], progress=None) -> SyncReport:
         args = [v for triple in commit for v in triple]
         res = transport.run(f"{_python(transport)} -c {join([_COMMIT_CODE])} {join(args)}", check=True,
                             what="verify and rename on the host")
-        bad = json.loads(res.stdout.strip().splitlines()[-1])["mismatch"]
+        answer = json.loads(res.stdout.strip().splitlines()[-1])
+        bad = answer["mismatch"]
+        if answer["in_the_way"]:
+            raise ConfigError(f"{transport.name}:{answer['in_the_way'][0]} is a folder where the upload puts a file; "
+                              f"nothing was replaced")
         if bad:
             # SFTP's pipelined writes can lose a write error (ENOSPC) silently: the bytes are just not there.
             need = sum(i.size for i, _, final in plan if final in bad)

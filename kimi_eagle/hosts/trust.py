@@ -14,7 +14,11 @@ def offered_key(host):
         raise ConfigError(f"{host.name}: transport is {host.transport}; only ssh hosts have host keys")
     conn = Connection(host.address, user=host.user, port=host.port, config=Config())
     if conn.gateway:
-        raise ConfigError(f"{host.name}: reaches its host through ProxyJump; trust it with ssh-keyscan through the jump host")
+        # Fetching the key here would mean trusting the jump host first: `hosts check` names each unknown key on
+        # the way, with the exact line to record.
+        raise ConfigError(f"{host.name}: reaches its host through ProxyJump, which `hosts trust` does not go through; "
+                          f"run `kimi-eagle hosts check {host.name}`: it names each key not yet trusted on the way and "
+                          f"the line to record it")
     try:
         key = hostkeys.fetch_key(conn.host, conn.port, host.connect_timeout)
     except OSError as e:

@@ -9,7 +9,7 @@ import time
 from .. import templating
 from ..config import step_plan
 from ..errors import EXIT_FAILED, CommandError, ConfigError, ConnectionFailed, KimiEagleError
-from ..hosts.session import PAYLOADS, RUNS, HostSession
+from ..hosts.session import RUNS, HostSession
 from ..shell import join
 from . import interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
@@ -52,7 +52,7 @@ def render_job(session: HostSession, step: str, extra: list[str], job_id: str = 
         env=host.env,
         workdir=host.workdir,
         python=host.python,
-        payloads=PAYLOADS,
+        payloads=session.payloads,
         steps=steps,
     )
     return f"{run_rel}/job.sh", text

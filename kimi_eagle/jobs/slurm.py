@@ -18,7 +18,7 @@ from .. import templating
 from ..config import step_plan
 from ..errors import CommandError, ConfigError, ConnectionFailed, KimiEagleError
 from ..hosts import sync
-from ..hosts.session import PAYLOADS, RUNS, HostSession
+from ..hosts.session import RUNS, HostSession
 from ..shell import join, quote
 from . import direct, interrupts, layout
 from .job_info import Job, check_job_id, new_job_id
@@ -79,7 +79,7 @@ def job_files(session: HostSession, step: str, extra: list[str], job_id: str = "
                  for i in range(slurm.shards)]
     array_spec = f"0-{len(tasks) - 1}" + (f"%{slurm.array_parallelism}" if slurm.array_parallelism else "")
     common = dict(job_id=job_id, host=host.name, step=step, env=host.env, workdir=host.workdir, python=host.python,
-                  payloads=PAYLOADS)
+                  payloads=session.payloads)
     files = {}
     main = steps[-1]
     if torchrun:

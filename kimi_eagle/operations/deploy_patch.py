@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import ConfigError
 from ..hosts.parallel import HostOutcome, each_host
-from ..hosts.session import PAYLOADS, HostSession
+from ..hosts.session import HostSession, payload_set
 from ..resources import host_package_dir, payload_files, payloads_dir
 
 ENGINE = "ops.deploy_patch"  # the host half, a module of kimi_eagle_host
@@ -172,7 +172,7 @@ def upload_files() -> dict[str, str]:
     for f in payload_files():
         rel = f.relative_to(package).as_posix()
         if rel in ENGINE_FILES or (rel.startswith(f"{SETS_DIR}/") and rel.endswith(".json")):
-            out[f"{PAYLOADS}/{f.relative_to(root).as_posix()}"] = f.read_text()
+            out[f"{payload_set().folder}/{f.relative_to(root).as_posix()}"] = f.read_text()
     return out
 
 

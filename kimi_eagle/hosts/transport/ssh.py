@@ -22,10 +22,19 @@ _GCM_FIRST = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
+# How long sent data may stay unacknowledged before the kernel gives up on the connection (Linux). Our SSH keepalive
+# (every 15 s) keeps data in flight, and the kernel sends no TCP keepalive probe while data is unacknowledged: without
+# this, a silently dropped link (VPN, Wi-Fi) is noticed only when the retransmissions run out, about 15 minutes later,
+# by any command without a timeout of its own (status, hosts check, uploads). A live peer acknowledges within
+# milliseconds, however busy the command is.
+USER_TIMEOUT_MS = 45_000
+
+
 def _tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+    for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3),
+                     ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
@@ -120,8 +129,9 @@ class SSHTransport(Transport):
             conn.connect_kwargs["sock"] = sock
         try:
             conn.open()
-        except hostkeys.UnknownHostKey as e:
-            raise e.for_host(h.name) from None
+        except (hostkeys.UnknownHostKey, hostkeys.RevokedHostKey) as e:
+            through = hostkeys.known_host_name(conn.host, conn.port) if conn.gateway else None
+            raise e.for_host(h.name, through=through, known_hosts=h.known_hosts) from None
         except paramiko.BadHostKeyException as e:
             # paramiko names the bare host; known_hosts (and ssh-keygen -R) name `[host]:port` off port 22.
             known_name = hostkeys.known_host_name(conn.host, conn.port) if e.hostname == conn.host else e.hostname
@@ -132,6 +142,12 @@ class SSHTransport(Transport):
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise HostUnreachable(_handshake_failure(h, conn, e)) from None
         conn.transport.set_keepalive(15)
+        # Through ProxyJump the first hop's socket is fabric's: the same dead-link bound on it.
+        hop = conn.gateway
+        while hop is not None and not isinstance(hop, str):
+            if hop.transport is not None and isinstance(hop.transport.sock, socket.socket):
+                _tune_socket(hop.transport.sock)
+            hop = hop.gateway
         return conn
 
     @property
