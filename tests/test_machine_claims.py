@@ -267,3 +267,22 @@ def test_jobs_started_from_several_terminals_at_once_all_stay_recorded(tmp_path)
     index = json.loads((tmp_path / "kimi-eagle" / "jobs.json").read_text())
     missing = [f"t{n}-{i}" for n in range(6) for i in range(25) if f"t{n}-{i}" not in index]
     assert not missing, missing
+
+
+def test_the_inventorys_machine_dir_is_where_starts_keep_their_claims(tmp_path, sshd):
+    """KIMI_EAGLE_MACHINE_DIR set in the host's `env:` (a node-local folder instead of an NFS home) reached preflight
+    but not the start, which kept its claims under the login's default: the two disagreed about what the machine
+    holds. Both now use the inventory's folder."""
+    from kimi_eagle_host import procfs
+
+    machine = tmp_path / "node-local"
+    env = make_env(tmp_path, sshd, extra=PIPELINE, host_env={"KIMI_EAGLE_MACHINE_DIR": str(machine)})
+    job = start(env, "gpu", "sleep", "60", gpu=True)
+    try:
+        claims = machine / procfs.boot_id() / "claims"
+        held = [json.loads(p.read_text())["job_id"] for p in claims.glob("*.json")] if claims.is_dir() else []
+        assert held == [job["id"]], list(machine.rglob("*"))
+        r = env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")
+        assert r.code == 1 and f"GPU job {job['id']} (exec" in r.stderr, (r.code, r.stderr)
+    finally:
+        assert env.cli("stop", job["id"], "--host", "gpu", "--grace", "1").code == 0

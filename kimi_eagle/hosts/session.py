@@ -147,15 +147,18 @@ class HostSession:
         return self.transport.run(command, timeout=timeout)
 
     def _module_command(self, module: str, args: list[str], first: str = "") -> str:
-        """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from this payload set, in the workdir."""
-        return (f"cd {templating.sh_path(self.host.workdir)} && {first}{pythonpath_export(self.payloads)}; "
+        """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from this payload set, in the workdir,
+        with the inventory's env as every other payload and job gets it (a KIMI_EAGLE_MACHINE_DIR set there must
+        reach the starts and cleans that take claims, not only preflight)."""
+        env = "".join(f"export {templating.sh_name(k)}={templating.sh(v)}; " for k, v in self.host.env.items())
+        return (f"{env}cd {templating.sh_path(self.host.workdir)} && {first}{pythonpath_export(self.payloads)}; "
                 f"exec {templating.sh_path(self.host.python)} {templating.sh_join([*module_argv(module), *args])}")
 
     def _call_from_stdin(self, module: str, args: list[str], timeout: float | None):
         return self.transport.run(stdin_payload.command(workdir=self.host.workdir, python=self.host.python,
                                                         env=self.host.env, payloads=self.payloads, module=module,
                                                         args=[str(a) for a in args]),
-                                  stdin=stdin_payload.package_zip(), timeout=timeout)
+                                  stdin=stdin_payload.package_zip(payload_set().items, payload_set().digest), timeout=timeout)
 
     def _refuse_writes(self, what: str) -> None:
         if self.read_only:   # a bug of ours, never the user's input: a dry run must not write to the host

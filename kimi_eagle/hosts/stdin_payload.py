@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import io
 import zipfile
-from functools import cache
 
 from .. import templating
-from ..resources import HOST_PACKAGE, payload_files, payloads_dir
+from ..resources import HOST_PACKAGE
 
 # Runs on the host's Python (3.8+ and stdlib only, like the ops payloads): argv = [module, args...], stdin = the zip.
 BOOT = '''\
@@ -46,16 +45,20 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 '''
 
 
-@cache
-def package_zip() -> bytes:
-    """The host package's Python files, zipped under their paths below the payloads folder (kimi_eagle_host/...)."""
-    root = payloads_dir()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for path in payload_files():
-            if path.suffix == ".py":
-                z.write(path, path.relative_to(root).as_posix())
-    return buf.getvalue()
+_ZIPS: dict[str, bytes] = {}
+
+
+def package_zip(items, digest: str) -> bytes:
+    """The payload set's Python files (sync.Items under the payloads folder: kimi_eagle_host/...), zipped; once per
+    set and process."""
+    if digest not in _ZIPS:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for item in items:
+                if item.remote.endswith(".py"):
+                    z.writestr(item.remote, item.data)
+        _ZIPS[digest] = buf.getvalue()
+    return _ZIPS[digest]
 
 
 def command(*, workdir: str, python: str, env: dict, payloads: str, module: str, args: list[str]) -> str:

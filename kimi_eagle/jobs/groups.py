@@ -114,13 +114,13 @@ def _locked(key: tuple):
 def _fingerprint(rendered: dict[str, dict[str, str]]) -> dict:
     import hashlib
 
-    from ..hosts.session import _manifest, _payload_items
+    from ..hosts.session import payload_set
 
     def digest(files: dict[str, str]) -> str:
         return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
     return {"hosts": {h: digest(files) for h, files in rendered.items()},
-            "payloads": _manifest(_payload_items())}
+            "payloads": payload_set().digest}
 
 
 def _latest_with_key(key: tuple) -> GroupJob | None:
