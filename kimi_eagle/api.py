@@ -307,7 +307,7 @@ class Controller:
             not self.inventory.sets(h.name, "hidden_states")
         try:
             checked = self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
-                                         notify=notify, may_go_online=may_go_online)
+                                         notify=notify, may_go_online=may_go_online, step_flags=extra)
             if checked is not None and checked.online_instead:
                 h = h.model_copy(update={"pipeline": h.pipeline.model_copy(update={"hidden_states": "online"})})
                 notify(f"[{h.name}] hidden_states: online, since {checked.online_instead['detail']} (the engine "
@@ -327,9 +327,9 @@ class Controller:
             return Started(h.name, job, session)
 
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
-                      notify: Notify, may_go_online: bool = False):
+                      notify: Notify, may_go_online: bool = False, step_flags: list[str] | None = None):
         """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight
-        (its result, where it ran; may_go_online: see preflight.gate)."""
+        (its result, where it ran; may_go_online: see preflight.gate; step_flags: the flags after -- for the step)."""
         from .jobs import scheduler
         from .jobs.slurm import SlurmPreflightError
 
@@ -350,7 +350,7 @@ class Controller:
             from .operations import preflight as pf
 
             return pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style),
-                           may_go_online=may_go_online)
+                           may_go_online=may_go_online, step_flags=step_flags)
         return None
 
     def run_group(self, step: str, group: str, extra: list[str] | None = None, *, shard_by: str = "hosts",

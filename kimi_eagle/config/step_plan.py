@@ -32,15 +32,16 @@ class Step:
     branches: list["Step"] = field(default_factory=list)  # run at once instead of argv; the step fails if one does
 
 
-def step_section(step: str, pipeline, extra: dict | None = None) -> dict:
+def step_section(step: str, pipeline, extra: dict | None = None, required: bool = True) -> dict:
     """What `step` runs with: {its flag's key: value} from the resolved settings (kimi_eagle_host/settings.py),
-    `steps.<step>` over the pipeline's, then `extra` (the flags after --, already checked). Paths expanded."""
+    `steps.<step>` over the pipeline's, then `extra` (the flags after --, already checked). Paths expanded.
+    `required`: refuse a missing required setting (preflight, which reports it as a check, passes False)."""
     section = settings.step_section(step, pipeline.model_dump())
     if step == "prepare" and pipeline.regenerate:
         section["dataset"] = f"{pipeline.output_dir.rstrip('/')}/{REGENERATED}"  # the target's own answers
     section.update(extra or {})
     for key, s in settings.BY_STEP[step].items():
-        if s.pipeline and s.name in REQUIRED and section.get(key) is None:
+        if required and s.pipeline and s.name in REQUIRED and section.get(key) is None:
             raise ConfigError(f"pipeline.{s.name} is not set (inventory `pipeline:` section, the host's override, "
                               f"a recipe or {s.name}=VALUE)")
     return {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
