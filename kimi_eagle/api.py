@@ -290,6 +290,7 @@ class Controller:
         """Start `step` (a pipeline step, `all`, or `exec` with the command in `extra`) as a detached job.
         The input is validated before any connection; then our stale GPU holders (reset_gpus), the scheduler and
         the step's preflight are checked on the host, and nothing starts if one fails."""
+        from .config import step_plan
         from .hosts.session import HostSession
         from .hosts.transport.offline import Offline
         from .jobs import job_info, scheduler
@@ -302,9 +303,9 @@ class Controller:
         files = sched.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
         session = HostSession(h)
         # `run all` whose hidden states would not fit the host as files trains online, unless the user chose
-        # hidden_states (then preflight's storage check refuses, as for any failure).
+        # hidden_states or a trainer that reads files (then preflight's storage check refuses, as for any failure).
         may_go_online = step == "all" and h.pipeline.hidden_states == "offline" and \
-            not self.inventory.sets(h.name, "hidden_states")
+            not self.inventory.sets(h.name, "hidden_states") and step_plan.trainer(h.pipeline) == "ours"
         try:
             checked = self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
                                          notify=notify, may_go_online=may_go_online, step_flags=extra)

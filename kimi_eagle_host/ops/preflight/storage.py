@@ -144,7 +144,10 @@ def check_storage(args, ctx: dict) -> dict:
             result = check("storage", "pass", f"hidden_states: online, no hidden-state files; {plan['summary']}")
         result["plan"] = plan
         return result
-    if plan["spool_fits"] is False:
+    if step_value(args, "train", "trainer") != "ours":
+        online = ("steps.train.trainer speculators reads the hidden states as files (hidden_states=online needs "
+                  "trainer ours), so ")
+    elif plan["spool_fits"] is False:
         online = f"online would not fit either ({storage_plan.spool_fix(plan)}); or "
     else:
         online = ("set hidden_states=online (the engine feeds the trainer through a buffer in memory; no files), "
