@@ -290,6 +290,7 @@ class Controller:
         """Start `step` (a pipeline step, `all`, or `exec` with the command in `extra`) as a detached job.
         The input is validated before any connection; then our stale GPU holders (reset_gpus), the scheduler and
         the step's preflight are checked on the host, and nothing starts if one fails."""
+        from .config import step_plan
         from .hosts.session import HostSession
         from .hosts.transport.offline import Offline
         from .jobs import job_info, scheduler
@@ -302,12 +303,12 @@ class Controller:
         files = sched.render(HostSession(h, transport=Offline(h)), step, extra, job_id=job_id)
         session = HostSession(h)
         # `run all` whose hidden states would not fit the host as files trains online, unless the user chose
-        # hidden_states (then preflight's storage check refuses, as for any failure).
+        # hidden_states or a trainer that reads files (then preflight's storage check refuses, as for any failure).
         may_go_online = step == "all" and h.pipeline.hidden_states == "offline" and \
-            not self.inventory.sets(h.name, "hidden_states")
+            not self.inventory.sets(h.name, "hidden_states") and step_plan.trainer(h.pipeline) == "ours"
         try:
             checked = self._before_start(session, step, reset_gpus=reset_gpus, preflight=preflight, gpu=gpu,
-                                         notify=notify, may_go_online=may_go_online)
+                                         notify=notify, may_go_online=may_go_online, step_flags=extra)
             if checked is not None and checked.online_instead:
                 h = h.model_copy(update={"pipeline": h.pipeline.model_copy(update={"hidden_states": "online"})})
                 notify(f"[{h.name}] hidden_states: online, since {checked.online_instead['detail']} (the engine "
@@ -327,9 +328,9 @@ class Controller:
             return Started(h.name, job, session)
 
     def _before_start(self, session, step: str, *, reset_gpus: bool, preflight: bool, gpu: bool | None,
-                      notify: Notify, may_go_online: bool = False):
+                      notify: Notify, may_go_online: bool = False, step_flags: list[str] | None = None):
         """Before a job starts on a host: our stale GPU holders (reset_gpus), the scheduler, the step's preflight
-        (its result, where it ran; may_go_online: see preflight.gate)."""
+        (its result, where it ran; may_go_online: see preflight.gate; step_flags: the flags after -- for the step)."""
         from .jobs import scheduler
         from .jobs.slurm import SlurmPreflightError
 
@@ -350,7 +351,7 @@ class Controller:
             from .operations import preflight as pf
 
             return pf.gate(session, step, printer=lambda text, style=None: notify(f"[{name}] {text}", style),
-                           may_go_online=may_go_online)
+                           may_go_online=may_go_online, step_flags=step_flags)
         return None
 
     def run_group(self, step: str, group: str, extra: list[str] | None = None, *, shard_by: str = "hosts",

@@ -4,10 +4,12 @@ and the prepared data's size.
 
 Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_files.py): per token L layers x
 hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
-safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it: a bounded
-in-memory buffer (`online_buffer_gb`) holds what the engine has extracted and the trainer not yet taken, and every
-epoch runs the target again (unless `online_cache_gb` keeps documents: in the trainer's memory where one process
-trains, so a cache as large as the offline files costs memory, never files).
+safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it as files of the run:
+a bounded buffer in a memory file system (`online_spool_dir`, /dev/shm) holds what the engine has extracted and the
+trainer not yet taken (`online_buffer_gb`, and at least one sample, which always goes), the held-out documents stay
+there for the run's evaluations (`holdout_fraction` of the data), and every epoch runs the target again (unless
+`online_cache_gb` keeps documents: in the trainer's memory where one process trains, so a cache as large as the
+offline files costs memory, never files).
 
 Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a rough rule:
 - extraction (vLLM native): 153.6 k tokens/s at a 1.06 B target, 37.4 k at 7.2 B; between them log-linear in the
@@ -35,9 +37,6 @@ FILE_HEADER_BYTES = 256
 # Offline must leave this share of the estimate free on top of the step's own margin (--min-free-disk-gib):
 # token counts estimated from a dataset's first rows, file-system blocks.
 FIT_MARGIN = 0.05
-# Online keeps one engine batch in memory: extract's engine holds 64 prompts at once (extract_vllm.extract_native).
-BUFFER_SEQUENCES = 64
-SHM = "/dev/shm"
 
 # docs/benchmarks.md, one H200: (parameters a token multiplies through, tokens/s) of vLLM-native extraction.
 EXTRACT_ANCHORS = ((1.06e9, 153_600.0), (7.2e9, 37_400.0))
@@ -67,11 +66,11 @@ def train_tokens_per_s(hidden: int) -> float:
     return TRAIN_TOKENS_PER_S * min(1.0, (TRAIN_HIDDEN / hidden) ** 2)
 
 
-def prepared_data(output_dir: str | None) -> dict | None:
-    """{tokens, samples, source} from <output_dir>/prepared/manifest.json once prepare has run, else None."""
-    if not output_dir:
+def prepared_data(prepared_dir: str | None) -> dict | None:
+    """{tokens, samples, source} from <prepared_dir>/manifest.json once prepare has run, else None."""
+    if not prepared_dir:
         return None
-    path = os.path.join(output_dir, "prepared", "manifest.json")
+    path = os.path.join(prepared_dir, "manifest.json")
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -80,11 +79,11 @@ def prepared_data(output_dir: str | None) -> dict | None:
         return None
 
 
-def already_stored(output_dir: str | None) -> int:
-    """Bytes of the sample files an earlier extract left in <output_dir>/hidden_states: a resume writes only the
+def already_stored(hs_dir: str | None) -> int:
+    """Bytes of the sample files an earlier extract left in `hs_dir` (where extract writes): a resume writes only the
     rest, and those bytes are no longer free."""
     try:
-        with os.scandir(os.path.join(output_dir or "", "hidden_states")) as entries:
+        with os.scandir(hs_dir or "") as entries:
             return sum(e.stat().st_size for e in entries if SAMPLE_RE.match(e.name))
     except OSError:
         return 0
@@ -112,19 +111,25 @@ def count(n: int) -> str:
 
 
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
-         seq_len: int, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", shm_free: int | None = None,
-         free_note: str = "", stored: int = 0) -> dict:
+         seq_len: int, spool_dir: str, spool_free: int | None, online_buffer_gb: float, holdout_fraction: float,
+         gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
     """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
-    `keep_free` bytes left over), what online holds instead, and the hours each way. `data` is prepared_data()'s
-    answer or an estimate of the same shape ({tokens, samples, source, estimate}); `free_note` says where
-    `disk_free` came from when not from the file system; `stored` the bytes already written (already_stored()).
+    `keep_free` bytes left over), what online keeps in its spool folder instead (`spool_dir`, `spool_free` bytes
+    free there: the buffer of `online_buffer_gb`, at least one sample of `seq_len`, and the held-out documents), and
+    the hours each way. `data` is prepared_data()'s answer or an estimate of the same shape ({tokens, samples,
+    source, estimate}); `dtype` what extract writes (compute_dtype); `free_note` says where `disk_free` came from
+    when not from the file system; `stored` the bytes already written (already_stored()).
     Everything the check prints is in "summary" (one line) and "lines"."""
     hidden = int(text_config["hidden_size"])
     per = bytes_per_token(hidden, len(layer_ids), dtype)
     tokens, samples = int(data["tokens"]), int(data["samples"])
     offline = tokens * per["total"] + samples * FILE_HEADER_BYTES
     needed = int(max(0, offline - stored) * (1 + FIT_MARGIN)) + keep_free
-    buffer = min(tokens, BUFFER_SEQUENCES * seq_len) * per["total"]
+    # Online's spool: the engine waits while the buffer is full, but a batch always goes into an empty one (one
+    # sample at least); it never holds more than the data. The held-out documents stay there for the whole run.
+    one_sample = seq_len * per["total"] + FILE_HEADER_BYTES
+    buffer = min(offline, max(int(online_buffer_gb * 1e9), one_sample))
+    heldout = int(offline * holdout_fraction)
     gpus = max(1, gpus)
     params = compute_parameters(text_config)
     extract_rate = extract_tokens_per_s(params) * gpus
@@ -135,10 +140,12 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
          "bytes_per_token": per["total"], "hidden_state_bytes_per_token": per["hidden_states"],
          "tokens": tokens, "samples": samples, "data_from": data["source"], "estimate": bool(data["estimate"]),
          "offline_bytes": offline, "already_stored_bytes": stored, "offline_needs_free": needed,
-         "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note,
-         "offline_fits": fits, "shm_free": shm_free,
-         "offline_fits_shm": None if shm_free is None else shm_free >= needed,
-         "online_buffer_bytes": buffer, "gpus": gpus, "epochs": epochs,
+         "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note, "offline_fits": fits,
+         "seq_len": seq_len, "spool_dir": spool_dir, "spool_free": spool_free, "online_buffer_gb": online_buffer_gb,
+         "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "holdout_fraction": holdout_fraction,
+         "heldout_bytes": heldout, "spool_needs": buffer + heldout,
+         "spool_fits": None if spool_free is None else spool_free >= buffer + heldout,
+         "gpus": gpus, "epochs": epochs,
          "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
          "train_tokens_per_s": round(train_rate), "extract_hours": extract_h, "train_hours_per_epoch": train_h,
          "offline_hours": extract_h + epochs * train_h, "online_hours": epochs * (extract_h + train_h)}
@@ -152,16 +159,37 @@ def summary(p: dict) -> str:
     verdict = "offline fits" if p["offline_fits"] else "offline does not fit"
     return (f"offline needs {est}{size(p['offline_bytes'])} of hidden states ({p['bytes_per_token']:,} B/token x "
             f"{est}{p['tokens']:,} tokens in {p['samples']:,} samples), {size(p['disk_free'])} free on "
-            f"{p['disk_path']}{p['free_note']}: {verdict}; online stores none "
-            f"(a ~{size(p['online_buffer_bytes'])} buffer in memory) but runs extraction again every epoch")
+            f"{p['disk_path']}{p['free_note']}: {verdict}; online stores none as files (it keeps up to "
+            f"~{size(p['spool_needs'])} in {p['spool_dir']}) but runs extraction again every epoch")
+
+
+def spool_verdict(p: dict) -> str:
+    """Online's spool in one line: what it keeps, and whether its folder has room."""
+    free = "free unknown" if p["spool_free"] is None else f"{size(p['spool_free'])} free"
+    verdict = "" if p["spool_fits"] is None else ": fits" if p["spool_fits"] else ": does not fit"
+    return (f"online keeps up to ~{size(p['spool_needs'])} in {p['spool_dir']} ({free}){verdict}: a buffer of "
+            f"{size(p['online_buffer_bytes'])} (online_buffer_gb {p['online_buffer_gb']:g}, at least one sample of "
+            f"seq_len {p['seq_len']}: {size(p['one_sample_bytes'])}) and the held-out documents, "
+            f"~{size(p['heldout_bytes'])} (holdout_fraction {p['holdout_fraction']:g})")
+
+
+def spool_fix(p: dict) -> str:
+    """What to change when online's spool folder cannot hold what the run keeps there."""
+    room = f"point online_spool_dir at a memory file system with {size(p['spool_needs'])} free"
+    one = min(p["one_sample_bytes"], p["online_buffer_bytes"])   # the buffer never holds more than the data
+    if p["spool_free"] < one:
+        return (f"{p['spool_dir']} cannot hold even one sample of seq_len {p['seq_len']} ({size(one)}): {room} "
+                f"(in a container: a larger --shm-size), or lower seq_len")
+    left = p["spool_free"] - p["heldout_bytes"]   # what a buffer may take beside the held-out documents
+    if left >= one:
+        return f"set online_buffer_gb={math.floor(left / 1e6) / 1e3:g} (what fits there), or {room}"
+    return f"{room}, or hold out fewer documents (steps.train.holdout_fraction)"
 
 
 def details(p: dict) -> list[str]:
     """The plan's figures, one line each, for the printed block under the check."""
     n = len(p["layer_ids"])
     states = p["hidden_state_bytes_per_token"]
-    shm = "" if p["shm_free"] is None else f"; {SHM} {size(p['shm_free'])} free" + (
-        " (it would fit there)" if p["offline_fits_shm"] and p["disk_path"] != SHM else "")
     gpus = f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
     epochs = f"{p['epochs']:g} epoch{'' if p['epochs'] == 1 else 's'}"
     return [
@@ -172,7 +200,8 @@ def details(p: dict) -> list[str]:
         + (f"(an estimate: {p['data_from']})" if p["estimate"] else f"({p['data_from']})"),
         f"disk: offline needs {size(p['offline_needs_free'])} free (+{FIT_MARGIN:.0%} and the kept margin"
         + (f"; {size(p['already_stored_bytes'])} already written" if p["already_stored_bytes"] else "") + "); "
-        f"{p['disk_path']} has {size(p['disk_free'])}{shm}",
+        f"{p['disk_path']} has {size(p['disk_free'])}",
+        spool_verdict(p),
         f"time (estimate from one-H200 figures, {gpus}): extraction ~{p['extract_hours']:.1f} h at "
         f"~{p['extract_tokens_per_s']:,} tokens/s ({count(p['compute_parameters'])} parameters per token); "
         f"training ~{p['train_hours_per_epoch']:.1f} h per epoch at ~{p['train_tokens_per_s']:,} tokens/s",

@@ -164,6 +164,37 @@ def test_two_fsdp_ranks_export_the_same_candidates(trained, tmp_path):
             assert torch.allclose(ours[k].float(), ref[k].float(), atol=1e-4), (c, k)
 
 
+def test_no_prompt_choose_serves_opens_a_conversation_training_saw(trained, tmp_path):
+    """Conversations that share their first user turn and go on differently all survive curation; holding out one
+    and training on its twin would have choose serve a prompt the draft was trained on. The split keeps each
+    opening on one side: none of the held-out prompts choose serves is a training document's prompt."""
+    from kimi_eagle_host.data.prepared_data import PreparedDataset
+    from kimi_eagle_host.pipeline.choose import heldout_prompts
+
+    data = tmp_path / "twins.jsonl"
+    openings = ["What is the capital of France?", "Name a prime number.", "How do bees make honey?",
+                "Why is the sky blue?", "What is two plus two?", "Who wrote Hamlet?", "What is water made of?",
+                "How far is the moon?"]
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                      {"role": "assistant", "content": f"Answer {i}: it depends."}]})
+                            + "\n" for q in openings for i in range(2)))
+    out = tmp_path / "out"
+    for step, *args in (("prepare", "--dataset", data, "--seq-len", SEQ_LEN),
+                        ("vocab", "--draft-vocab-size", 100),
+                        ("extract", "--seq-len", SEQ_LEN, "--batch-size", 4, "--layer-ids", LAYERS)):
+        code, _, err = run(step, "--model", trained["model"], "--output-dir", out, *args)
+        assert code == 0, err
+    code, _, err = run("train", "--model", trained["model"], "--output-dir", out, *TRAIN)
+    assert code == 0, err
+    rec = json.loads((out / "draft" / "candidates" / "candidates.json").read_text())
+    held = rec["heldout_documents"]
+    assert len(held) == 4, rec                     # a quarter of 16: two openings, both of their conversations
+    served = {tuple(p) for p in heldout_prompts(str(out), rec, len(held))}
+    ds = PreparedDataset(str(out / "prepared"))
+    trained_on = {tuple(int(t) for t in ds[d][0][:int(ds[d][1].argmax())]) for d in range(len(ds)) if d not in held}
+    assert len(served) == 2 and not served & trained_on, (held, len(served & trained_on))
+
+
 def test_a_host_that_cannot_serve_fails_the_step_and_keeps_the_export(trained):
     """This Python has no vLLM: nothing can be served, so nothing is chosen: exit 1 in one line, export untouched."""
     out, _ = trained["offline"]

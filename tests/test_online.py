@@ -412,15 +412,12 @@ def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_pat
     assert stray == []
 
 
-def test_run_all_goes_online_where_offline_would_not_fit_unless_told(tmp_path):
-    """`run all` on a host whose disk cannot hold the hidden states (its preflight sees 10 GiB + 1 KB free: the
-    margin passes, the files would not): with hidden_states left to its default, the job runs online and says so
-    in one line; with hidden_states=offline given, preflight refuses and nothing starts."""
+def disk_too_small(tmp_path):
+    """A local host whose disk cannot hold the hidden states (its preflight sees 10 GiB + 1 KB free: the margin
+    passes, the files would not), with a target preflight can read (the demo's is built by the job itself, so its
+    storage is not planned): (env, the environment that says so)."""
     from conftest import make_env
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    # a target preflight can read (the demo's is built by the job itself, so its storage is not planned)
     model = tiny_model.build(str(tmp_path / "model"), kind="llama", layers=4, seed=0)["out_dir"]
     env = make_env(tmp_path, None, extra=f"""pipeline:
   model: {model}
@@ -431,7 +428,16 @@ def test_run_all_goes_online_where_offline_would_not_fit_unless_told(tmp_path):
   batch_size: 4
   draft_vocab_size: 64
 """)
-    full = {"KIMI_EAGLE_TEST_FREE_DISK_BYTES": str((10 << 30) + 1000)}
+    return env, {"KIMI_EAGLE_TEST_FREE_DISK_BYTES": str((10 << 30) + 1000)}
+
+
+def test_run_all_goes_online_where_offline_would_not_fit_unless_told(tmp_path):
+    """`run all` on a host whose disk cannot hold the hidden states: with hidden_states left to its default, the
+    job runs online and says so in one line; with hidden_states=offline given, preflight refuses and nothing
+    starts."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env, full = disk_too_small(tmp_path)
     told = env.cli("run", "all", "--host", "local", "--no-gpu", "hidden_states=offline", env=full, timeout=600)
     assert told.code == 1 and "preflight failed (storage); nothing was started" in told.stderr, told
     assert "offline does not fit" in told.stdout + told.stderr
@@ -446,3 +452,18 @@ def test_run_all_goes_online_where_offline_would_not_fit_unless_told(tmp_path):
     assert "FAIL" not in r.stdout + r.stderr   # the storage verdict is the switch, not a failure printed
     assert "[extract]" not in r.stdout and "online: engine hf started" in r.stdout
     assert (out / "draft" / "export" / "model.safetensors").is_file() and not (out / "hidden_states").exists()
+
+
+def test_run_all_with_a_trainer_that_reads_files_stays_offline_and_refuses(tmp_path):
+    """steps.train.trainer=speculators reads hidden-state files: `run all` does not switch it online where offline
+    would not fit (its train would refuse online after prepare and vocab ran); preflight refuses before anything
+    starts, and its fix says why online is not offered."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env, full = disk_too_small(tmp_path)
+    r = env.cli("run", "all", "--host", "local", "--no-gpu", f"online_spool_dir={shm}",
+                "steps.train.trainer=speculators", env=full, timeout=600)
+    assert r.code == 1 and "preflight failed (storage); nothing was started" in r.stderr, (r.stdout, r.stderr)
+    assert "hidden_states: online, since" not in r.stdout + r.stderr
+    assert "steps.train.trainer speculators reads the hidden states as files" in r.stdout + r.stderr
+    assert not (tmp_path / "localwork" / "out").exists()

@@ -76,19 +76,26 @@ def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
     assert storage["detail"].startswith("offline needs 344.2 TB of hidden states (57,360 B/token x 6,000,000,000 "
                                         "tokens in 600,000 samples)"), storage["detail"]
     assert "[2, 30, 58, 61]" in checks["layer_ids"]["detail"]
-    # A 2.1 TB disk: the run would fill it. One failing check, one line naming both figures.
-    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000))
+    # A 2.1 TB disk: the run would fill it. One failing check, one line naming both figures. Online's buffer of
+    # 0.2 GB (and no held-out documents) fits its folder, so the fix offers online.
+    spool = kimi["tmp"] / "spool"
+    spool.mkdir()
+    small = ("--step-settings", json.dumps({"extract": {}, "train": {"online_spool_dir": str(spool),
+                                                                    "online_buffer_gb": 0.2, "holdout_fraction": 0}}))
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000), *small)
     storage = checks["storage"]
     assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
     assert "offline needs 344.2 TB" in storage["detail"] and "2.1 TB free on" in storage["detail"]
     assert "offline does not fit" in storage["detail"] and "online stores none" in storage["detail"]
-    assert "set hidden_states=online" in storage["fix"] and "--max-samples" in storage["fix"]
+    assert "set hidden_states=online" in storage["fix"] and "steps.prepare.max_samples" in storage["fix"]
     assert [n for n, c in checks.items() if c["status"] == "fail"] == ["storage"]   # not the disk check too
     # The same disk online: no hidden-state files, so the check passes and says what the run costs instead.
-    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000), "--hidden-states", "online")
+    rc, checks = preflight(kimi, "--assume-free-disk-bytes", str(2_100_000_000_000), "--hidden-states", "online",
+                           *small)
     storage = checks["storage"]
     assert rc == 0 and storage["status"] == "pass", storage
     assert storage["detail"].startswith("hidden_states: online, no hidden-state files; offline needs 344.2 TB")
+    assert storage["plan"]["spool_dir"] == str(spool) and storage["plan"]["online_buffer_bytes"] == 200_000_000
 
 
 def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):
@@ -110,3 +117,36 @@ def test_the_same_model_in_bf16_does_not_fit_tp8(kimi):
     rc, checks = preflight(kimi, backend="vllm", tp=8)
     gpu = checks["gpu"]
     assert gpu["status"] == "fail" and "x 2 B" in gpu["detail"] and "quantized checkpoint" in gpu["fix"], gpu
+
+
+def test_online_refuses_a_buffer_folder_that_cannot_hold_what_the_run_keeps_there(kimi):
+    """Online keeps its buffer (online_buffer_gb, at least one sample) and the held-out documents in
+    online_spool_dir: a folder without room for them is one failed check naming it and what to change, before the
+    model loads (not ENOSPC in the engine after it)."""
+    spool = kimi["tmp"] / "spool"
+    spool.mkdir()
+
+    def online(*extra, **train):
+        rc, checks = preflight(kimi, "--hidden-states", "online", *extra, "--step-settings",
+                               json.dumps({"train": {"online_spool_dir": str(spool), **train}}))
+        storage = checks["storage"]
+        assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
+        return storage
+
+    # a buffer of 10 PB: one sample (117.5 MB at seq_len 2048) fits there, the buffer does not
+    storage = online(online_buffer_gb=1e7, holdout_fraction=0)
+    assert storage["detail"].startswith(f"hidden_states: online, but online keeps up to ~5.7 TB in {spool} ("), storage
+    assert "does not fit" in storage["detail"] and "one sample of seq_len 2048: 117.5 MB" in storage["detail"]
+    assert storage["fix"].startswith("set online_buffer_gb=") and "(what fits there)" in storage["fix"], storage
+    # not even one sample: seq_len 10^9
+    storage = online("--seq-len", str(10**9))
+    assert storage["fix"].startswith(f"{spool} cannot hold even one sample of seq_len 1000000000"), storage
+    # the held-out documents alone: 600k samples of 10k tokens, 2 % held out, are 6.9 TB kept for the whole run
+    (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))
+    storage = online(online_buffer_gb=0.2)
+    assert "held-out documents, ~6.9 TB (holdout_fraction 0.02)" in storage["detail"], storage
+    assert "hold out fewer documents (steps.train.holdout_fraction)" in storage["fix"], storage
+    # a folder that is not there
+    rc, checks = preflight(kimi, "--hidden-states", "online", "--step-settings",
+                           json.dumps({"train": {"online_spool_dir": str(spool / "nowhere")}}))
+    assert checks["storage"]["status"] == "fail" and "nowhere: not a folder" in checks["storage"]["detail"]

@@ -227,6 +227,24 @@ def test_run_all_refuses_settings_that_leave_its_later_steps_an_earlier_runs_out
     assert alone.code == 0, alone.stderr
 
 
+def test_online_hidden_states_with_speculators_trainer_are_refused_before_anything_starts(tmp_path):
+    """speculators' trainer reads hidden-state files and online streams them without files: train would refuse
+    only when it starts, after `run all`'s prepare and vocab ran. Refused at render, in one line; offline, the
+    trainer is the user's to choose."""
+    e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
+    for step in ("all", "train"):
+        r = e.cli("render", "job", step, "--host", "local", "--out", str(tmp_path / step), "hidden_states=online",
+                  "steps.train.trainer=speculators")
+        assert r.code == 2 and r.stderr.strip().splitlines() == [
+            "error: steps.train.trainer: speculators reads the hidden states as files, and hidden_states: online "
+            "streams them to the trainer without files: set steps.train.trainer=ours, or hidden_states=offline"], \
+            r.stderr
+        assert not (tmp_path / step).exists()
+    r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "offline"),
+              "steps.train.trainer=speculators")
+    assert r.code == 0, r.stderr
+
+
 def test_a_run_records_its_settings_and_versions_next_to_its_outputs(tmp_path, sshd):
     """A real job over sshd: <output_dir>/runs/<job-id>/recipe.yaml (the resolved settings, overrides included,
     readable as YAML), versions.json (ours and the host's), and the job's pointer to its outputs."""

@@ -32,15 +32,16 @@ class Step:
     branches: list["Step"] = field(default_factory=list)  # run at once instead of argv; the step fails if one does
 
 
-def step_section(step: str, pipeline, extra: dict | None = None) -> dict:
+def step_section(step: str, pipeline, extra: dict | None = None, required: bool = True) -> dict:
     """What `step` runs with: {its flag's key: value} from the resolved settings (kimi_eagle_host/settings.py),
-    `steps.<step>` over the pipeline's, then `extra` (the flags after --, already checked). Paths expanded."""
+    `steps.<step>` over the pipeline's, then `extra` (the flags after --, already checked). Paths expanded.
+    `required`: refuse a missing required setting (preflight, which reports it as a check, passes False)."""
     section = settings.step_section(step, pipeline.model_dump())
     if step == "prepare" and pipeline.regenerate:
         section["dataset"] = f"{pipeline.output_dir.rstrip('/')}/{REGENERATED}"  # the target's own answers
     section.update(extra or {})
     for key, s in settings.BY_STEP[step].items():
-        if s.pipeline and s.name in REQUIRED and section.get(key) is None:
+        if required and s.pipeline and s.name in REQUIRED and section.get(key) is None:
             raise ConfigError(f"pipeline.{s.name} is not set (inventory `pipeline:` section, the host's override, "
                               f"a recipe or {s.name}=VALUE)")
     return {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
@@ -91,13 +92,32 @@ def refuse_broken_links(names: list[str], pipeline) -> None:
                 raise ConfigError(f"steps.{name}.{key}: " + s.alone.format(step=name, value=section[key]))
 
 
+def trainer(pipeline) -> str:
+    """The trainer train runs (steps.train.trainer): ours trains online too; speculators' reads hidden-state files."""
+    return settings.step_section("train", pipeline.model_dump()).get("trainer") or \
+        settings.BY_STEP["train"]["trainer"].default
+
+
+def refuse_online_file_trainer(names: list[str], pipeline) -> None:
+    """One line (exit 2) for a job whose train would refuse its hidden states only when it starts, after the steps
+    before it ran: online streams them, and speculators' trainer reads files."""
+    if "train" in names and settings.step_section("train", pipeline.model_dump()).get("hidden_states") == "online" \
+            and trainer(pipeline) != "ours":
+        raise ConfigError(f"steps.train.trainer: {trainer(pipeline)} reads the hidden states as files, and "
+                          "hidden_states: online streams them to the trainer without files: set "
+                          "steps.train.trainer=ours, or hidden_states=offline")
+
+
 def step_names(step: str, pipeline) -> list[str]:
     """The pipeline steps a job of `step` runs (`all`: the chain)."""
     if step == "all":
-        return chain(pipeline)
-    if step in STEPS:
-        return [step]
-    raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
+        names = chain(pipeline)
+    elif step in STEPS:
+        names = [step]
+    else:
+        raise ConfigError(f"unknown step {step!r} (choose from {', '.join(STEPS)}, all, exec)")
+    refuse_online_file_trainer(names, pipeline)
+    return names
 
 
 def plan(step: str, pipeline, extra: list[str] | None = None, settings_path: str | None = None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kimi_eagle_host import settings
 
-from ..config.step_plan import chain
+from ..config.step_plan import chain, extra_settings, step_section
 from ..errors import KimiEagleError
 from ..hosts.session import RUNS, HostSession, expand
 
@@ -35,9 +35,11 @@ class PreflightFailed(KimiEagleError):
     pass
 
 
-def preflight_args(session: HostSession, step: str, extra: list[str] | None = None) -> list[str]:
+def preflight_args(session: HostSession, step: str, extra: list[str] | None = None,
+                   step_flags: list[str] | None = None) -> list[str]:
     """ops/preflight.py's flags: the settings the schema marks as read by preflight, from the job's resolved
-    settings, and the steps this job runs with their own sections."""
+    settings, and the steps this job runs with their sections as each step gets them (`step_flags`: the flags typed
+    after -- for the job's first step, as its settings.json holds them)."""
     p = session.host.pipeline
     section = settings.step_section("preflight", p.model_dump())
     # With regenerate, `dataset` holds the prompts and prepare reads what regenerate writes.
@@ -50,15 +52,19 @@ def preflight_args(session: HostSession, step: str, extra: list[str] | None = No
     # A model the job builds (the tiny demo, one from a package): the host checks it can be built.
     if p.tiny_model or p.model_source:
         args += ["--model-source", "tiny" if p.tiny_model else p.model_source]
-    # The steps this job runs and their recipe settings: the host sizes the vLLM engine of each one that starts
-    # one (regenerate, eval) as that step will.
+    # The steps this job runs and their settings: the host sizes the vLLM engine of each one that starts one
+    # (regenerate, eval) and plans the hidden states' storage (where extract writes, how much data, how many epochs,
+    # the online buffer) from what the steps will really run with.
     steps = chain(p) if step == "all" else [step]
-    args += ["--step-settings", json.dumps({n: p.steps.get(n) or {} for n in steps}, sort_keys=True)]
+    given = extra_settings(steps[0], list(step_flags or []))
+    sections = {n: step_section(n, p, given if n == steps[0] else None, required=False) for n in steps}
+    args += ["--step-settings", json.dumps(sections, sort_keys=True)]
     return args + list(extra or [])
 
 
-def run(session: HostSession, step: str, extra: list[str] | None = None) -> PreflightResult:
-    res = session.run_payload("preflight", "ops.preflight", preflight_args(session, step, extra))
+def run(session: HostSession, step: str, extra: list[str] | None = None,
+        step_flags: list[str] | None = None) -> PreflightResult:
+    res = session.run_payload("preflight", "ops.preflight", preflight_args(session, step, extra, step_flags))
     checks = []
     for c in res.data.get("checks", []):
         c = dict(c)
@@ -69,18 +75,21 @@ def run(session: HostSession, step: str, extra: list[str] | None = None) -> Pref
 
 
 def offline_does_not_fit(result: PreflightResult) -> dict | None:
-    """The storage check when it is preflight's only failure and says the hidden states would not fit as files."""
+    """The storage check when it is preflight's only failure and says the hidden states would not fit as files,
+    while online's buffer would fit its folder."""
     fails = result.failures
-    if len(fails) == 1 and fails[0]["name"] == "storage" and (fails[0].get("plan") or {}).get("offline_fits") is False:
+    plan = (fails[0].get("plan") or {}) if len(fails) == 1 and fails[0]["name"] == "storage" else {}
+    if plan.get("offline_fits") is False and plan.get("spool_fits") is not False:
         return fails[0]
     return None
 
 
-def gate(session: HostSession, step: str, printer, may_go_online: bool = False) -> PreflightResult:
+def gate(session: HostSession, step: str, printer, may_go_online: bool = False,
+         step_flags: list[str] | None = None) -> PreflightResult:
     """Run before a job: print warnings and failures; raise when anything fails. may_go_online: a storage check
     that fails only because offline would not fit is not a failure but `result.online_instead` (the caller runs
-    the job online)."""
-    result = run(session, step)
+    the job online). `step_flags`: the flags typed after -- for the job's step."""
+    result = run(session, step, step_flags=step_flags)
     result.online_instead = offline_does_not_fit(result) if may_go_online else None
     if result.online_instead:
         return result

@@ -58,6 +58,24 @@ class PreparedDataset:
         return self.ids[i], self.masks[i]
 
 
+def prompt_keys(prepared_dir) -> list:
+    """Each sample's prompt as the choose step serves it (its token ids up to the first trained token: the system
+    turn, the first user turn, the answer's opening), as a short digest; None for a sample with no trained token.
+    Reads the masks and only the prompts' ids (a shard's ids are 8 bytes a token, its mask 1)."""
+    from safetensors import safe_open
+
+    with open(os.path.join(prepared_dir, "manifest.json")) as f:
+        shards = json.load(f)["shards"]
+    keys = []
+    for shard in shards:
+        with safe_open(os.path.join(prepared_dir, shard["file"]), framework="numpy") as t:
+            mask, off, ids = t.get_tensor("loss_mask"), t.get_tensor("offsets"), t.get_slice("input_ids")
+            for a, b in zip(off[:-1].tolist(), off[1:].tolist()):
+                first = int(mask[a:b].argmax()) if mask[a:b].any() else 0
+                keys.append(hashlib.sha256(ids[a:a + first].tobytes()).digest()[:16] if first else None)
+    return keys
+
+
 def check_vocab_built_from(vocab_dir, prepared_sha256):
     """Refuse a vocabulary counted from other prepared data than the hidden states were extracted from (either
     side unknown: nothing to compare)."""

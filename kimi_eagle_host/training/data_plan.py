@@ -25,11 +25,31 @@ class DataPlan:
     workers: int                   # threads reading batches ahead
 
 
-def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) document indices: a seeded random fraction of the documents is never trained on."""
+def split_holdout(n: int, fraction: float, seed: int, keys: list | None = None) -> tuple[list[int], list[int]]:
+    """(training, held-out) document indices: a seeded random fraction of the documents is never trained on.
+    `keys`: each document's prompt (prepared_data.prompt_keys; None: its own). Documents that open with the same
+    prompt stay on one side, so no prompt the choose step serves from the held-out documents was trained on:
+    whole groups are held out in the seeded order, a group that would pass the held-out count left in training
+    (with no shared prompt, the split is the plain one)."""
     k = int(n * fraction)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 1)).tolist()
-    return sorted(perm[k:]), sorted(perm[:k])
+    if keys is None:
+        return sorted(perm[k:]), sorted(perm[:k])
+    group = [d if keys[d] is None else keys[d] for d in range(n)]
+    members: dict = {}
+    for d in range(n):
+        members.setdefault(group[d], []).append(d)
+    held, seen = [], set()
+    for d in perm:
+        if len(held) == k:
+            break
+        if group[d] in seen:
+            continue
+        seen.add(group[d])
+        if len(held) + len(members[group[d]]) <= k:
+            held += members[group[d]]
+    out = set(held)
+    return [d for d in range(n) if d not in out], sorted(held)
 
 
 def rows_per_step(args, pack_len: int, device, hidden: int, aux_dim: int) -> int:
@@ -54,9 +74,11 @@ def packed(docs: list[int], lengths: list[int], pack_len: int, n_rows: int, seed
     return packing.Plan([[docs[i] for i in row] for row in rows], n_rows, seed)
 
 
-def plan_data(args, lengths: list[int], n_layer_ids: int, hidden: int, device, flex: bool, world_size: int) -> DataPlan:
-    """The run's data plan; BadInput when a step would leave a rank without a row."""
-    train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed)
+def plan_data(args, lengths: list[int], n_layer_ids: int, hidden: int, device, flex: bool, world_size: int,
+              prompt_keys: list | None = None) -> DataPlan:
+    """The run's data plan (`prompt_keys`: see split_holdout); BadInput when a step would leave a rank without a
+    row."""
+    train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed, prompt_keys)
     if getattr(args, "choose_checkpoints", 0) and not held_docs:   # refused now, not after the training
         raise BadInput(f"--choose-checkpoints {args.choose_checkpoints}: the choose step serves documents training "
                        f"never saw, but --holdout-fraction {args.holdout_fraction} of {len(lengths)} documents holds "

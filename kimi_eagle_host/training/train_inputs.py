@@ -15,7 +15,7 @@ import torch
 from kimi_eagle_host.data import hs_manifest  # (the samples of one extraction, never a folder listing)
 from kimi_eagle_host.data import online_stream  # (hidden_states online: the engine feeds the trainer)
 from kimi_eagle_host.data.hidden_state_files import check_sample_headers
-from kimi_eagle_host.data.prepared_data import check_vocab_built_from, manifest_digest
+from kimi_eagle_host.data.prepared_data import check_vocab_built_from, manifest_digest, prompt_keys
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.draft.draft_model import draft_layer_config, load_target_config
 from kimi_eagle_host.step_runtime import BadInput, log, model_fingerprint
@@ -42,6 +42,7 @@ class TrainInputs:
     draft_cfg: dict          # the draft layer's config (draft_layer_config)
     draft_to_target: torch.Tensor   # d2t + arange(K): the target id of each draft id
     weights: str | None      # the target's weights fingerprint (step_runtime.model_fingerprint; None: a hub id)
+    prompt_keys: list | None = None   # each document's prompt (prepared_data.prompt_keys; None: no prepared data)
 
     @property
     def hs_dir(self) -> str:
@@ -172,6 +173,7 @@ def read_inputs(args, out: str) -> TrainInputs:
         files = hs_manifest.read_samples(hs_dir, dc, manifest_digest(os.path.join(out, "prepared")))
         lengths = check_sample_headers(files, len(layer_ids), H)
     check_vocab_built_from(vocab_dir, dc.get("prepared_sha256"))
+    keys = documents_prompts(out, dc, len(lengths))
     d2t, t2d = read_vocab(vocab_dir)
     K = d2t.shape[0]
 
@@ -191,4 +193,16 @@ def read_inputs(args, out: str) -> TrainInputs:
         raise BadInput(f"{vocab_dir}/d2t.npy: draft ids must map to increasing target ids")
     return TrainInputs(out=out, online=args.hidden_states == "online", dc=dc, dc_path=dc_path, files=files,
                        lengths=lengths, layer_ids=layer_ids, num_layers=N, hidden=H, d2t=d2t, t2d=t2d, tcfg=tcfg,
-                       archs=archs, draft_cfg=c, draft_to_target=draft_to_target, weights=weights)
+                       archs=archs, draft_cfg=c, draft_to_target=draft_to_target, weights=weights,
+                       prompt_keys=keys)
+
+
+def documents_prompts(out: str, dc: dict, n: int) -> list | None:
+    """Each document's prompt (prepared_data.prompt_keys), from the prepared data the documents come from, so that
+    the held-out split keeps documents with the same prompt together; None where it is not at hand (hidden states
+    copied alone to a training host: the split is then by document, and choose, which reads it too, refuses)."""
+    prepared = os.path.join(out, "prepared")
+    if not dc.get("prepared_sha256") or manifest_digest(prepared) != dc["prepared_sha256"]:
+        return None
+    keys = prompt_keys(prepared)
+    return keys if len(keys) == n else None

@@ -141,7 +141,8 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
     device = pick_device(args, w)
     flex = args.attention == "flex" or (args.attention == "auto" and device.type == "cuda")
     compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    data = plan_data(args, inputs.lengths, len(inputs.layer_ids), inputs.hidden, device, flex, w.size)
+    data = plan_data(args, inputs.lengths, len(inputs.layer_ids), inputs.hidden, device, flex, w.size,
+                     inputs.prompt_keys)
     # gloo for CPU tensors, nccl for CUDA ones; the timeout covers rank 0 writing a big checkpoint while
     # the others wait at the barrier.
     dist_.init(w, "nccl" if device.type == "cuda" else "gloo", timeout_s=3600)

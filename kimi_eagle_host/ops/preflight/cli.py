@@ -15,7 +15,7 @@ from kimi_eagle_host.ops.preflight.gpu_lock import check_lock
 from kimi_eagle_host.ops.preflight.engine import check_engine_memory
 from kimi_eagle_host.ops.preflight.model import check_layer_ids, load_model_config, model_source_checks
 from kimi_eagle_host.ops.preflight.packages import check_patch, check_python, check_serving, check_trainer, check_versions
-from kimi_eagle_host.ops.preflight.report import GPU_STEPS, check, log
+from kimi_eagle_host.ops.preflight.report import GPU_STEPS, check, log, step_value
 from kimi_eagle_host.ops.preflight.storage import check_disk, check_storage
 from kimi_eagle_host.settings import RenamedFlag
 from kimi_eagle_host.step_runtime import host_runs_dir
@@ -57,21 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job builds --model first: tiny (a random demo model) or a pipeline/models.py source")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--max-samples", type=int, default=None, help="rows the pipeline will use (default: all)")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="rows the pipeline will use (default: prepare's max_samples in --step-settings, else all)")
     p.add_argument("--runs-dir", default=None, help="<workdir>/runs, holding gpu.lock")
     p.add_argument("--job-id", default=None, help="this job's id: a GPU lock held by it is fine")
     p.add_argument("--patch-engine", default=str(Path(__file__).resolve().parent.parent / "deploy_patch.py"))
     p.add_argument("--nvidia-smi", default=None, help="nvidia-smi binary (default: PATH, /usr/local/nvidia/bin)")
     p.add_argument("--min-free-disk-gib", type=float, default=10.0,
                    help="free disk to keep beyond the estimate (default 10)")
-    p.add_argument("--epochs", type=float, default=1, help="training epochs, for the storage plan's hours (default 1)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="training epochs, for the storage plan's hours (default: train's in --step-settings, else 1)")
     p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
                    help="online: no hidden-state files; the storage check shows what the run costs instead")
     p.add_argument("--engine-gpus", default=None,
                    help="online: the GPUs the engine uses (unset: the trainer's, and the engine is sized beside it)")
     p.add_argument("--step-settings", default=None,
                    help='JSON {"regenerate": {"max_model_len": 512}, ...}: the steps this job runs and their settings '
-                        "(default: --step with its defaults); sizes the vLLM engines of regenerate and eval")
+                        "as each step gets them (default: --step with its defaults); sizes the vLLM engines of "
+                        "regenerate and eval, and plans the storage (prepare's max_samples, regenerate's prompt "
+                        "counts, extract's out and prepared_dir, train's epochs, trainer and online buffer)")
     p.add_argument("--assume-free-disk-bytes", type=int, default=None,
                    help="TEST/OVERRIDE KNOB: use this free-space figure instead of statvfs")
     # Accept the other step flags the controller passes (e.g. --epochs, --lr) without failing.
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size < 1 or args.seq_len < 1:
         print(f"{PROG}: --tp-size and --seq-len must be >= 1", file=sys.stderr)
         return 2
+    if args.max_samples is None:   # prepare keeps this many (0: all)
+        args.max_samples = step_value(args, "prepare", "max_samples") or None
     if args.runs_dir is None:
         args.runs_dir = default_runs_dir()
     args.smi_path = find_nvidia_smi(args.nvidia_smi)

