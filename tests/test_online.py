@@ -390,6 +390,37 @@ def test_online_refusals(made, tmp_path):
     assert code == 2 and "--engine-gpus: GPU 0 is listed twice" in err and "Traceback" not in err, err
 
 
+def earlier_run(out: Path) -> Path:
+    """A finished earlier run's checkpoint in `out`: a new run from step 0 would remove it."""
+    import torch
+
+    ckpt = out / "draft" / "checkpoints" / "step_00000018.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"step": 18, "meta": {"total_steps": 18}}, ckpt)
+    return ckpt
+
+
+def test_engine_vllm_without_a_usable_vllm_is_refused_before_anything_goes(made):
+    """`engine: vllm` online on a host whose vLLM cannot stream (none here, or one older than 0.18): one line, exit
+    2, before the target loads or an earlier run's checkpoints are removed (before: they were removed, an engine
+    started, and it failed with exit 1)."""
+    from kimi_eagle_host.engine import extract_vllm
+
+    try:
+        if extract_vllm.choose_path()[0] == "native":
+            pytest.skip("this environment has a vLLM >= 0.18")
+    except Exception:   # noqa: BLE001 - a vLLM choose_path refuses: the run must refuse it too
+        pass
+    out, base = online_dir(made, "no-vllm"), spool_base(made, "no-vllm")
+    ckpt = earlier_run(out)
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE, "--engine", "vllm",
+                         "--online-spool-dir", base)
+    assert code == 2, err[-3000:]
+    assert doc["error"].startswith("--engine vllm: hidden_states online needs vLLM >= 0.18 (its native "
+                                   "extraction): "), doc
+    assert ckpt.exists() and leftovers(base) == [] and "Traceback" not in err
+
+
 def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_path):
     """`kimi-eagle run all --host local hidden_states=online` (the demo's path): no extract step, the draft is
     exported, and no hidden-state file exists afterwards, on disk or in the buffer's folder."""

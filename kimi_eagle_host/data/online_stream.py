@@ -89,6 +89,7 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
         raise BadInput(f"--online-spool-dir {args.online_spool_dir}: not a folder")
     for what in ("engine_gpus", "train_gpus"):
         parse_gpus(getattr(args, what), what)
+    check_engine(args.engine)
     prepared = os.path.join(out, "prepared")
     ds = PreparedDataset(prepared)
     info = model_info(args.model)
@@ -114,6 +115,22 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
 def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
     """A document's file in the spool: its T = length + 1 positions' hidden states, token ids and loss mask."""
     return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
+
+
+def check_engine(engine: str) -> None:
+    """`engine: vllm` online needs vLLM's native extraction (>= 0.18; the engine has no other way to stream):
+    refused here, from the installed packages' metadata (nothing imported), before the run removes an earlier run's
+    checkpoints or loads anything, not by the engine once started."""
+    if engine != "vllm":
+        return
+    from kimi_eagle_host.engine import extract_vllm
+
+    try:
+        path, _, why = extract_vllm.choose_path()
+    except Refused as e:
+        raise BadInput(f"{e}; hidden_states online needs vLLM >= 0.18 (its native extraction)") from None
+    if path != "native":
+        raise BadInput(f"--engine vllm: hidden_states online needs vLLM >= 0.18 (its native extraction): {why}")
 
 
 def ranks_per_engine(args, local_size: int, device_type: str) -> int:

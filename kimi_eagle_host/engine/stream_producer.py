@@ -161,9 +161,7 @@ def batches(spool: Spool, tokens_of, batch_size: int, cap: int):
 def run_vllm(args, spool: Spool, ds, layer_ids) -> None:
     from kimi_eagle_host.engine import extract_vllm
 
-    path, _, why = extract_vllm.choose_path()
-    if path != "native":
-        raise RuntimeError(f"engine vllm online needs vLLM's native extraction (>= 0.18): {why}")
+    spool_.check_engine(args.engine)   # the trainer refused it before starting us; here for a host changed since
     extract_vllm.prepare_environment()
     info = {"dtype": args.dtype}
     extract_vllm.stream_native(args, ds, layer_ids, info, spool)
