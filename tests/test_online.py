@@ -421,6 +421,39 @@ def test_engine_vllm_without_a_usable_vllm_is_refused_before_anything_goes(made)
     assert ckpt.exists() and leftovers(base) == [] and "Traceback" not in err
 
 
+def test_held_out_documents_that_would_not_fit_the_spool_folder_are_refused_before_anything_goes(made, tmp_path):
+    """The held-out documents stay in the spool folder (memory: /dev/shm) for the whole run, outside the buffer's
+    budget, and grow with the data. A folder too small for them (a 300 kB tmpfs here, half the documents held out):
+    one line naming the folder, the bytes and the setting, exit 2, before the target loads or an earlier run's
+    checkpoints go (before: the engine failed with ENOSPC once the draft was built, or hours in at scale)."""
+    from kimi_eagle_host.data.spool_size import document_bytes
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount) for a small tmpfs")
+    out, small = online_dir(made, "small-spool"), tmp_path / "small"
+    small.mkdir()
+    ckpt = earlier_run(out)
+    train = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                     "--online-spool-dir", small, "--holdout-fraction", "0.5", "--online-buffer-gb", "0.0000001")
+    # a tmpfs of its own, seen only by this process (a private mount namespace), gone with it; what the run left
+    # there is listed before it goes
+    listing = tmp_path / "left-in-small"
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f'mount -t tmpfs -o size=300k kimi-eagle-test "{small}" && "$@"; code=$?; '
+                        f'ls -A "{small}" > "{listing}"; exit $code', "sh", *train],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    doc = json.loads(p.stdout)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert doc["error"].startswith(f"online_spool_dir {small}: this run would keep ") and \
+        "12 held-out documents" in doc["error"] and "(steps.train.holdout_fraction)" in doc["error"] and \
+        "307.2 kB free" in doc["error"], doc
+    assert ckpt.exists() and listing.read_text() == "" and "Traceback" not in p.stderr
+    # the bytes counted are the files' (extract's sample format): never fewer, a header's rounding more
+    for f in (made["offline"] / "hidden_states").glob("hs_*.safetensors"):
+        tokens = len(load_file(str(f))["token_ids"])
+        assert 0 <= document_bytes(tokens - 1, 3, 64, 4) - f.stat().st_size < 64, f.name
+
+
 def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_path):
     """`kimi-eagle run all --host local hidden_states=online` (the demo's path): no extract step, the draft is
     exported, and no hidden-state file exists afterwards, on disk or in the buffer's folder."""

@@ -282,3 +282,16 @@ def test_a_dead_runs_buffer_is_removed_even_where_its_pid_now_names_another_proc
     finally:
         other.kill()
         other.wait()
+
+
+def test_what_an_online_run_keeps_in_its_spool_folder():
+    """spool_size.spool_bytes: the held-out documents (positions x bytes a position, a header each), the cache and the
+    buffer: the figure train checks against the folder's free space, and the one a planner can estimate."""
+    from kimi_eagle_host.data import spool_size
+
+    per = spool_size.token_bytes(3, 64, 4)
+    assert per == 3 * 64 * 4 + 16
+    assert spool_size.document_bytes(44, 3, 64, 4) == 45 * per + 256
+    need = spool_size.spool_bytes(45 + 30, 2, per, 1e6, 2e9)
+    assert need == {"held": 75 * per + 512, "cache": 10**6, "buffer": 2 * 10**9,
+                    "total": 75 * per + 512 + 10**6 + 2 * 10**9}

@@ -24,6 +24,11 @@ step's documents, packs them (packing.fill_rows) and deletes each one once it is
   <spool>/engine.error      why the engine failed: the trainer raises it as its error
   <spool>/owner.json        the trainer's pid: a later run removes a spool whose trainer is gone
 
+The held-out documents, and a cache several trainer processes share, stay in the spool for the whole run, beside
+the buffer: before the engine starts (and before anything of an earlier run is removed or the target loaded) the
+trainer refuses a run whose spool would not fit the folder's free space (check_spool_room; the bytes:
+data/spool_size.py).
+
 Resume needs nothing more: a resumed run's stream starts at the checkpoint's step. The engine dying is one error
 in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
 ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
@@ -49,8 +54,10 @@ import time
 
 from kimi_eagle_host import procfs
 from kimi_eagle_host.data.hidden_state_files import taken_path
+from kimi_eagle_host.data.spool_size import document_bytes, spool_bytes, token_bytes
 from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
+from kimi_eagle_host.storage_plan import size
 
 SPOOL_PREFIX = "kimi-eagle-online-"
 STREAM = "stream.npy"
@@ -110,11 +117,6 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
           "layer_convention": LAYER_CONVENTION, "dtype": dtype, "engine": args.engine, "seq_len": args.seq_len,
           "prepared_sha256": ds.digest, "count": len(ds), "hidden_states": "online"}
     return dc, lengths
-
-
-def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
-    """A document's file in the spool: its T = length + 1 positions' hidden states, token ids and loss mask."""
-    return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
 
 
 def check_engine(engine: str) -> None:
@@ -214,6 +216,42 @@ def check_memory_cache(need: int, documents: int, available: int | None) -> None
         raise BadInput(f"--online-cache-gb: the {documents} documents it keeps need {need / 1e9:.1f} GB of the "
                        f"trainer's memory, and the host has {available / 1e9:.1f} GB available "
                        f"(at most {MEMORY_CACHE_SHARE:.0%} of it for the cache): lower online_cache_gb")
+
+
+def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: str) -> None:
+    """Refuse (BadInput, one line) a run whose spools would not fit online_spool_dir's free space on this host:
+    the held-out documents its ranks evaluate and a cache its ranks share stay there for the whole run, beside the
+    buffer, and both grow with the data. Called by each host's first rank before the engine starts and before an
+    earlier run's checkpoints are removed or the target loaded (a full /dev/shm is the host's memory, and the
+    engine's ENOSPC could come hours in). `data` is the run's DataPlan. The cache counted is an upper bound: at most
+    online_cache_gb, at most every training document, none for one epoch or where each trainer process keeps its
+    own in memory. The folders of dead runs are swept first: this run would take their room anyway."""
+    base = args.online_spool_dir
+    group = ranks_per_engine(args, w.local_size, device_type)
+    n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+    itemsize = 4 if dc["dtype"] == "float32" else 2
+    host = (w.rank - w.local_rank, w.local_size, w.size) if w.distributed else None
+    held = group_held(data.held_docs, data.held, host)   # this host's ranks' (its engines' together)
+    cache = 0.0
+    if group > 1 and data.total > data.plan.steps_per_epoch:
+        cache = min(args.online_cache_gb * 1e9,
+                    sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in data.train_docs))
+    need = spool_bytes(sum(lengths[d] + 1 for d in held), len(held), token_bytes(n_layers, hidden, itemsize), cache,
+                       args.online_buffer_gb * 1e9)
+    sweep_stale(base)
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if not st.f_blocks or need["total"] <= free:   # no size reported (procfs, some FUSE mounts): nothing to say
+        return
+    parts = [(need["held"], f"{len(held)} held-out documents", "steps.train.holdout_fraction"),
+             (need["cache"], "the cache for later epochs", "online_cache_gb"),
+             (need["buffer"], "the buffer", "online_buffer_gb")]
+    said = ", ".join(f"{what} {size(n)} ({setting})" for n, what, setting in parts if n)
+    raise BadInput(f"online_spool_dir {base}: this run would keep {size(need['total'])} there ({said}) and it has "
+                   f"{size(free)} free: lower those settings, or set online_spool_dir to a folder with room")
 
 
 def entry_name(kind: int, step: int, doc: int) -> str:
