@@ -235,6 +235,104 @@ def test_engine_killed_is_one_error_not_a_hang(made):
     assert leftovers(base) == []
 
 
+def started_online(made, name: str, *args: str, delay: str = "0.3") -> tuple[subprocess.Popen, Path, Path]:
+    """An online training running (each step held `delay` s): (its process, output folder, spool folder)."""
+    out, base = online_dir(made, name), spool_base(made, name)
+    cmd = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                   "--online-spool-dir", base, *args)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": delay})
+    return p, out, base
+
+
+def wait_for_files(p: subprocess.Popen, base: Path, pattern: str) -> Path:
+    """The spool, once a file matching `pattern` is in it (the engine well into its stream)."""
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(base.glob(f"*/{pattern}")):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    (spool,) = [d for d in base.iterdir() if list(d.glob(pattern))]
+    return spool
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SWEEP = "import sys; from kimi_eagle_host.data.online_stream import sweep_stale; sweep_stale(sys.argv[1])"
+
+
+def test_another_runs_clean_up_leaves_a_live_runs_buffer_alone(made):
+    """A second online run starting where the first run's pid means nothing, and sweeping the spool folder for dead
+    runs' buffers: from another PID namespace (a container sharing /dev/shm, docker --ipc=host; here `unshare
+    --pid`) and from another machine sharing the folder (another boot id). The first run's trainer holds its
+    buffer's lock: its buffer stays, and it trains to its end (it lost its documents and hung for good before)."""
+    p, out, base = started_online(made, "swept", "--online-buffer-gb", "0.0000001")
+    try:
+        spool = wait_for_files(p, base, "s_3_*")
+        other_machine = [sys.executable, "-c", "from kimi_eagle_host import procfs; "
+                         "procfs.boot_id = lambda: 'another machine'; " + SWEEP, str(base)]
+        sweeps = [other_machine]
+        if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0:
+            sweeps.append(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", SWEEP, str(base)])
+        for sweep in sweeps:
+            swept = subprocess.run(sweep, capture_output=True, text=True, env=ENV, timeout=60)
+            assert swept.returncode == 0 and "removed" not in swept.stderr, swept.stderr
+            assert spool.is_dir(), sweep
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout)["finished"] and leftovers(base) == []
+
+
+def test_a_buffer_removed_under_a_run_ends_it_in_one_line(made):
+    """The buffer's folder removed while the run trains (by hand, or by a clean-up that took it for a dead run's):
+    the engine does not make it again (its documents would never reach the trainer), and the trainer, which
+    waits for a document that can no longer come, ends at once in one line naming the folder (before: it waited
+    for ever, holding its GPUs). Nothing is left: no folder, no engine."""
+    p, out, base = started_online(made, "removed", "--online-buffer-gb", "0.0000001")
+    try:
+        spool = wait_for_files(p, base, "s_2_*")
+        (engine,) = _children(p.pid)
+        deadline = time.time() + 30
+        while spool.exists() and time.time() < deadline:   # a person's rm -rf, while the engine writes
+            shutil.rmtree(spool, ignore_errors=True)
+        t0 = time.time()
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert time.time() - t0 < 60
+    doc = json.loads(stdout)
+    assert p.returncode == 1 and doc["error"].startswith(f"online: the buffer's folder {spool} was removed while "
+                                                         "this run used it"), (doc, stderr[-3000:])
+    assert "Traceback" not in stderr
+    assert leftovers(base) == [] and not alive(engine)
+
+
+def test_a_killed_trainer_leaves_no_buffer_behind(made):
+    """The trainer killed (SIGKILL) while its engine extracts ahead: the engine removes the buffer's folder and
+    exits. It moves the folder aside before deleting it, so its writer threads, still writing, cannot leave files
+    (and so the folder) behind in /dev/shm: it stayed there, in the host's memory, in 5 of 8 tries before."""
+    p, out, base = started_online(made, "trainer-killed", "--epochs", "40", delay="1")
+    try:
+        wait_for_files(p, base, "s_5_*")   # far ahead of the trainer, still extracting: the buffer is large
+        (engine,) = _children(p.pid)
+        p.kill()
+        p.communicate(timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and alive(engine):
+            time.sleep(0.1)
+    finally:
+        p.kill()
+    assert not alive(engine)
+    assert leftovers(base) == []
+
+
 def test_two_trainer_processes_share_one_engine(made):
     """torchrun on one host (gloo on CPU): rank 0 starts the engine, each rank takes its rows of every step from the
     one buffer, and the global batch's update is one process's. Into the second epoch, the documents that come
