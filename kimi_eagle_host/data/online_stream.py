@@ -234,9 +234,12 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     earlier run's checkpoints are removed or the target loaded (a full /dev/shm is the host's memory, and the
     engine's ENOSPC could come hours in). `data` is the run's DataPlan. The cache counted is an upper bound: at most
     online_cache_gb, at most every training document, none for one epoch or where each trainer process keeps its
-    own in memory. The folders of dead runs are swept first: this run would take their room anyway."""
+    own in memory; so is the buffer: each engine's share of online_buffer_gb, or one engine batch of the longest
+    documents where that is more (a batch always goes into an empty buffer). The folders of dead runs are swept
+    first: this run would take their room anyway."""
     base = args.online_spool_dir
     group = ranks_per_engine(args, w.local_size, device_type)
+    engines = w.local_size // group   # on this host
     n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
     itemsize = 4 if dc["dtype"] == "float32" else 2
     host = (w.rank - w.local_rank, w.local_size, w.size) if w.distributed else None
@@ -245,8 +248,11 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     if group > 1 and data.total > data.plan.steps_per_epoch:
         cache = min(args.online_cache_gb * 1e9,
                     sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in data.train_docs))
+    batch = args.engine_batch_size * document_bytes(max(lengths[d] for d in data.train_docs), n_layers, hidden,
+                                                    itemsize)
+    share = args.online_buffer_gb * 1e9 / engines
     need = spool_bytes(sum(lengths[d] + 1 for d in held), len(held), token_bytes(n_layers, hidden, itemsize), cache,
-                       args.online_buffer_gb * 1e9)
+                       engines * max(share, batch))
     sweep_stale(base)
     try:
         st = os.statvfs(base)
@@ -257,10 +263,11 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
         return
     parts = [(need["held"], f"{len(held)} held-out documents", "steps.train.holdout_fraction"),
              (need["cache"], "the cache for later epochs", "online_cache_gb"),
-             (need["buffer"], "the buffer", "online_buffer_gb")]
+             (need["buffer"], "the buffer", "online_buffer_gb" if share >= batch else
+              "one batch of steps.train.engine_batch_size, more than online_buffer_gb: one always goes")]
     said = ", ".join(f"{what} {size(n)} ({setting})" for n, what, setting in parts if n)
-    raise BadInput(f"online_spool_dir {base}: this run would keep {size(need['total'])} there ({said}) and it has "
-                   f"{size(free)} free: lower those settings, or set online_spool_dir to a folder with room")
+    raise BadInput(f"online_spool_dir {base}: this run would keep {size(need['total'])} there and it has "
+                   f"{size(free)} free; {said}: lower those settings, or set online_spool_dir to a folder with room")
 
 
 def entry_name(kind: int, step: int, doc: int) -> str:

@@ -31,7 +31,8 @@ def spool_bytes(held_positions: int, held_documents: int, per_position: int, cac
               (tokens after the seq_len cut), held_documents = how many, per_position = token_bytes(...);
       cache   documents kept for later epochs in the spool (`online_cache_gb`), where several trainer processes
               share an engine; 0 where each keeps its own in its memory (one trainer process per engine);
-      buffer  the training documents not yet taken (`online_buffer_gb`);
+      buffer  the training documents not yet taken (`online_buffer_gb`, or one engine batch where that is more:
+              a batch always goes into an empty buffer);
       total   their sum: what the folder's free space must hold.
     Held-out and cache grow with the data; only the buffer is bounded whatever the data's size."""
     parts = {"held": int(held_positions * per_position + held_documents * FILE_HEADER_BYTES),
