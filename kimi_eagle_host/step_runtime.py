@@ -100,13 +100,15 @@ def progress_line(step: str, done: int, total: int, *, every_s: float = 1.0, **m
 
 
 # --------------------------------------------------------------------------------------- atomic writes
-def atomic_write_via(path: str, writer, mode: int | None = None) -> None:
+def atomic_write_via(path: str, writer, mode: int | None = None, make_folder: bool = True) -> None:
     """Write `path` through `writer(tmp_path)`; readers see the old file or the whole new one, never a part.
 
     The temporary name is unique to this call (mkstemp), so concurrent writers of one path never mix bytes.
+    make_folder=False: a missing folder is FileNotFoundError, not made (a folder someone removed stays removed).
     """
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    if make_folder:
+        os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
     os.close(fd)
     try:
@@ -123,7 +125,7 @@ def atomic_write_via(path: str, writer, mode: int | None = None) -> None:
         raise
 
 
-def atomic_write(path: str, data, mode: int | None = None) -> None:
+def atomic_write(path: str, data, mode: int | None = None, make_folder: bool = True) -> None:
     """Bytes or text (UTF-8), fsynced before the rename."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
 
@@ -133,11 +135,11 @@ def atomic_write(path: str, data, mode: int | None = None) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    atomic_write_via(path, write, mode)
+    atomic_write_via(path, write, mode, make_folder)
 
 
-def atomic_write_json(path: str, obj) -> None:
-    atomic_write(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+def atomic_write_json(path: str, obj, make_folder: bool = True) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", make_folder=make_folder)
 
 
 def atomic_save_npy(path: str, array) -> None:

@@ -235,6 +235,104 @@ def test_engine_killed_is_one_error_not_a_hang(made):
     assert leftovers(base) == []
 
 
+def started_online(made, name: str, *args: str, delay: str = "0.3") -> tuple[subprocess.Popen, Path, Path]:
+    """An online training running (each step held `delay` s): (its process, output folder, spool folder)."""
+    out, base = online_dir(made, name), spool_base(made, name)
+    cmd = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                   "--online-spool-dir", base, *args)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**ENV, "KIMI_EAGLE_TEST_STEP_DELAY_S": delay})
+    return p, out, base
+
+
+def wait_for_files(p: subprocess.Popen, base: Path, pattern: str) -> Path:
+    """The spool, once a file matching `pattern` is in it (the engine well into its stream)."""
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(base.glob(f"*/{pattern}")):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    (spool,) = [d for d in base.iterdir() if list(d.glob(pattern))]
+    return spool
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SWEEP = "import sys; from kimi_eagle_host.data.online_stream import sweep_stale; sweep_stale(sys.argv[1])"
+
+
+def test_another_runs_clean_up_leaves_a_live_runs_buffer_alone(made):
+    """A second online run starting where the first run's pid means nothing, and sweeping the spool folder for dead
+    runs' buffers: from another PID namespace (a container sharing /dev/shm, docker --ipc=host; here `unshare
+    --pid`) and from another machine sharing the folder (another boot id). The first run's trainer holds its
+    buffer's lock: its buffer stays, and it trains to its end (it lost its documents and hung for good before)."""
+    p, out, base = started_online(made, "swept", "--online-buffer-gb", "0.0000001")
+    try:
+        spool = wait_for_files(p, base, "s_3_*")
+        other_machine = [sys.executable, "-c", "from kimi_eagle_host import procfs; "
+                         "procfs.boot_id = lambda: 'another machine'; " + SWEEP, str(base)]
+        sweeps = [other_machine]
+        if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0:
+            sweeps.append(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", SWEEP, str(base)])
+        for sweep in sweeps:
+            swept = subprocess.run(sweep, capture_output=True, text=True, env=ENV, timeout=60)
+            assert swept.returncode == 0 and "removed" not in swept.stderr, swept.stderr
+            assert spool.is_dir(), sweep
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout)["finished"] and leftovers(base) == []
+
+
+def test_a_buffer_removed_under_a_run_ends_it_in_one_line(made):
+    """The buffer's folder removed while the run trains (by hand, or by a clean-up that took it for a dead run's):
+    the engine does not make it again (its documents would never reach the trainer), and the trainer, which
+    waits for a document that can no longer come, ends at once in one line naming the folder (before: it waited
+    for ever, holding its GPUs). Nothing is left: no folder, no engine."""
+    p, out, base = started_online(made, "removed", "--online-buffer-gb", "0.0000001")
+    try:
+        spool = wait_for_files(p, base, "s_2_*")
+        (engine,) = _children(p.pid)
+        deadline = time.time() + 30
+        while spool.exists() and time.time() < deadline:   # a person's rm -rf, while the engine writes
+            shutil.rmtree(spool, ignore_errors=True)
+        t0 = time.time()
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert time.time() - t0 < 60
+    doc = json.loads(stdout)
+    assert p.returncode == 1 and doc["error"].startswith(f"online: the buffer's folder {spool} was removed while "
+                                                         "this run used it"), (doc, stderr[-3000:])
+    assert "Traceback" not in stderr
+    assert leftovers(base) == [] and not alive(engine)
+
+
+def test_a_killed_trainer_leaves_no_buffer_behind(made):
+    """The trainer killed (SIGKILL) while its engine extracts ahead: the engine removes the buffer's folder and
+    exits. It moves the folder aside before deleting it, so its writer threads, still writing, cannot leave files
+    (and so the folder) behind in /dev/shm: it stayed there, in the host's memory, in 5 of 8 tries before."""
+    p, out, base = started_online(made, "trainer-killed", "--epochs", "40", delay="1")
+    try:
+        wait_for_files(p, base, "s_5_*")   # far ahead of the trainer, still extracting: the buffer is large
+        (engine,) = _children(p.pid)
+        p.kill()
+        p.communicate(timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and alive(engine):
+            time.sleep(0.1)
+    finally:
+        p.kill()
+    assert not alive(engine)
+    assert leftovers(base) == []
+
+
 def test_two_trainer_processes_share_one_engine(made):
     """torchrun on one host (gloo on CPU): rank 0 starts the engine, each rank takes its rows of every step from the
     one buffer, and the global batch's update is one process's. Into the second epoch, the documents that come
@@ -388,6 +486,73 @@ def test_online_refusals(made, tmp_path):
                          "--report-to", "none")
     # the schema's check, as the flags are read (the same words as a setting engine_gpus: [0, 0])
     assert code == 2 and "--engine-gpus: GPU 0 is listed twice" in err and "Traceback" not in err, err
+
+
+def earlier_run(out: Path) -> Path:
+    """A finished earlier run's checkpoint in `out`: a new run from step 0 would remove it."""
+    import torch
+
+    ckpt = out / "draft" / "checkpoints" / "step_00000018.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"step": 18, "meta": {"total_steps": 18}}, ckpt)
+    return ckpt
+
+
+def test_engine_vllm_without_a_usable_vllm_is_refused_before_anything_goes(made):
+    """`engine: vllm` online on a host whose vLLM cannot stream (none here, or one older than 0.18): one line, exit
+    2, before the target loads or an earlier run's checkpoints are removed (before: they were removed, an engine
+    started, and it failed with exit 1)."""
+    from kimi_eagle_host.engine import extract_vllm
+
+    try:
+        if extract_vllm.choose_path()[0] == "native":
+            pytest.skip("this environment has a vLLM >= 0.18")
+    except Exception:   # noqa: BLE001 - a vLLM choose_path refuses: the run must refuse it too
+        pass
+    out, base = online_dir(made, "no-vllm"), spool_base(made, "no-vllm")
+    ckpt = earlier_run(out)
+    code, doc, err = run("train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE, "--engine", "vllm",
+                         "--online-spool-dir", base)
+    assert code == 2, err[-3000:]
+    assert doc["error"].startswith("--engine vllm: hidden_states online needs vLLM >= 0.18 (its native "
+                                   "extraction): "), doc
+    assert ckpt.exists() and leftovers(base) == [] and "Traceback" not in err
+
+
+def test_held_out_documents_that_would_not_fit_the_spool_folder_are_refused_before_anything_goes(made, tmp_path):
+    """The held-out documents stay in the spool folder (memory: /dev/shm) for the whole run, outside the buffer's
+    budget, and grow with the data. A folder too small for them (a 300 kB tmpfs here, half the documents held out):
+    one line naming the folder, the bytes and the setting, exit 2, before the target loads or an earlier run's
+    checkpoints go (before: the engine failed with ENOSPC once the draft was built, or hours in at scale)."""
+    from kimi_eagle_host.data.spool_size import document_bytes
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount) for a small tmpfs")
+    out, small = online_dir(made, "small-spool"), tmp_path / "small"
+    small.mkdir()
+    ckpt = earlier_run(out)
+    train = host_cmd("pipeline.train", "--model", made["model"], "--output-dir", out, *COMMON, *ONLINE,
+                     "--online-spool-dir", small, "--holdout-fraction", "0.5", "--online-buffer-gb", "0.0000001")
+    # a tmpfs of its own, seen only by this process (a private mount namespace), gone with it; what the run left
+    # there is listed before it goes
+    listing = tmp_path / "left-in-small"
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f'mount -t tmpfs -o size=300k kimi-eagle-test "{small}" && "$@"; code=$?; '
+                        f'ls -A "{small}" > "{listing}"; exit $code', "sh", *train],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    doc = json.loads(p.stdout)
+    assert p.returncode == 2, p.stderr[-3000:]
+    # the buffer: one engine batch of the longest document, since one always goes (more than online_buffer_gb here)
+    assert re.fullmatch(re.escape(f"online_spool_dir {small}: ") + r"this run would keep [\d.]+ kB there and it has "
+                        r"307.2 kB free; 12 held-out documents [\d.]+ kB \(steps.train.holdout_fraction\), the "
+                        r"buffer 50.4 kB \(one batch of steps.train.engine_batch_size, more than online_buffer_gb: one "
+                        r"always goes\): lower those settings, or set online_spool_dir to a folder with room",
+                        doc["error"]), doc
+    assert ckpt.exists() and listing.read_text() == "" and "Traceback" not in p.stderr
+    # the bytes counted are the files' (extract's sample format): never fewer, a header's rounding more
+    for f in (made["offline"] / "hidden_states").glob("hs_*.safetensors"):
+        tokens = len(load_file(str(f))["token_ids"])
+        assert 0 <= document_bytes(tokens - 1, 3, 64, 4) - f.stat().st_size < 64, f.name
 
 
 def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_path):

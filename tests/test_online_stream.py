@@ -282,3 +282,50 @@ def test_a_dead_runs_buffer_is_removed_even_where_its_pid_now_names_another_proc
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_spool_is_removed_only_once_its_trainers_lock_is_free(tmp_path):
+    """The trainer holds its spool's lock (owner.lock, flock) for its whole life; a sweep removes a spool only where
+    it can take that lock: never a live trainer's, whatever its pid or boot id say here (another container's or
+    machine's), and a dead one's at once, with what a removal left (<spool>.gone-*). A spool still being made (no
+    lock yet, less than a minute old) is left alone."""
+    import subprocess
+    import sys
+
+    def spool(name):
+        path = tmp_path / (online_stream.SPOOL_PREFIX + name)
+        path.mkdir()
+        (path / "s_0_1.safetensors").write_bytes(b"x")
+        return path
+
+    live, dead, gone, new = spool("live"), spool("dead"), spool("dead.gone-123"), spool("new")
+    for path in (dead, gone):
+        os.close(online_stream.hold_lock(str(path)))   # its trainer gone: the lock file, nobody holding it
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kimi_eagle_host.data import "
+                               "online_stream; online_stream.hold_lock(sys.argv[1]); print(flush=True); "
+                               "time.sleep(60)", str(live)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    try:
+        holder.stdout.readline()   # the lock is held
+        online_stream.sweep_stale(str(tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, new.name])
+        holder.kill()
+        holder.wait()
+        online_stream.sweep_stale(str(tmp_path))
+        assert [p.name for p in tmp_path.iterdir()] == [new.name]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_what_an_online_run_keeps_in_its_spool_folder():
+    """spool_size.spool_bytes: the held-out documents (positions x bytes a position, a header each), the cache and the
+    buffer: the figure train checks against the folder's free space, and the one a planner can estimate."""
+    from kimi_eagle_host.data import spool_size
+
+    per = spool_size.token_bytes(3, 64, 4)
+    assert per == 3 * 64 * 4 + 16
+    assert spool_size.document_bytes(44, 3, 64, 4) == 45 * per + 256
+    need = spool_size.spool_bytes(45 + 30, 2, per, 1e6, 2e9)
+    assert need == {"held": 75 * per + 512, "cache": 10**6, "buffer": 2 * 10**9,
+                    "total": 75 * per + 512 + 10**6 + 2 * 10**9}

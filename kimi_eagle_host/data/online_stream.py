@@ -22,11 +22,21 @@ step's documents, packs them (packing.fill_rows) and deletes each one once it is
                             a cache in the trainer's memory is never a file of the run.
   <spool>/engine.json       the engine's figures (tokens, seconds, time waiting for room, buffer bytes)
   <spool>/engine.error      why the engine failed: the trainer raises it as its error
-  <spool>/owner.json        the trainer's pid: a later run removes a spool whose trainer is gone
+  <spool>/owner.lock        locked (flock) by the trainer for its whole life: a later run removes only a spool
+                            whose lock it can take, so never a live run's, wherever that runs (another container
+                            sharing /dev/shm, where its pid is not seen; another machine sharing the folder)
+  <spool>/owner.json        the trainer's pid, boot id and host, for a person reading the folder
+
+The held-out documents, and a cache several trainer processes share, stay in the spool for the whole run, beside
+the buffer: before the engine starts (and before anything of an earlier run is removed or the target loaded) the
+trainer refuses a run whose spool would not fit the folder's free space (check_spool_room; the bytes:
+data/spool_size.py).
 
 Resume needs nothing more: a resumed run's stream starts at the checkpoint's step. The engine dying is one error
 in the trainer (checked while it waits), never a hang; the trainer stops the engine and removes the spool when it
 ends (done, failed, or stopped by SIGTERM after its checkpoint); the engine removes it too if the trainer dies.
+A spool is removed by moving it aside first (remove_spool), so that a writer still running fails instead of
+leaving files behind; nothing recreates a removed spool: the engine stops, and the trainer ends in one line.
 
 Under torchrun each engine serves a group of a host's trainer processes (started by the group's first rank, in the
 host's memory): its stream is the held-out documents and the rows its group's ranks evaluate and take
@@ -37,10 +47,12 @@ shared out among its engines.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,14 +61,18 @@ import time
 
 from kimi_eagle_host import procfs
 from kimi_eagle_host.data.hidden_state_files import taken_path
+from kimi_eagle_host.data.spool_size import document_bytes, spool_bytes, token_bytes
 from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
+from kimi_eagle_host.storage_plan import size
 
 SPOOL_PREFIX = "kimi-eagle-online-"
 STREAM = "stream.npy"
 ENGINE_FIGURES = "engine.json"
 ENGINE_ERROR = "engine.error"
 OWNER = "owner.json"
+OWNER_LOCK = "owner.lock"
+GONE = ".gone-"   # <spool>.gone-<pid>: a spool being removed (remove_spool)
 ENGINE_PID = "engine.pid"
 HELD, SPOOLED, CACHED, KEPT = 0, 1, 2, 3   # kinds of a stream entry
 TAKEN = (SPOOLED, KEPT)   # entries the trainer deletes once read: the buffer's (the others stay until the end)
@@ -89,6 +105,7 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
         raise BadInput(f"--online-spool-dir {args.online_spool_dir}: not a folder")
     for what in ("engine_gpus", "train_gpus"):
         parse_gpus(getattr(args, what), what)
+    check_engine(args.engine)
     prepared = os.path.join(out, "prepared")
     ds = PreparedDataset(prepared)
     info = model_info(args.model)
@@ -111,9 +128,20 @@ def inputs(args, out: str) -> tuple[dict, list[int]]:
     return dc, lengths
 
 
-def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
-    """A document's file in the spool: its T = length + 1 positions' hidden states, token ids and loss mask."""
-    return (length + 1) * (n_layers * hidden * itemsize + 16) + 256
+def check_engine(engine: str) -> None:
+    """`engine: vllm` online needs vLLM's native extraction (>= 0.18; the engine has no other way to stream):
+    refused here, from the installed packages' metadata (nothing imported), before the run removes an earlier run's
+    checkpoints or loads anything, not by the engine once started."""
+    if engine != "vllm":
+        return
+    from kimi_eagle_host.engine import extract_vllm
+
+    try:
+        path, _, why = extract_vllm.choose_path()
+    except Refused as e:
+        raise BadInput(f"{e}; hidden_states online needs vLLM >= 0.18 (its native extraction)") from None
+    if path != "native":
+        raise BadInput(f"--engine vllm: hidden_states online needs vLLM >= 0.18 (its native extraction): {why}")
 
 
 def ranks_per_engine(args, local_size: int, device_type: str) -> int:
@@ -199,6 +227,49 @@ def check_memory_cache(need: int, documents: int, available: int | None) -> None
                        f"(at most {MEMORY_CACHE_SHARE:.0%} of it for the cache): lower online_cache_gb")
 
 
+def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: str) -> None:
+    """Refuse (BadInput, one line) a run whose spools would not fit online_spool_dir's free space on this host:
+    the held-out documents its ranks evaluate and a cache its ranks share stay there for the whole run, beside the
+    buffer, and both grow with the data. Called by each host's first rank before the engine starts and before an
+    earlier run's checkpoints are removed or the target loaded (a full /dev/shm is the host's memory, and the
+    engine's ENOSPC could come hours in). `data` is the run's DataPlan. The cache counted is an upper bound: at most
+    online_cache_gb, at most every training document, none for one epoch or where each trainer process keeps its
+    own in memory; so is the buffer: each engine's share of online_buffer_gb, or one engine batch of the longest
+    documents where that is more (a batch always goes into an empty buffer). The folders of dead runs are swept
+    first: this run would take their room anyway."""
+    base = args.online_spool_dir
+    group = ranks_per_engine(args, w.local_size, device_type)
+    engines = w.local_size // group   # on this host
+    n_layers, hidden = len(dc["layer_ids"]), dc["hidden_size"]
+    itemsize = 4 if dc["dtype"] == "float32" else 2
+    host = (w.rank - w.local_rank, w.local_size, w.size) if w.distributed else None
+    held = group_held(data.held_docs, data.held, host)   # this host's ranks' (its engines' together)
+    cache = 0.0
+    if group > 1 and data.total > data.plan.steps_per_epoch:
+        cache = min(args.online_cache_gb * 1e9,
+                    sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in data.train_docs))
+    batch = args.engine_batch_size * document_bytes(max(lengths[d] for d in data.train_docs), n_layers, hidden,
+                                                    itemsize)
+    share = args.online_buffer_gb * 1e9 / engines
+    need = spool_bytes(sum(lengths[d] + 1 for d in held), len(held), token_bytes(n_layers, hidden, itemsize), cache,
+                       engines * max(share, batch))
+    sweep_stale(base)
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if not st.f_blocks or need["total"] <= free:   # no size reported (procfs, some FUSE mounts): nothing to say
+        return
+    parts = [(need["held"], f"{len(held)} held-out documents", "steps.train.holdout_fraction"),
+             (need["cache"], "the cache for later epochs", "online_cache_gb"),
+             (need["buffer"], "the buffer", "online_buffer_gb" if share >= batch else
+              "one batch of steps.train.engine_batch_size, more than online_buffer_gb: one always goes")]
+    said = ", ".join(f"{what} {size(n)} ({setting})" for n, what, setting in parts if n)
+    raise BadInput(f"online_spool_dir {base}: this run would keep {size(need['total'])} there and it has "
+                   f"{size(free)} free; {said}: lower those settings, or set online_spool_dir to a folder with room")
+
+
 def entry_name(kind: int, step: int, doc: int) -> str:
     """A stream entry's file under the spool: named by its position (step, document), so a document seen in two
     epochs never collides with itself."""
@@ -213,7 +284,12 @@ def entry_name(kind: int, step: int, doc: int) -> str:
 # the spool
 
 def sweep_stale(base: str) -> None:
-    """Remove the spools of trainers that are gone (a SIGKILL leaves them): ours, their owner's pid not alive."""
+    """Remove the spools of trainers that are gone (a SIGKILL leaves them), and what is left of a removal
+    (<spool>.gone-*): ours, and only where we can take its lock (owner.lock), which its trainer holds while it
+    lives. A lock says it across PID namespaces (a container sharing /dev/shm by --ipc=host, where the trainer's pid
+    is not seen) and machines sharing the folder (another boot id), where a pid said nothing and a live run's
+    spool was removed under it. A spool without the lock file is one being made (younger than a minute) or one an
+    earlier version made (its owner.json's pid and boot id decide, as they did then)."""
     try:
         names = [n for n in os.listdir(base) if n.startswith(SPOOL_PREFIX)]
     except OSError:
@@ -223,15 +299,75 @@ def sweep_stale(base: str) -> None:
         try:
             if os.stat(path).st_uid != os.geteuid():
                 continue
-            with open(os.path.join(path, OWNER)) as f:
-                owner = json.load(f)
-            if owner.get("boot_id") == procfs.boot_id() and _owner_alive(owner):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
-            if time.time() - _mtime(path) < 60:   # being made right now
-                continue
-        shutil.rmtree(path, ignore_errors=True)
-        log(f"online: removed {path}, the buffer of a run that is gone")
+        except OSError:
+            continue
+        free, lock = _take_lock(path)
+        try:
+            if free is None:
+                free = _unowned(path)
+            if free:
+                remove_spool(path)
+                log(f"online: removed {path}, the buffer of a run that is gone")
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+
+def _take_lock(path: str) -> tuple[bool | None, int | None]:
+    """(whether the spool's trainer is gone: True, we hold its lock now; False, it lives, or the file system takes no
+    locks, where nobody can tell; None, no lock file), and the open lock to close once the spool is removed."""
+    try:
+        fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDWR)
+    except FileNotFoundError:
+        return None, None
+    except OSError:
+        return False, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False, None
+    return True, fd
+
+
+def _unowned(path: str) -> bool:
+    """A spool without a lock file: an earlier version's, whose owner.json names a trainer no longer running on this
+    machine, or one whose making stopped before its lock (more than a minute old)."""
+    try:
+        with open(os.path.join(path, OWNER)) as f:
+            owner = json.load(f)
+        return not (owner.get("boot_id") == procfs.boot_id() and _owner_alive(owner))
+    except (OSError, ValueError, KeyError, TypeError):
+        return time.time() - _mtime(path) >= 60   # younger: being made right now
+
+
+def hold_lock(spool: str) -> int:
+    """The trainer's lock on its new spool, held (the open file) until the spool is removed: sweep_stale removes no
+    spool whose lock it cannot take. The file is made aside, locked, then renamed into place, so no sweep finds it
+    unlocked. On a file system without locks the spool is never swept (nobody can tell it is dead)."""
+    aside = os.path.join(spool, f".{OWNER_LOCK}.{os.getpid()}")
+    fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+    os.rename(aside, os.path.join(spool, OWNER_LOCK))
+    return fd
+
+
+def remove_spool(path: str) -> None:
+    """Remove a spool: first moved aside in one step (<spool>.gone-<pid>), so that a writer still running (the
+    engine's threads, its engine.json) fails on the missing folder instead of adding files while rmtree empties it,
+    which left the folder behind; then deleted. A later sweep removes what an interrupted deletion leaves."""
+    aside = path if GONE in os.path.basename(path) else f"{path}{GONE}{os.getpid()}"
+    try:
+        if aside != path:
+            os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    except OSError:
+        aside = path
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _mtime(path: str) -> float:
@@ -325,7 +461,7 @@ class Source:
         self.args, self.main = args, w.local_rank % self.group == 0
         self.first_rank = w.rank - w.local_rank % self.group
         self.engines, here = w.size // self.group, w.local_size // self.group   # in the run, on this host
-        self.proc = self.engine_pid = self.spool = None
+        self.proc = self.engine_pid = self.spool = self.lock = None
         self.waited_s = 0.0
         self.closed = False
         self.steps_abandoned = False   # the loop has stopped: its readers ahead stop waiting (abandon_steps)
@@ -388,9 +524,10 @@ class Source:
         except OSError as e:
             raise Refused(f"online: the buffer's folder cannot be made in online_spool_dir {base}: "
                           f"{e.strerror or e}") from None
+        self.lock = hold_lock(self.spool)
         with open(os.path.join(self.spool, OWNER), "w") as f:
             json.dump({"pid": os.getpid(), "boot_id": procfs.boot_id(),
-                       "start_ticks": procfs.stat(os.getpid()).start_ticks}, f)
+                       "start_ticks": procfs.stat(os.getpid()).start_ticks, "host": socket.gethostname()}, f)
         for sub in ("held", "cache"):
             os.makedirs(os.path.join(self.spool, sub))
         np.save(os.path.join(self.spool, STREAM), np.array(stream, dtype=np.int64).T.reshape(-1, 3))
@@ -484,6 +621,10 @@ class Source:
         return entry.tensors
 
     def _check_engine(self, path: str) -> None:
+        if not os.path.exists(os.path.join(self.spool, OWNER_LOCK)):   # nothing will come: said, not waited for
+            raise Refused(f"online: the buffer's folder {self.spool} was removed while this run used it (by hand, or "
+                          "by a program that took it for a dead run's); its documents are lost: run again, with "
+                          "--resume to continue from the last checkpoint")
         err = os.path.join(self.spool, ENGINE_ERROR)
         if os.path.exists(err):
             with open(err) as f:
@@ -546,8 +687,10 @@ class Source:
                 self.proc.wait()
         if self.spool is not None:
             kill_marked(self.spool)   # an engine that died hard leaves its own children (vLLM's EngineCore)
-        if self.spool is not None:
-            shutil.rmtree(self.spool, ignore_errors=True)
+            remove_spool(self.spool)
+        if self.lock is not None:   # only now: no sweep takes the spool while we remove it
+            os.close(self.lock)
+            self.lock = None
 
     def __enter__(self):
         return self

@@ -6,14 +6,14 @@ Engines: hf (transformers + the forward hooks extract uses, consecutive document
 native extract_hidden_states with our KV connector, which writes each file in the worker; extract_vllm.py). A
 sample file is extract's format and appears complete by rename. A failure is written to <spool>/engine.error (the
 trainer raises it) and exits 1. SIGINT (the trainer's stop) ends it; so does the trainer's death (it then removes
-the spool itself, since nobody else will).
+the spool itself, since nobody else will); so does the spool's removal by anyone else (one line, exit 1): nothing
+here recreates the folder, a document written into a new one would never reach the trainer.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -95,7 +95,7 @@ class Spool:
         atomic_write_json(os.path.join(self.path, spool_.ENGINE_FIGURES),
                           {"tokens": self.tokens, "seconds": round(time.monotonic() - self.t0, 3),
                            "waited_s": round(self.waited_s, 3), "buffer_bytes": self.used(),
-                           "spool_peak_bytes": self.peak_bytes})
+                           "spool_peak_bytes": self.peak_bytes}, make_folder=False)
 
 
 def run_hf(args, spool: Spool, ds, layer_ids) -> None:
@@ -161,22 +161,38 @@ def batches(spool: Spool, tokens_of, batch_size: int, cap: int):
 def run_vllm(args, spool: Spool, ds, layer_ids) -> None:
     from kimi_eagle_host.engine import extract_vllm
 
-    path, _, why = extract_vllm.choose_path()
-    if path != "native":
-        raise RuntimeError(f"engine vllm online needs vLLM's native extraction (>= 0.18): {why}")
+    spool_.check_engine(args.engine)   # the trainer refused it before starting us; here for a host changed since
     extract_vllm.prepare_environment()
     info = {"dtype": args.dtype}
     extract_vllm.stream_native(args, ds, layer_ids, info, spool)
 
 
-def watch_parent(parent: int, spool: str) -> None:
-    """The trainer gone (SIGKILL, a crash): stop here too, and remove the spool, which nobody else will."""
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
-    shutil.rmtree(spool, ignore_errors=True)
-    signal.raise_signal(signal.SIGINT)
-    time.sleep(spool_.STOP_GRACE_S)
-    os._exit(1)
+class Watch(threading.Thread):
+    """The trainer gone (SIGKILL, a crash): stop here too, and remove the spool, which nobody else will. The spool
+    removed by someone else: stop, saying so; the trainer says it too, and ends. `ending`: either came (a write
+    failing now needs no report); `done`: the removal is complete (the process must not exit before)."""
+
+    def __init__(self, parent: int, spool: str):
+        super().__init__(daemon=True)
+        self.parent, self.spool = parent, spool
+        self.ending, self.done = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        while os.getppid() == self.parent and os.path.exists(os.path.join(self.spool, spool_.OWNER_LOCK)):
+            time.sleep(PARENT_POLL_S)
+        self.ending.set()
+        if os.getppid() == self.parent:
+            log(removed(self.spool))
+        else:
+            spool_.remove_spool(self.spool)
+        self.done.set()
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(spool_.STOP_GRACE_S)
+        os._exit(1)
+
+
+def removed(spool: str) -> str:
+    return f"[engine] its buffer's folder {spool} was removed while the run used it: stopping"
 
 
 def main(argv=None) -> int:
@@ -201,7 +217,8 @@ def main(argv=None) -> int:
     # The trainer started us with SIGTERM blocked (a stop lets it finish its step, which may need our documents):
     # we end on its SIGINT, or when it is gone.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=watch_parent, args=(args.parent, args.spool), daemon=True).start()
+    watch = Watch(args.parent, args.spool)
+    watch.start()
     try:
         from kimi_eagle_host.data.prepared_data import PreparedDataset
 
@@ -214,17 +231,26 @@ def main(argv=None) -> int:
             f"({spool.waited_s:.1f}s waiting for the trainer)")
         return 0
     except KeyboardInterrupt:
-        return 130
+        return 1 if watch.ending.is_set() else 130
     except BaseException as e:  # noqa: BLE001 - the trainer reports it; the traceback stays in the log
+        if watch.ending.is_set():   # a write failed on the spool moved away: the watch says why, if anyone
+            return 1
+        if not os.path.isdir(args.spool):   # ...before the watch saw it: that is the one thing to say
+            log(removed(args.spool))
+            return 1
         import traceback
 
         traceback.print_exc(file=sys.stderr)
         try:   # complete or absent: the trainer reads it as soon as it exists
             atomic_write_via(os.path.join(args.spool, spool_.ENGINE_ERROR),
-                             lambda tmp: open(tmp, "w").write(f"{type(e).__name__}: {e}\n"))
+                             lambda tmp: open(tmp, "w").write(f"{type(e).__name__}: {e}\n"), make_folder=False)
         except OSError:
             pass
         return 1
+    finally:
+        if watch.ending.is_set():   # its SIGINT is no longer needed; its removal of the spool must end first
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            watch.done.wait(spool_.STOP_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kimi_eagle_host import compute_dtype, cpu_threads
+from kimi_eagle_host.data import online_stream  # (hidden_states online: the spool's room)
 from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
 from kimi_eagle_host.draft.draft_model import Eagle3Draft
 from kimi_eagle_host.step_runtime import BadInput, log, model_identity
@@ -146,6 +147,9 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
     # gloo for CPU tensors, nccl for CUDA ones; the timeout covers rank 0 writing a big checkpoint while
     # the others wait at the barrier.
     dist_.init(w, "nccl" if device.type == "cuda" else "gloo", timeout_s=3600)
+    if inputs.online:   # the spools' room on each host, before the target loads or an earlier run's files go
+        refuse_together(w, w.local_rank == 0, lambda: online_stream.check_spool_room(
+            args, inputs.dc, data, inputs.lengths, w, device.type))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype.resolve(args.dtype, device.type, log)]
     cpu_threads.fit(inputs.hidden, device.type, log)
     # Frozen target tensors and the feature stream are kept in the compute dtype (halves memory for
@@ -169,15 +173,23 @@ def set_up(args, inputs: TrainInputs) -> TrainRun:
 
 
 def start_afresh(run, w) -> None:
-    """Rank 0 removes an earlier run's checkpoints and candidates, or refuses (a forgotten --resume); every rank
-    learns which and refuses with it, instead of going on to wait in a collective for a rank 0 that left."""
+    """Rank 0 removes an earlier run's checkpoints and candidates, or refuses (a forgotten --resume)."""
+    def clear():
+        clear_earlier(run.ckpt_dir, run.meta)
+        candidates.reset(run.out)
+
+    refuse_together(w, w.main, clear)
+
+
+def refuse_together(w, here: bool, act) -> None:
+    """act() on the ranks where `here`; a refusal (BadInput) there is raised on every rank, instead of the others
+    going on to wait in a collective for a rank that left."""
     refusal = None
-    if w.main:
+    if here:
         try:
-            clear_earlier(run.ckpt_dir, run.meta)
-            candidates.reset(run.out)
+            act()
         except BadInput as e:
             refusal = str(e)
-    refusal = dist_.gather(refusal)[0]
-    if refusal:
-        raise BadInput(refusal)
+    refusals = [r for r in dist_.gather(refusal) if r]
+    if refusals:
+        raise BadInput(refusals[0])

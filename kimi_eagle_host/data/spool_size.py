@@ -1,0 +1,40 @@
+"""The bytes an online run (data/online_stream.py) keeps in its spool folder (`online_spool_dir`), in one place: the
+trainer checks them against the folder's free space before its engine starts, and a planner can give the same
+function estimates (the held-out share of the data's tokens and samples) instead of a run's documents. Stdlib only,
+no imports: preflight's storage plan may use it.
+
+A document's file in the spool is extract's sample format: per position (the document's tokens after the seq_len
+cut) its hidden states of every captured layer, an int64 token id and an int64 loss-mask entry; per file a
+safetensors header.
+"""
+from __future__ import annotations
+
+ID_AND_MASK_BYTES = 16    # int64 token id + int64 loss-mask entry, per position
+FILE_HEADER_BYTES = 256   # the safetensors header of a sample's three tensors (~230 B), rounded up
+
+
+def token_bytes(n_layers: int, hidden: int, itemsize: int) -> int:
+    """One position of a document's file: n_layers x hidden hidden-state values of itemsize bytes, id and mask."""
+    return n_layers * hidden * itemsize + ID_AND_MASK_BYTES
+
+
+def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> int:
+    """A document's file: its T = length + 1 positions (length: after the EAGLE shift) and the header."""
+    return (length + 1) * token_bytes(n_layers, hidden, itemsize) + FILE_HEADER_BYTES
+
+
+def spool_bytes(held_positions: int, held_documents: int, per_position: int, cache_bytes: float,
+                buffer_bytes: float) -> dict:
+    """What an online run keeps in its spool folder at most, by part, in bytes:
+      held    the held-out documents (`steps.train.holdout_fraction`): extracted first and kept for the whole run
+              (its evaluations read them again), outside the buffer's budget; held_positions = their positions
+              (tokens after the seq_len cut), held_documents = how many, per_position = token_bytes(...);
+      cache   documents kept for later epochs in the spool (`online_cache_gb`), where several trainer processes
+              share an engine; 0 where each keeps its own in its memory (one trainer process per engine);
+      buffer  the training documents not yet taken (`online_buffer_gb`, or one engine batch where that is more:
+              a batch always goes into an empty buffer);
+      total   their sum: what the folder's free space must hold.
+    Held-out and cache grow with the data; only the buffer is bounded whatever the data's size."""
+    parts = {"held": int(held_positions * per_position + held_documents * FILE_HEADER_BYTES),
+             "cache": int(cache_bytes), "buffer": int(buffer_bytes)}
+    return {**parts, "total": sum(parts.values())}
