@@ -34,13 +34,13 @@ def test_a_recipe_and_overrides_set_the_run_and_the_last_word_wins(tmp_path):
     e = make_env(tmp_path, None, extra=INVENTORY_PIPELINE)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("epochs: 4\nlr: 0.02\nsteps:\n  train: {warmup_steps: 5, resume: true}\n")
-    assert "--epochs 1 " in _train_line(e, tmp_path)  # the inventory's pipeline section, as before
+    assert "--epochs=1 " in _train_line(e, tmp_path)  # the inventory's pipeline section, as before
     line = _train_line(e, tmp_path, "-c", str(recipe))
-    assert "--epochs 4 " in line and "--lr 0.02 " in line and "--warmup-steps 5 " in line and "--resume " in line, line
+    assert "--epochs=4 " in line and "--lr=0.02 " in line and "--warmup-steps=5 " in line and "--resume " in line, line
     line = _train_line(e, tmp_path, "--recipe", str(recipe), "epochs=7", "steps.train.warmup_steps=9", "report_to=none")
-    assert "--epochs 7 " in line and "--warmup-steps 9" in line and "--report-to none" in line, line
+    assert "--epochs=7 " in line and "--warmup-steps=9" in line and "--report-to=none" in line, line
     # Overrides alone, without a recipe file, over the inventory's settings.
-    assert "--epochs 3 " in _train_line(e, tmp_path, "epochs=3")
+    assert "--epochs=3 " in _train_line(e, tmp_path, "epochs=3")
 
 
 def test_a_recipe_wins_over_the_hosts_own_pipeline_settings(tmp_path):
@@ -57,7 +57,7 @@ pipeline:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("batch_size: 16\n")
     line = _train_line(e, tmp_path, "-c", str(recipe))
-    assert "--batch-size 16" in line and "--model /models/m" in line, line
+    assert "--batch-size=16" in line and "--model=/models/m" in line, line
 
 
 @pytest.mark.parametrize("given", [["-c", "RECIPE", "tiny_model=llama"], ["model_source=smollm2", "tiny_model=llama"]])
@@ -100,7 +100,7 @@ def test_without_a_batch_size_the_steps_own_defaults_apply(tmp_path):
     sections = json.loads(next(out.rglob("settings.json")).read_text())["steps"]
     assert "epochs" in sections["train"] and "seq_len" in sections["extract"], sections
     assert "batch_size" not in sections["train"] and "batch_size" not in sections["extract"], sections
-    assert "--batch-size 5 " in _train_line(e, tmp_path, "-c", str(recipe), "batch_size=5") + " "
+    assert "--batch-size=5 " in _train_line(e, tmp_path, "-c", str(recipe), "batch_size=5") + " "
 
 
 MISTAKES = {
@@ -160,7 +160,7 @@ def test_the_shipped_recipes_render_with_the_example_inventory(tmp_path, name):
         assert {k: sections["train"].get(k) for k in want} == want, sections["train"]
         assert sections["vocab"]["draft_vocab_size"] == 32000
     else:
-        assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source smollm2" in script
+        assert "kimi_eagle_host.pipeline.regenerate" in script and "kimi_eagle_host.pipeline.eval" in script and "--source=smollm2" in script
 
 
 # The recipes that carry the data plan at scale: ShareGPT plus prompts the target writes, >= 50k conversations.
