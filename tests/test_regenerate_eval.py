@@ -53,7 +53,7 @@ def test_run_all_regenerates_first_and_evaluates_last(tmp_path):
     steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
     assert steps == ["models", "regenerate", "prepare", "extract", "vocab", "train", "eval"], steps
     lines = {s: next(line for line in job.splitlines() if f"kimi_eagle_host.pipeline.{s} " in line) for s in steps}
-    assert "--source smollm2" in lines["models"] and "/m/smollm2" in lines["models"]
+    assert "--source=smollm2" in lines["models"] and "/m/smollm2" in lines["models"]
     # Each step reads its section of the job's settings.json.
     sections = json.loads(next((tmp_path / "r").rglob("settings.json")).read_text())["steps"]
     assert all("--settings runs/JOB-ID/settings.json" in lines[s] for s in sections), lines
@@ -74,7 +74,7 @@ def test_run_all_without_regenerate_or_eval_is_the_four_steps_and_the_smoke_test
     steps = [s for s in re.findall(r"kimi_eagle_host\.pipeline\.(\w+)", job) if s != "launch"]
     assert steps == ["prepare", "extract", "vocab", "train", "eval"]
     smoke = next(line for line in job.splitlines() if "kimi_eagle_host.pipeline.eval " in line)
-    assert "--smoke" in smoke and "--prompts" not in smoke and "--model /m" in smoke
+    assert "--smoke" in smoke and "--prompts" not in smoke and "--model=/m" in smoke
 
 
 def test_two_model_builders_are_refused(tmp_path):
