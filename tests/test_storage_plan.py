@@ -257,3 +257,12 @@ def test_online_is_checked_where_its_buffer_lives(tmp_path):
     storage = storage_of(e, "train", "online_buffer_gb=10000000", "steps.train.holdout_fraction=0")
     assert storage["status"] == "fail" and f"online keeps up to ~10.0 PB in {spool}" in storage["detail"], storage
     assert storage["fix"].startswith("set online_buffer_gb="), storage
+
+
+def test_the_demos_tiny_target_that_the_job_builds_is_no_warning(tmp_path):
+    """The README's first command builds its tiny target in the job: there is no config to plan from yet, and nothing
+    to warn about (its hidden states are a few MB); the warning stays for a real model the job fetches."""
+    w = tiny_world(tmp_path, rows=10)
+    (w["model"] / "config.json").unlink()
+    storage = storage_of(controller(w, tiny_model="kimi"), "all")
+    assert storage["status"] == "pass" and "tiny random target" in storage["detail"], storage
