@@ -28,12 +28,11 @@ import math
 import os
 
 from kimi_eagle_host.data.hidden_state_files import SAMPLE_RE
+# A sample file's layout (token id and loss mask per token, a header per file) and what online keeps in its spool:
+# one reckoning for the planner and the online trainer's own check.
+from kimi_eagle_host.data.spool_size import FILE_HEADER_BYTES, ID_AND_MASK_BYTES, spool_bytes
 from kimi_eagle_host.model_size import DTYPE_BYTES, compute_parameters
 
-# What a sample file holds per token besides its hidden states: token_ids int64 + loss_mask int64
-# (hidden_state_files.LAYOUT); and the safetensors header of its three tensors (~230 B, rounded up).
-TOKEN_ID_BYTES, LOSS_MASK_BYTES = 8, 8
-FILE_HEADER_BYTES = 256
 # Offline must leave this share of the estimate free on top of the step's own margin (--min-free-disk-gib):
 # token counts estimated from a dataset's first rows, file-system blocks.
 FIT_MARGIN = 0.05
@@ -46,8 +45,7 @@ TRAIN_TOKENS_PER_S, TRAIN_HIDDEN = 255_000.0, 2048
 def bytes_per_token(hidden: int, layers: int, dtype: str = "bfloat16") -> dict:
     """What one token costs on disk offline: {"hidden_states": L x hidden x dtype bytes, "ids_and_mask", "total"}."""
     states = layers * hidden * DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 2)
-    return {"hidden_states": states, "ids_and_mask": TOKEN_ID_BYTES + LOSS_MASK_BYTES,
-            "total": states + TOKEN_ID_BYTES + LOSS_MASK_BYTES}
+    return {"hidden_states": states, "ids_and_mask": ID_AND_MASK_BYTES, "total": states + ID_AND_MASK_BYTES}
 
 
 def extract_tokens_per_s(params: int) -> float:
@@ -129,7 +127,8 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
     # sample at least); it never holds more than the data. The held-out documents stay there for the whole run.
     one_sample = seq_len * per["total"] + FILE_HEADER_BYTES
     buffer = min(offline, max(int(online_buffer_gb * 1e9), one_sample))
-    heldout = int(offline * holdout_fraction)
+    spool = spool_bytes(int(tokens * holdout_fraction), int(samples * holdout_fraction), per["total"],
+                        cache_bytes=0, buffer_bytes=buffer)
     gpus = max(1, gpus)
     params = compute_parameters(text_config)
     extract_rate = extract_tokens_per_s(params) * gpus
@@ -143,8 +142,8 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
          "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note, "offline_fits": fits,
          "seq_len": seq_len, "spool_dir": spool_dir, "spool_free": spool_free, "online_buffer_gb": online_buffer_gb,
          "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "holdout_fraction": holdout_fraction,
-         "heldout_bytes": heldout, "spool_needs": buffer + heldout,
-         "spool_fits": None if spool_free is None else spool_free >= buffer + heldout,
+         "heldout_bytes": spool["held"], "spool_needs": spool["total"],
+         "spool_fits": None if spool_free is None else spool_free >= spool["total"],
          "gpus": gpus, "epochs": epochs,
          "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
          "train_tokens_per_s": round(train_rate), "extract_hours": extract_h, "train_hours_per_epoch": train_h,

@@ -60,7 +60,7 @@ def test_wheel_works_from_any_directory(tmp_path):
     r = subprocess.run([str(venv / "bin" / "kimi-eagle"), "--json", "hosts", "check", "local"], cwd=elsewhere, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    uploaded = next(tmp_path.rglob(".kimi-eagle/payloads/kimi_eagle_host/ops/probe.py"))
+    uploaded = next(tmp_path.rglob(".kimi-eagle/payloads/*/kimi_eagle_host/ops/probe.py"))
     assert uploaded.read_bytes() == (REPO / "kimi_eagle_host" / "ops" / "probe.py").read_bytes()
     r = subprocess.run([str(venv / "bin" / "python"), "-m", "kimi_eagle", "--version"], cwd=elsewhere, env=env,
                        capture_output=True, text=True)

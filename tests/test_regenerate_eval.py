@@ -209,7 +209,7 @@ def test_a_host_choosing_model_source_replaces_an_inherited_tiny_model(tmp_path)
     r = e.cli("render", "job", "all", "--host", "local", "--out", str(tmp_path / "r"), timeout=60)
     assert r.code == 0, r.stderr
     job = "\n".join(p.read_text() for p in (tmp_path / "r").rglob("*.sh"))
-    assert "kimi_eagle_host.pipeline.models --source smollm2" in job and "tiny_model.py" not in job
+    assert "kimi_eagle_host.pipeline.models --source=smollm2" in job and "tiny_model.py" not in job
 
 
 # ------------------------------------------------------------------------------ multi-turn, resume keys

@@ -159,7 +159,7 @@ def test_ctrl_c_during_a_group_start_leaves_a_named_group_job_or_nothing(tmp_pat
 # files (the sha256 of what is already there, the lease on the temporary files, the verify-and-rename), then ops.jobs
 # start.
 _START_CALLS = {
-    "upload-hash": '*"print(sha(p)"*"/job.sh "*',
+    "upload-hash": '*"print(sha(p"*"/job.sh "*',
     "upload-lease": '*"fcntl.LOCK_NB"*"/.job.sh."*',
     "upload-commit": '*"os.replace(tmp, final)"*"/job.sh "*',
     "ops.jobs-start": '*" kimi_eagle_host.ops.jobs "*" start "*',

@@ -265,6 +265,7 @@ def train_job_files(host_dir: Path, d: Path, job_id: str):
     its settings.json and the record of its output folder). The script alone, as this bench wrote it until the
     settings moved into settings.json, started a job whose steps found no settings and exited 2."""
     from kimi_eagle.config import step_plan
+    from kimi_eagle.hosts.session import payload_set
     from kimi_eagle.jobs import direct
 
     pipe = Unset(model=str(WORK / "model"), dataset=None, output_dir=str(d), engine="hf", seq_len=S["SEQ"],
@@ -272,7 +273,7 @@ def train_job_files(host_dir: Path, d: Path, job_id: str):
                  ttt_steps=3, nproc_per_node=2 if CPU_REHEARSAL else None, steps={}, report_to="none")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     host = Unset(name="gpu-scaling", workdir=str(host_dir), env=env, python=PY, pipeline=pipe)
-    session = Unset(host=host)
+    session = Unset(host=host, payloads=payload_set().folder)   # the folder the job's scripts name
     files = direct.job_files(session, "train", ["--log-every", "1", "--save-every", "100000", "--max-steps", "100000"],
                              job_id)
     files.update(step_plan.output_record("train", session, job_id))
@@ -281,12 +282,14 @@ def train_job_files(host_dir: Path, d: Path, job_id: str):
 
 def stop_phase() -> dict:
     """A detached torchrun training job, stopped as `kimi-eagle stop` stops it, on the host side."""
+    from kimi_eagle.hosts.session import payload_set
     from kimi_eagle.jobs import job_info
 
     host_dir = WORK / "jobhost"
     shutil.rmtree(host_dir, ignore_errors=True)
     (host_dir / ".kimi-eagle").mkdir(parents=True)
-    shutil.copytree(PAY, host_dir / ".kimi-eagle" / "payloads" / "kimi_eagle_host", ignore=shutil.ignore_patterns("__pycache__"))
+    # where `run` would deploy this checkout's payload set: its own folder, which the job's scripts name
+    shutil.copytree(PAY, host_dir / payload_set().folder / "kimi_eagle_host", ignore=shutil.ignore_patterns("__pycache__"))
     d = train_dir("train_stop")
     job_id = job_info.new_job_id("train")
     host, files = train_job_files(host_dir, d, job_id)

@@ -150,15 +150,22 @@ class HostSession:
         """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from this payload set, in the workdir,
         with the inventory's env as every other payload and job gets it (a KIMI_EAGLE_MACHINE_DIR set there must
         reach the starts and cleans that take claims, not only preflight)."""
-        env = "".join(f"export {templating.sh_name(k)}={templating.sh(v)}; " for k, v in self.host.env.items())
-        return (f"{env}cd {templating.sh_path(self.host.workdir)} && {first}{pythonpath_export(self.payloads)}; "
+        return (f"{self._env_exports()}cd {templating.sh_path(self.host.workdir)} && {first}"
+                f"{pythonpath_export(self.payloads)}; "
                 f"exec {templating.sh_path(self.host.python)} {templating.sh_join([*module_argv(module), *args])}")
 
+    def _env_exports(self) -> str:
+        return "".join(f"export {templating.sh_name(k)}={templating.sh(v)}; " for k, v in self.host.env.items())
+
     def _call_from_stdin(self, module: str, args: list[str], timeout: float | None):
-        return self.transport.run(stdin_payload.command(workdir=self.host.workdir, python=self.host.python,
-                                                        env=self.host.env, payloads=self.payloads, module=module,
-                                                        args=[str(a) for a in args]),
-                                  stdin=stdin_payload.package_zip(payload_set().items, payload_set().digest), timeout=timeout)
+        """`module` run from the payload set sent on stdin (stdin_payload.py), writing nothing: in the workdir, or in
+        / when there is none yet (nothing of ours can be there to read)."""
+        ps = payload_set()
+        argv = [ps.folder, f"{HOST_PACKAGE}.{module}", *[str(a) for a in args]]
+        command = (f"{self._env_exports()}cd {templating.sh_path(self.host.workdir)} 2>/dev/null || cd /; "
+                   f"exec {templating.sh_path(self.host.python)} -c {templating.sh(stdin_payload.BOOT)} "
+                   f"{templating.sh_join(argv)}")
+        return self.transport.run(command, stdin=stdin_payload.package_zip(ps.items, ps.digest), timeout=timeout)
 
     def _refuse_writes(self, what: str) -> None:
         if self.read_only:   # a bug of ours, never the user's input: a dry run must not write to the host

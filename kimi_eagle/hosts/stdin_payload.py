@@ -12,10 +12,9 @@ from __future__ import annotations
 import io
 import zipfile
 
-from .. import templating
-from ..resources import HOST_PACKAGE
 
-# Runs on the host's Python (3.8+ and stdlib only, like the ops payloads): argv = [module, args...], stdin = the zip.
+# Runs on the host's Python (3.8+, stdlib only, like the ops payloads) as `python -c BOOT FOLDER MODULE ARGS...`:
+# FOLDER the payload set's folder under the workdir (where __file__ would be), stdin the zip.
 BOOT = '''\
 import importlib.abc, importlib.util, io, os, runpy, sys, zipfile
 ZIP = zipfile.ZipFile(io.BytesIO(sys.stdin.buffer.read()))
@@ -35,7 +34,8 @@ class InMemory(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         return None
     def get_code(self, name):
-        return compile(ZIP.read(self.find_spec(name).origin[len(ROOT) + 1:]), self.find_spec(name).origin, "exec")
+        origin = self.find_spec(name).origin
+        return compile(ZIP.read(origin[len(ROOT) + 1:]), origin, "exec")
     def exec_module(self, module):
         exec(self.get_code(module.__name__), module.__dict__)
 sys.meta_path.insert(0, InMemory())
@@ -60,9 +60,3 @@ def package_zip(items, digest: str) -> bytes:
         _ZIPS[digest] = buf.getvalue()
     return _ZIPS[digest]
 
-
-def command(*, workdir: str, python: str, env: dict, payloads: str, module: str, args: list[str]) -> str:
-    """The shell line that runs `python -m kimi_eagle_host.<module> ARGS` from the zip on its stdin. Run in the
-    workdir, or in / when there is none yet (nothing of ours can be there to read)."""
-    return templating.render("payload_stdin.sh.j2", env=env, workdir=workdir, python=python, boot=BOOT,
-                             payloads=payloads, argv=[f"{HOST_PACKAGE}.{module}", *args])
