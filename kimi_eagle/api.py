@@ -16,6 +16,7 @@ host raise `KimiEagleError` (with the message and exit code the CLI shows) when 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -145,9 +146,34 @@ class Stopped:
         if "slurm_job_id" in d:  # Slurm: scancel --signal=TERM first, a hard scancel only when needed
             return (f"job {self.job_id} (Slurm {d['slurm_job_id']}) stopped: scancel --signal=TERM, then "
                     f"{'scancel' if sent['KILL'] else 'no hard cancel needed'} ({d['elapsed_s']}s)")
-        return (f"job {self.job_id} stopped: {len(d['signalled'])} processes, SIGTERM then "
-                f"{'SIGKILL to ' + str(sent['KILL']) if sent['KILL'] else 'no SIGKILL needed'}; nothing left "
-                f"({d['elapsed_s']}s)")
+        signals = (f"SIGTERM then {'SIGKILL to ' + str(sent['KILL']) if sent['KILL'] else 'no SIGKILL needed'}; "
+                   f"nothing left ({d['elapsed_s']}s)")
+        if d.get("was") == "ending":  # the shell had exited by itself: its code stays the job's
+            return (f"job {self.job_id} had exited with code {d.get('exit_code')} ({d.get('state')}); stopped the "
+                    f"{len(d['signalled'])} processes it left: {signals}")
+        return f"job {self.job_id} stopped: {len(d['signalled'])} processes, {signals}"
+
+
+# A shell that has just exited may leave processes on their way out (an engine's workers closing down): a follow
+# gives them this long before it reports the job `ending`, with what it left still running.
+ENDING_WAIT_S = 5.0
+
+
+def _settled(h, job):
+    """The job once what its shell left has exited, or as it stands after ENDING_WAIT_S (or a lost connection: the
+    log was read to its end, the state is what the host last said)."""
+    from .hosts.session import HostSession
+    from .jobs import scheduler
+
+    deadline = time.monotonic() + ENDING_WAIT_S
+    try:
+        with HostSession(h) as session:
+            while job.state == "ending" and time.monotonic() < deadline:
+                time.sleep(0.5)
+                job = scheduler.for_host(h).status(session, job.id)[0]
+    except KimiEagleError:
+        pass
+    return job
 
 
 class Controller:
@@ -382,7 +408,10 @@ class Controller:
         tail = _lines(tail)
         result = scheduler.for_host(h).follow(h, job_id, lambda t: printer_for(f"{h.name}:{t}" if t else h.name),
                                             follow=follow, tail=tail, session=session, on_reconnect=on_reconnect)
-        return Followed(result.job, result.reconnects)
+        job = result.job
+        if follow and job.state == "ending":
+            job = _settled(h, job)
+        return Followed(job, result.reconnects)
 
     def follow_group(self, group_job, printer_for, *, follow: bool = True, tail: int | None = None,
                      on_reconnect=None, hosts=None) -> tuple[GroupStatus, dict]:

@@ -152,6 +152,108 @@ time.sleep(300)
     assert env.cli("status", job["id"], "--host", "gpu").code == 4
 
 
+def gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_job_whose_shell_exited_leaving_a_process_is_ending_and_keeps_its_claims_until_stop(env, tmp_path, code):
+    """A step that exits and leaves a child behind (an engine's worker, `cmd &`): while the child lives the job is
+    `ending` with its shell's exit code (which `status` exits with), its GPU claim holds and `stop` ends the child;
+    then the job is its shell's verdict, not `stopped`, and the next GPU job starts."""
+    pidfile = tmp_path / "child"
+    job = start(env, "bash", "-c", f"sleep 60 & echo $! > {pidfile}; exit {code}", gpu=True)
+    got = wait_state(env, job["id"], {"ending", "succeeded", "failed"})
+    child = int(pidfile.read_text())
+    assert got["state"] == "ending" and got["exit_code"] == code and got["left"] == [child], got
+    st = env.cli("status", job["id"], "--host", "gpu")
+    assert st.code == code and "ending" in st.stdout, st.stdout
+    assert f"processes it left still run (pids {child})" in st.stdout and f"kimi-eagle stop {job['id']}" in st.stdout
+    assert f"processes it started still run (pids {child})" in env.cli("logs", job["id"], "--host", "gpu").stdout
+    second = env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")
+    assert second.code == 1 and f"GPU job {job['id']}" in second.stderr, second.stderr
+    assert "has exited, but processes it left hold the GPUs" in second.stderr
+    assert f"kimi-eagle stop {job['id']}" in second.stderr
+    after_state = "succeeded" if code == 0 else "failed"
+    r = env.cli("stop", job["id"], "--host", "gpu", "--grace", "1")
+    assert r.code == 0 and f"had exited with code {code} ({after_state}); stopped the 1 processes it left" in r.stdout, r.stdout
+    assert gone(child)
+    after = env.cli("--json", "status", job["id"], "--host", "gpu").json()["jobs"][0]
+    assert (after["state"], after["exit_code"], after["left"]) == (after_state, code, [])
+    nxt = start(env, "true", gpu=True)  # the claim ended with the processes
+    assert wait_state(env, nxt["id"], {"succeeded", "failed"})["state"] == "succeeded"
+
+
+def test_a_job_leaving_a_child_is_never_seen_finished_while_its_shell_exits(env, tmp_path):
+    """The shell records its code in its exit trap and lives on for a moment after: a status in between must not
+    call the job finished (and free its claims) while what it left runs. Read as fast as the host can while the
+    shell exits (it waits for the test to be reading), 3 rounds."""
+    from kimi_eagle_host.ops.jobs import job_state
+
+    for round_ in range(3):
+        release = tmp_path / f"release{round_}"
+        job = start(env, "bash", "-c", f"sleep 60 & while [ ! -e {release} ]; do sleep 0.02; done", gpu=True)
+        seen = job_state(job["run_dir"])
+        release.touch()
+        deadline = time.monotonic() + 60
+        while seen["state"] == "running" and time.monotonic() < deadline:
+            seen = job_state(job["run_dir"])
+        assert seen["state"] == "ending" and seen["exit_code"] == 0 and seen["left"], seen
+        assert env.cli("stop", job["id"], "--host", "gpu", "--grace", "1").code == 0
+
+
+def test_run_ends_with_its_shell_and_names_what_it_left(env, tmp_path):
+    """`run` (and `logs --follow`) ends when the job's shell has exited, with its code: a child on its way out is
+    waited for a few seconds; one that stays is named (the job is `ending`), never waited for without end."""
+    brief = env.cli("run", "exec", "--host", "gpu", "--no-gpu", "--", "bash", "-c", "sleep 1 & exit 0")
+    assert brief.code == 0 and "succeeded (exit code 0)" in brief.stderr and "ending" not in brief.stderr, brief.stderr
+    for code in (0, 1):
+        pidfile = tmp_path / f"child{code}"
+        t0 = time.monotonic()
+        r = env.cli("run", "exec", "--host", "gpu", "--no-gpu", "--", "bash", "-c",
+                    f"sleep 120 & echo $! > {pidfile}; exit {code}", timeout=100)
+        child = int(pidfile.read_text())
+        assert r.code == code and time.monotonic() - t0 < 100, (r.code, r.stderr)
+        assert f"ending (exit code {code})" in r.stderr and f"processes it left still run (pids {child})" in r.stderr
+        job_id = r.stderr.split("started job ")[1].split()[0]
+        assert env.cli("stop", job_id, "--host", "gpu", "--grace", "1").code == 0 and gone(child)
+
+
+def test_status_of_many_jobs_reads_proc_once(tmp_path, monkeypatch, capsys):
+    """Every finished job is checked for processes it left, and the machine's claims for the GPU holder: one read of
+    /proc for the whole `status` call, however many jobs (the host's ops.jobs, on real jobs here)."""
+    from kimi_eagle_host.ops import jobs
+
+    monkeypatch.setenv("KIMI_EAGLE_MACHINE_DIR", str(tmp_path / "machine"))
+    runs = tmp_path / "runs"
+    steps = {f"job{i:02d}": "exit 0" for i in range(12)} | {"leaver": "sleep 60 & exit 0", "gpu": "sleep 60"}
+    for job_id, body in steps.items():
+        (runs / job_id).mkdir(parents=True)
+        (runs / job_id / "job.sh").write_text(f"trap 'echo $? > {runs / job_id}/exit_code' EXIT\n"
+                                              f"export KIMI_EAGLE_JOB_ID={job_id}\n{body}\n")
+        argv = ["--runs-dir", str(runs), "start", "--job-id", job_id, "--step", "exec", "--host", "h",
+                "--workdir", str(tmp_path)] + (["--gpu"] if job_id == "gpu" else [])
+        assert jobs.main(argv) == 0
+    deadline = time.monotonic() + 30
+    while len(list(runs.glob("*/exit_code"))) < 13:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    listdir, scans = os.listdir, []
+    monkeypatch.setattr(os, "listdir", lambda p=".": (scans.append(p) if p == "/proc" else None) or listdir(p))
+    capsys.readouterr()
+    try:
+        assert jobs.main(["--runs-dir", str(runs), "status"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert scans == ["/proc"]
+        states = {j["id"]: j["state"] for j in doc["jobs"]}
+        assert states == {**{f"job{i:02d}": "succeeded" for i in range(12)}, "leaver": "ending", "gpu": "running"}
+        assert doc["lock"]["job_id"] == "gpu"
+    finally:
+        monkeypatch.setattr(os, "listdir", listdir)
+        for job_id in ("leaver", "gpu"):
+            jobs.main(["--runs-dir", str(runs), "stop", "--job", job_id, "--grace", "1"])
+
+
 def test_gpu_lock_refuses_a_second_gpu_job(env):
     first = start(env, "sleep", "60", gpu=True)
     r = env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")

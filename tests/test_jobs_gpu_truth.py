@@ -153,3 +153,26 @@ def test_a_strangers_group_that_got_a_dead_jobs_number_is_never_the_jobs(gpu_env
     finally:
         for p in strangers:
             os.kill(p, signal.SIGKILL)
+
+
+def test_what_an_ending_gpu_jobs_shell_left_on_the_gpu_is_freed_by_run_reset_gpus(gpu_env):
+    """A GPU job whose shell exits leaving a child on the device is `ending`: it holds the GPUs (a plain GPU run is
+    refused, naming it), and the child is a stale holder: `run --reset-gpus --gpu` stops it and starts. The job keeps
+    its shell's verdict (succeeded, not stopped)."""
+    leaver = gpu_env.root / "gpu_leaver.py"
+    leaver.write_text(f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {HOLDER!r}, {str(gpu_env.dev)!r}])\n")
+    for _ in range(2):
+        r = gpu_env.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--gpu", "--", PY, str(leaver))
+        assert r.code == 0, r.stderr
+        job_id = r.json()["id"]
+        wait_held(gpu_env, 1)
+        (child,) = holding(gpu_env.dev)
+        job = wait_state(gpu_env, job_id, {"ending", "succeeded", "failed"})
+        assert job["state"] == "ending" and job["left"] == [child], job
+        plain = gpu_env.cli("run", "exec", "--host", "gpu", "--detach", "--gpu", "--", "true")
+        assert plain.code == 1 and f"GPU job {job_id}" in plain.stderr and "has exited" in plain.stderr, plain.stderr
+        r = gpu_env.cli("run", "exec", "--host", "gpu", "--reset-gpus", "--gpu", "--", "true")
+        assert r.code == 0 and f"pid {child}" in r.stdout, r.stdout + r.stderr
+        assert not alive(child)
+        after = gpu_env.cli("--json", "status", job_id, "--host", "gpu").json()["jobs"][0]
+        assert (after["state"], after["exit_code"]) == ("succeeded", 0), after

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, add_workdir_host, host_cmd, make_env, one_line_usage_error
 
 PY = sys.executable
@@ -60,18 +62,22 @@ def test_a_gpu_job_of_one_entry_holds_the_gpus_for_the_other_entry(tmp_path, ssh
     assert wait_state(env, second["id"], "gpu2", {"succeeded"})["state"] == "succeeded"
 
 
-def test_clean_from_another_entry_refuses_the_folder_a_running_job_writes(tmp_path, sshd):
+@pytest.mark.parametrize("state", ["running", "ending"])
+def test_clean_from_another_entry_refuses_the_folder_a_running_job_writes(tmp_path, sshd, state):
+    """`ending`: the job's shell has exited, but a process it left (still writing there) holds the folder's claim."""
     env = two_entries(tmp_path, sshd)
     out = env.workdir / "out"
     (out / "hidden_states").mkdir(parents=True)
     (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"\2" * 100_000)
     # gpu's job records `out` as its output folder (as every pipeline job does first, ops/provenance.py) and runs on.
     record = host_cmd("ops.provenance", "--output-dir", out, "--product-version", "test", "--settings", "x: 1")
-    busy = start(env, "gpu", "bash", "-c", " ".join(f"'{a}'" for a in record) + " && sleep 60")["id"]
+    rest = " && sleep 60" if state == "running" else " && { sleep 60 & }"
+    busy = start(env, "gpu", "bash", "-c", " ".join(f"'{a}'" for a in record) + rest)["id"]
     deadline = time.monotonic() + 30
     while not (env.workdir / "runs" / busy / "output_dir").exists():
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    assert wait_state(env, busy, "gpu", {state})["state"] == state
     try:
         r = env.cli("clean", "--host", "gpu2", "--run", str(out), "--yes")
         assert r.code == 1 and f"job {busy} (exec)" in r.stderr and "nothing was removed" in r.stderr, r.stderr

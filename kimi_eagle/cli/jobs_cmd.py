@@ -54,9 +54,9 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
         ui.emit_json_line({"job": job.as_dict(), "reconnects": result.reconnects})
     elif follow or job.state not in ("running", "pending"):
         _final_line(ui, name, job)
-        if follow and job.state == "succeeded":
+        if follow and job.state in ("succeeded", "ending") and job.exit_code == 0:
             _show_result(name, job, session)
-    raise typer.Exit(job_info.STATE_EXIT[job.state])
+    raise typer.Exit(job_info.exit_code_of(job.state, job.exit_code))
 
 
 def _show_result(host: str, job, session) -> None:
@@ -79,11 +79,21 @@ def _detached_hint(job_id: str, where: str, host_opt: str = ""):
 
 
 def _final_line(ui, label: str, job):
-    style = "green" if job.state == "succeeded" else "yellow" if job.state in ("running", "pending") else "red"
+    from ..jobs import job_info
+
+    style = "green" if job.state == "succeeded" else "yellow" if job.state in job_info.LIVE else "red"
     code = "" if job.exit_code is None else f" (exit code {job.exit_code})"
     ui.note(f"[{label}] job {job.id} {job.state}{code}", style=style)
+    if job.state == "ending":
+        ui.note(f"[{label}] {_ending_note(job)}", style=style)
     if job.headline and job.state not in ("running", "pending"):
         ui.line(f"[{label}] {job.headline}")  # a step's one-line result (eval's acceptance figures)
+
+
+def _ending_note(job) -> str:
+    return (f"its shell has exited, but processes it left still run (pids {' '.join(map(str, job.left))}) and keep "
+            f"the job's claims (the GPUs, its output folder) until they exit: kimi-eagle stop {job.id} --host "
+            f"{job.host} ends them")
 
 
 def run(
@@ -264,8 +274,10 @@ def status(
         for j in all_jobs:  # results worth seeing without opening the log (eval's acceptance figures)
             if j.headline:
                 ui.line(f"{j.id}: {j.headline}")
+            if j.state == "ending":
+                ui.line(f"{j.id}: {_ending_note(j)}", style="yellow")
     if job_id and all_jobs:
-        raise typer.Exit(job_info.STATE_EXIT[all_jobs[0].state])
+        raise typer.Exit(job_info.exit_code_of(all_jobs[0].state, all_jobs[0].exit_code))
     if listed.errors:
         raise typer.Exit(exit_for_errors(listed.errors.values()))
 

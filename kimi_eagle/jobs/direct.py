@@ -147,22 +147,26 @@ def remove_job_dir(session: HostSession, job_id: str) -> None:
 def _lock_held(session: HostSession, held: dict) -> LockHeld:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started_at") or 0))
     workdir = held.get("workdir")
+    # `ending`: its shell has exited; processes it left hold the GPUs, and `stop` ends them
+    doing = "has exited, but processes it left hold the GPUs" if held.get("state") == "ending" else "is running"
     if held.get("other_workdir"):
         # The GPUs are the machine's: a job of another workdir (another inventory entry) holds them.
         return LockHeld(f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) of "
-                        f"workdir {workdir} on this machine is running; stop it first, from the inventory entry "
+                        f"workdir {workdir} on this machine {doing}; stop it first, from the inventory entry "
                         f"that started it")
     return LockHeld(
-        f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) is running; "
+        f"{session.name}: GPU job {held.get('job_id')} ({held.get('step')}, started {since}) {doing}; "
         f"stop it first: kimi-eagle stop {held.get('job_id')} --host {session.name}"
     )
 
 
-def refuse_if_locked(session: HostSession) -> None:
-    """Raise the lock message when a running GPU job holds the host's lock (before anything is stopped)."""
+def refuse_if_locked(session: HostSession, ending_ok: bool = False) -> None:
+    """Raise the lock message when a running GPU job holds the host's lock (before anything is stopped). ending_ok:
+    not for an `ending` job, whose processes left behind are stale holders a reset stops (`run --reset-gpus`)."""
     code, data = _call_host_jobs(session, ["status"])
-    if data.get("lock"):
-        raise _lock_held(session, data["lock"])
+    held = data.get("lock")
+    if held and not (ending_ok and held.get("state") == "ending"):
+        raise _lock_held(session, held)
 
 
 def status(session: HostSession, job_id: str | None = None) -> list[Job]:

@@ -20,11 +20,11 @@ from pathlib import Path
 from ..errors import EXIT_FAILED, EXIT_TRANSPORT, CommandError, ConfigError, KimiEagleError, is_transport_failure
 from ..hosts.parallel import HostOutcome, each_host
 from . import direct, interrupts, layout, scheduler
-from .job_info import STATE_EXIT, Job, new_job_id
+from .job_info import LIVE, STATE_EXIT, Job, exit_code_of, new_job_id
 
 PREFIX = "g-"
 # Group-job states, worst first: one running host keeps the group running; else a failure fails it.
-ORDER = ("running", "pending", "failed", "lost", "unreachable", "stopped", "succeeded")
+ORDER = ("running", "pending", "failed", "lost", "unreachable", "stopped", "ending", "succeeded")
 
 
 @dataclass
@@ -216,13 +216,13 @@ def start(inventory, group: str, step: str, extra: list[str], *, mode: str | Non
     with _locked(fresh.key()):
         previous = _latest_with_key(fresh.key())
         if previous is not None and mode == "torchrun":
-            running = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
+            running = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in LIVE]
             if running:
                 raise ConfigError(f"group job {previous.id} is still running on {running[0].host}; stop it first: "
                                   f"kimi-eagle stop {previous.id}")
         changed = fresh.changed_since(previous) if previous is not None and mode == "shards" else []
         if changed:
-            live = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in ("running", "pending")]
+            live = [o for o in _member_status(inventory, previous) if o.ok and o.value and o.value.state in LIVE]
             if live:
                 raise ConfigError(f"group job {previous.id} is still running on {live[0].host} with other settings "
                                   f"({'; '.join(changed)} changed); stop it first: kimi-eagle stop {previous.id}")
@@ -266,7 +266,7 @@ def _what_to_start(inventory, g: GroupJob) -> tuple[list[Member], list[StartOutc
         state = states.get(m.host)
         if state == "succeeded":
             outcomes.append(StartOutcome(m.host, "done", m.job_id, "succeeded before; not started again"))
-        elif state in ("running", "pending"):
+        elif state in LIVE:
             outcomes.append(StartOutcome(m.host, "running", m.job_id, "still running; not started again"))
         else:
             todo.append(m)
@@ -445,6 +445,8 @@ def overall(states: list[str]) -> str:
 def exit_code(state: str, rows: list[MemberState] | None = None) -> int:
     """The group's exit code: its state's; a failed group whose only trouble is hosts that could not be
     reached (nothing failed on a host, nothing was stopped) is the connection's, 5."""
+    if state == "ending" and rows:  # the others succeeded; the shells of the `ending` ones have exited: their codes
+        return max(exit_code_of(r.state, r.job.exit_code if r.job else None) for r in rows if r.state == "ending")
     code = STATE_EXIT.get(state, STATE_EXIT["failed"])
     if code == EXIT_FAILED and rows:
         bad = [r for r in rows if r.state != "succeeded"]

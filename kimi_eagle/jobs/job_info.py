@@ -9,12 +9,24 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_RUNNING, EXIT_STOPPED, ConfigError
 
-# What `logs --follow` and `status` exit with, by job state (documented in the README).
+# What `logs --follow` and `status` exit with, by job state (documented in the README); `ending`: exit_code_of.
 # `pending`: queued by a scheduler (Slurm), not started yet.
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "running": EXIT_RUNNING, "pending": EXIT_RUNNING,
               "stopped": EXIT_STOPPED, "lost": EXIT_STOPPED,
               "unreadable": EXIT_FAILED}  # its meta.json is not readable JSON: shown with its id, others unaffected
-TERMINAL = {"succeeded", "failed", "stopped", "lost", "unreadable"}
+# `ending`: the job's shell has exited (its code is known) while processes it started live on (an engine's worker,
+# `cmd &`), holding what the job holds until they exit or `stop` ends them.
+# The states a follow ends at: the job's shell runs no more (what an `ending` job left is named, not waited for).
+TERMINAL = {"succeeded", "failed", "stopped", "lost", "unreadable", "ending"}
+LIVE = ("running", "pending", "ending")  # what the job holds (the GPUs, its output folder) it still holds
+
+
+def exit_code_of(state: str, exit_code: int | None = None) -> int:
+    """What `logs` and `status JOB` exit with for a job: its state's code. An `ending` job's shell has exited, so its
+    own code answers how the job went (0 or 1); that processes it left still run is the state's news, not a result."""
+    if state == "ending":
+        return EXIT_OK if exit_code == 0 else EXIT_FAILED
+    return STATE_EXIT[state]
 
 
 @dataclass
@@ -30,6 +42,7 @@ class Job:
     ended_at: float | None = None
     runtime_s: float | None = None
     headline: str | None = None  # a step's one-line result (eval: acceptance length, tokens/s)
+    left: list[int] = field(default_factory=list)  # its processes alive without its shell (`ending`, or killed alone)
     log: str = ""
     log_size: int = 0
     run_dir: str = ""
@@ -38,7 +51,7 @@ class Job:
     @classmethod
     def from_host(cls, host: str, d: dict) -> "Job":
         known = {k: d.get(k) for k in ("id", "step", "state", "exit_code", "pid", "pgid", "started_at", "ended_at",
-                                        "runtime_s", "log", "log_size", "run_dir", "headline")}
+                                        "runtime_s", "log", "log_size", "run_dir", "headline", "left")}
         return cls(host=host, **{k: v for k, v in known.items() if v is not None})
 
     def as_dict(self) -> dict:

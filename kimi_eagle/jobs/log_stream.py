@@ -134,7 +134,9 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
             first = False
             running = follow and job.state == "running"
             if running:
-                cmd = f"exec tail -c +{offset + 1} -F --pid={int(job.pid)} -- {join([job.log])} 2>/dev/null"
+                # tail ends with the process it watches: the shell, or once that is gone, one of the processes left
+                watched = job.left[0] if job.left else job.pid
+                cmd = f"exec tail -c +{offset + 1} -F --pid={int(watched)} -- {join([job.log])} 2>/dev/null"
             else:
                 cmd = f"exec tail -c +{offset + 1} -- {join([job.log])}"
             stream = session.transport.stream(cmd)

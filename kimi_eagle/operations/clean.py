@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CommandError, ConfigError, ConnectionFailed
 from ..hosts.session import RUNS, HostSession
+from ..jobs.job_info import LIVE
 from ..shell import join
 from .runs import RunDir, host_python
 
@@ -67,7 +68,7 @@ def users(session: HostSession, run: RunDir, listed: list | None = None) -> list
     from ..jobs.scheduler import for_host
 
     listed = for_host(session.host).status(session) if listed is None else listed
-    live = [j for j in listed if j.state in ("running", "pending")]
+    live = [j for j in listed if j.state in LIVE]
     if not live:
         return []
     code = ("import os, sys\nroot = os.path.realpath(sys.argv[1])\nfor d in sys.argv[2:]:\n"
@@ -93,7 +94,7 @@ def clean(session: HostSession, run: RunDir, *, dry_run: bool = False, confirm=N
         return result
     # Checked again and removed on the host under the lock a job's start holds: a job started since the check
     # above (or while the user answered) is seen there, and nothing is removed.
-    ended = ",".join(j.id for j in listed if j.state not in ("running", "pending"))
+    ended = ",".join(j.id for j in listed if j.state not in LIVE)
     data = _clean_on_host(session, ["--runs-dir", RUNS, "--root", run.path, "--ended", ended,
                                 *(b.rel for b in result.found)])
     if data.get("busy"):

@@ -83,12 +83,13 @@ def plan(session: HostSession, **kw) -> ResetResult:
 
 
 def reset_before_run(session: HostSession, printer, wants_gpu: bool = True) -> ResetResult:
-    """`run --reset-gpus`: free only our own stale holders (of ended or lost jobs, or outside any job); never a
-    running job's. A running GPU job means the new run is refused with the lock message, and nothing is stopped."""
+    """`run --reset-gpus`: free only our own stale holders (of ended or lost jobs, what an `ending` job's shell left,
+    or outside any job); never a running job's. A running GPU job means the new run is refused with the lock
+    message, and nothing is stopped."""
     from ..jobs import direct
 
     if wants_gpu:
-        direct.refuse_if_locked(session)
+        direct.refuse_if_locked(session, ending_ok=True)
     result = reset(session, stale_only=True)
     for h in result.holders:
         if h.get("owner") == "ours":

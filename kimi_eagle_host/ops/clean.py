@@ -39,7 +39,7 @@ import sys
 
 from kimi_eagle_host import procfs
 from kimi_eagle_host.ops import machine_claims
-from kimi_eagle_host.ops.jobs import job_state, live_claims, read, read_meta
+from kimi_eagle_host.ops.jobs import LIVE_STATES, Processes, job_state, live_claims, read, read_meta
 
 
 def slurm_job_ended(run_dir: str, meta: dict) -> bool:
@@ -54,7 +54,7 @@ def slurm_job_ended(run_dir: str, meta: dict) -> bool:
 
 def users(runs: str, root: str, ended: set) -> list[dict]:
     """Jobs whose recorded output folder is `root` and that may be running."""
-    busy = []
+    busy, procs = [], Processes()  # one read of /proc for all the jobs
     names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
     for name in names:
         d = os.path.join(runs, name)
@@ -68,9 +68,9 @@ def users(runs: str, root: str, ended: set) -> list[dict]:
             continue
         if not os.path.isfile(os.path.join(d, "meta.json")):
             continue  # recorded, not started (yet): it starts after this removal, under the same lock
-        st = job_state(d)
-        if st["state"] == "running":
-            busy.append({"id": name, "step": st["step"], "state": "running"})
+        st = job_state(d, procs)
+        if st["state"] in LIVE_STATES:  # `ending` too: what its shell left may still write there
+            busy.append({"id": name, "step": st["step"], "state": st["state"]})
     return busy
 
 

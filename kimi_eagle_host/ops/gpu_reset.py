@@ -259,7 +259,9 @@ def load_job_pgids(runs_dir: str | None) -> dict[int, str]:
 
 
 def job_running(run_dir: str | None) -> bool:
-    """Is the job of this run dir (in any workdir) running now? ops/jobs.py's own reading of a job's state."""
+    """Is the job of this run dir (in any workdir) running now? ops/jobs.py's own reading of a job's state. An
+    `ending` job is not: its shell has exited, and what it left holding a GPU is a stale holder (--stale-only stops
+    it; the job keeps its shell's exit code)."""
     if not run_dir or not os.path.isfile(os.path.join(run_dir, "meta.json")):
         return False
     return job_state(run_dir)["state"] == "running"

@@ -12,6 +12,10 @@ The GPU lock and the claims on output folders belong to the machine, not to a wo
 every job registers its claim at start, under flock(<runs>/.lock) and the machine's lock, so two inventory
 entries or workdirs on one machine see each other's jobs. A GPU job holds the machine's GPUs while its processes
 live; <runs>/gpu.lock (JSON: job_id, step, started_at, pid, pgid) is only this workdir's note of it.
+
+A job whose shell has exited (its exit code recorded) while processes it started live on (an engine's worker,
+`cmd &`) is `ending`: not over, since those processes hold what the job holds. Its claims stay, `stop` signals them,
+and once they are gone the job is `succeeded` or `failed` by its shell's code.
 """
 
 import argparse
@@ -117,12 +121,17 @@ def same_dir(a, b):
     return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def carries_job(pid, job_id, run_dir=None):
-    """Whether the process's environment names the job (job.sh exports its id and run dir to all it starts). One
-    naming another run dir is another workdir's job with the same id; an unreadable one (another user's) is not
-    the job's, whose processes are its user's."""
-    env_id, env_run = env_job(pid)
+def names_job(env, job_id, run_dir=None):
+    """Whether a process environment's (KIMI_EAGLE_JOB_ID, KIMI_EAGLE_RUN_DIR) (env_job) names the job (job.sh
+    exports its id and run dir to all it starts). One naming another run dir is another workdir's job with the same
+    id; an unreadable one (another user's) is not the job's, whose processes are its user's."""
+    env_id, env_run = env
     return bool(job_id) and env_id == job_id and (env_run is None or run_dir is None or same_dir(env_run, run_dir))
+
+
+def carries_job(pid, job_id, run_dir=None):
+    """Whether the process's environment names the job (names_job)."""
+    return names_job(env_job(pid), job_id, run_dir)
 
 
 def in_job_group(pid, group, job_id, run_dir=None):
@@ -135,20 +144,54 @@ def in_job_group(pid, group, job_id, run_dir=None):
     return procfs.stat(group) is not None or carries_job(pid, job_id, run_dir)
 
 
+class Processes:
+    """The machine's processes as one read of /proc, made when first asked: which group each live one is in and
+    which job its environment names. A `status` of many jobs, with the claims its lock check reads, scans /proc
+    once, not once a job; what waits for processes to go (stop) reads a new one each time."""
+
+    def __init__(self):
+        self.scanned = False
+        self.pids = set()   # every process, zombies too: a group whose leader is a zombie still has it
+        self.groups = {}    # pgid -> live pids
+        self.envs = {}      # live pid -> env_job(pid)
+        self.by_job = {}    # KIMI_EAGLE_JOB_ID -> live pids whose environment carries it
+
+    def scan(self):
+        if self.scanned:
+            return self
+        self.scanned = True
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            st = procfs.stat(pid)
+            if st is None:
+                continue
+            self.pids.add(pid)
+            if not st.alive:
+                continue  # a zombie: it holds nothing; its parent reaps it
+            self.groups.setdefault(st.pgid, []).append(pid)
+            self.envs[pid] = env_job(pid)
+            if self.envs[pid][0]:
+                self.by_job.setdefault(self.envs[pid][0], []).append(pid)
+        return self
+
+    def members(self, pgid, job_id=None, run_dir=None):
+        """Pids in the job's process group (in_job_group, as of this read), plus any escapee that still carries the
+        job's id in its environment."""
+        self.scan()
+        found = set()
+        if pgid:
+            leader = pgid in self.pids  # see in_job_group: then the number is the job's group's alone
+            found.update(p for p in self.groups.get(pgid, ()) if leader or names_job(self.envs[p], job_id, run_dir))
+        found.update(p for p in self.by_job.get(job_id, ()) if names_job(self.envs[p], job_id, run_dir))
+        return sorted(found)
+
+
 def group_members(pgid, job_id=None, run_dir=None):
     """Pids in the job's process group (in_job_group), plus any escapee that still carries the job's id in its
-    environment."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        st = procfs.stat(pid)
-        if st is None or not st.alive:
-            continue  # gone, or a zombie: it holds nothing; its parent reaps it
-        if (pgid and st.pgid == pgid and in_job_group(pid, pgid, job_id, run_dir)) or carries_job(pid, job_id, run_dir):
-            found.append(pid)
-    return found
+    environment: read from /proc now."""
+    return Processes().members(pgid, job_id, run_dir)
 
 
 def read_meta(run_dir):
@@ -176,37 +219,44 @@ def unreadable_state(run_dir):
             "error": f"{os.path.join(run_dir, 'meta.json')}: not readable JSON"}
 
 
-def processes_live(pid, meta, run_dir):
-    """Whether anything of the job still runs: its shell, or a member (or escapee) of its process group."""
-    if shell_alive(pid, meta):
-        return True
-    return bool(pid) and bool(group_members(own_group(meta.get("pgid") or pid, meta), meta.get("job_id"), run_dir))
+# The states of a job that still has processes: its claims (the GPUs, its output folder) hold, `stop` signals them.
+LIVE_STATES = ("running", "ending")
 
 
-def job_state(run_dir):
+def job_state(run_dir, procs=None):
+    """The job's state and record. `procs`: a Processes read to share with the other jobs of one call."""
     meta = read_meta(run_dir)
     if meta is None:
         return unreadable_state(run_dir)
+    procs = procs or Processes()
     pid = int((read(os.path.join(run_dir, "pid")) or "0").strip() or 0)
     code = read(os.path.join(run_dir, "exit_code"))
     code = int(code.strip()) if code and code.strip().lstrip("-").isdigit() else None
     stopped = os.path.exists(os.path.join(run_dir, "stopped"))
     same_boot = not meta.get("boot_id") or meta.get("boot_id") == boot_id()
     group = own_group(meta.get("pgid") or pid, meta) if same_boot else None
+    shell = same_boot and shell_alive(pid, meta)
+    # What of the job lives besides its shell (killed alone, or exited leaving children): a member or escapee of its
+    # group. Read only where it decides the state: the shell is gone, or has recorded its code (its trap is ending
+    # it: what it leaves holds the claims already). A job of an earlier boot has nothing left.
+    watch = same_boot and (not shell or code is not None)
+    left = [p for p in procs.members(group, meta.get("job_id"), run_dir) if p != pid] if watch else []
     ended_at = None
     if stopped:
         # The marker is written before the signals; a stop cut short (Ctrl-C, a dropped connection, a job that
         # ignores SIGTERM) leaves it behind while the processes live on: they decide, the marker never does.
-        state = "running" if same_boot and processes_live(pid, meta, run_dir) else "stopped"
+        state = "running" if shell or left else "stopped"
     elif code is not None:
-        state = "succeeded" if code == 0 else "failed"
+        # The shell has exited; what it started and left (an engine's worker, `cmd &`) still holds what the job
+        # holds, so the job is not over: `ending`, its code known, until they exit or `stop` ends them.
+        state = "ending" if left else "succeeded" if code == 0 else "failed"
     elif not same_boot:
         state = "lost"  # the host rebooted under the job
-    elif shell_alive(pid, meta):
+    elif shell:
         state = "running"
     elif pid == 0 and time.time() - meta.get("started_at", 0) < 10:
         state = "running"  # starting up
-    elif pid and group_members(group, meta.get("job_id"), run_dir):
+    elif left:
         # The job's shell is gone (killed alone) but its children live on, holding what they hold (a GPU):
         # still running for the lock, for `stop` (which ends the group) and for the user.
         state = "running"
@@ -233,36 +283,43 @@ def job_state(run_dir):
         "log": os.path.join(run_dir, "log"),
         "log_size": os.path.getsize(os.path.join(run_dir, "log")) if os.path.exists(os.path.join(run_dir, "log")) else 0,
         "gpu": meta.get("gpu", False),
+        "left": left,  # the job's processes alive without its shell (a follow's `tail --pid` watches one)
         # a step's one-line result (the eval step's acceptance figures), see step_runtime.job_headline
         "headline": (read(os.path.join(run_dir, "headline")) or "").strip() or None,
     }
 
 
-def claim_alive(claim):
-    """Whether a claim's job still has processes (the claim's own record when its run dir was removed)."""
+def claim_state(claim, procs=None):
+    """The state of a claim's job while it has processes (LIVE_STATES), else None (the claim's own record when its
+    run dir was removed)."""
     if claim.get("boot_id") and claim.get("boot_id") != boot_id():
-        return False
+        return None
+    procs = procs or Processes()
     run_dir = claim["run_dir"]
     if os.path.isfile(os.path.join(run_dir, "meta.json")):
-        state = job_state(run_dir)["state"]
+        state = job_state(run_dir, procs)["state"]
         if state != "unreadable":
-            return state == "running"
+            return state if state in LIVE_STATES else None
     record = {"marker": os.path.join(run_dir, "job.sh"), **claim}
     pgid = own_group(claim.get("pgid"), record)
-    return bool(claim.get("pgid")) and bool(group_members(pgid, claim.get("job_id"), run_dir))
+    return "running" if claim.get("pgid") and procs.members(pgid, claim.get("job_id"), run_dir) else None
 
 
-def live_claims(prune=False, where=None):
-    return machine_claims.live(claim_alive, prune=prune, where=where)
+def live_claims(prune=False, where=None, procs=None):
+    """The machine's claims whose jobs have processes, from one read of /proc (`procs`, else a new one)."""
+    procs = procs or Processes()
+    return machine_claims.live(lambda c: claim_state(c, procs) is not None, prune=prune, where=where)
 
 
-def lock_holder(runs, claims=None):
-    """The running GPU job on this machine (any workdir) as {job_id, step, started_at, pid, pgid, workdir,
-    other_workdir}, or None."""
-    for claim in live_claims(where=lambda c: c.get("gpu")) if claims is None else claims:
+def lock_holder(runs, claims=None, procs=None):
+    """The GPU job on this machine (any workdir) whose processes live, as {job_id, step, started_at, pid, pgid,
+    workdir, other_workdir, state}, or None. `state` is `ending` where only what its shell left holds the GPUs."""
+    procs = procs or Processes()
+    for claim in live_claims(where=lambda c: c.get("gpu"), procs=procs) if claims is None else claims:
         if claim.get("gpu"):
             held = {k: claim.get(k) for k in ("job_id", "step", "started_at", "pid", "pgid", "workdir")}
             held["other_workdir"] = not same_dir(os.path.dirname(claim["run_dir"]), runs)
+            held["state"] = claim_state(claim, procs) or "running"
             return held
     return None
 
@@ -290,7 +347,8 @@ def cmd_start(a):
             # Another start took this id (two terminals in one second drew the same one): that job's record stays.
             print(json.dumps({"started": False, "in_use": True, "error": f"job id {a.job_id} is in use on this host"}))
             return 2
-        holder = lock_holder(runs, live_claims(prune=True)) if a.gpu else None
+        procs = Processes()
+        holder = lock_holder(runs, live_claims(prune=True, procs=procs), procs) if a.gpu else None
         if holder:
             print(json.dumps({"started": False, "held_by": holder}))
             return EXIT_HELD
@@ -329,16 +387,17 @@ def cmd_start(a):
 
 def cmd_status(a):
     runs = os.path.abspath(a.runs_dir)
+    procs = Processes()  # one read of /proc for every job listed and every claim checked
     if a.job:
         run_dir = os.path.join(runs, a.job)
         if not os.path.isfile(os.path.join(run_dir, "meta.json")):
             print(json.dumps({"jobs": [], "error": f"no job {a.job} on this host"}))
             return 2
-        jobs = [job_state(run_dir)]
+        jobs = [job_state(run_dir, procs)]
     else:
         names = sorted(n for n in os.listdir(runs) if os.path.isfile(os.path.join(runs, n, "meta.json"))) if os.path.isdir(runs) else []
-        jobs = [job_state(os.path.join(runs, n)) for n in names]
-    print(json.dumps({"jobs": jobs, "lock": lock_holder(runs)}))
+        jobs = [job_state(os.path.join(runs, n), procs) for n in names]
+    print(json.dumps({"jobs": jobs, "lock": lock_holder(runs, procs=procs)}))
     return 0
 
 
@@ -349,7 +408,7 @@ def cmd_stop(a):
         print(json.dumps({"stopped": False, "error": f"no job {a.job} on this host"}))
         return 2
     before = job_state(run_dir)
-    if before["state"] != "running":
+    if before["state"] not in LIVE_STATES:
         print(json.dumps({"stopped": False, "already": before["state"], **before}))
         return 0
     pgid = before["pgid"]
@@ -371,8 +430,10 @@ def cmd_stop(a):
             except ProcessLookupError:
                 pass
 
-    # Mark first: the job's trap then records its exit, and the state reads "stopped", not "failed".
-    write_atomic(os.path.join(run_dir, "stopped"), json.dumps({"at": time.time(), "by": "kimi-eagle stop"}))
+    # Mark first: the job's trap then records its exit, and the state reads "stopped", not "failed". An `ending`
+    # job's shell has exited by itself: its code stays the job's verdict, the stop only ends what it left.
+    if before["state"] != "ending":
+        write_atomic(os.path.join(run_dir, "stopped"), json.dumps({"at": time.time(), "by": "kimi-eagle stop"}))
     signal_all(signal.SIGTERM)
     sent["TERM"] = len(targets)
     deadline = time.time() + a.grace
@@ -394,7 +455,7 @@ def cmd_stop(a):
             os.unlink(os.path.join(runs, "gpu.lock"))
         except FileNotFoundError:
             pass
-    out = {"stopped": not remaining, "signalled": targets, "sent": sent, "remaining": remaining,
+    out = {"stopped": not remaining, "signalled": targets, "sent": sent, "remaining": remaining, "was": before["state"],
            "elapsed_s": round(time.time() - t0, 2), **job_state(run_dir)}
     print(json.dumps(out))
     return 0 if not remaining else 1

@@ -26,12 +26,12 @@ def _pgid_alive(pgid) -> bool:
 def _lock_job_running(runs, info) -> bool:
     """Whether the job a gpu.lock names still runs: its own state (ops/jobs.py: the pid and group checked against
     the job's start, so a number given to a later process is not taken for it), else whether its pid or group live."""
-    from kimi_eagle_host.ops.jobs import JOB_ID, job_state
+    from kimi_eagle_host.ops.jobs import JOB_ID, LIVE_STATES, job_state
 
     job_id = info.get("job_id")
     run_dir = Path(runs) / job_id if isinstance(job_id, str) and JOB_ID.fullmatch(job_id) else None
     if run_dir is not None and (run_dir / "meta.json").is_file():
-        return job_state(str(run_dir))["state"] == "running"
+        return job_state(str(run_dir))["state"] in LIVE_STATES
     pid = procfs.stat(info.get("pid"))
     return (pid is not None and pid.alive) or _pgid_alive(info.get("pgid"))
 
@@ -45,9 +45,10 @@ def machine_gpu_holder(args) -> dict | None:
         return None
     started = held.get("started_at")
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else started
+    how = "its shell has exited, processes it left still run" if held.get("state") == "ending" else "still running"
     return check("gpu_lock", "fail" if args.step in GPU_STEPS else "warn",
                  f"this machine's GPUs are held by job {held.get('job_id')} (step {held.get('step')}, started {when}, "
-                 f"workdir {held.get('workdir')}), still running",
+                 f"workdir {held.get('workdir')}), {how}",
                  f"wait for job {held.get('job_id')} to finish, or stop it from the inventory entry that started it")
 
 
