@@ -43,6 +43,7 @@ class Holders:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
+        self.extra_pids: list[int] = []  # processes that are not our children (a vfork child)
         self.runs = tmp / "runs"
         self.runs.mkdir()
 
@@ -72,6 +73,11 @@ class Holders:
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
+        for pid in self.extra_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
@@ -331,6 +337,50 @@ def test_gpu_majors_include_the_dynamic_nvidia_ones(tmp_path):
     assert gpu_reset.gpu_majors(str(devices)) == {195, 226, 508, 509}
     # /dev/null (major 1) is none of them, on this machine too.
     assert gpu_reset.not_gpu_nodes(["/dev/null"]) == ["/dev/null"]
+
+
+# A real process in D state without root: a vfork parent waits uninterruptibly (state D) until its child execs or
+# exits, and this child stops itself first.
+D_STATE_HOLDER = textwrap.dedent("""
+    import ctypes, os, signal, sys
+    f = open(sys.argv[1])
+    print("ready", flush=True)
+    if ctypes.CDLL(None).vfork() == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+""")
+
+
+def d_state_holder(holders: Holders, dev: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", D_STATE_HOLDER, str(dev)], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    holders.procs.append(p)
+    assert p.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "D":
+        assert time.monotonic() < deadline, "the vfork parent never reached D state"
+        time.sleep(0.05)
+    # The stopped child, killed at cleanup by its own pid (it holds the device too).
+    child = int(Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()[0])
+    holders.extra_pids.append(child)
+    return p
+
+
+def test_a_holder_in_d_state_fails_neither_a_dry_run_nor_a_reset_that_leaves_it(tmp_path, holders):
+    """A dry run reports and a foreign holder the reset never touches is not its failure: a D-state process is
+    said (as a warning where it would be stopped), not a problem."""
+    dev = device(tmp_path)
+    stuck = d_state_holder(holders, dev)
+    ours = holders.spawn(dev, ours=True)
+    for extra in ([], ["--all"]):
+        rc, rep, err = run_reset(tmp_path, "--dry-run", *extra)
+        assert rc == 0 and rep["ok"] is True and rep["problems"] == [], (rep["problems"], err)
+        assert by_pid(rep)[stuck.pid]["state"] == "D" and stuck.pid in rep["d_state"]
+        said = [w for w in rep["warnings"] if f"pid {stuck.pid} is in D state" in w]
+        assert len(said) == (1 if extra else 0), rep["warnings"]
+    rc, rep, err = run_reset(tmp_path, "--grace", "1", "--timeout", "5")
+    assert rc == 0 and rep["ok"] is True, (rep["problems"], err)
+    assert ours.wait(timeout=5) == -signal.SIGTERM and alive(stuck)
 
 
 def test_pgid_from_an_earlier_boot_is_not_ours(tmp_path, holders):

@@ -70,6 +70,8 @@ def _print(outcomes, ui) -> None:
         for g in d.get("gpus", []):
             ui.line(f"[{o.host}] GPU {g.get('index')}: {g.get('mem_used_before')} -> {g.get('mem_used_after')} MiB used "
                     f"of {g.get('mem_total')}")
+        for w in d.get("warnings", []):
+            ui.line(f"[{o.host}] {w}", style="yellow")
         for p in d.get("problems", []):
             ui.line(f"[{o.host}] still held: {p}", style="red")
         if d.get("elapsed_s") is not None and d.get("mode") != "dry-run" and d.get("holders"):

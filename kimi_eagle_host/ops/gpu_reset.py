@@ -385,7 +385,7 @@ def gpu_rows_of(snap0, threshold_mib: float) -> list[dict]:
     return gpu_rows
 
 
-def plan_targets(holders: list[dict], problems: list, *, stop_all: bool, stale_only: bool, dry_run: bool,
+def plan_targets(holders: list[dict], warnings: list, *, stop_all: bool, stale_only: bool, dry_run: bool,
                  only_pids: set[int] | None, protected: set[int]) -> list[dict]:
     """The holders to stop (each holder's action and planned say why or why not)."""
     targets: list[dict] = []
@@ -410,9 +410,11 @@ def plan_targets(holders: list[dict], problems: list, *, stop_all: bool, stale_o
             h["planned"] = "stop"
             if not dry_run:
                 targets.append(h)
-        if h["state"] == "D":
-            problems.append(f"pid {h['pid']} is in D state (uninterruptible I/O) before any signal")
-
+            # Said, not a problem: a process passes through D in its I/O; whether it outlived the signals is
+            # verify_stopped's to judge, and a holder we do not stop (or a dry run) fails nothing.
+            if h["state"] == "D":
+                warnings.append(f"pid {h['pid']} is in D state (uninterruptible I/O): a signal ends it only once "
+                                "that I/O ends")
     return targets
 
 
@@ -529,8 +531,9 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     missing tools: the report's ``note`` says what was skipped."""
     t0 = time.monotonic()
     mode = "dry-run" if dry_run else ("all" if stop_all else "ours")
+    # problems fail the reset (exit 1); warnings are said and fail nothing.
     report: dict = {"ok": True, "mode": mode, "note": None, "holders": [], "gpus": [],
-                    "problems": [], "elapsed_s": 0.0, "runs_dir": runs_dir}
+                    "problems": [], "warnings": [], "elapsed_s": 0.0, "runs_dir": runs_dir}
     paths, smi, fuser_bin = find_tools(device_paths, nvidia_smi, fuser)
     report["sources"] = {"device_paths": paths, "nvidia_smi": smi, "fuser": fuser_bin}
     if missing_tools(report, device_paths, require_gpu):
@@ -554,7 +557,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     report["gpus"] = gpu_rows
 
     # ---- plan -------------------------------------------------------------------
-    targets = plan_targets(holders, report["problems"], stop_all=stop_all, stale_only=stale_only,
+    targets = plan_targets(holders, report["warnings"], stop_all=stop_all, stale_only=stale_only,
                            dry_run=dry_run, only_pids=only_pids, protected=protected)
     target_pids = {h["pid"] for h in targets}
     watched = watch_gpus(targets, gpu_rows, smi_mem)
