@@ -204,12 +204,15 @@ def test_host_without_gpu(tmp_path):
     assert rc == 1 and rep["ok"] is False and "no NVIDIA driver" in rep["note"]
 
 
-def test_host_without_fuser(tmp_path):
-    device(tmp_path)
-    rc, rep, _ = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"))
-    assert rc == 0 and "fuser not found" in rep["note"]
-    rc, _, _ = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"), "--require-gpu")
-    assert rc == 1
+def test_host_with_gpu_files_but_neither_fuser_nor_nvidia_smi_fails_clearly(tmp_path, holders):
+    """It cannot tell who holds the GPU: not "nothing held" (exit 0), on which `run --reset-gpus` would go ahead."""
+    holder = holders.spawn(device(tmp_path), ours=True)
+    for extra in ([], ["--require-gpu"]):
+        rc, rep, _ = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"), *extra)
+        assert rc == 1 and rep["ok"] is False
+        assert "fuser not found" in rep["note"] and "no nvidia-smi: cannot tell which processes hold" in rep["note"]
+        assert rep["problems"] == [rep["note"]]
+    assert alive(holder)
 
 
 # --- memory verification, with a bash stand-in for nvidia-smi --------------------
@@ -276,6 +279,20 @@ def test_memory_verified_after_late_release(tmp_path, holders):
     # Verified only once the late-freed memory was gone, not when the pid died.
     assert rep["elapsed_s"] >= 1.4 and rep["elapsed_s"] > rep["t_processes_gone_s"]
     assert alive(foreign)
+
+
+def test_without_fuser_nvidia_smi_alone_finds_and_stops_the_holders(tmp_path, holders):
+    """A container without psmisc: the holders nvidia-smi lists are stopped and verified, not "nothing done"."""
+    ours = holders.spawn(device(tmp_path), ours=True)
+    foreign = holders.spawn(device(tmp_path))
+    smi = fake_smi(tmp_path, [(ours.pid, 30000), (foreign.pid, 2000)])
+    rc, rep, err = run_reset(tmp_path, "--fuser", str(tmp_path / "no-fuser"), "--grace", "2", "--timeout", "10", smi=smi)
+    assert rc == 0 and rep["ok"] is True, (rep, err)
+    assert rep["note"] == "fuser not found (install psmisc: apt-get install psmisc): holders from nvidia-smi only"
+    h = by_pid(rep)
+    assert h[ours.pid]["sources"] == ["nvidia-smi"] and h[ours.pid]["owner"] == "ours" and h[ours.pid]["result"] == "gone"
+    assert ours.wait(timeout=5) == -signal.SIGTERM and alive(foreign)
+    assert rep["gpus"][0]["mem_used_after"] == 2000 and rep["gpus"][0]["free"] is True
 
 
 def test_memory_still_held_exits_1_naming_it(tmp_path, holders):

@@ -20,7 +20,7 @@ def gpu_reset(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; stop nothing."),
     grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
     timeout: float = typer.Option(60.0, "--timeout", min=0, help="Seconds to wait for processes to go and memory to free."),
-    require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail on a host without an NVIDIA driver or fuser."),
+    require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail on a host without an NVIDIA driver."),
     device_path: List[str] = typer.Option([], "--device-path", help="Device files/globs to inspect (default /dev/nvidia*)."),
 ):
     """Find every process holding a GPU (fuser + nvidia-smi), stop ours (or --all), verify memory is back."""

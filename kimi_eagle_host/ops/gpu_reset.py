@@ -482,21 +482,28 @@ def find_tools(device_paths: list[str] | None, nvidia_smi: str | None, fuser: st
 
 
 def missing_tools(report: dict, device_paths, require_gpu: bool) -> bool:
-    """True, with the report's note (and a problem under --require-gpu) said, when a tool the reset needs is
-    missing: then nothing is done."""
+    """True, with the report's note said, when the reset cannot look for holders: then nothing is done. A host
+    without an NVIDIA driver is a no-op (a problem under --require-gpu); one with device files but neither fuser
+    nor nvidia-smi is a problem, since its GPUs may be held. Without fuser alone, nvidia-smi lists the holders."""
     src = report["sources"]
-    missing = []
     if not src["nvidia_smi"] and not src["device_paths"]:
-        missing.append("no NVIDIA driver on this host (no nvidia-smi and no device file matches "
-                       f"{device_paths or [DEFAULT_DEVICE_GLOB]})")
-    if not src["fuser"]:
-        missing.append("fuser not found (install psmisc: apt-get install psmisc)")
-    if not missing:
+        report["note"] = ("no NVIDIA driver on this host (no nvidia-smi and no device file matches "
+                          f"{device_paths or [DEFAULT_DEVICE_GLOB]}): nothing done")
+        if require_gpu:
+            report["problems"].append(report["note"] + " and --require-gpu was given")
+    elif not src["fuser"]:
+        # Containers often lack psmisc: nvidia-smi's compute apps are then the only source, which misses a process
+        # holding a device file without a CUDA context (said, so "no holder" is read with that in mind).
+        report["note"] = "fuser not found (install psmisc: apt-get install psmisc)"
+        if src["nvidia_smi"]:
+            report["note"] += ": holders from nvidia-smi only"
+            log(report["note"])
+            return False
+        report["note"] += f" and no nvidia-smi: cannot tell which processes hold {', '.join(src['device_paths'])}"
+        report["problems"].append(report["note"])
+    else:
         return False
-    report["note"] = "; ".join(missing) + ": nothing done"
-    report["ok"] = not require_gpu
-    if require_gpu:
-        report["problems"].append(report["note"] + " and --require-gpu was given")
+    report["ok"] = not report["problems"]
     log(report["note"])
     return True
 
@@ -543,7 +550,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
     snap0 = query_smi(smi)
     if snap0.error:
         report["problems"].append(f"nvidia-smi failed: {snap0.error}")
-    by_fuser = fuser_holders(fuser_bin, paths)
+    by_fuser = fuser_holders(fuser_bin, paths) if fuser_bin else {}
     job_pgids = load_job_pgids(runs_dir)
     protected = _protected_pids()
 
@@ -644,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per GPU that may stay used without a live holder "
                         f"(default {DEFAULT_THRESHOLD_MIB}; the pre-reset unattributed baseline wins if larger)")
     p.add_argument("--require-gpu", action="store_true",
-                   help="exit 1 (instead of 0) on a host without NVIDIA driver or fuser")
+                   help="exit 1 (instead of 0) on a host without NVIDIA driver")
     p.add_argument("--stale-only", action="store_true",
                    help="keep the processes of running kimi-eagle jobs (run --reset-gpus: only stale holders of ours)")
     p.add_argument("--only-pids", default=None, metavar="PID,PID",
