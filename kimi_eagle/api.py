@@ -265,10 +265,11 @@ class Controller:
     def gpu_reset(self, host: str | None = None, group: str | None = None, *, stop_all: bool = False,
                   dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0, require_gpu: bool = False,
                   device_paths: list[str] | None = None,
-                  only_pids: dict[str, list[int]] | None = None) -> list[HostOutcome]:
+                  only_pids: dict[str, list[int | tuple[int, int | None]]] | None = None) -> list[HostOutcome]:
         """Stop the GPU holders of each host (ours; every one with stop_all) and verify the memory is back
-        (HostOutcome values: gpu_reset.ResetResult). `only_pids` {host: pids}: signal no process but these
-        (what a person saw in a dry run and confirmed)."""
+        (HostOutcome values: gpu_reset.ResetResult). `only_pids` {host: pids, or (pid, start_ticks) pairs as a dry
+        run's holders give them}: signal no process but these (what a person saw in a dry run and confirmed); with a
+        start time, not a later process that got the same pid."""
         from .jobs import job_info
         from .operations import gpu_reset
 
@@ -283,7 +284,8 @@ class Controller:
         def one(session):
             mine = extra
             if only_pids is not None:
-                mine = extra + ["--only-pids", ",".join(map(str, only_pids.get(session.name, []))) or "0"]
+                mine = extra + ["--only-pids", ",".join(map(gpu_reset.only_pid_arg, only_pids.get(session.name, [])))
+                                or "0"]
             return gpu_reset.reset(session, extra=mine, **kw)
 
         return each_host(self.inventory.select(host, group), one, read_only=dry_run)

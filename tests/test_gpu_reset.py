@@ -195,6 +195,34 @@ def test_only_pids_guard(tmp_path, holders):
     assert alive(b) and by_pid(rep)[b.pid]["signal_sent"] is None
 
 
+def test_only_pids_with_a_start_time_spares_a_later_process_of_that_pid(tmp_path, holders):
+    """gpu-reset --all signals the pids a person confirmed: one whose start time is not the confirmed one is another
+    process that got the number since, and is neither signalled nor silently skipped."""
+    dev = device(tmp_path)
+    a = holders.spawn(dev)
+    b = holders.spawn(dev)
+    rc, rep, _ = run_reset(tmp_path, "--dry-run", "--all")
+    shown = by_pid(rep)
+    assert shown[a.pid]["start_ticks"] == start_ticks(a.pid) and shown[b.pid]["start_ticks"] == start_ticks(b.pid)
+    wrong = shown[b.pid]["start_ticks"] + 1  # b stands for the process that took the number of the one confirmed
+    rc, rep, err = run_reset(tmp_path, "--all", "--only-pids", f"{a.pid}:{shown[a.pid]['start_ticks']},{b.pid}:{wrong}",
+                             "--grace", "2")
+    assert rc == 0, (rep, err)
+    assert a.wait(timeout=5) == -signal.SIGTERM
+    time.sleep(0.3)
+    assert alive(b) and by_pid(rep)[b.pid]["signal_sent"] is None and by_pid(rep)[b.pid]["action"] == "keep"
+    assert rep["warnings"] == [f"pid {b.pid} not signalled: it started at tick {wrong - 1}, not {wrong} as when it "
+                               "was shown (another process has that number now)"]
+
+
+def test_only_pids_that_is_no_list_of_pids_is_refused(tmp_path, holders):
+    holder = holders.spawn(device(tmp_path))
+    rc = subprocess.run([*SCRIPT, "--all", "--only-pids", f"{holder.pid}:soon", "--nvidia-smi", str(tmp_path / "x")],
+                        capture_output=True, text=True, timeout=60)
+    assert rc.returncode == 2 and rc.stdout == "" and "--only-pids: not a comma list of PID or PID:START" in rc.stderr
+    assert alive(holder)
+
+
 def test_host_without_gpu(tmp_path):
     # No nvidia-smi, and the device glob matches nothing.
     rc, rep, _ = run_reset(tmp_path)

@@ -101,6 +101,30 @@ def test_default_stops_only_ours_escalating_to_sigkill(gpu_env):
     assert "foreign" in r.stdout and str(foreign) in r.stdout
 
 
+def test_all_confirmed_by_pid_and_start_time_spares_a_process_that_took_the_pid(gpu_env):
+    """What `gpu-reset --all` does after the question: signal the holders shown, each checked by its start time on
+    the host. A confirmed pid whose start time differs (its process exited and the number went to another holder)
+    is not signalled, and the reset says why in one line."""
+    from kimi_eagle.api import Controller
+
+    foreign = foreign_holder(gpu_env)
+    wait_held(gpu_env, 1)
+    api = Controller(str(gpu_env.inventory))
+    (plan,) = api.gpu_reset("gpu", stop_all=True, dry_run=True)
+    (shown,) = plan.value.holders
+    assert shown["pid"] == foreign and shown["start_ticks"] > 0
+    (o,) = api.gpu_reset("gpu", stop_all=True, grace=1, only_pids={"gpu": [(foreign, shown["start_ticks"] - 1)]})
+    assert o.ok and o.value.ok and alive(foreign)
+    (said,) = o.value.data["warnings"]
+    assert said.startswith(f"pid {foreign} not signalled: it started at tick {shown['start_ticks']}, not "), said
+    (o,) = api.gpu_reset("gpu", stop_all=True, grace=1, only_pids={"gpu": [(foreign, shown["start_ticks"])]})
+    assert o.ok and o.value.ok and o.value.data["warnings"] == []
+    deadline = time.monotonic() + 5
+    while alive(foreign):
+        assert time.monotonic() < deadline, "the confirmed holder was not stopped"
+        time.sleep(0.05)
+
+
 def test_run_reset_gpus_frees_our_stale_holder_first(gpu_env):
     our_stale_holder(gpu_env)
     (stale,) = holding(gpu_env.dev)

@@ -33,8 +33,9 @@ def gpu_reset(
             raise ConfigError("gpu-reset --all stops other users' processes: confirm with --yes (nothing was stopped)")
         if not typer.confirm("Stop every process listed above?", default=False):
             raise typer.Exit(EXIT_FAILED)
-        # Signal only what the user saw and confirmed, never a process that appeared since.
-        confirmed = {o.host: [h["pid"] for h in o.value.holders] for o in plans if o.ok}
+        # Signal only what the user saw and confirmed, never a process that appeared since, nor one that got the
+        # number of a confirmed process which has exited (the host checks each pid's start time).
+        confirmed = {o.host: [(h["pid"], h.get("start_ticks")) for h in o.value.holders] for o in plans if o.ok}
         outcomes = state.api.gpu_reset(host, group, stop_all=True, only_pids=confirmed, **kw)
     else:
         outcomes = state.api.gpu_reset(host, group, stop_all=all_, dry_run=dry_run, **kw)

@@ -73,6 +73,12 @@ def reset_args(session: HostSession, *, stop_all=False, dry_run=False, grace=10.
     return args + list(extra or [])
 
 
+def only_pid_arg(item) -> str:
+    """One --only-pids item: PID, or PID:START from (pid, start_ticks) (start None: any process of that pid)."""
+    pid, start = item if isinstance(item, (tuple, list)) else (item, None)
+    return f"{int(pid)}" if start is None else f"{int(pid)}:{int(start)}"
+
+
 def reset(session: HostSession, **kw) -> ResetResult:
     res = session.run_payload("gpu-reset", "ops.gpu_reset", reset_args(session, **kw))
     return ResetResult(session.name, res.exited, res.data)

@@ -357,12 +357,13 @@ def gather_holders(snap0, by_fuser: dict, job_pgids, runs_dir) -> tuple[list[dic
              "sources": [s for s, d in (("fuser", by_fuser), ("nvidia-smi", smi_mem)) if pid in d],
              "pgid": None, "sid": None, "state": None, "job_id": None, "owner": "foreign",
              "action": "keep", "planned": "keep", "result": None, "signal_sent": None,
-             "_start": None}
+             "_start": None, "start_ticks": None}
         if st is None:
             h["owner"], h["action"], h["result"] = "invisible", "none", "not-visible"
             holders.append(h)
             continue
-        h["state"], h["_start"] = st.state, st.start_ticks
+        # start_ticks in the report: what a person confirms with the pid (--only-pids PID:START)
+        h["state"], h["_start"], h["start_ticks"] = st.state, st.start_ticks, st.start_ticks
         h["user"], h["cmd"] = _user(pid), _cmdline(pid)
         h["pgid"], h["sid"] = st.pgid, st.sid
         h["owner"], h["job_id"], h["job_run_dir"] = classify(pid, h["pgid"], h["sid"], job_pgids, runs_dir)
@@ -386,8 +387,9 @@ def gpu_rows_of(snap0, threshold_mib: float) -> list[dict]:
 
 
 def plan_targets(holders: list[dict], warnings: list, *, stop_all: bool, stale_only: bool, dry_run: bool,
-                 only_pids: set[int] | None, protected: set[int]) -> list[dict]:
-    """The holders to stop (each holder's action and planned say why or why not)."""
+                 only_pids: dict[int, int | None] | None, protected: set[int]) -> list[dict]:
+    """The holders to stop (each holder's action and planned say why or why not). only_pids: pid -> the start
+    time it had when shown (None: any)."""
     targets: list[dict] = []
     for h in holders:
         if h["owner"] == "invisible":
@@ -404,6 +406,14 @@ def plan_targets(holders: list[dict], warnings: list, *, stop_all: bool, stale_o
         if wanted and only_pids is not None and h["pid"] not in only_pids:
             h["action"] = "keep"
             h.setdefault("errors", []).append("outside --only-pids: not signalled")
+            continue
+        if wanted and only_pids is not None and only_pids[h["pid"]] not in (None, h["_start"]):
+            # The process shown and confirmed has gone and its number went to another holder: not the one agreed.
+            h["action"] = "keep"
+            why = (f"pid {h['pid']} not signalled: it started at tick {h['_start']}, not {only_pids[h['pid']]} as "
+                   "when it was shown (another process has that number now)")
+            h.setdefault("errors", []).append(why)
+            warnings.append(why)
             continue
         if wanted:
             h["action"] = "none" if dry_run else "stop"
@@ -533,7 +543,7 @@ def run_reset(*, device_paths: list[str] | None = None, nvidia_smi: str | None =
               fuser: str | None = None, runs_dir: str | None = None, stop_all: bool = False,
               dry_run: bool = False, grace: float = 10.0, timeout: float = 60.0,
               threshold_mib: float = DEFAULT_THRESHOLD_MIB, require_gpu: bool = False,
-              only_pids: set[int] | None = None, stale_only: bool = False) -> dict:
+              only_pids: dict[int, int | None] | None = None, stale_only: bool = False) -> dict:
     """Do one reset and return the report (see the module docstring). Never raises for
     missing tools: the report's ``note`` says what was skipped."""
     t0 = time.monotonic()
@@ -654,8 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 (instead of 0) on a host without NVIDIA driver")
     p.add_argument("--stale-only", action="store_true",
                    help="keep the processes of running kimi-eagle jobs (run --reset-gpus: only stale holders of ours)")
-    p.add_argument("--only-pids", default=None, metavar="PID,PID",
-                   help="safety guard: never signal a pid outside this comma list (benchmarks, tests)")
+    p.add_argument("--only-pids", default=None, metavar="PID[:START],...",
+                   help="safety guard: never signal a pid outside this comma list, nor one whose start time (clock "
+                        "ticks, /proc/PID/stat field 22) is not START (gpu-reset --all: what was shown)")
     return p
 
 
@@ -667,9 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.only_pids is not None:
         try:
-            only = {int(x) for x in args.only_pids.split(",") if x.strip()}
+            only = {}
+            for item in filter(None, (x.strip() for x in args.only_pids.split(","))):
+                pid, _, start = item.partition(":")
+                only[int(pid)] = int(start) if start else None
         except ValueError:
-            print(f"gpu_reset: --only-pids: not a comma list of pids: {args.only_pids!r}", file=sys.stderr)
+            print(f"gpu_reset: --only-pids: not a comma list of PID or PID:START: {args.only_pids!r}", file=sys.stderr)
             return 2
     bad = not_gpu_nodes(expand_device_paths(args.device_path or []))
     if bad:
