@@ -154,6 +154,20 @@ def test_host_without_gpu_is_a_clear_no_op(tmp_path, sshd):
     assert e.cli("gpu-reset", "--host", "gpu", "--require-gpu").code == 1
 
 
+def test_a_gpu_whose_memory_nvidia_smi_does_not_report_reads_memory_unknown(tmp_path, sshd):
+    """[N/A] memory (unified-memory GPUs: GB10, Grace Hopper) is said as such, not as "None -> None MiB"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\ncase \"$*\" in *--query-gpu=*) echo '0, GPU-gb10, NVIDIA GB10, "
+                                        "[N/A], [N/A]';; esac\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    e = make_env(tmp_path, sshd, host_env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                                            "KIMI_EAGLE_GPU_DEVICES": str(tmp_path / "no-such-device*")})
+    r = e.cli("gpu-reset", "--host", "gpu", "--dry-run")
+    assert r.code == 0, r.stdout + r.stderr
+    assert "[gpu] GPU 0: memory unknown" in r.stdout and "None" not in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("flag,value", [("--grace", "inf"), ("--grace", "1e300"), ("--timeout", "1e9"),
                                         ("--grace", "3601")])
 def test_a_grace_or_timeout_that_would_wait_forever_is_refused_before_the_host(tmp_path, sshd, flag, value):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from conftest import make_env
@@ -25,6 +26,23 @@ def test_check_over_ssh_and_local_report_the_same_facts(env):
     assert by_host["gpu"]["packages"]["vllm"] is None  # missing is reported, not an error
     human = env.cli("hosts", "check", "gpu")
     assert human.code == 0 and "[gpu] reachable" in human.stdout and "vllm missing" in human.stdout
+
+
+def test_check_lists_a_gpu_whose_memory_nvidia_smi_does_not_report(tmp_path, sshd):
+    """A unified-memory GPU (GB10, Grace Hopper): nvidia-smi says [N/A] for its memory. The probe crashed on it; the
+    GPU is listed, its memory unknown."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho '0, NVIDIA GB10, [N/A], [N/A], 580.95.05'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    e = make_env(tmp_path, sshd, host_env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    r = e.cli("--json", "hosts", "check", "gpu")
+    assert r.code == 0, r.stdout + r.stderr
+    (gpu,) = r.json()[0]["gpus"]
+    assert gpu == {"index": 0, "name": "NVIDIA GB10", "memory_used_mib": None, "memory_total_mib": None,
+                   "driver": "580.95.05"}
+    human = e.cli("hosts", "check", "gpu")
+    assert human.code == 0 and "[gpu] GPU 0: NVIDIA GB10  memory unknown" in human.stdout, human.stdout
 
 
 def test_unknown_host_key_is_refused_with_fingerprint_and_trust_command(tmp_path, sshd):

@@ -269,6 +269,19 @@ def test_a_gpu_host_whose_driver_does_not_answer_fails_the_gpu_steps_in_one_line
             assert checks["gpu"]["status"] == "warn" and "no GPU visible" in checks["gpu"]["detail"], checks["gpu"]
 
 
+def test_a_gpu_whose_memory_nvidia_smi_does_not_report_is_a_gpu_of_unknown_memory(env):
+    """nvidia-smi says [N/A] for the memory of a unified-memory GPU (GB10, Grace Hopper): the GPU is there (not "no
+    GPU visible", which fails engine vllm), its memory unknown, and whether the model fits is left unchecked."""
+    env["smi"].write_text("#!/usr/bin/env bash\necho '0, NVIDIA GB10, [N/A], [Not Supported]'\n")
+    for backend in ("hf", "vllm"):
+        _, _, checks = run(env, "--min-free-disk-gib", "0.001", backend=backend, step="extract")
+        c = checks["gpu"]
+        assert c["status"] == "warn" and "GPU0 memory unknown" in c["detail"] and "fit is not checked" in c["detail"], c
+        assert "no GPU visible" not in c["detail"] and c["fix"], c
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+    assert checks["gpu"]["status"] == "pass" and checks["gpu"]["detail"] == "GPU0 NVIDIA GB10 memory unknown"
+
+
 def test_gpu_too_small_for_model(env, tmp_path):
     idx = {"metadata": {"total_size": 600 * (1 << 30)}, "weight_map": {}}
     model = tmp_path / "big"

@@ -69,6 +69,9 @@ def _print(outcomes, ui) -> None:
         elif not d.get("note"):
             ui.line(f"[{o.host}] no process holds a GPU")
         for g in d.get("gpus", []):
+            if g.get("mem_total") is None:  # [N/A] from nvidia-smi: a unified-memory GPU (GB10, Grace Hopper)
+                ui.line(f"[{o.host}] GPU {g.get('index')}: memory unknown")
+                continue
             ui.line(f"[{o.host}] GPU {g.get('index')}: {g.get('mem_used_before')} -> {g.get('mem_used_after')} MiB used "
                     f"of {g.get('mem_total')}")
         for w in d.get("warnings", []):

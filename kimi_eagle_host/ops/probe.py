@@ -6,6 +6,8 @@ Runs under the host's own Python with the stdlib only and imports none of those 
 Prints one JSON document on stdout.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import platform
@@ -56,10 +58,19 @@ def gpus(nvidia_smi=None):
     found = []
     for line in res.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 5:
-            found.append({"index": int(parts[0]), "name": parts[1], "memory_used_mib": int(parts[2]),
-                          "memory_total_mib": int(parts[3]), "driver": parts[4]})
+        if len(parts) >= 5 and parts[0].isdigit():
+            found.append({"index": int(parts[0]), "name": parts[1], "memory_used_mib": mib(parts[2]),
+                          "memory_total_mib": mib(parts[3]), "driver": parts[4]})
     return found, None
+
+
+def mib(cell: str) -> int | None:
+    """A memory cell of nvidia-smi, None where it has no figure: `[N/A]` or `[Not Supported]` on GPUs that share
+    the host's memory (GB10, Grace Hopper); the GPU is there all the same."""
+    try:
+        return int(float(cell))
+    except ValueError:
+        return None
 
 
 def main(argv=None):

@@ -42,7 +42,9 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
         except ValueError as e:  # the step would refuse this setting itself (exit 2)
             out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
     gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
-    free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) if gpus else None
+    # None (not measured) where nvidia-smi gives no memory figure for the GPU ([N/A] on unified-memory GPUs).
+    free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) \
+        if gpus and gpus[0]["free_mib"] is not None and gpus[0]["total_mib"] is not None else None
     for step, (tokens, sequences) in loads.items():
         extra = hidden_state_bytes_per_token(args.model, captured_ids(args, ctx), "bfloat16") \
             if step in ("extract", "train") and args.model else 0

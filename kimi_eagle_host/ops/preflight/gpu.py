@@ -25,12 +25,29 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     for line in res.stdout.splitlines():
         parts = [x.strip() for x in line.split(",")]
         if len(parts) >= 4 and parts[0].isdigit():
-            try:
-                gpus.append({"index": int(parts[0]), "name": parts[1],
-                             "total_mib": float(parts[2]), "free_mib": float(parts[3])})
-            except ValueError:
-                continue
+            # A GPU whose memory nvidia-smi does not report ([N/A] where it shares the host's memory: GB10, Grace
+            # Hopper) is a GPU all the same: kept, its memory None (unknown), never "no GPU visible".
+            gpus.append({"index": int(parts[0]), "name": parts[1],
+                         "total_mib": _mib(parts[2]), "free_mib": _mib(parts[3])})
     return gpus, ""
+
+
+def _mib(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:  # [N/A], [Not Supported]
+        return None
+
+
+def memory_known(gpus: list[dict]) -> bool:
+    return all(g["free_mib"] is not None and g["total_mib"] is not None for g in gpus)
+
+
+def free_listing(g: dict) -> str:
+    """One GPU's free memory for a check's detail."""
+    if g["free_mib"] is None or g["total_mib"] is None:
+        return f"GPU{g['index']} memory unknown"
+    return f"GPU{g['index']} {g['free_mib'] / 1024:.0f}/{g['total_mib'] / 1024:.0f} GiB free"
 
 
 def broken_driver(smi: str | None, err: str) -> dict | None:
@@ -63,8 +80,7 @@ def check_gpu(args, ctx: dict) -> dict:
         return check("gpu", "fail", detail + "; engine vllm needs CUDA GPUs",
                      "run on a GPU host, check the NVIDIA driver (nvidia-smi), or use --engine hf")
     gib = 1 << 30
-    listing = ", ".join(f"GPU{g['index']} {g['free_mib'] / 1024:.0f}/{g['total_mib'] / 1024:.0f} GiB free"
-                        for g in gpus)
+    listing = ", ".join(free_listing(g) for g in gpus)
     if need_b is None:
         return check("gpu", "warn", f"{listing}; model size unknown ({how})",
                      "add model.safetensors.index.json to the model dir so the size can be checked")
@@ -79,6 +95,8 @@ def check_gpu(args, ctx: dict) -> dict:
         kv = kv_bytes_per_token(t, tp) * args.seq_len if t.get("num_attention_heads") else 0
         act = max(8192, args.seq_len) * (t.get("hidden_size") or 0) * 2 * 12
         per_gpu = need_b / tp + kv + act + CUDA_CONTEXT_GIB * gib
+        if not memory_known(gpus[:tp]):
+            return unknown_fit(f"{per_gpu / gib:.1f} GiB per GPU", listing)
         # vLLM takes GPUs 0..tp-1 (CUDA_VISIBLE_DEVICES order).
         short = [g for g in gpus[:tp] if g["free_mib"] * (1 << 20) < per_gpu]
         detail = (f"weights {need_b / gib:.1f} GiB ({how}) / tp {tp} + KV for {args.seq_len} tokens "
@@ -90,12 +108,20 @@ def check_gpu(args, ctx: dict) -> dict:
                          "free the GPUs (the controller's `kimi-eagle gpu-reset`), "
                          "raise --tp-size, or use a quantized checkpoint")
         return check("gpu", "pass", detail)
+    if not memory_known(gpus):
+        return unknown_fit(f"weights {need_b / gib:.1f} GiB ({how})", listing)
     free_b = sum(g["free_mib"] for g in gpus) * (1 << 20)
     detail = f"weights {need_b / gib:.1f} GiB ({how}); all GPUs free {free_b / gib:.1f} GiB; {listing}"
     if free_b < need_b + CUDA_CONTEXT_GIB * gib * len(gpus):
         return check("gpu", "warn", detail + "; hf will offload to CPU (slow)",
                      "free GPU memory or use more GPUs")
     return check("gpu", "pass", detail)
+
+
+def unknown_fit(need: str, listing: str) -> dict:
+    """A GPU whose memory nvidia-smi does not report: whether the model fits cannot be told here."""
+    return check("gpu", "warn", f"needs {need}; {listing}: nvidia-smi reports no memory figure, so the fit is not "
+                 "checked", "check the GPU's memory yourself (on a unified-memory GPU, the host's free memory)")
 
 
 def check_gpu_present(args) -> dict:
@@ -105,5 +131,5 @@ def check_gpu_present(args) -> dict:
         return broken_driver(args.smi_path, err) or check(
             "gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",
             "run on a host with NVIDIA GPUs (CPU is fine only for a tiny model)")
-    return check("gpu", "pass", ", ".join(f"GPU{g['index']} {g['name']} {g['free_mib'] / 1024:.0f} GiB free"
-                                          for g in gpus))
+    return check("gpu", "pass", ", ".join(f"GPU{g['index']} {g['name']} " + (
+        f"{g['free_mib'] / 1024:.0f} GiB free" if g["free_mib"] is not None else "memory unknown") for g in gpus))
