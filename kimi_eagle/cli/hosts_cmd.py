@@ -53,8 +53,9 @@ def hosts_check(target: Optional[str] = typer.Argument(None, metavar="[HOST|GROU
             ui.line(f"[{o.host}] torch {torch}  transformers {show('transformers')}  vllm {show('vllm')}  speculators {show('speculators')}")
             if d.get("gpus"):
                 for g in d["gpus"]:
-                    memory = "memory unknown" if g.get("memory_total_mib") is None else \
-                        f"{g['memory_used_mib'] if g.get('memory_used_mib') is not None else '?'}/{g['memory_total_mib']} MiB used"
+                    # None where nvidia-smi says [N/A] (unified-memory GPUs)
+                    used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
+                    memory = "memory unknown" if total is None else f"{'?' if used is None else used}/{total} MiB used"
                     ui.line(f"[{o.host}] GPU {g['index']}: {g['name']}  {memory}")
             else:
                 ui.line(f"[{o.host}] GPUs: none ({d.get('gpu_note') or 'no GPU'})", style="yellow")
