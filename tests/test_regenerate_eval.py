@@ -139,6 +139,38 @@ def test_eval_on_a_host_without_vllm_says_so_and_uses_transformers(tmp_path, tin
     assert out["headline"].startswith("acceptance length")
 
 
+def test_eval_says_when_its_prompts_are_conversations_the_draft_was_trained_on(tmp_path, tiny_llama):
+    """A prompts file that is (or shares conversations with) the training dataset gives training-set acceptance:
+    eval counts the prompts that open like a document of the draft's prepared data and says so beside the figure;
+    another file is checked and clean."""
+    from kimi_eagle_host.data.prepared_data import manifest_digest
+
+    pytest.importorskip("transformers")
+    draft = export_untrained_draft(tmp_path, tiny_llama)   # trained in tmp_path/pipe
+    run_dir = draft.parents[1]
+    code, _, err = payload("prepare.py", "--model", tiny_llama, "--dataset", PROMPTS / "chat.jsonl",
+                           "--output-dir", run_dir)
+    assert code == 0, err
+    info = json.loads((draft / "training_info.json").read_text())   # what extract records and train copies
+    info["data_config"]["prepared_sha256"] = manifest_digest(run_dir / "prepared")
+    (draft / "training_info.json").write_text(json.dumps(info))
+    reports = {}
+    for name in ("chat.jsonl", "prompts_eval.jsonl"):
+        code, out, err = payload("eval.py", "--model", tiny_llama, "--engine", "hf", "--prompts", PROMPTS / name,
+                                 "--num-prompts", 3, "--max-tokens", 4, "--batch-sizes", "1", "--threads", 1,
+                                 "--output-dir", run_dir, "--out", tmp_path / name)
+        assert code == 0, err
+        reports[name] = (json.loads((tmp_path / name / "report.json").read_text()), out, err)
+    rep, out, err = reports["chat.jsonl"]
+    assert rep["seen_in_training"]["checked"] and rep["seen_in_training"]["seen"] == 3, rep["seen_in_training"]
+    assert "3 of 3 prompts open like conversations of the draft's training data" in out["headline"]
+    assert "eval: warning: 3 of 3 prompts" in err
+    rep, out, err = reports["prompts_eval.jsonl"]
+    assert rep["seen_in_training"] == {"checked": True, "prepared": str(run_dir / "prepared"), "prompts": 3,
+                                       "seen": 0}
+    assert "training data" not in out["headline"]
+
+
 # ------------------------------------------------------------------------------------------ regenerate
 
 def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama):

@@ -72,8 +72,15 @@ def prompt_keys(prepared_dir) -> list:
             mask, off, ids = t.get_tensor("loss_mask"), t.get_tensor("offsets"), t.get_slice("input_ids")
             for a, b in zip(off[:-1].tolist(), off[1:].tolist()):
                 first = int(mask[a:b].argmax()) if mask[a:b].any() else 0
-                keys.append(hashlib.sha256(ids[a:a + first].tobytes()).digest()[:16] if first else None)
+                keys.append(prompt_key(ids[a:a + first]) if first else None)
     return keys
+
+
+def prompt_key(ids) -> bytes:
+    """A prompt's key as prompt_keys gives it: a short digest of its token ids (as int64)."""
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:16]
 
 
 def check_vocab_built_from(vocab_dir, prepared_sha256):

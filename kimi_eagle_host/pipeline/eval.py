@@ -581,6 +581,9 @@ def run(args):
     args.max_model_len = budget.limit = context_length.resolve(args.max_model_len, args.model, convs, budget,
                                                                args.max_turns)
     convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
+    seen = seen_in_training(args, convs, tok)
+    if seen_warning(seen):  # said now, before the engines load, and again beside the figure
+        log(f"eval: warning: {seen_warning(seen)}")
     k = args.num_speculative_tokens
     engine, why, engine_env = pick_engine(args)
     if engine == "hf" and 1 not in batch_sizes:
@@ -603,9 +606,10 @@ def run(args):
         meta["fallback_reason"] = why
     meta.update({"benchmark": benchmark_name(args.prompts, named, prov), "dataset": prov,
                  "model": os.path.abspath(args.model), "draft": args.draft, "draft_training": draft_training(args.draft),
+                 "seen_in_training": seen,
                  "prompts_file": path,
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
-    warnings = drafting_problems(m, meta["engine_name"])
+    warnings = drafting_problems(m, meta["engine_name"]) + ([seen_warning(seen)] if seen_warning(seen) else [])
     rep = summarize(m, k, convs, meta, batch_sizes)
     smoke, smoke_failed = full_eval_smoke(m, meta, why) if args.smoke else ({}, None)
     rep.update(smoke)
@@ -618,6 +622,34 @@ def run(args):
     if smoke_failed:
         raise smoke_failed
     return rep
+
+
+def seen_in_training(args, convs, tok) -> dict:
+    """How many of the measured conversations open exactly like a document of the prepared data the draft was
+    trained on (its first turn, as prepare rendered it: prepared_data.prompt_keys): acceptance on those is no
+    held-out figure (a prompts file that is the training dataset, or shares its conversations). Checked where the
+    draft's training_info.json names this run's prepared data; else said as not checked."""
+    from kimi_eagle_host.data.prepared_data import manifest_digest, prompt_key, prompt_keys
+
+    prepared = os.path.join(args.output_dir, "prepared")
+    try:
+        with open(os.path.join(args.draft, "training_info.json")) as f:
+            trained_on = (json.load(f).get("data_config") or {}).get("prepared_sha256")
+    except (OSError, ValueError, AttributeError):
+        trained_on = None
+    if not trained_on or manifest_digest(prepared) != trained_on:
+        return {"checked": False, "why": "the draft's training data is not this run's prepared data (or unknown)"}
+    keys = set(prompt_keys(prepared))
+    seen = sum(prompt_key(chat_prompt_ids(tok, c.messages([]))) in keys for c in convs)
+    return {"checked": True, "prepared": prepared, "prompts": len(convs), "seen": seen}
+
+
+def seen_warning(seen: dict):
+    """The warning for prompts the draft's training data holds (seen_in_training), None for none."""
+    if not seen.get("seen"):
+        return None
+    return (f"{seen['seen']} of {seen['prompts']} prompts open like conversations of the draft's training data "
+            f"({seen['prepared']}, held-out ones included): acceptance on them is no held-out figure")
 
 
 def draft_training(draft_dir: str) -> dict:
