@@ -150,8 +150,9 @@ class ServedEngine:
 def acceptance_by_k(per_pos, drafts: int) -> list[float]:
     """[acceptance length at k' = 1..len(per_pos)]: 1 + the fraction of drafts whose positions 1..k' were all
     accepted, summed. vLLM's per_pos[i] counts drafts whose position i was accepted, which it only counts once
-    every earlier position was: so the first k' entries are exactly what a run at k' would have counted for
-    the same drafts."""
+    every earlier position was: so the first k' entries are what a run at k' would have counted for these same
+    drafts. An estimate of a real run at k', not its measure: a run at k' starts its drafts elsewhere (after
+    fewer tokens accepted a step), so the contexts drafted from differ."""
     n = max(int(drafts), 1)
     out, total = [], 1.0
     for a in per_pos:
