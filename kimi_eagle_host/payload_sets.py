@@ -7,11 +7,17 @@ mark that it is whole; a call checks it before running a module) or, where it is
 Then it removes the sets nothing uses any more, so they do not pile up. A set goes only when
   - no deploy has used it for KEEP_DAYS (its MANIFEST's time; a folder without one: the folder's time), and
   - no job names it that may still run: a run folder whose scripts or settings name the set is left alone while it
-    has no exit code (a job running, queued, or lost without one) or anything in it changed in the last KEEP_DAYS
-    (a Slurm job's array task still running, or requeued after writing its exit code).
+    has no exit code (a job running or queued) or anything in it changed in the last KEEP_DAYS (a Slurm job's array
+    task still running, or requeued after writing its exit code). A job that is `lost` (its shell died without
+    writing its end, and nothing of it runs: ops/jobs.py) counts as ended: it holds its set only for KEEP_DAYS after
+    its folder last changed, not forever.
+The payload wrappers beside the sets (.kimi-eagle/bin/NAME-<sha256:12>.sh, kimi_eagle/hosts/session.py: one per
+payload, set and env, never per call) go with their set: a wrapper unchanged for KEEP_DAYS whose set is gone is
+removed. One whose set is there is never touched, so a call of another terminal, which seals its set before it
+uploads and runs its wrapper, always finds both.
 A command that started from a set just before it went (a `status` of a checkout not deployed for KEEP_DAYS) can fail
-once; the next command deploys the set again. Folders of older layouts (payloads/kimi_eagle_host, payloads/*.py) are
-never touched: jobs started by older versions may still run them.
+once; the next command deploys the set again. Folders of older layouts (payloads/kimi_eagle_host, payloads/*.py) and
+wrappers that name no set are never touched: jobs started by older versions may still run them.
 
 Stdlib only, Python 3.8+, like every payload.
 """
@@ -26,6 +32,7 @@ import shutil
 import sys
 import time
 
+from kimi_eagle_host.ops.jobs import job_state, read_meta, slurm_run
 from kimi_eagle_host.step_runtime import payload_root, host_runs_dir
 
 MANIFEST = "MANIFEST"
@@ -36,6 +43,9 @@ REMOVING = re.compile(r"\.([0-9a-f]{16})\.removing\.\d+")
 # The files of a run folder that name the set its job runs (job.sh, job.sbatch, node.sh; settings.json holds paths
 # under {payloads}); never its logs.
 NAMING = (".sh", ".sbatch", ".json")
+# A payload wrapper (kimi_eagle/hosts/session.py payload_wrapper), and the set it names in its PYTHONPATH line.
+WRAPPER = re.compile(r"[A-Za-z0-9_.-]+-[0-9a-f]{12}\.sh")
+NAMED_SET = re.compile(r"\.kimi-eagle/payloads/([0-9a-f]{16})\b")
 
 
 def seal(root: str, digest: str) -> None:
@@ -67,7 +77,7 @@ def _may_run(run_dir: str, now: float) -> bool:
         names = os.listdir(run_dir)
     except OSError:
         return False
-    if not any(n.startswith("exit_code") for n in names):
+    if not any(n.startswith("exit_code") for n in names) and not _lost(run_dir):
         return True
     for n in names:
         try:
@@ -76,6 +86,15 @@ def _may_run(run_dir: str, now: float) -> bool:
         except OSError:
             continue
     return False
+
+
+def _lost(run_dir: str) -> bool:
+    """A job started here (its meta.json written) that died without writing its end: nothing of it can run again.
+    A folder recorded but not started yet, or a Slurm job (queued or requeued where this host cannot see), is not."""
+    meta = read_meta(run_dir)
+    if not meta or slurm_run(run_dir, meta):
+        return False
+    return job_state(run_dir)["state"] == "lost"
 
 
 def named_by_jobs(runs: str | None, sets: list[str], now: float) -> set[str]:
@@ -134,6 +153,32 @@ def prune(payloads: str, keep: str, runs: str | None, now: float | None = None) 
     return removed
 
 
+def prune_wrappers(payloads: str, now: float | None = None) -> list[str]:
+    """Remove the wrappers in <state>/bin whose set is gone from `payloads` and that no call wrote for KEEP_DAYS (a
+    call writes its wrapper after it sealed its set, so its set is there). Returns their names."""
+    now = time.time() if now is None else now
+    bin_dir = os.path.join(os.path.dirname(payloads), "bin")
+    try:
+        names = sorted(os.listdir(bin_dir))
+    except OSError:
+        return []
+    removed = []
+    for n in names:
+        path = os.path.join(bin_dir, n)
+        try:
+            if not WRAPPER.fullmatch(n) or now - os.stat(path).st_mtime <= KEEP_DAYS * 86400:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as f:
+                named = set(NAMED_SET.findall(f.read(1 << 16)))
+            if not named or any(os.path.isdir(os.path.join(payloads, s)) for s in named):
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile: another prune
+            continue
+        removed.append(n)
+    return removed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_eagle_host.payload_sets", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -145,7 +190,8 @@ def main(argv=None) -> int:
         ap.error(f"{root} is not the folder of payload set {a.digest}")  # run from a checkout, or a bug of ours
     seal(root, a.digest)
     removed = prune(os.path.dirname(root), os.path.basename(root), host_runs_dir())
-    print(json.dumps({"sealed": a.digest, "removed": removed}))
+    wrappers = prune_wrappers(os.path.dirname(root))
+    print(json.dumps({"sealed": a.digest, "removed": removed, "removed_wrappers": wrappers}))
     return 0
 
 

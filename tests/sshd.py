@@ -110,8 +110,8 @@ SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine {threads}
                 time.sleep(0.05)
         raise RuntimeError("sshd did not start listening")
 
-    def _sshd_descendants(self) -> list[int]:
-        """Per-connection sshd processes forked from our listener (never any other sshd)."""
+    def _processes(self) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """This machine's processes now: (children by parent, command name by pid)."""
         children: dict[int, list[int]] = {}
         comm: dict[int, str] = {}
         for d in Path("/proc").iterdir():
@@ -124,13 +124,33 @@ SetEnv KIMI_EAGLE_MACHINE_DIR={self.root}/machine {threads}
             except (OSError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-        found, todo = [], [self.proc.pid]
+        return children, comm
+
+    @staticmethod
+    def _below(children, top: int) -> list[int]:
+        found, todo = [], [top]
         while todo:
             for c in children.get(todo.pop(), []):
-                if comm.get(c, "").startswith("sshd"):
-                    found.append(c)
-                    todo.append(c)
+                found.append(c)
+                todo.append(c)
         return found
+
+    def _sshd_descendants(self) -> list[int]:
+        """Per-connection sshd processes forked from our listener (never any other sshd)."""
+        children, comm = self._processes()
+        return [p for p in self._below(children, self.proc.pid) if comm.get(p, "").startswith("sshd")]
+
+    def drop_connections_running(self, command: str) -> int:
+        """Cut each open connection that runs `command` (a process of that name below it), as drop_connections does;
+        the others go on. Returns how many were cut."""
+        children, comm = self._processes()
+        cut = 0
+        for conn in children.get(self.proc.pid, []):
+            below = self._below(children, conn)
+            if any(comm.get(p) == command for p in below):
+                _kill([conn] + [p for p in below if comm.get(p, "").startswith("sshd")])
+                cut += 1
+        return cut
 
     def stop(self, kill_sessions: bool = True):
         """Stop the listener; with kill_sessions, drop every open connection too (like a restart of the box's sshd)."""

@@ -190,3 +190,98 @@ def test_old_payload_sets_go_unless_a_job_that_may_run_names_them(env):
     left = sorted(p.name for p in payloads.iterdir())
     assert left == sorted([payload_set().digest[:16], running, queued_data, recent, active, "MANIFEST",
                            "kimi_eagle_host"]), left
+
+
+def _wrapper(bin_dir, name, names_set, *, age=None):
+    """A payload wrapper as session.payload_wrapper writes it, naming `names_set` (a set's folder name, or the old
+    layout's kimi_eagle_host) in its PYTHONPATH line."""
+    import hashlib
+
+    text = f'#!/usr/bin/env bash\nexport PYTHONPATH="$PWD"/.kimi-eagle/payloads/{names_set}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+    path = bin_dir / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if age is not None:
+        os.utime(path, (age, age))
+    return path.name
+
+
+def test_a_lost_jobs_set_and_the_wrappers_of_gone_sets_do_not_stay_forever(env):
+    """A job whose shell died without writing its end (`lost`) once held its payload set forever, and the wrappers
+    in .kimi-eagle/bin were never removed: the host's .kimi-eagle grew with every upgrade. Now a lost job holds its
+    set a week after its folder last changed, like an ended one, and a week-old wrapper whose set is gone goes with
+    it; a running job's set, the wrappers of sets that are there, and wrappers of older layouts stay."""
+    import signal
+    import time
+
+    payloads = env.workdir / ".kimi-eagle" / "payloads"
+    bin_dir = env.workdir / ".kimi-eagle" / "bin"
+    runs = env.workdir / "runs"
+    old = time.time() - 8 * 86400
+    lost_set, running_set = "1" * 16, "2" * 16
+    def job(what):
+        r = env.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", "sleep", "300")
+        assert r.code == 0, (r.stdout, r.stderr)
+        return r.json()
+
+    lost, running = job("lost"), job("running")
+    meta = json.loads((runs / lost["id"] / "meta.json").read_text())
+    os.killpg(meta.get("pgid") or meta["pid"], signal.SIGKILL)  # its shell and all it started: no end written
+    deadline = time.monotonic() + 30
+    while env.cli("--json", "status", lost["id"]).json()["jobs"][0]["state"] != "lost":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # Started from older checkouts' sets (a node script names them), and quiet for a week.
+    for j, name in ((lost, lost_set), (running, running_set)):
+        (payloads / name / "kimi_eagle_host").mkdir(parents=True)
+        (payloads / name / "MANIFEST").write_text(name + "0" * 48)
+        os.utime(payloads / name / "MANIFEST", (old, old))
+        run = runs / j["id"]
+        (run / "node.sh").write_text(f'export PYTHONPATH="$PWD"/.kimi-eagle/payloads/{name}\n')
+        for f in run.iterdir():
+            os.utime(f, (old, old))
+    gone = _wrapper(bin_dir, "probe", "3" * 16, age=old)                 # its set was removed long ago
+    of_lost = _wrapper(bin_dir, "preflight", lost_set, age=old)         # its set goes in this deploy
+    of_running = _wrapper(bin_dir, "preflight", running_set, age=old)   # its set stays: a job runs from it
+    fresh = _wrapper(bin_dir, "patch", "4" * 16)                        # a call of another terminal, just written
+    older_layout = _wrapper(bin_dir, "probe", "kimi_eagle_host", age=old)
+
+    try:
+        r = env.cli("hosts", "check", "gpu")
+        assert r.code == 0, r.stdout + r.stderr
+        sets = {p.name for p in payloads.iterdir()}
+        assert running_set in sets and lost_set not in sets, sets
+        wrappers = {p.name for p in bin_dir.iterdir()}
+        assert {of_running, fresh, older_layout} <= wrappers and not {gone, of_lost} & wrappers, wrappers
+        assert [w for w in wrappers if w.startswith("probe-") and w != older_layout], wrappers  # this call's own
+        assert env.cli("--json", "status", running["id"]).json()["jobs"][0]["state"] == "running"
+    finally:
+        env.cli("stop", running["id"], "--grace", "1")
+
+
+def test_two_terminals_of_two_checkouts_keep_their_sets_and_wrappers_while_old_ones_go(env, tmp_path):
+    """Two terminals at once, each with its own checkout (its own set and wrappers), each deploying and pruning while
+    the other runs its wrapper: every call succeeds, and both sets and wrappers stay; the old ones go."""
+    import time
+
+    other = _checkout_copy(tmp_path / "checkout-b", "checkout B")
+    bin_dir = env.workdir / ".kimi-eagle" / "bin"
+    old = time.time() - 8 * 86400
+    stale = [_wrapper(bin_dir, f"w{i}", f"{i:016x}", age=old) for i in range(20)]
+    envs = [{"PYTHONPATH": str(REPO)}, {"PYTHONPATH": str(other)}]
+
+    def terminal(e):
+        return [env.cli("hosts", "check", "gpu", env=e) for _ in range(3)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(terminal, envs))
+    for rs in results:
+        for r in rs:
+            assert r.code == 0, r.stdout + r.stderr
+    wrappers = {p.name for p in bin_dir.iterdir()}
+    assert not set(stale) & wrappers, wrappers
+    probes = [bin_dir / w for w in wrappers if w.startswith("probe-")]
+    sets = {p.name for p in (env.workdir / ".kimi-eagle" / "payloads").iterdir()}
+    assert len(probes) == 2 and len(sets) == 2, (wrappers, sets)   # one of each per checkout
+    for p in probes:   # each names a set that is there
+        assert any(s in p.read_text() for s in sets), (p.read_text(), sets)

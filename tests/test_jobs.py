@@ -381,7 +381,8 @@ print("line 1", flush=True)
 
 def test_a_follow_survives_a_second_drop_long_after_the_first(env, sshd, tmp_path):
     """Two real drops (the sshd restarted, every connection cut) farther apart than the follower's give-up time, with
-    good streaming in between: each drop is retried from a fresh clock and the first backoff, and every line comes.
+    good streaming in between (longer than a connection must last to count as working): each drop is retried from a
+    fresh clock and the first backoff, and every line comes.
     The clock of the first drop ran on, so the second drop gave up at once ("connection lost for ...")."""
     import threading
 
@@ -408,7 +409,7 @@ print("stage 3", flush=True)
     def follow():
         try:
             ended["result"] = log_stream.follow(host, job["id"], lambda kind, text: lines.append(text), give_up_after=2.0,
-                                                on_reconnect=lambda n, wait: waits.append(wait))
+                                                stable_after=2.0, on_reconnect=lambda n, wait: waits.append(wait))
         except Exception as e:  # noqa: BLE001 - the test reports it
             ended["error"] = e
 
@@ -473,3 +474,49 @@ def test_a_connection_lost_during_the_start_names_the_job_and_keeps_it_recorded(
         assert env.cli("stop", job, "--grace", "1").code == 0
     else:
         assert st.code == 2 and f"no job {job} on this host" in st.stderr and "it did not start" in st.stderr, st.stderr
+
+
+def test_a_flapping_link_is_retried_ever_less_often_and_told_once(env, sshd, tmp_path):
+    """A link that comes up and drops again at once (each connection is cut as soon as its `tail` runs): `logs
+    --follow` retries with waits that double instead of every half second forever, says one line for the outage,
+    and still ends with the job's exit code once the link holds. It once printed a line per attempt and retried
+    every 0.5 s: every connection reached the host, which reset the backoff."""
+    import threading
+
+    release = tmp_path / "release"
+    script = write_script(tmp_path / "held.py", f"""
+import os, sys, time
+print("before", flush=True)
+deadline = time.monotonic() + 300
+while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("after", flush=True)
+sys.exit(3)
+""")
+    job = start(env, PY, script)
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
+                                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cuts, stop = [], threading.Event()
+
+    def flap():   # the link: every follow connection dies as soon as it streams
+        while not stop.is_set() and len(cuts) < 5:
+            if sshd.drop_connections_running("tail"):
+                cuts.append(time.monotonic())
+            time.sleep(0.02)
+
+    flapper = threading.Thread(target=flap, daemon=True)
+    try:
+        flapper.start()
+        flapper.join(90)
+    finally:
+        stop.set()
+    release.touch()                       # the link holds from now on
+    out, err = follower.communicate(timeout=120)
+    gaps = [b - a for a, b in zip(cuts, cuts[1:])]
+    assert len(cuts) == 5, (cuts, err)
+    # Each wait twice the last: 0.5, 1, 2, 4 s between attempts (plus the time to connect), not 0.5 s each time.
+    assert gaps[-1] - gaps[0] > 2.5 and all(b > a for a, b in zip(gaps, gaps[1:])), gaps
+    assert err.count("connection lost") == 1, err
+    assert follower.returncode == 1, (out, err)   # the job's failure, after every line
+    assert "[gpu] before" in out and "[gpu] after" in out, out

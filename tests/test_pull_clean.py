@@ -117,6 +117,58 @@ def test_pull_of_a_running_job_copies_its_growing_log_and_events_as_they_were_li
         assert e.cli("stop", job, "--grace", "1").code == 0
 
 
+def test_pull_of_a_running_job_never_takes_a_prefix_of_a_file_rewritten_in_place(tmp_path, sshd):
+    """A tracker's summary (wandb's wandb-summary.json, mlflow's meta.yaml) is rewritten in place, larger each time,
+    while the job runs: `pull` copies it whole, verified unchanged across the copy, or says it changed throughout
+    and leaves it as it was here. It was copied as the first bytes of the listed size, of a newer content: a cut
+    JSON, reported as `growing` as if a later pull would complete it."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    out = e.workdir / "out"
+    script = tmp_path / "rewrites.py"
+    script.write_text("import json, os, sys, time\nout = sys.argv[1]\n"
+                      "open(os.path.join(os.environ['KIMI_EAGLE_RUN_DIR'], 'output_dir'), 'w').write(out)\n"
+                      "d = os.path.join(out, 'tracking', os.environ['KIMI_EAGLE_JOB_ID'], 'wandb', 'files')\n"
+                      "os.makedirs(d, exist_ok=True)\ni = 0\n"
+                      "while True:\n"
+                      "    end = time.monotonic() + 0.3\n"
+                      "    while time.monotonic() < end:  # a burst of rewrites, then a pause\n"
+                      "        i += 1\n"
+                      "        print('step', i, flush=True)\n"
+                      "        with open(os.path.join(d, 'wandb-summary.json'), 'w') as f:\n"
+                      "            f.write(json.dumps({'step': i, 'loss': [1.0 / (k + 1) for k in range(i % 400)]}))\n"
+                      "        time.sleep(0.002)\n"
+                      "    time.sleep(2.0)\n")
+    r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script), str(out))
+    assert r.code == 0, r.stderr
+    job = r.json()["id"]
+    summary = out / "tracking" / job / "wandb" / "files" / "wandb-summary.json"
+    rel = f"tracking/{job}/wandb/files/wandb-summary.json"
+    dest = tmp_path / "here"
+    whole = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not (summary.exists() and summary.stat().st_size > 1000):
+            assert time.monotonic() < deadline, "the job never wrote its summary"
+            time.sleep(0.1)
+        for _ in range(6):
+            r = e.cli("--json", "pull", job, "--to", str(dest))
+            assert r.code == 0, (r.stdout, r.stderr)
+            doc = r.json()
+            assert rel not in doc["growing"], doc
+            if rel in doc["changing"]:
+                assert rel not in doc["changed"], doc
+            if (dest / rel).exists():   # whatever lies here is one whole version the job wrote
+                got = json.loads((dest / rel).read_text())
+                assert len(got["loss"]) == got["step"] % 400, got
+            whole += rel in doc["changed"] + doc["unchanged"]
+            assert f"logs/{job}/log" not in doc["changing"], doc   # the log still comes as a prefix
+    finally:
+        assert e.cli("stop", job, "--grace", "1").code == 0
+    assert whole, "never copied whole, even between the job's bursts"
+    said = e.cli("pull", job, "--to", str(dest))
+    assert said.code == 0 and _sha(dest / rel) == _sha(summary), said.stdout
+
+
 def test_pull_of_a_job_takes_no_export_or_report_a_later_job_wrote_in_its_folder(tmp_path, sshd):
     """A job's folder later holds another job's export and report (the first died before training): pulling the
     first job brings its own record and logs, and says that the export and report are the later job's."""

@@ -31,6 +31,14 @@ class _Printers:
             p.close()
 
 
+def _reconnecting_line(host: str, wait: float) -> str:
+    """Said once per outage (log_stream.Reconnects), however many attempts it takes."""
+    from ..jobs.log_stream import MAX_WAIT
+
+    return (f"[{host}] connection lost; reconnecting (first try in {wait:.1f}s, then ever less often, "
+            f"up to {MAX_WAIT:.0f}s apart)")
+
+
 def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Optional[int], session=None):
     from ..jobs import job_info
 
@@ -39,7 +47,7 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers = _Printers(ui)
 
     def reconnecting(n, wait):
-        ui.note(f"[{name}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
+        ui.note(_reconnecting_line(name, wait))
 
     try:
         result = state.api.follow(job_id, printers, host=name, follow=follow, tail=tail, session=session,
@@ -201,7 +209,7 @@ def _follow_group_and_exit(g, *, follow: bool, tail: Optional[int], start_code: 
     printers = _Printers(ui)
 
     def reconnecting(host, n, wait):
-        ui.note(f"[{host}] connection lost; reconnecting in {wait:.1f}s (attempt {n})")
+        ui.note(_reconnecting_line(host, wait))
 
     try:
         status, errors = state.api.follow_group(g, printers, follow=follow, tail=tail, on_reconnect=reconnecting,

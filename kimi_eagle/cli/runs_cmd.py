@@ -31,7 +31,7 @@ def pull(
     if state.json:
         return ui.emit_json({"host": h, "run": run.path, "to": str(dest), "changed": report.changed,
                              "unchanged": report.unchanged, "bytes_received": report.bytes_received,
-                             "growing": report.growing,
+                             "growing": report.growing, "changing": report.changing,
                              "skipped": [{"folder": f, "written_by": w} for f, w in report.skipped]})
     for path, status in report.rows():
         ui.line(f"[{h}] {status:9} {dest / path}")
@@ -41,6 +41,9 @@ def pull(
     if report.growing:
         ui.line(f"[{h}] still being written on the host, copied as they were when listed (pull again for more): "
                 f"{', '.join(report.growing)}", style="yellow")
+    if report.changing:
+        ui.line(f"[{h}] rewritten on the host all through the copy, left as they were here (pull again later): "
+                f"{', '.join(report.changing)}", style="yellow")
     ui.line(f"[{h}] pulled {run.path} into {dest}: {len(report.changed)} copied ({runs.human(report.bytes_received)}), "
             f"{len(report.unchanged)} unchanged", style="green")
     if (dest / "tracking").is_dir():

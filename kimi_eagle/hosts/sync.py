@@ -396,6 +396,7 @@ class FetchReport:
     bytes_received: int = 0
     skipped: list = field(default_factory=list)  # (folder, the job that wrote it or None): not this job's output
     growing: list[str] = field(default_factory=list)  # still being written on the host: copied as they were listed
+    changing: list[str] = field(default_factory=list)  # rewritten on the host during every try: left as they were here
 
     def rows(self):
         return [(p, "changed") for p in self.changed] + [(p, "unchanged") for p in self.unchanged]
@@ -419,60 +420,162 @@ def _check_local_name(transport, rel: str) -> None:
                            f"was copied")
 
 
-def fetch(transport, files: list[tuple[str, str, int]], local_root: Path) -> FetchReport:
+# Arguments: paths. For each, its sha256 with the size and mtime it had before and after the hashing, when the two
+# agree (else null: it changed while being read): {path: [sha256, size, mtime_ns] or null}. Without paths: a stat
+# only, {path: [null, size, mtime_ns]} (the check after a copy).
+_WHOLE_CODE = _SHA_FN + """
+import json
+def st(p):
+    s = os.stat(p)
+    return [s.st_size, s.st_mtime_ns]
+hashing, a = sys.argv[1] == "hash", sys.argv[2:]
+out = {}
+for p in a:
+    try:
+        before = st(p)
+        digest = sha(p) if hashing else None
+        out[p] = [digest, *before] if st(p) == before else None
+    except OSError:
+        out[p] = None
+print(json.dumps(out))
+"""
+# How often a file rewritten in place is copied again when it changed during the copy, before it is said `changing`.
+WHOLE_TRIES = 3
+
+
+def fetch(transport, files: list[tuple[str, str, int]], local_root: Path, appended=None) -> FetchReport:
     """Copy host files here: (absolute path on the host, path under `local_root`, size). Hashed on the host in
     one round trip; a local file of the same size and sha256 is skipped; each other file is written to a
     temporary name unique to this call, hashed while it arrives, checked against the host's digest and renamed
     into place, so a local path holds the old file or the whole new one.
 
-    Each file is copied as it was listed: its first `size` bytes. A file still being appended to (a running job's
-    log and event files) is a snapshot of those bytes, checked against their digest, and named in `growing`; one
-    that changed otherwise (shrank, vanished, its listed bytes rewritten) fails the check, as any file does."""
+    `appended(rel)` names the files only ever appended to (a running job's log and event files): each is copied as
+    it was listed, its first `size` bytes, a snapshot checked against their digest, and named in `growing`; any
+    other change (shrank, vanished, its listed bytes rewritten) fails the check. Every other file may be rewritten
+    in place (a tracker's summary), where a prefix would be a cut copy of another content: it is copied whole, and
+    renamed into place only if its size and mtime on the host were the same before its hashing and after its copy;
+    one that changed is copied again, up to WHOLE_TRIES times, then named in `changing` and left as it was here."""
     local_root = Path(local_root)
+    appended = appended or (lambda rel: False)
     report = FetchReport(transport.name, str(local_root))
     for _, rel, _ in files:   # every name before anything is written
         _check_local_name(transport, rel)
-    remote = _hash_remote(transport, [(path, f"+{int(size)}") for path, _, size in files])
+    grows = [f for f in files if appended(f[1])]
     token = secrets.token_hex(6)
-    for path, rel, size in files:
+    remote = _hash_remote(transport, [(path, f"+{int(size)}") for path, _, size in grows])
+    for path, rel, size in grows:
         want = remote.get(path)
         if want is None:
             raise CommandError(f"{transport.name}: {path} changed or vanished while being read; run the command again")
-        dest = local_root / rel
-        with writing(local_root):
-            if dest.is_file() and dest.stat().st_size == size and _local_digest(dest) == want:
-                report.unchanged.append(rel)
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}.{token}.part"
-        h = hashlib.sha256()
-        stream = transport.stream(f"exec head -c {int(size)} -- {join([path])}")  # what was listed and hashed
-        try:
-            # Only the local file calls are guarded: a connection lost while reading chunks stays exit 5.
-            with writing(local_root):
-                f = open(tmp, "wb", buffering=0)  # unbuffered: a full disk fails in a guarded write, not at close
-            with f:
-                for chunk in stream.chunks:
-                    h.update(chunk)
-                    with writing(local_root):
-                        _write_all(f, chunk)
-            if h.hexdigest() != want:
-                raise CommandError(f"{transport.name}: sha256 mismatch copying {path} (it changed while being copied?); "
-                                   f"nothing was replaced, run the command again")
-            with writing(local_root):
-                if dest.is_dir():  # os.replace would name only the temporary file
-                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(dest))
-                os.replace(tmp, dest)
-        finally:
-            try:
-                stream.close()  # may raise itself on a connection that just dropped: the temporary file goes anyway
-            finally:
-                tmp.unlink(missing_ok=True)
-        report.changed.append(rel)
-        report.bytes_received += size
-    if files:
-        res = transport.run(f"{_python(transport)} -c {join([_GROWN_CODE, *[str(v) for f in files for v in (f[0], f[2])]])}",
+        tmp = _receive(transport, path, rel, size, want, local_root, token, report)
+        if tmp is not None:
+            _into_place(tmp, local_root / rel, local_root)
+            report.changed.append(rel)
+            report.bytes_received += size
+    _fetch_whole(transport, [(path, rel) for path, rel, _ in files if not appended(rel)], local_root, token, report)
+    if grows:
+        res = transport.run(f"{_python(transport)} -c {join([_GROWN_CODE, *[str(v) for f in grows for v in (f[0], f[2])]])}",
                             check=True, what="file sizes on the host")
         grown = set(json.loads(res.stdout.strip().splitlines()[-1]))
-        report.growing = [rel for path, rel, _ in files if path in grown]
+        report.growing = [rel for path, rel, _ in grows if path in grown]
     return report
+
+
+def _whole(transport, how: str, paths: list[str]) -> dict:
+    res = transport.run(f"{_python(transport)} -c {join([_WHOLE_CODE, how, *paths])}", check=True,
+                        what="sha256 on the host")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _fetch_whole(transport, files: list[tuple[str, str]], local_root: Path, token: str, report: FetchReport) -> None:
+    """The files that may be rewritten in place (fetch): each copied whole and renamed into place only when it did not
+    change from before its hashing to after its copy (checked file by file: one file at a time waits here, so a
+    pull needs no more room than before)."""
+    todo = files
+    for _ in range(WHOLE_TRIES):
+        if not todo:
+            return
+        hashed = _whole(transport, "hash", [path for path, _ in todo])
+        same, again = [], []
+        for path, rel in todo:
+            found = hashed.get(path)
+            if found is None:
+                again.append((path, rel))  # changed while being hashed, or (for now) gone
+                continue
+            want, size, mtime = found
+            tmp = _receive(transport, path, rel, size, want, local_root, token, report, strict=False)
+            if tmp is None:
+                same.append((path, rel, size, mtime))
+            elif tmp is False:
+                again.append((path, rel))  # changed while being copied
+            else:
+                try:
+                    if _unchanged(transport, [(path, size, mtime)]):
+                        _into_place(tmp, local_root / rel, local_root)
+                        report.changed.append(rel)
+                        report.bytes_received += size
+                    else:
+                        again.append((path, rel))
+                finally:
+                    tmp.unlink(missing_ok=True)
+        kept = _unchanged(transport, [(path, size, mtime) for path, _, size, mtime in same])
+        report.unchanged += [rel for path, rel, _, _ in same if path in kept]
+        again += [(path, rel) for path, rel, _, _ in same if path not in kept]
+        todo = again
+    report.changing = [rel for _, rel in todo]
+
+
+def _unchanged(transport, files: list[tuple[str, int, int]]) -> set[str]:
+    """Those of the host files (path, size, mtime_ns when hashed) whose size and mtime are still those."""
+    now = _whole(transport, "stat", [path for path, _, _ in files]) if files else {}
+    return {path for path, size, mtime in files if now.get(path) and now[path][1:] == [size, mtime]}
+
+
+def _receive(transport, path: str, rel: str, size: int, want: str, local_root: Path, token: str, report: FetchReport,
+             strict: bool = True):
+    """The first `size` bytes of host file `path` in a temporary file next to `rel` here, checked against `want`:
+    the temporary file, None when the local file already holds them, or (strict=False) False when they did not
+    match (strict: a CommandError)."""
+    dest = local_root / rel
+    with writing(local_root):
+        if dest.is_file() and dest.stat().st_size == size and _local_digest(dest) == want:
+            if strict:
+                report.unchanged.append(rel)
+            return None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.{token}.part"
+    h = hashlib.sha256()
+    stream = transport.stream(f"exec head -c {int(size)} -- {join([path])}")  # what was listed and hashed
+    done = False
+    try:
+        # Only the local file calls are guarded: a connection lost while reading chunks stays exit 5.
+        with writing(local_root):
+            f = open(tmp, "wb", buffering=0)  # unbuffered: a full disk fails in a guarded write, not at close
+        with f:
+            for chunk in stream.chunks:
+                h.update(chunk)
+                with writing(local_root):
+                    _write_all(f, chunk)
+        if h.hexdigest() != want:
+            if not strict:
+                return False
+            raise CommandError(f"{transport.name}: sha256 mismatch copying {path} (it changed while being copied?); "
+                               f"nothing was replaced, run the command again")
+        done = True
+        return tmp
+    finally:
+        try:
+            stream.close()  # may raise itself on a connection that just dropped: the temporary file goes anyway
+        finally:
+            if not done:
+                tmp.unlink(missing_ok=True)
+
+
+def _into_place(tmp: Path, dest: Path, local_root: Path) -> None:
+    try:
+        with writing(local_root):
+            if dest.is_dir():  # os.replace would name only the temporary file
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(dest))
+            os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -74,19 +74,35 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, (ConnectionError, HostError, EOFError, OSError, paramiko.SSHException))
 
 
+# The first wait after a drop, and the longest: a flapping link (up for a moment, then down again) is retried ever more
+# slowly instead of every half second for hours.
+FIRST_WAIT, MAX_WAIT = 0.5, 20.0
+# A connection that lasted this long was a working link: its drop is a new outage (the user is told, waits start
+# short again). One that dropped sooner continues the outage it ended.
+STABLE_AFTER = 30.0
+
+
 class Reconnects:
-    """When a follower's connection drops: retry connection trouble with backoff, give up after a while."""
+    """When a follower's connection drops: retry connection trouble with backoff, give up after a while.
+
+    An outage runs from a drop until a connection that lasted STABLE_AFTER: the user hears of it once (on_reconnect,
+    with the outage's number and first wait), and its waits double up to MAX_WAIT whether the attempts fail or
+    connect only briefly."""
 
     def __init__(self, host, job_id: str, give_up_after: float, on_reconnect: Callable[[int, float], None] | None,
-                 was_connected: bool = False):
+                 was_connected: bool = False, stable_after: float = STABLE_AFTER):
         self.host, self.job_id, self.give_up_after, self.on_reconnect = host, job_id, give_up_after, on_reconnect
-        self.count, self.backoff, self.down_since = 0, 0.5, None
+        self.stable_after = stable_after
+        self.count, self.outages, self.backoff, self.down_since, self.up_since = 0, 0, FIRST_WAIT, None, None
+        self.in_outage = False
         # Only a connection that once worked is retried: a host that refuses, sends no SSH banner or rejects us
         # from the start is one line at once, not ten minutes of "reconnecting".
         self.was_connected = was_connected
 
     def connected(self) -> None:
-        self.down_since, self.backoff, self.was_connected = None, 0.5, True
+        """Reached (again): the give-up clock stops; the connection's age is timed from its first call."""
+        self.down_since, self.was_connected = None, True
+        self.up_since = self.up_since or time.monotonic()
 
     def dropped(self, e: Exception, session: HostSession) -> HostSession:
         """Re-raise what is not connection trouble; else wait and return a new session."""
@@ -99,32 +115,39 @@ class Reconnects:
             raise ConnectionFailed(f"{self.host.name}: cannot follow {self.job_id}: {e}") from None
         session.close()
         now = time.monotonic()
+        lasted = self.up_since is not None and now - self.up_since >= self.stable_after
+        self.up_since = None
         self.down_since = self.down_since or now
         if now - self.down_since > self.give_up_after:
             raise ConnectionFailed(f"{self.host.name}: connection lost for {self.give_up_after:.0f}s while following {self.job_id}; "
                             f"resume with: kimi-eagle logs {self.job_id} --follow --host {self.host.name}") from None
         self.count += 1
-        if self.on_reconnect:
-            self.on_reconnect(self.count, self.backoff)
+        if lasted or not self.in_outage:
+            self.in_outage, self.backoff = True, FIRST_WAIT
+            self.outages += 1
+            if self.on_reconnect:
+                self.on_reconnect(self.outages, self.backoff)
         time.sleep(self.backoff)
-        self.backoff = min(self.backoff * 2, 10.0)
+        self.backoff = min(self.backoff * 2, MAX_WAIT)
         return HostSession(self.host)
 
 
 def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool = True, tail: int | None = None,
            offset: int = 0, session: HostSession | None = None, give_up_after: float = 600.0,
-           on_reconnect: Callable[[int, float], None] | None = None) -> FollowResult:
+           on_reconnect: Callable[[int, float], None] | None = None, stable_after: float = STABLE_AFTER) -> FollowResult:
     """Stream a job's log through `emit(kind, text)` until the job ends (or once, without follow)."""
     given = session
     session = session or HostSession(host)
     splitter = LineSplitter(emit)
-    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect, was_connected=given is not None)
+    reconnects = Reconnects(host, job_id, give_up_after, on_reconnect, was_connected=given is not None,
+                            stable_after=stable_after)
     first = True
     while True:
         try:
             job = direct.status(session, job_id)[0]
-            # Reached (again): a later drop is retried, and its give-up clock and backoff start afresh. Reset only when
-            # a stream ended, a job followed for hours gave up at its second drop, timed from its first.
+            # Reached (again): a later drop is retried from a fresh give-up clock (reset only when a stream ended, a
+            # job followed for hours gave up at its second drop, timed from its first); its backoff starts afresh
+            # once this connection has lasted (Reconnects).
             reconnects.connected()
             if first and tail is not None:
                 # The last N lines of what exists now; then follow from the end of those bytes.

@@ -5,6 +5,7 @@ upload's hashing the other way)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..errors import CommandError
@@ -20,6 +21,11 @@ OWNED = {"draft/export": "training_info.json", "choose": "report.json", "eval": 
 # Files in such a folder that one job writes alone and that name it: `pull JOB` takes them where the folder's report
 # is another job's or absent (a run without held-out prompts writes only eval's served smoke test).
 OWN_FILES = {"eval": ["smoke.json"]}
+
+# The files only ever appended to while a job runs, copied as prefixes of their listed size (sync.fetch): the job's log,
+# tensorboard's event files, wandb's run stream (.wandb) and logs. Everything else may be rewritten in place (wandb's
+# summary JSON, mlflow's meta.yaml, trackio's database) and is copied whole.
+APPENDED = re.compile(r"(?:^|.*/)(?:log|events\.out\.tfevents\.[^/]*|[^/]*\.wandb|[^/]*\.log)")
 
 # Lists what `pull` takes: {"files": [[host path, local path, size]], "skipped": [[folder, writer or null]]}.
 # Temporary files (.NAME.TOKEN.part/.tmp) are not outputs.
@@ -77,6 +83,7 @@ def pull(session: HostSession, run: RunDir, dest: Path) -> sync.FetchReport:
                                        json.dumps(OWN_FILES)], "listing the run's files")
     if not listed["files"]:
         raise CommandError(f"{session.name}:{run.path}: nothing to pull (no export, report or log there yet)")
-    report = sync.fetch(session.transport, [tuple(f) for f in listed["files"]], dest)
+    report = sync.fetch(session.transport, [tuple(f) for f in listed["files"]], dest,
+                        appended=lambda rel: APPENDED.fullmatch(rel) is not None)
     report.skipped = [tuple(s) for s in listed["skipped"]]
     return report

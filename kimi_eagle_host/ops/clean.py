@@ -39,7 +39,7 @@ import sys
 
 from kimi_eagle_host import procfs
 from kimi_eagle_host.ops import machine_claims
-from kimi_eagle_host.ops.jobs import LIVE_STATES, Processes, job_state, live_claims, read, read_meta
+from kimi_eagle_host.ops.jobs import LIVE_STATES, Processes, job_state, live_claims, read, read_meta, slurm_run
 
 
 def slurm_job_ended(run_dir: str, meta: dict) -> bool:
@@ -62,7 +62,7 @@ def users(runs: str, root: str, ended: set) -> list[dict]:
         if not recorded or os.path.realpath(recorded) != root or name in ended:
             continue
         meta = read_meta(d) or {}
-        if os.path.exists(os.path.join(d, "slurm_job_id")) or meta.get("scheduler") == "slurm":
+        if slurm_run(d, meta):
             if not slurm_job_ended(d, meta):
                 busy.append({"id": name, "step": meta.get("step"), "state": "submitted to Slurm"})
             continue

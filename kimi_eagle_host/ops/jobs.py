@@ -210,6 +210,11 @@ def read_meta(run_dir):
     return meta if isinstance(meta, dict) else None
 
 
+def slurm_run(run_dir, meta):
+    """Whether the folder is a Slurm job's (its state is Slurm's, not this host's processes')."""
+    return os.path.exists(os.path.join(run_dir, "slurm_job_id")) or meta.get("scheduler") == "slurm"
+
+
 def unreadable_state(run_dir):
     """One job whose record cannot be read: shown with its id, never hiding the others."""
     name = os.path.basename(run_dir)
