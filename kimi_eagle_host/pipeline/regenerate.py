@@ -59,7 +59,7 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
                                           stdout_for_result_only)
 from kimi_eagle_host.target.model_layers import text_config
 from kimi_eagle_host.target.tokenizer import chat_template_sha256, load_tokenizer
-from kimi_eagle_host.vllm_compat import engine_env_defaults, size_engine, text_only_engine_kwargs
+from kimi_eagle_host.vllm_compat import engine_env_defaults, shut_down, size_engine, text_only_engine_kwargs
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
 
@@ -144,11 +144,9 @@ class VllmGenerator:
         return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in outs]
 
     def close(self):
-        """Shut the engine down now: vLLM logs its shutdown, and that must come before the step's result."""
-        import gc
-
-        del self.llm
-        gc.collect()
+        """Shut the engine down now: its memory goes to the engines after it, and vLLM logs its shutdown, which must
+        come before the step's result."""
+        shut_down(self)
 
 
 class HFGenerator:
