@@ -7,7 +7,8 @@ hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-m
 safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it as files of the run:
 a bounded buffer in a memory file system (`online_spool_dir`, /dev/shm) holds what the engine has extracted and the
 trainer not yet taken (`online_buffer_gb`, and at least one sample, which always goes), the held-out documents stay
-there for the run's evaluations (`holdout_fraction` of the data), and every epoch runs the target again (unless
+there for the run's evaluations (`holdout_fraction` of the data, at most `holdout_max_samples` documents: the
+trainer's own count, spool_size.held_count), and every epoch runs the target again (unless
 `online_cache_gb` keeps documents: in the trainer's memory where one process trains, so a cache as large as the
 offline files costs memory, never files).
 
@@ -30,7 +31,7 @@ import os
 from kimi_eagle_host.data.hidden_state_files import SAMPLE_RE
 # A sample file's layout (token id and loss mask per token, a header per file) and what online keeps in its spool:
 # one reckoning for the planner and the online trainer's own check.
-from kimi_eagle_host.data.spool_size import FILE_HEADER_BYTES, ID_AND_MASK_BYTES, spool_bytes
+from kimi_eagle_host.data.spool_size import FILE_HEADER_BYTES, ID_AND_MASK_BYTES, held_count, spool_bytes
 from kimi_eagle_host.model_size import DTYPE_BYTES, compute_parameters
 
 # Offline must leave this share of the estimate free on top of the step's own margin (--min-free-disk-gib):
@@ -110,10 +111,11 @@ def count(n: int) -> str:
 
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
          seq_len: int, spool_dir: str, spool_free: int | None, online_buffer_gb: float, holdout_fraction: float,
-         gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
+         holdout_max_samples: int | None = None, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
     """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
     `keep_free` bytes left over), what online keeps in its spool folder instead (`spool_dir`, `spool_free` bytes
-    free there: the buffer of `online_buffer_gb`, at least one sample of `seq_len`, and the held-out documents), and
+    free there: the buffer of `online_buffer_gb`, at least one sample of `seq_len`, and the held-out documents:
+    `holdout_fraction` of the samples, at most `holdout_max_samples`, at the data's mean tokens a sample), and
     the hours each way. `data` is prepared_data()'s answer or an estimate of the same shape ({tokens, samples,
     source, estimate}); `dtype` what extract writes (compute_dtype); `free_note` says where `disk_free` came from
     when not from the file system; `stored` the bytes already written (already_stored()).
@@ -127,8 +129,8 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
     # sample at least); it never holds more than the data. The held-out documents stay there for the whole run.
     one_sample = seq_len * per["total"] + FILE_HEADER_BYTES
     buffer = min(offline, max(int(online_buffer_gb * 1e9), one_sample))
-    spool = spool_bytes(int(tokens * holdout_fraction), int(samples * holdout_fraction), per["total"],
-                        cache_bytes=0, buffer_bytes=buffer)
+    held = held_count(samples, holdout_fraction, holdout_max_samples)
+    spool = spool_bytes(int(tokens * held / max(1, samples)), held, per["total"], cache_bytes=0, buffer_bytes=buffer)
     gpus = max(1, gpus)
     params = compute_parameters(text_config)
     extract_rate = extract_tokens_per_s(params) * gpus
@@ -142,7 +144,7 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
          "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note, "offline_fits": fits,
          "seq_len": seq_len, "spool_dir": spool_dir, "spool_free": spool_free, "online_buffer_gb": online_buffer_gb,
          "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "holdout_fraction": holdout_fraction,
-         "heldout_bytes": spool["held"], "spool_needs": spool["total"],
+         "holdout_max_samples": holdout_max_samples, "heldout_documents": held, "heldout_bytes": spool["held"], "spool_needs": spool["total"],
          "spool_fits": None if spool_free is None else spool_free >= spool["total"],
          "gpus": gpus, "epochs": epochs,
          "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
@@ -168,8 +170,9 @@ def spool_verdict(p: dict) -> str:
     verdict = "" if p["spool_fits"] is None else ": fits" if p["spool_fits"] else ": does not fit"
     return (f"online keeps up to ~{size(p['spool_needs'])} in {p['spool_dir']} ({free}){verdict}: a buffer of "
             f"{size(p['online_buffer_bytes'])} (online_buffer_gb {p['online_buffer_gb']:g}, at least one sample of "
-            f"seq_len {p['seq_len']}: {size(p['one_sample_bytes'])}) and the held-out documents, "
-            f"~{size(p['heldout_bytes'])} (holdout_fraction {p['holdout_fraction']:g})")
+            f"seq_len {p['seq_len']}: {size(p['one_sample_bytes'])}) and {p['heldout_documents']:,} held-out "
+            f"documents, ~{size(p['heldout_bytes'])} (holdout_fraction {p['holdout_fraction']:g}, at most "
+            f"holdout_max_samples {p['holdout_max_samples']})")
 
 
 def spool_fix(p: dict) -> str:
@@ -182,7 +185,7 @@ def spool_fix(p: dict) -> str:
     left = p["spool_free"] - p["heldout_bytes"]   # what a buffer may take beside the held-out documents
     if left >= one:
         return f"set online_buffer_gb={math.floor(left / 1e6) / 1e3:g} (what fits there), or {room}"
-    return f"{room}, or hold out fewer documents (steps.train.holdout_fraction)"
+    return f"{room}, or hold out fewer documents (steps.train.holdout_max_samples, steps.train.holdout_fraction)"
 
 
 def details(p: dict) -> list[str]:

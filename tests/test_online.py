@@ -544,7 +544,8 @@ def test_held_out_documents_that_would_not_fit_the_spool_folder_are_refused_befo
     assert p.returncode == 2, p.stderr[-3000:]
     # the buffer: one engine batch of the longest document, since one always goes (more than online_buffer_gb here)
     assert re.fullmatch(re.escape(f"online_spool_dir {small}: ") + r"this run would keep [\d.]+ kB there and it has "
-                        r"307.2 kB free; 12 held-out documents [\d.]+ kB \(steps.train.holdout_fraction\), the "
+                        r"307.2 kB free; 12 held-out documents [\d.]+ kB \(steps.train.holdout_max_samples, "
+                        r"steps.train.holdout_fraction\), the "
                         r"buffer 50.4 kB \(one batch of steps.train.engine_batch_size, more than online_buffer_gb: one "
                         r"always goes\): lower those settings, or set online_spool_dir to a folder with room",
                         doc["error"]), doc

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["-m", "kimi_eagle_host.ops.preflight"]  # after the host's Python
-from kimi_eagle_host import model_size
+from kimi_eagle_host import model_size, storage_plan
 from kimi_eagle_host.target import kimi_model
 
 GIB = 1 << 30
@@ -141,11 +141,36 @@ def test_online_refuses_a_buffer_folder_that_cannot_hold_what_the_run_keeps_ther
     # not even one sample: seq_len 10^9
     storage = online("--seq-len", str(10**9))
     assert storage["fix"].startswith(f"{spool} cannot hold even one sample of seq_len 1000000000"), storage
-    # the held-out documents alone: 600k samples of 10k tokens, 2 % held out, are 6.9 TB kept for the whole run
+    # the held-out documents alone: 600k samples of 10k tokens, 2 % held out without a cap, are 6.9 TB kept for
+    # the whole run
     (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))
-    storage = online(online_buffer_gb=0.2)
-    assert "held-out documents, ~6.9 TB (holdout_fraction 0.02)" in storage["detail"], storage
-    assert "hold out fewer documents (steps.train.holdout_fraction)" in storage["fix"], storage
+    storage = online(online_buffer_gb=0.2, holdout_max_samples=12_000)
+    assert "12,000 held-out documents, ~6.9 TB (holdout_fraction 0.02, at most holdout_max_samples 12000)" \
+        in storage["detail"], storage
+    assert "hold out fewer documents (steps.train.holdout_max_samples, steps.train.holdout_fraction)" \
+        in storage["fix"], storage
+
+
+def test_online_keeps_a_bounded_held_out_set_at_kimi_size(kimi):
+    """600k samples of 10k tokens: 2 % held out would be 12,000 documents, 6.9 TB kept in /dev/shm for the whole
+    run. The default cap (steps.train.holdout_max_samples, 500) keeps ~287 GB, which a host's memory holds."""
+    (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))
+    spool = kimi["tmp"] / "spool"
+    spool.mkdir()
+    rc, checks = preflight(kimi, "--hidden-states", "online", "--step-settings",
+                           json.dumps({"train": {"online_spool_dir": str(spool), "online_buffer_gb": 2}}))
+    plan = checks["storage"]["plan"]
+    assert plan["heldout_documents"] == 500 and plan["holdout_max_samples"] == 500, plan
+    assert plan["heldout_bytes"] == 500 * 10_000 * 57_360 + 500 * 256           # the data's mean tokens a sample
+    line = next(x for x in plan["lines"] if x.startswith("online keeps"))
+    assert "500 held-out documents, ~286.8 GB (holdout_fraction 0.02, at most holdout_max_samples 500)" in line, line
+    # a folder of 100 GB (an assumed size: this host's own) cannot hold them: the fix names the cap
+    tight = storage_plan.plan(kimi_model.real_config()["text_config"], [2, 30, 58, 61],
+                              {"tokens": 6 * 10**9, "samples": 600_000, "source": "m", "estimate": False},
+                              disk_path="/d", disk_free=0, keep_free=0, seq_len=16384, spool_dir="/dev/shm",
+                              spool_free=100 * 10**9, online_buffer_gb=2, holdout_fraction=0.02,
+                              holdout_max_samples=500)
+    assert tight["spool_fits"] is False and "steps.train.holdout_max_samples" in storage_plan.spool_fix(tight)
     # a folder that is not there
     rc, checks = preflight(kimi, "--hidden-states", "online", "--step-settings",
                            json.dumps({"train": {"online_spool_dir": str(spool / "nowhere")}}))

@@ -261,7 +261,8 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     free = st.f_bavail * st.f_frsize
     if not st.f_blocks or need["total"] <= free:   # no size reported (procfs, some FUSE mounts): nothing to say
         return
-    parts = [(need["held"], f"{len(held)} held-out documents", "steps.train.holdout_fraction"),
+    parts = [(need["held"], f"{len(held)} held-out documents",
+              "steps.train.holdout_max_samples, steps.train.holdout_fraction"),
              (need["cache"], "the cache for later epochs", "online_cache_gb"),
              (need["buffer"], "the buffer", "online_buffer_gb" if share >= batch else
               "one batch of steps.train.engine_batch_size, more than online_buffer_gb: one always goes")]

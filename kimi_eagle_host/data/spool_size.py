@@ -23,10 +23,19 @@ def document_bytes(length: int, n_layers: int, hidden: int, itemsize: int) -> in
     return (length + 1) * token_bytes(n_layers, hidden, itemsize) + FILE_HEADER_BYTES
 
 
+def held_count(samples: int, fraction: float, cap: int | None) -> int:
+    """How many of `samples` documents are held out (`steps.train.holdout_fraction` of them, at most
+    `steps.train.holdout_max_samples` = cap; None: no cap): the trainer's split (training/data_plan.split_holdout)
+    and the planner count the same. Online keeps every held-out document in the spool for the whole run, so a
+    fraction alone would grow it with the data."""
+    k = int(samples * fraction)
+    return k if cap is None else min(k, cap)
+
+
 def spool_bytes(held_positions: int, held_documents: int, per_position: int, cache_bytes: float,
                 buffer_bytes: float) -> dict:
     """What an online run keeps in its spool folder at most, by part, in bytes:
-      held    the held-out documents (`steps.train.holdout_fraction`): extracted first and kept for the whole run
+      held    the held-out documents (held_count): extracted first and kept for the whole run
               (its evaluations read them again), outside the buffer's budget; held_positions = their positions
               (tokens after the seq_len cut), held_documents = how many, per_position = token_bytes(...);
       cache   documents kept for later epochs in the spool (`online_cache_gb`), where several trainer processes

@@ -137,6 +137,7 @@ def check_storage(args, ctx: dict) -> dict:
                              spool_dir=spool, spool_free=storage_plan.free_bytes(spool),
                              online_buffer_gb=step_value(args, "train", "online_buffer_gb"),
                              holdout_fraction=step_value(args, "train", "holdout_fraction"),
+                             holdout_max_samples=step_value(args, "train", "holdout_max_samples"),
                              gpus=len(gpus or []), epochs=step_value(args, "train", "epochs", args.epochs),
                              dtype=written_dtype(args, gpus), free_note=src, stored=storage_plan.already_stored(hs_dir))
     if args.hidden_states == "online":   # no hidden-state files: the plan is what the run costs instead
