@@ -19,7 +19,8 @@ Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a
   stays at the 1 B figure (small matmuls and writing the files bound it, not FLOPs);
 - training (our trainer): 255 k tokens/s with a hidden-2048 draft, falling as 1 / hidden^2 above it (the draft's
   matmuls are hidden x hidden); not faster below it;
-- both per GPU, times the GPUs visible (at least one).
+- both per GPU, times the GPUs the job uses (at least one; preflight counts them as the step would see them:
+  CUDA_VISIBLE_DEVICES, the host's `gpus:`, online's engine_gpus / train_gpus).
 """
 
 from __future__ import annotations
@@ -111,14 +112,16 @@ def count(n: int) -> str:
 
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
          seq_len: int, spool_dir: str, spool_free: int | None, online_buffer_gb: float, holdout_fraction: float,
-         holdout_max_samples: int | None = None, gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
+         holdout_max_samples: int | None = None, gpus: int = 1, train_gpus: int | None = None, epochs: float = 1,
+         dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
     """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
     `keep_free` bytes left over), what online keeps in its spool folder instead (`spool_dir`, `spool_free` bytes
     free there: the buffer of `online_buffer_gb`, at least one sample of `seq_len`, and the held-out documents:
     `holdout_fraction` of the samples, at most `holdout_max_samples`, at the data's mean tokens a sample), and
     the hours each way. `data` is prepared_data()'s answer or an estimate of the same shape ({tokens, samples,
     source, estimate}); `dtype` what extract writes (compute_dtype); `free_note` says where `disk_free` came from
-    when not from the file system; `stored` the bytes already written (already_stored()).
+    when not from the file system; `stored` the bytes already written (already_stored()); `gpus` the GPUs that
+    extract, `train_gpus` those that train (None: the same; online's split layout gives each side its own).
     Everything the check prints is in "summary" (one line) and "lines"."""
     hidden = int(text_config["hidden_size"])
     per = bytes_per_token(hidden, len(layer_ids), dtype)
@@ -132,9 +135,10 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
     held = held_count(samples, holdout_fraction, holdout_max_samples)
     spool = spool_bytes(int(tokens * held / max(1, samples)), held, per["total"], cache_bytes=0, buffer_bytes=buffer)
     gpus = max(1, gpus)
+    train_gpus = gpus if train_gpus is None else max(1, train_gpus)
     params = compute_parameters(text_config)
     extract_rate = extract_tokens_per_s(params) * gpus
-    train_rate = train_tokens_per_s(hidden) * gpus
+    train_rate = train_tokens_per_s(hidden) * train_gpus
     extract_h, train_h = tokens / extract_rate / 3600, tokens / train_rate / 3600
     fits = disk_free >= needed
     p = {"hidden_size": hidden, "layer_ids": list(layer_ids), "dtype": dtype,
@@ -146,7 +150,7 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
          "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "holdout_fraction": holdout_fraction,
          "holdout_max_samples": holdout_max_samples, "heldout_documents": held, "heldout_bytes": spool["held"], "spool_needs": spool["total"],
          "spool_fits": None if spool_free is None else spool_free >= spool["total"],
-         "gpus": gpus, "epochs": epochs,
+         "gpus": gpus, "train_gpus": train_gpus, "epochs": epochs,
          "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
          "train_tokens_per_s": round(train_rate), "extract_hours": extract_h, "train_hours_per_epoch": train_h,
          "offline_hours": extract_h + epochs * train_h, "online_hours": epochs * (extract_h + train_h)}
@@ -193,6 +197,8 @@ def details(p: dict) -> list[str]:
     n = len(p["layer_ids"])
     states = p["hidden_state_bytes_per_token"]
     gpus = f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
+    if p["train_gpus"] != p["gpus"]:   # online's split layout: the engine on some, the trainer on others
+        gpus = f"{gpus} extracting, {p['train_gpus']} training"
     epochs = f"{p['epochs']:g} epoch{'' if p['epochs'] == 1 else 's'}"
     return [
         f"per token: {n} layers {p['layer_ids']} x hidden {p['hidden_size']} x {states // (n * p['hidden_size'])} B "

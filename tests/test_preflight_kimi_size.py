@@ -38,10 +38,11 @@ def kimi(tmp_path):
     return {"model": model, "out": out, "tmp": tmp_path}
 
 
-def preflight(kimi, *extra, gpus=8, backend="hf", tp=8):
+def preflight(kimi, *extra, gpus=8, backend="hf", tp=8, env=None):
     p = subprocess.run([sys.executable, *SCRIPT, "--step", "extract", "--backend", backend, "--model", str(kimi["model"]),
                         "--output-dir", str(kimi["out"]), "--runs-dir", str(kimi["tmp"]), "--tp-size", str(tp),
-                        "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300)
+                        "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300,
+                        env=env)
     assert p.returncode in (0, 1), p.stderr
     doc = json.loads(p.stdout)
     assert not list(kimi["model"].glob("*.safetensors"))        # nothing was loaded, nothing written
@@ -96,6 +97,32 @@ def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
     assert rc == 0 and storage["status"] == "pass", storage
     assert storage["detail"].startswith("hidden_states: online, no hidden-state files; offline needs 344.2 TB")
     assert storage["plan"]["spool_dir"] == str(spool) and storage["plan"]["online_buffer_bytes"] == 200_000_000
+
+
+def test_the_hours_count_the_gpus_the_job_uses_not_every_gpu_listed(kimi):
+    """A host of eight H200s shared with other jobs: the run's hours are for the GPUs its steps will use, as the
+    launcher narrows them (CUDA_VISIBLE_DEVICES, the host's `gpus:`), and online's split layout extracts on
+    engine_gpus and trains on train_gpus."""
+    import os
+
+    def plan(*extra, env=None):
+        rc, checks = preflight(kimi, *extra, env={k: v for k, v in {**os.environ, **(env or {})}.items()
+                                                  if v is not None})
+        return checks["storage"]["plan"]
+
+    clean = {"CUDA_VISIBLE_DEVICES": None}
+    eight = plan(env=clean)
+    two = plan(env={"CUDA_VISIBLE_DEVICES": "6,7"})
+    assert eight["gpus"] == 8 and two["gpus"] == 2, two
+    assert two["extract_hours"] == pytest.approx(eight["extract_hours"] * 4)
+    assert eight["train_gpus"] == 8 and two["train_gpus"] == 2
+    assert "(estimate from one-H200 figures, 2 GPUs)" in " ".join(two["lines"])
+    assert plan("--gpus", "4", env=clean)["gpus"] == 4                           # the inventory's gpus: 4
+    split = plan("--hidden-states", "online", "--step-settings",
+                 json.dumps({"train": {"engine_gpus": [0, 1], "train_gpus": [2, 3, 4, 5, 6, 7]}}), env=clean)
+    assert split["gpus"] == 2 and split["train_gpus"] == 6, split
+    assert split["train_hours_per_epoch"] == pytest.approx(eight["train_hours_per_epoch"] * 8 / 6)
+    assert "2 GPUs extracting, 6 training" in " ".join(split["lines"])
 
 
 def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):
