@@ -96,7 +96,10 @@ def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
     storage = checks["storage"]
     assert rc == 0 and storage["status"] == "pass", storage
     assert storage["detail"].startswith("hidden_states: online, no hidden-state files; offline needs 344.2 TB")
-    assert storage["plan"]["spool_dir"] == str(spool) and storage["plan"]["online_buffer_bytes"] == 200_000_000
+    # the buffer: one engine batch (engine_batch_size 8) of samples of seq_len, more than 0.2 GB: one always goes
+    plan = storage["plan"]
+    assert plan["spool_dir"] == str(spool) and plan["engines"] == 1, plan                # tp 8 on 8 GPUs
+    assert plan["online_buffer_bytes"] == plan["min_buffer_bytes"] == 8 * plan["one_sample_bytes"], plan
 
 
 def test_the_hours_count_the_gpus_the_job_uses_not_every_gpu_listed(kimi):
@@ -160,14 +163,16 @@ def test_online_refuses_a_buffer_folder_that_cannot_hold_what_the_run_keeps_ther
         assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
         return storage
 
-    # a buffer of 10 PB: one sample (117.5 MB at seq_len 2048) fits there, the buffer does not
+    # a buffer of 10 PB: one engine batch (8 x 117.5 MB at seq_len 2048) fits there, the buffer does not
     storage = online(online_buffer_gb=1e7, holdout_fraction=0)
     assert storage["detail"].startswith(f"hidden_states: online, but online keeps up to ~5.7 TB in {spool} ("), storage
-    assert "does not fit" in storage["detail"] and "one sample of seq_len 2048: 117.5 MB" in storage["detail"]
+    assert "does not fit" in storage["detail"] and "one batch of engine_batch_size 8 samples of seq_len 2048 (117.5 MB each): 939.8 MB" in storage["detail"]
     assert storage["fix"].startswith("set online_buffer_gb=") and "(what fits there)" in storage["fix"], storage
-    # not even one sample: seq_len 10^9
+    # not even one engine batch: seq_len 10^9
     storage = online("--seq-len", str(10**9))
-    assert storage["fix"].startswith(f"{spool} cannot hold even one sample of seq_len 1000000000"), storage
+    assert storage["fix"].startswith(f"{spool} cannot hold even one batch of engine_batch_size 8 samples of seq_len "
+                                  f"1000000000"), storage
+    assert "lower steps.train.engine_batch_size or seq_len" in storage["fix"], storage
     # the held-out documents alone: 600k samples of 10k tokens, 2 % held out without a cap, are 6.9 TB kept for
     # the whole run
     (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))

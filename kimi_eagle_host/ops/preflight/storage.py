@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from kimi_eagle_host import compute_dtype, storage_plan
+from kimi_eagle_host.data.spool_size import host_engines
 from kimi_eagle_host.gpus import gpu_numbers, visible_names
 from kimi_eagle_host.ops.preflight.gpu import query_gpus
 from kimi_eagle_host.ops.preflight.report import check, prepared_dir, step_value
@@ -110,6 +111,15 @@ def job_gpus(args, listed: list | None) -> tuple[int, int]:
     return (min(n, len(engine)) if engine else n), (min(n, len(train)) if train else n)
 
 
+def online_engines(args, train_gpus: int) -> int:
+    """The engines one host starts online (spool_size.host_engines, as the train step counts them): each keeps an
+    engine batch in the buffer at least."""
+    split = bool(step_value(args, "train", "engine_gpus", args.engine_gpus))
+    tp = step_value(args, "train", "tp_size", args.tp_size)
+    return host_engines(max(1, train_gpus), max(1, tp), step_value(args, "train", "online_engines"), split,
+                        cuda=train_gpus > 0)
+
+
 def written_dtype(args, gpus: list | None) -> str:
     """The dtype the hidden states will be in, resolved as extract (online: train's engine) resolves it
     (hf_target.resolve_device_dtype): `auto` is bfloat16 in vLLM; in transformers bfloat16 on CUDA and float32 on a
@@ -160,7 +170,8 @@ def check_storage(args, ctx: dict) -> dict:
                              online_buffer_gb=step_value(args, "train", "online_buffer_gb"),
                              holdout_fraction=step_value(args, "train", "holdout_fraction"),
                              holdout_max_samples=step_value(args, "train", "holdout_max_samples"),
-                             gpus=extract_gpus, train_gpus=train_gpus, epochs=step_value(args, "train", "epochs", args.epochs),
+                             gpus=extract_gpus, train_gpus=train_gpus, engines=online_engines(args, train_gpus),
+                             engine_batch_size=step_value(args, "train", "engine_batch_size"), epochs=step_value(args, "train", "epochs", args.epochs),
                              dtype=written_dtype(args, gpus), free_note=src, stored=storage_plan.already_stored(hs_dir))
     if args.hidden_states == "online":   # no hidden-state files: the plan is what the run costs instead
         if not os.path.isdir(spool):
