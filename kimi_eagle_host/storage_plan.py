@@ -6,7 +6,8 @@ Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_
 hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
 safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it as files of the run:
 a bounded buffer in a memory file system (`online_spool_dir`, /dev/shm) holds what the engine has extracted and the
-trainer not yet taken (`online_buffer_gb`, and at least one sample, which always goes), the held-out documents stay
+trainer not yet taken (`online_buffer_gb`, and at least one engine batch per engine, which always goes:
+spool_size.buffer_bytes, as the train step counts it), the held-out documents stay
 there for the run's evaluations (`holdout_fraction` of the data, at most `holdout_max_samples` documents: the
 trainer's own count, spool_size.held_count), and every epoch runs the target again (unless
 `online_cache_gb` keeps documents: in the trainer's memory where one process trains, so a cache as large as the
