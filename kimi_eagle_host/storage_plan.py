@@ -6,8 +6,10 @@ Offline, `extract` writes every sample as hs_{i}.safetensors (data/hidden_state_
 hidden x dtype bytes of hidden states plus an int64 token id and an int64 loss-mask entry, and per file a small
 safetensors header. Online (`hidden_states: online`, data/online_stream.py) stores none of it as files of the run:
 a bounded buffer in a memory file system (`online_spool_dir`, /dev/shm) holds what the engine has extracted and the
-trainer not yet taken (`online_buffer_gb`, and at least one sample, which always goes), the held-out documents stay
-there for the run's evaluations (`holdout_fraction` of the data), and every epoch runs the target again (unless
+trainer not yet taken (`online_buffer_gb`, and at least one engine batch per engine, which always goes:
+spool_size.buffer_bytes, as the train step counts it), the held-out documents stay
+there for the run's evaluations (`holdout_fraction` of the data, at most `holdout_max_samples` documents: the
+trainer's own count, spool_size.held_count), and every epoch runs the target again (unless
 `online_cache_gb` keeps documents: in the trainer's memory where one process trains, so a cache as large as the
 offline files costs memory, never files).
 
@@ -18,7 +20,8 @@ Hours are estimates from one-H200 measurements (docs/benchmarks.md), scaled by a
   stays at the 1 B figure (small matmuls and writing the files bound it, not FLOPs);
 - training (our trainer): 255 k tokens/s with a hidden-2048 draft, falling as 1 / hidden^2 above it (the draft's
   matmuls are hidden x hidden); not faster below it;
-- both per GPU, times the GPUs visible (at least one).
+- both per GPU, times the GPUs the job uses (at least one; preflight counts them as the step would see them:
+  CUDA_VISIBLE_DEVICES, the host's `gpus:`, online's engine_gpus / train_gpus).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 from kimi_eagle_host.data.hidden_state_files import SAMPLE_RE
 # A sample file's layout (token id and loss mask per token, a header per file) and what online keeps in its spool:
 # one reckoning for the planner and the online trainer's own check.
-from kimi_eagle_host.data.spool_size import FILE_HEADER_BYTES, ID_AND_MASK_BYTES, spool_bytes
+from kimi_eagle_host.data.spool_size import FILE_HEADER_BYTES, ID_AND_MASK_BYTES, buffer_bytes, held_count, spool_bytes
 from kimi_eagle_host.model_size import DTYPE_BYTES, compute_parameters
 
 # Offline must leave this share of the estimate free on top of the step's own margin (--min-free-disk-gib):
@@ -110,29 +113,38 @@ def count(n: int) -> str:
 
 def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str, disk_free: int, keep_free: int,
          seq_len: int, spool_dir: str, spool_free: int | None, online_buffer_gb: float, holdout_fraction: float,
-         gpus: int = 1, epochs: float = 1, dtype: str = "bfloat16", free_note: str = "", stored: int = 0) -> dict:
+         holdout_max_samples: int | None = None, gpus: int = 1, train_gpus: int | None = None, epochs: float = 1,
+         engines: int = 1, engine_batch_size: int = 1, dtype: str = "bfloat16", free_note: str = "",
+         stored: int = 0) -> dict:
     """The storage plan: bytes per token and in all, whether offline fits `disk_free` (with FIT_MARGIN and
     `keep_free` bytes left over), what online keeps in its spool folder instead (`spool_dir`, `spool_free` bytes
-    free there: the buffer of `online_buffer_gb`, at least one sample of `seq_len`, and the held-out documents), and
+    free there: the buffer of `online_buffer_gb`, at least one batch of `engine_batch_size` samples of `seq_len`
+    for each of a host's `engines` (spool_size.host_engines), and the held-out documents:
+    `holdout_fraction` of the samples, at most `holdout_max_samples`, at the data's mean tokens a sample), and
     the hours each way. `data` is prepared_data()'s answer or an estimate of the same shape ({tokens, samples,
     source, estimate}); `dtype` what extract writes (compute_dtype); `free_note` says where `disk_free` came from
-    when not from the file system; `stored` the bytes already written (already_stored()).
+    when not from the file system; `stored` the bytes already written (already_stored()); `gpus` the GPUs that
+    extract, `train_gpus` those that train (None: the same; online's split layout gives each side its own).
     Everything the check prints is in "summary" (one line) and "lines"."""
     hidden = int(text_config["hidden_size"])
     per = bytes_per_token(hidden, len(layer_ids), dtype)
     tokens, samples = int(data["tokens"]), int(data["samples"])
     offline = tokens * per["total"] + samples * FILE_HEADER_BYTES
     needed = int(max(0, offline - stored) * (1 + FIT_MARGIN)) + keep_free
-    # Online's spool: the engine waits while the buffer is full, but a batch always goes into an empty one (one
-    # sample at least); it never holds more than the data. The held-out documents stay there for the whole run.
+    # Online's spool: each engine waits while its share of the buffer is full, but one engine batch always goes
+    # into an empty one (the train step's own floor, buffer_bytes, here of samples of seq_len, the longest there
+    # are); it never holds more than the documents the engine runs. The held-out documents stay for the whole run.
     one_sample = seq_len * per["total"] + FILE_HEADER_BYTES
-    buffer = min(offline, max(int(online_buffer_gb * 1e9), one_sample))
-    spool = spool_bytes(int(tokens * holdout_fraction), int(samples * holdout_fraction), per["total"],
-                        cache_bytes=0, buffer_bytes=buffer)
+    streamed = offline * max(1, math.ceil(epochs))
+    buffer = buffer_bytes(online_buffer_gb, engines, engine_batch_size, one_sample, streamed)
+    floor = buffer_bytes(0, engines, engine_batch_size, one_sample, streamed)
+    held = held_count(samples, holdout_fraction, holdout_max_samples)
+    spool = spool_bytes(int(tokens * held / max(1, samples)), held, per["total"], cache_bytes=0, buffer_bytes=buffer)
     gpus = max(1, gpus)
+    train_gpus = gpus if train_gpus is None else max(1, train_gpus)
     params = compute_parameters(text_config)
     extract_rate = extract_tokens_per_s(params) * gpus
-    train_rate = train_tokens_per_s(hidden) * gpus
+    train_rate = train_tokens_per_s(hidden) * train_gpus
     extract_h, train_h = tokens / extract_rate / 3600, tokens / train_rate / 3600
     fits = disk_free >= needed
     p = {"hidden_size": hidden, "layer_ids": list(layer_ids), "dtype": dtype,
@@ -141,10 +153,11 @@ def plan(text_config: dict, layer_ids: list[int], data: dict, *, disk_path: str,
          "offline_bytes": offline, "already_stored_bytes": stored, "offline_needs_free": needed,
          "disk_path": disk_path, "disk_free": disk_free, "free_note": free_note, "offline_fits": fits,
          "seq_len": seq_len, "spool_dir": spool_dir, "spool_free": spool_free, "online_buffer_gb": online_buffer_gb,
-         "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "holdout_fraction": holdout_fraction,
-         "heldout_bytes": spool["held"], "spool_needs": spool["total"],
+         "online_buffer_bytes": buffer, "one_sample_bytes": one_sample, "engines": engines,
+         "engine_batch_size": engine_batch_size, "min_buffer_bytes": floor, "holdout_fraction": holdout_fraction,
+         "holdout_max_samples": holdout_max_samples, "heldout_documents": held, "heldout_bytes": spool["held"], "spool_needs": spool["total"],
          "spool_fits": None if spool_free is None else spool_free >= spool["total"],
-         "gpus": gpus, "epochs": epochs,
+         "gpus": gpus, "train_gpus": train_gpus, "epochs": epochs,
          "compute_parameters": params, "extract_tokens_per_s": round(extract_rate),
          "train_tokens_per_s": round(train_rate), "extract_hours": extract_h, "train_hours_per_epoch": train_h,
          "offline_hours": extract_h + epochs * train_h, "online_hours": epochs * (extract_h + train_h)}
@@ -167,22 +180,30 @@ def spool_verdict(p: dict) -> str:
     free = "free unknown" if p["spool_free"] is None else f"{size(p['spool_free'])} free"
     verdict = "" if p["spool_fits"] is None else ": fits" if p["spool_fits"] else ": does not fit"
     return (f"online keeps up to ~{size(p['spool_needs'])} in {p['spool_dir']} ({free}){verdict}: a buffer of "
-            f"{size(p['online_buffer_bytes'])} (online_buffer_gb {p['online_buffer_gb']:g}, at least one sample of "
-            f"seq_len {p['seq_len']}: {size(p['one_sample_bytes'])}) and the held-out documents, "
-            f"~{size(p['heldout_bytes'])} (holdout_fraction {p['holdout_fraction']:g})")
+            f"{size(p['online_buffer_bytes'])} (online_buffer_gb {p['online_buffer_gb']:g}, at least {batch(p)}: "
+            f"{size(p['min_buffer_bytes'])}) and {p['heldout_documents']:,} held-out "
+            f"documents, ~{size(p['heldout_bytes'])} (holdout_fraction {p['holdout_fraction']:g}, at most "
+            f"holdout_max_samples {p['holdout_max_samples']})")
+
+
+def batch(p: dict) -> str:
+    """The buffer's floor in words: one engine batch of samples of seq_len, for each engine of a host."""
+    engines = f" for each of {p['engines']} engines" if p["engines"] > 1 else ""
+    return (f"one batch of engine_batch_size {p['engine_batch_size']} samples of seq_len {p['seq_len']} "
+            f"({size(p['one_sample_bytes'])} each){engines}")
 
 
 def spool_fix(p: dict) -> str:
     """What to change when online's spool folder cannot hold what the run keeps there."""
     room = f"point online_spool_dir at a memory file system with {size(p['spool_needs'])} free"
-    one = min(p["one_sample_bytes"], p["online_buffer_bytes"])   # the buffer never holds more than the data
+    one = p["min_buffer_bytes"]
     if p["spool_free"] < one:
-        return (f"{p['spool_dir']} cannot hold even one sample of seq_len {p['seq_len']} ({size(one)}): {room} "
-                f"(in a container: a larger --shm-size), or lower seq_len")
+        return (f"{p['spool_dir']} cannot hold even {batch(p)} ({size(one)}): {room} (in a container: a larger "
+                f"--shm-size), or lower steps.train.engine_batch_size or seq_len")
     left = p["spool_free"] - p["heldout_bytes"]   # what a buffer may take beside the held-out documents
     if left >= one:
         return f"set online_buffer_gb={math.floor(left / 1e6) / 1e3:g} (what fits there), or {room}"
-    return f"{room}, or hold out fewer documents (steps.train.holdout_fraction)"
+    return f"{room}, or hold out fewer documents (steps.train.holdout_max_samples, steps.train.holdout_fraction)"
 
 
 def details(p: dict) -> list[str]:
@@ -190,6 +211,8 @@ def details(p: dict) -> list[str]:
     n = len(p["layer_ids"])
     states = p["hidden_state_bytes_per_token"]
     gpus = f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
+    if p["train_gpus"] != p["gpus"]:   # online's split layout: the engine on some, the trainer on others
+        gpus = f"{gpus} extracting, {p['train_gpus']} training"
     epochs = f"{p['epochs']:g} epoch{'' if p['epochs'] == 1 else 's'}"
     return [
         f"per token: {n} layers {p['layer_ids']} x hidden {p['hidden_size']} x {states // (n * p['hidden_size'])} B "

@@ -544,7 +544,8 @@ def test_held_out_documents_that_would_not_fit_the_spool_folder_are_refused_befo
     assert p.returncode == 2, p.stderr[-3000:]
     # the buffer: one engine batch of the longest document, since one always goes (more than online_buffer_gb here)
     assert re.fullmatch(re.escape(f"online_spool_dir {small}: ") + r"this run would keep [\d.]+ kB there and it has "
-                        r"307.2 kB free; 12 held-out documents [\d.]+ kB \(steps.train.holdout_fraction\), the "
+                        r"307.2 kB free; 12 held-out documents [\d.]+ kB \(steps.train.holdout_max_samples, "
+                        r"steps.train.holdout_fraction\), the "
                         r"buffer 50.4 kB \(one batch of steps.train.engine_batch_size, more than online_buffer_gb: one "
                         r"always goes\): lower those settings, or set online_spool_dir to a folder with room",
                         doc["error"]), doc
@@ -553,6 +554,36 @@ def test_held_out_documents_that_would_not_fit_the_spool_folder_are_refused_befo
     for f in (made["offline"] / "hidden_states").glob("hs_*.safetensors"):
         tokens = len(load_file(str(f))["token_ids"])
         assert 0 <= document_bytes(tokens - 1, 3, 64, 4) - f.stat().st_size < 64, f.name
+
+
+def test_preflight_and_train_agree_on_the_buffers_floor(made, tmp_path):
+    """A buffer holds one engine batch at least (a batch always goes into an empty one): preflight's plan counts
+    that floor as the train step's own check does (before: one sample, so preflight passed a folder the train step
+    then refused). Eight documents of seq_len a batch, a 300 kB tmpfs: both refuse it, both naming the batch."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount) for a small tmpfs")
+    out, small = online_dir(made, "floor"), tmp_path / "small"
+    small.mkdir()
+    train = dict(online_spool_dir=str(small), online_buffer_gb=1e-7, holdout_fraction=0, engine_batch_size=8)
+
+    def in_small_tmpfs(cmd):
+        p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            f'mount -t tmpfs -o size=300k kimi-eagle-test "{small}" && "$@"', "sh", *cmd],
+                           capture_output=True, text=True, env=ENV, timeout=600)
+        return p.returncode, json.loads(p.stdout), p.stderr
+
+    code, doc, err = in_small_tmpfs(host_cmd(
+        "pipeline.train", "--model", made["model"], "--output-dir", out, "--epochs", "1", "--batch-size", "2",
+        "--report-to", "none", *ONLINE, *(f"--{k.replace('_', '-')}={v}" for k, v in train.items())))
+    assert code == 2 and "one batch of steps.train.engine_batch_size" in doc["error"], (doc, err[-2000:])
+    code, doc, err = in_small_tmpfs(host_cmd(
+        "ops.preflight", "--step", "train", "--backend", "hf", "--model", made["model"], "--output-dir", out,
+        "--runs-dir", tmp_path, "--seq-len", SEQ_LEN, "--layer-ids", LAYERS, "--hidden-states", "online",
+        "--nvidia-smi", tmp_path / "no-smi", "--step-settings", json.dumps({"train": train})))
+    storage = {c["name"]: c for c in doc["checks"]}["storage"]
+    assert code == 1 and storage["status"] == "fail", storage
+    assert storage["plan"]["min_buffer_bytes"] == 8 * storage["plan"]["one_sample_bytes"], storage
+    assert "one batch of engine_batch_size 8 samples of seq_len 64" in storage["detail"], storage
 
 
 def test_run_all_online_exports_a_draft_and_leaves_no_hidden_state_files(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["-m", "kimi_eagle_host.ops.preflight"]  # after the host's Python
-from kimi_eagle_host import model_size
+from kimi_eagle_host import model_size, storage_plan
 from kimi_eagle_host.target import kimi_model
 
 GIB = 1 << 30
@@ -38,10 +38,11 @@ def kimi(tmp_path):
     return {"model": model, "out": out, "tmp": tmp_path}
 
 
-def preflight(kimi, *extra, gpus=8, backend="hf", tp=8):
+def preflight(kimi, *extra, gpus=8, backend="hf", tp=8, env=None):
     p = subprocess.run([sys.executable, *SCRIPT, "--step", "extract", "--backend", backend, "--model", str(kimi["model"]),
                         "--output-dir", str(kimi["out"]), "--runs-dir", str(kimi["tmp"]), "--tp-size", str(tp),
-                        "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300)
+                        "--nvidia-smi", str(smi(kimi["tmp"], gpus)), *extra], capture_output=True, text=True, timeout=300,
+                        env=env)
     assert p.returncode in (0, 1), p.stderr
     doc = json.loads(p.stdout)
     assert not list(kimi["model"].glob("*.safetensors"))        # nothing was loaded, nothing written
@@ -95,7 +96,36 @@ def test_600k_samples_of_kimi_hidden_states_need_344_tb_offline(kimi):
     storage = checks["storage"]
     assert rc == 0 and storage["status"] == "pass", storage
     assert storage["detail"].startswith("hidden_states: online, no hidden-state files; offline needs 344.2 TB")
-    assert storage["plan"]["spool_dir"] == str(spool) and storage["plan"]["online_buffer_bytes"] == 200_000_000
+    # the buffer: one engine batch (engine_batch_size 8) of samples of seq_len, more than 0.2 GB: one always goes
+    plan = storage["plan"]
+    assert plan["spool_dir"] == str(spool) and plan["engines"] == 1, plan                # tp 8 on 8 GPUs
+    assert plan["online_buffer_bytes"] == plan["min_buffer_bytes"] == 8 * plan["one_sample_bytes"], plan
+
+
+def test_the_hours_count_the_gpus_the_job_uses_not_every_gpu_listed(kimi):
+    """A host of eight H200s shared with other jobs: the run's hours are for the GPUs its steps will use, as the
+    launcher narrows them (CUDA_VISIBLE_DEVICES, the host's `gpus:`), and online's split layout extracts on
+    engine_gpus and trains on train_gpus."""
+    import os
+
+    def plan(*extra, env=None):
+        rc, checks = preflight(kimi, *extra, env={k: v for k, v in {**os.environ, **(env or {})}.items()
+                                                  if v is not None})
+        return checks["storage"]["plan"]
+
+    clean = {"CUDA_VISIBLE_DEVICES": None}
+    eight = plan(env=clean)
+    two = plan(env={"CUDA_VISIBLE_DEVICES": "6,7"})
+    assert eight["gpus"] == 8 and two["gpus"] == 2, two
+    assert two["extract_hours"] == pytest.approx(eight["extract_hours"] * 4)
+    assert eight["train_gpus"] == 8 and two["train_gpus"] == 2
+    assert "(estimate from one-H200 figures, 2 GPUs)" in " ".join(two["lines"])
+    assert plan("--gpus", "4", env=clean)["gpus"] == 4                           # the inventory's gpus: 4
+    split = plan("--hidden-states", "online", "--step-settings",
+                 json.dumps({"train": {"engine_gpus": [0, 1], "train_gpus": [2, 3, 4, 5, 6, 7]}}), env=clean)
+    assert split["gpus"] == 2 and split["train_gpus"] == 6, split
+    assert split["train_hours_per_epoch"] == pytest.approx(eight["train_hours_per_epoch"] * 8 / 6)
+    assert "2 GPUs extracting, 6 training" in " ".join(split["lines"])
 
 
 def test_the_int4_checkpoint_fits_eight_h200_at_tp8_and_not_four(kimi):
@@ -133,19 +163,46 @@ def test_online_refuses_a_buffer_folder_that_cannot_hold_what_the_run_keeps_ther
         assert rc == 1 and storage["status"] == "fail" and "\n" not in storage["detail"], storage
         return storage
 
-    # a buffer of 10 PB: one sample (117.5 MB at seq_len 2048) fits there, the buffer does not
+    # a buffer of 10 PB: one engine batch (8 x 117.5 MB at seq_len 2048) fits there, the buffer does not
     storage = online(online_buffer_gb=1e7, holdout_fraction=0)
     assert storage["detail"].startswith(f"hidden_states: online, but online keeps up to ~5.7 TB in {spool} ("), storage
-    assert "does not fit" in storage["detail"] and "one sample of seq_len 2048: 117.5 MB" in storage["detail"]
+    assert "does not fit" in storage["detail"] and "one batch of engine_batch_size 8 samples of seq_len 2048 (117.5 MB each): 939.8 MB" in storage["detail"]
     assert storage["fix"].startswith("set online_buffer_gb=") and "(what fits there)" in storage["fix"], storage
-    # not even one sample: seq_len 10^9
+    # not even one engine batch: seq_len 10^9
     storage = online("--seq-len", str(10**9))
-    assert storage["fix"].startswith(f"{spool} cannot hold even one sample of seq_len 1000000000"), storage
-    # the held-out documents alone: 600k samples of 10k tokens, 2 % held out, are 6.9 TB kept for the whole run
+    assert storage["fix"].startswith(f"{spool} cannot hold even one batch of engine_batch_size 8 samples of seq_len "
+                                  f"1000000000"), storage
+    assert "lower steps.train.engine_batch_size or seq_len" in storage["fix"], storage
+    # the held-out documents alone: 600k samples of 10k tokens, 2 % held out without a cap, are 6.9 TB kept for
+    # the whole run
     (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))
-    storage = online(online_buffer_gb=0.2)
-    assert "held-out documents, ~6.9 TB (holdout_fraction 0.02)" in storage["detail"], storage
-    assert "hold out fewer documents (steps.train.holdout_fraction)" in storage["fix"], storage
+    storage = online(online_buffer_gb=0.2, holdout_max_samples=12_000)
+    assert "12,000 held-out documents, ~6.9 TB (holdout_fraction 0.02, at most holdout_max_samples 12000)" \
+        in storage["detail"], storage
+    assert "hold out fewer documents (steps.train.holdout_max_samples, steps.train.holdout_fraction)" \
+        in storage["fix"], storage
+
+
+def test_online_keeps_a_bounded_held_out_set_at_kimi_size(kimi):
+    """600k samples of 10k tokens: 2 % held out would be 12,000 documents, 6.9 TB kept in /dev/shm for the whole
+    run. The default cap (steps.train.holdout_max_samples, 500) keeps ~287 GB, which a host's memory holds."""
+    (kimi["out"] / "prepared" / "manifest.json").write_text(json.dumps({"count": 600_000, "tokens": 6 * 10**9}))
+    spool = kimi["tmp"] / "spool"
+    spool.mkdir()
+    rc, checks = preflight(kimi, "--hidden-states", "online", "--step-settings",
+                           json.dumps({"train": {"online_spool_dir": str(spool), "online_buffer_gb": 2}}))
+    plan = checks["storage"]["plan"]
+    assert plan["heldout_documents"] == 500 and plan["holdout_max_samples"] == 500, plan
+    assert plan["heldout_bytes"] == 500 * 10_000 * 57_360 + 500 * 256           # the data's mean tokens a sample
+    line = next(x for x in plan["lines"] if x.startswith("online keeps"))
+    assert "500 held-out documents, ~286.8 GB (holdout_fraction 0.02, at most holdout_max_samples 500)" in line, line
+    # a folder of 100 GB (an assumed size: this host's own) cannot hold them: the fix names the cap
+    tight = storage_plan.plan(kimi_model.real_config()["text_config"], [2, 30, 58, 61],
+                              {"tokens": 6 * 10**9, "samples": 600_000, "source": "m", "estimate": False},
+                              disk_path="/d", disk_free=0, keep_free=0, seq_len=16384, spool_dir="/dev/shm",
+                              spool_free=100 * 10**9, online_buffer_gb=2, holdout_fraction=0.02,
+                              holdout_max_samples=500)
+    assert tight["spool_fits"] is False and "steps.train.holdout_max_samples" in storage_plan.spool_fix(tight)
     # a folder that is not there
     rc, checks = preflight(kimi, "--hidden-states", "online", "--step-settings",
                            json.dumps({"train": {"online_spool_dir": str(spool / "nowhere")}}))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +243,24 @@ def test_the_plan_counts_the_bytes_extract_writes_on_this_host(tmp_path):
     assert plan["dtype"] == "float32" and plan["hidden_state_bytes_per_token"] == 3 * 64 * 4, plan
     written = sum(f.stat().st_size for f in (out / "hidden_states").glob("hs_*.safetensors"))
     assert abs(plan["offline_bytes"] / written - 1) < 0.05, (plan["offline_bytes"], written)
+
+
+def test_the_hours_are_for_the_gpus_the_hosts_jobs_use(tmp_path):
+    """A host of eight GPUs whose inventory entry gives its jobs two (`gpus: 2`, a host shared with other jobs):
+    the plan's hours are for two, as the launcher starts the steps, not for every GPU nvidia-smi lists."""
+    w = tiny_world(tmp_path, manifest={"count": 100, "tokens": 20_000})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f'echo "{i}, NVIDIA H200, 143771, 143000"\n'
+                                                                for i in range(8)))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    e = controller(w)
+    host = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    e.inventory.write_text(e.inventory.read_text().replace("  local:\n", f"  local:\n    env: {json.dumps(host)}\n", 1))
+    assert storage_of(e, "extract")["plan"]["gpus"] == 8
+    e.inventory.write_text(e.inventory.read_text().replace("  local:\n", "  local:\n    gpus: 2\n", 1))
+    plan = storage_of(e, "extract")["plan"]
+    assert plan["gpus"] == 2 and plan["train_gpus"] == 2, plan
 
 
 def test_online_is_checked_where_its_buffer_lives(tmp_path):

@@ -227,6 +227,37 @@ def test_heldout_figures_per_position(tmp_path):
     assert 1.0 < by_k[0] <= by_k[1] <= by_k[2] == served["accept_len"], by_k
 
 
+def test_holdout_max_samples_caps_the_split_and_keeps_prompts_together():
+    """A cap on the held-out documents (online keeps them all in its spool for the whole run): the first of the same
+    seeded order, whole prompt groups still on one side; no cap is the fraction's split."""
+    from kimi_eagle_host.training.data_plan import split_holdout
+
+    keys = [d // 3 for d in range(300)]                      # 100 prompts, three documents each
+    train, held = split_holdout(300, 0.2, 5, keys)
+    assert len(held) == 60
+    train_c, held_c = split_holdout(300, 0.2, 5, keys, cap=10)
+    assert len(held_c) == 9 and set(held_c) < set(held)        # three whole groups of the same order
+    assert {keys[d] for d in held_c}.isdisjoint(keys[d] for d in train_c)
+    assert sorted(train_c + held_c) == list(range(300))
+    assert split_holdout(300, 0.2, 5, keys, cap=1000) == (train, held)
+    assert split_holdout(300, 0.2, 5, None, cap=7)[1] == split_holdout(300, 7 / 300 + 1e-9, 5)[1]
+
+
+def test_train_honours_holdout_max_samples_and_a_changed_split_does_not_resume(tmp_path):
+    """--holdout-max-samples caps what train holds out; a resume compares the split (its held-out count), so a cap
+    that changes it is refused like another holdout_fraction, and one that holds out the same documents
+    continues."""
+    p = make_pipeline(tmp_path)
+    common = ("--epochs", "2", "--holdout-fraction", "0.25", "--save-every", "100")
+    rc, part = run_train(p, *common, "--holdout-max-samples=2", "--stop-at-step", "2")
+    assert rc == 0 and part["step"] == 2, part
+    rc, doc = run_train(p, *common, "--holdout-max-samples=3", "--resume")
+    assert rc == 2 and "'holdout': (2, 3)" in doc["error"], doc
+    # 0.125 of 16 documents without a cap holds out the same 2: the same data, continued
+    rc, rest = run_train(p, "--epochs", "2", "--holdout-fraction", "0.125", "--save-every", "100", "--resume")
+    assert rc == 0 and rest["resumed_from_step"] == 2 and rest["heldout"]["documents"] == 2, rest
+
+
 def test_muon_and_seven_ttt_steps(tmp_path, capsys):
     p = make_pipeline(tmp_path)
     rc, doc = run_train(p, "--max-steps", "6", "--ttt-steps", "7", "--optimizer", "muon", "--log-every", "1")

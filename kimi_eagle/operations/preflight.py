@@ -49,6 +49,8 @@ def preflight_args(session: HostSession, step: str, extra: list[str] | None = No
         section.pop("model", None)
     section = {k: str(expand(v)) if isinstance(v, str) else v for k, v in section.items()}
     args = ["--step", step, *settings.section_to_argv("preflight", section), "--runs-dir", RUNS]
+    if session.host.gpus:   # the job's steps use this many of the host's GPUs (launch.py --gpus): the plan's hours
+        args += ["--gpus", str(session.host.gpus)]
     # A model the job builds (the tiny demo, one from a package): the host checks it can be built.
     if p.tiny_model or p.model_source:
         args += ["--model-source", "tiny" if p.tiny_model else p.model_source]

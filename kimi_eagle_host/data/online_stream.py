@@ -61,7 +61,7 @@ import time
 
 from kimi_eagle_host import procfs
 from kimi_eagle_host.data.hidden_state_files import taken_path
-from kimi_eagle_host.data.spool_size import document_bytes, spool_bytes, token_bytes
+from kimi_eagle_host.data.spool_size import buffer_bytes, document_bytes, host_engines, spool_bytes, token_bytes
 from kimi_eagle_host.gpus import cuda_visible_names, gpu_numbers
 from kimi_eagle_host.step_runtime import BadInput, Refused, log
 from kimi_eagle_host.storage_plan import size
@@ -150,15 +150,11 @@ def ranks_per_engine(args, local_size: int, device_type: str) -> int:
     fast as one), the host's ranks on a CPU (engines there would share the same cores), in the split layout (the
     one engine on engine_gpus) or where tp_size does not divide the host's ranks."""
     engines, split = args.online_engines, parse_gpus(args.engine_gpus, "engine_gpus") is not None
-    if engines is None:
-        if device_type != "cuda" or split or local_size % args.tp_size:
-            return local_size
-        return min(args.tp_size, local_size)
-    if split and engines != 1:
+    if engines is not None and split and engines != 1:
         raise BadInput(f"--online-engines {engines}: the split layout (engine_gpus) has one engine a host")
-    if local_size % engines:
+    if engines is not None and local_size % engines:
         raise BadInput(f"--online-engines {engines}: must divide the host's {local_size} trainer process(es)")
-    return local_size // engines
+    return local_size // host_engines(local_size, args.tp_size, engines, split, device_type == "cuda")
 
 
 def host_rows(plan, step: int, ranks: tuple[int, int, int] | None) -> list[list[int]]:
@@ -234,8 +230,9 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     earlier run's checkpoints are removed or the target loaded (a full /dev/shm is the host's memory, and the
     engine's ENOSPC could come hours in). `data` is the run's DataPlan. The cache counted is an upper bound: at most
     online_cache_gb, at most every training document, none for one epoch or where each trainer process keeps its
-    own in memory; so is the buffer: each engine's share of online_buffer_gb, or one engine batch of the longest
-    documents where that is more (a batch always goes into an empty buffer). The folders of dead runs are swept
+    own in memory; so is the buffer (spool_size.buffer_bytes, preflight's too): each engine's share of
+    online_buffer_gb, or one engine batch of the longest documents where that is more (a batch always goes into an
+    empty buffer). The folders of dead runs are swept
     first: this run would take their room anyway."""
     base = args.online_spool_dir
     group = ranks_per_engine(args, w.local_size, device_type)
@@ -244,15 +241,14 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     itemsize = 4 if dc["dtype"] == "float32" else 2
     host = (w.rank - w.local_rank, w.local_size, w.size) if w.distributed else None
     held = group_held(data.held_docs, data.held, host)   # this host's ranks' (its engines' together)
+    train_bytes = sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in data.train_docs)
     cache = 0.0
     if group > 1 and data.total > data.plan.steps_per_epoch:
-        cache = min(args.online_cache_gb * 1e9,
-                    sum(document_bytes(lengths[d], n_layers, hidden, itemsize) for d in data.train_docs))
-    batch = args.engine_batch_size * document_bytes(max(lengths[d] for d in data.train_docs), n_layers, hidden,
-                                                    itemsize)
-    share = args.online_buffer_gb * 1e9 / engines
+        cache = min(args.online_cache_gb * 1e9, train_bytes)
+    longest = document_bytes(max(lengths[d] for d in data.train_docs), n_layers, hidden, itemsize)
+    buffer = buffer_bytes(args.online_buffer_gb, engines, args.engine_batch_size, longest, train_bytes)
     need = spool_bytes(sum(lengths[d] + 1 for d in held), len(held), token_bytes(n_layers, hidden, itemsize), cache,
-                       engines * max(share, batch))
+                       buffer)
     sweep_stale(base)
     try:
         st = os.statvfs(base)
@@ -261,9 +257,11 @@ def check_spool_room(args, dc: dict, data, lengths: list[int], w, device_type: s
     free = st.f_bavail * st.f_frsize
     if not st.f_blocks or need["total"] <= free:   # no size reported (procfs, some FUSE mounts): nothing to say
         return
-    parts = [(need["held"], f"{len(held)} held-out documents", "steps.train.holdout_fraction"),
+    parts = [(need["held"], f"{len(held)} held-out documents",
+              "steps.train.holdout_max_samples, steps.train.holdout_fraction"),
              (need["cache"], "the cache for later epochs", "online_cache_gb"),
-             (need["buffer"], "the buffer", "online_buffer_gb" if share >= batch else
+             (need["buffer"], "the buffer", "online_buffer_gb" if args.online_buffer_gb * 1e9 / engines >=
+              args.engine_batch_size * longest else
               "one batch of steps.train.engine_batch_size, more than online_buffer_gb: one always goes")]
     said = ", ".join(f"{what} {size(n)} ({setting})" for n, what, setting in parts if n)
     raise BadInput(f"online_spool_dir {base}: this run would keep {size(need['total'])} there and it has "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_eagle_host.data import packing  # (packed rows, the step plan)
+from kimi_eagle_host.data.spool_size import held_count  # (the held-out count the storage planner counts too)
 from kimi_eagle_host.data.step_batches import default_workers  # (rows read ahead onto the device)
 from kimi_eagle_host.step_runtime import BadInput
 
@@ -25,13 +26,17 @@ class DataPlan:
     workers: int                   # threads reading batches ahead
 
 
-def split_holdout(n: int, fraction: float, seed: int, keys: list | None = None) -> tuple[list[int], list[int]]:
-    """(training, held-out) document indices: a seeded random fraction of the documents is never trained on.
+def split_holdout(n: int, fraction: float, seed: int, keys: list | None = None,
+                  cap: int | None = None) -> tuple[list[int], list[int]]:
+    """(training, held-out) document indices: a seeded random fraction of the documents, at most `cap` of them
+    (held_count), is never trained on. For the same documents, keys and seed the split follows from the count
+    alone, and counts (fraction or cap) that hold out as many documents hold out the same ones: run_meta's
+    `holdout`, that number, is what a resume compares.
     `keys`: each document's prompt (prepared_data.prompt_keys; None: its own). Documents that open with the same
     prompt stay on one side, so no prompt the choose step serves from the held-out documents was trained on:
     whole groups are held out in the seeded order, a group that would pass the held-out count left in training
     (with no shared prompt, the split is the plain one)."""
-    k = int(n * fraction)
+    k = held_count(n, fraction, cap)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 1)).tolist()
     if keys is None:
         return sorted(perm[k:]), sorted(perm[:k])
@@ -78,7 +83,8 @@ def plan_data(args, lengths: list[int], n_layer_ids: int, hidden: int, device, f
               prompt_keys: list | None = None) -> DataPlan:
     """The run's data plan (`prompt_keys`: see split_holdout); BadInput when a step would leave a rank without a
     row."""
-    train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed, prompt_keys)
+    train_docs, held_docs = split_holdout(len(lengths), args.holdout_fraction, args.seed, prompt_keys,
+                                          args.holdout_max_samples)
     if getattr(args, "choose_checkpoints", 0) and not held_docs:   # refused now, not after the training
         raise BadInput(f"--choose-checkpoints {args.choose_checkpoints}: the choose step serves documents training "
                        f"never saw, but --holdout-fraction {args.holdout_fraction} of {len(lengths)} documents holds "

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training epochs, for the storage plan's hours (default: train's in --step-settings, else 1)")
     p.add_argument("--hidden-states", choices=["offline", "online"], default="offline",
                    help="online: no hidden-state files; the storage check shows what the run costs instead")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="the host's gpus: (inventory): the job's steps use the first N visible GPUs (storage plan)")
     p.add_argument("--engine-gpus", default=None,
                    help="online: the GPUs the engine uses (unset: the trainer's, and the engine is sized beside it)")
     p.add_argument("--step-settings", default=None,

@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 from kimi_eagle_host import compute_dtype, storage_plan
+from kimi_eagle_host.data.spool_size import host_engines
+from kimi_eagle_host.gpus import gpu_numbers, visible_names
 from kimi_eagle_host.ops.preflight.gpu import query_gpus
 from kimi_eagle_host.ops.preflight.report import check, prepared_dir, step_value
 
@@ -89,6 +91,35 @@ def planned_data(args, ctx: dict) -> dict | None:
     return {"tokens": int(rows * per_row), "samples": rows, "estimate": True, "source": source}
 
 
+def job_gpus(args, listed: list | None) -> tuple[int, int]:
+    """(GPUs that extract, GPUs that train): those the job's steps will use, not every GPU nvidia-smi lists (a host
+    shared with other jobs): the ones CUDA_VISIBLE_DEVICES names, the first --gpus of them (the host's `gpus:`),
+    as the launcher narrows them (pipeline/launch.py); online's split layout gives the engine `engine_gpus` and the
+    trainer `train_gpus` of them (unset: all). 0 on a host without GPUs."""
+    if not listed:
+        return 0, 0
+    n = len(visible_names(os.environ, driver_count=len(listed)))
+    if args.gpus is not None:
+        n = min(n, args.gpus)
+    if args.hidden_states != "online":
+        return n, n
+    try:
+        engine = gpu_numbers(step_value(args, "train", "engine_gpus", args.engine_gpus))
+        train = gpu_numbers(step_value(args, "train", "train_gpus"))
+    except ValueError:   # the train step refuses them in one line; the plan counts what the launcher would
+        engine = train = None
+    return (min(n, len(engine)) if engine else n), (min(n, len(train)) if train else n)
+
+
+def online_engines(args, train_gpus: int) -> int:
+    """The engines one host starts online (spool_size.host_engines, as the train step counts them): each keeps an
+    engine batch in the buffer at least."""
+    split = bool(step_value(args, "train", "engine_gpus", args.engine_gpus))
+    tp = step_value(args, "train", "tp_size", args.tp_size)
+    return host_engines(max(1, train_gpus), max(1, tp), step_value(args, "train", "online_engines"), split,
+                        cuda=train_gpus > 0)
+
+
 def written_dtype(args, gpus: list | None) -> str:
     """The dtype the hidden states will be in, resolved as extract (online: train's engine) resolves it
     (hf_target.resolve_device_dtype): `auto` is bfloat16 in vLLM; in transformers bfloat16 on CUDA and float32 on a
@@ -129,6 +160,7 @@ def check_storage(args, ctx: dict) -> dict:
     if not data:
         return not_planned(args, ctx)
     gpus, _ = query_gpus(args.smi_path)
+    extract_gpus, train_gpus = job_gpus(args, gpus)
     hs_dir = hidden_states_dir(args)
     where, free, src = free_disk(args, hs_dir)
     spool = step_value(args, "train", "online_spool_dir")
@@ -137,7 +169,9 @@ def check_storage(args, ctx: dict) -> dict:
                              spool_dir=spool, spool_free=storage_plan.free_bytes(spool),
                              online_buffer_gb=step_value(args, "train", "online_buffer_gb"),
                              holdout_fraction=step_value(args, "train", "holdout_fraction"),
-                             gpus=len(gpus or []), epochs=step_value(args, "train", "epochs", args.epochs),
+                             holdout_max_samples=step_value(args, "train", "holdout_max_samples"),
+                             gpus=extract_gpus, train_gpus=train_gpus, engines=online_engines(args, train_gpus),
+                             engine_batch_size=step_value(args, "train", "engine_batch_size"), epochs=step_value(args, "train", "epochs", args.epochs),
                              dtype=written_dtype(args, gpus), free_note=src, stored=storage_plan.already_stored(hs_dir))
     if args.hidden_states == "online":   # no hidden-state files: the plan is what the run costs instead
         if not os.path.isdir(spool):
