@@ -296,6 +296,29 @@ def test_gpu_too_small_for_model(env, tmp_path):
     assert_failed(checks, "gpu", "--tp-size 8 but only 1 GPU")
 
 
+def test_the_gpu_checks_weigh_the_gpus_the_job_sees_not_every_gpu_of_the_machine(env, monkeypatch):
+    """nvidia-smi lists every GPU of the machine whatever CUDA_VISIBLE_DEVICES says: on a host shared with another
+    job (GPU 0 full, this inventory entry's env giving the job GPU 1, by index or UUID) the engine's GPU is GPU 1,
+    and preflight judged GPU 0's memory instead; and the other way round, a job given the full GPU passed."""
+    env["smi"].write_text("#!/usr/bin/env bash\n"
+                          "echo '0, NVIDIA H200, 143771, 400, GPU-0f1e2d3c-aaaa'\n"
+                          "echo '1, NVIDIA H200, 143771, 143000, GPU-9a8b7c6d-bbbb'\n")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _, _, checks = run(env, "--tp-size", "1", "--min-free-disk-gib", "0.001", backend="vllm")
+    assert_failed(checks, "gpu", "too little free on GPU 0")
+    for visible in ("1", "GPU-9a8b7c6d", "GPU-9a8b7c6d-bbbb,0"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        _, _, checks = run(env, "--tp-size", "1", "--min-free-disk-gib", "0.001", backend="vllm")
+        assert checks["gpu"]["status"] == "pass", (visible, checks["gpu"])   # tp 1: the first GPU the job sees
+        assert checks["gpu"]["detail"].split("; ")[-1].startswith("GPU1 140/140 GiB free"), checks["gpu"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _, _, checks = run(env, "--tp-size", "1", "--min-free-disk-gib", "0.001", backend="vllm")
+    assert_failed(checks, "gpu", "too little free on GPU 0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # hides them all: no GPU for the job, and no driver trouble
+    _, _, checks = run(env, "--tp-size", "1", "--min-free-disk-gib", "0.001", backend="hf")
+    assert checks["gpu"]["status"] == "warn" and "hides them" in checks["gpu"]["detail"], checks["gpu"]
+
+
 # --- versions / patch state ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

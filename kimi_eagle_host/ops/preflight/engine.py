@@ -6,7 +6,7 @@ import argparse
 import os
 
 from kimi_eagle_host.engine.extract_vllm import hidden_state_bytes_per_token
-from kimi_eagle_host.ops.preflight.gpu import query_gpus
+from kimi_eagle_host.ops.preflight.gpu import used_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
@@ -41,7 +41,7 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
             engines[step] = engines_of(step, settings)
         except ValueError as e:  # the step would refuse this setting itself (exit 2)
             out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
-    gpus = query_gpus(args.smi_path)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
+    gpus = used_gpus(args)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
     # None (not measured) where nvidia-smi gives no memory figure for the GPU ([N/A] on unified-memory GPUs).
     free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) \
         if gpus and gpus[0]["free_mib"] is not None and gpus[0]["total_mib"] is not None else None

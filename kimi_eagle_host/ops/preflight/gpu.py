@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
+from kimi_eagle_host.gpus import cuda_visible_names
 from kimi_eagle_host.model_size import kv_bytes_per_token
 from kimi_eagle_host.ops.preflight.model import model_bytes
 from kimi_eagle_host.ops.preflight.report import check
 
 CUDA_CONTEXT_GIB = 2.0       # per-GPU overhead beyond the weights (context, activations)
+HIDDEN = "CUDA_VISIBLE_DEVICES"   # used_gpus's reason when the environment hides every GPU (no driver trouble)
 
 
 def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     if not smi:
         return None, "nvidia-smi not found"
     try:
-        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free",
+        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free,uuid",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{smi}: {exc}"
@@ -28,8 +31,31 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
             # A GPU whose memory nvidia-smi does not report ([N/A] where it shares the host's memory: GB10, Grace
             # Hopper) is a GPU all the same: kept, its memory None (unknown), never "no GPU visible".
             gpus.append({"index": int(parts[0]), "name": parts[1],
-                         "total_mib": _mib(parts[2]), "free_mib": _mib(parts[3])})
+                         "total_mib": _mib(parts[2]), "free_mib": _mib(parts[3]),
+                         "uuid": parts[4] if len(parts) > 4 else None})
     return gpus, ""
+
+
+def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
+    """query_gpus narrowed to the GPUs the job's steps use, in the order they see them (an engine's GPU 0 is the
+    first): those CUDA_VISIBLE_DEVICES names (indices or UUIDs, as the inventory's env or the launcher sets it),
+    then the first --gpus of them (the host's `gpus:`). nvidia-smi lists every GPU of the machine whatever the
+    environment, so on a shared host the checks would otherwise weigh another job's GPUs. Names nvidia-smi cannot
+    match (MIG instances) leave the list as listed."""
+    gpus, err = query_gpus(args.smi_path)
+    if not gpus:
+        return gpus, err
+    names = cuda_visible_names(environ)
+    if names is not None:
+        def row(name):
+            return next((g for g in gpus if name == str(g["index"]) or
+                         (name.startswith("GPU-") and (g.get("uuid") or "").startswith(name))), None)
+        rows = [row(n) for n in names]
+        if all(rows):
+            gpus = rows
+    if getattr(args, "gpus", None) is not None:
+        gpus = gpus[:args.gpus]
+    return gpus, "" if gpus else f"{HIDDEN} {environ.get('CUDA_VISIBLE_DEVICES', '')!r} hides them"
 
 
 def _mib(cell: str) -> float | None:
@@ -55,7 +81,7 @@ def broken_driver(smi: str | None, err: str) -> dict | None:
     Driver/library version mismatch` after a driver upgrade without a reboot, a hung driver): a GPU host, which
     must not be taken for a CPU one and run the step on CPU. None where nvidia-smi is missing, answers, or says
     it finds no GPU."""
-    if not smi or not err or "No devices were found" in err:
+    if not smi or not err or "No devices were found" in err or err.startswith(HIDDEN):
         return None
     return check("gpu", "fail", f"the NVIDIA driver does not answer ({err})",
                  "reboot the host (a driver upgraded since the last boot), or reinstall the NVIDIA driver, until "
@@ -64,7 +90,7 @@ def broken_driver(smi: str | None, err: str) -> dict | None:
 
 def check_gpu(args, ctx: dict) -> dict:
     need_b, how = model_bytes(args.model, ctx) if ctx.get("num_layers") else (None, "unknown")
-    gpus, err = query_gpus(args.smi_path)
+    gpus, err = used_gpus(args)
     if not gpus:
         broken = broken_driver(args.smi_path, err)
         if broken:
@@ -126,7 +152,7 @@ def unknown_fit(need: str, listing: str) -> dict:
 
 def check_gpu_present(args) -> dict:
     """train loads only the draft head (and the target's embeddings), not the full model."""
-    gpus, err = query_gpus(args.smi_path)
+    gpus, err = used_gpus(args)
     if not gpus:
         return broken_driver(args.smi_path, err) or check(
             "gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kimi_eagle_host.ops.preflight.gpu import query_gpus
+from kimi_eagle_host.ops.preflight.gpu import used_gpus
 from kimi_eagle_host.ops.preflight.report import DEPLOY_FIX, check
 from kimi_eagle_host.versions import at_least, satisfies
 from kimi_eagle_host.vllm_compat import (eagle3_aux_count_ok, eagle3_serving, extraction_path,
@@ -234,7 +234,7 @@ def check_trainer(args, ctx: dict) -> dict:
     """Which trainers the train step can use here: ours always; speculators' own (--trainer speculators) where
     its speculators has one and a GPU is visible."""
     version = (ctx.get("versions") or {}).get("speculators")
-    gpus, _ = query_gpus(args.smi_path)
+    gpus, _ = used_gpus(args)
     why = speculators_trainer_unavailable(version, bool(gpus))
     theirs = f"--trainer speculators: {why}" if why else f"--trainer speculators: available (speculators {version})"
     return check("trainer", "pass", f"ours; {theirs}")
