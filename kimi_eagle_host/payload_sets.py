@@ -10,7 +10,8 @@ Then it removes the sets nothing uses any more, so they do not pile up. A set go
     has no exit code (a job running or queued) or anything in it changed in the last KEEP_DAYS (a Slurm job's array
     task still running, or requeued after writing its exit code). A job that is `lost` (its shell died without
     writing its end, and nothing of it runs: ops/jobs.py) counts as ended: it holds its set only for KEEP_DAYS after
-    its folder last changed, not forever.
+    its folder last changed, not forever; so does a folder recorded by a start that never started its job (no
+    meta.json).
 The payload wrappers beside the sets (.kimi-eagle/bin/NAME-<sha256:12>.sh, kimi_eagle/hosts/session.py: one per
 payload, set and env, never per call) go with their set: a wrapper unchanged for KEEP_DAYS whose set is gone is
 removed. One whose set is there is never touched, so a call of another terminal, which seals its set before it
@@ -77,8 +78,10 @@ def _may_run(run_dir: str, now: float) -> bool:
         names = os.listdir(run_dir)
     except OSError:
         return False
-    if not any(n.startswith("exit_code") for n in names) and not _lost(run_dir):
+    if not any(n.startswith("exit_code") for n in names) and "meta.json" in names and not _lost(run_dir):
         return True
+    # Ended, lost, or never started (recorded by a start that lost its host's answer: no meta.json; a start in
+    # progress has fresh files): it may run only while something in it changed in the last KEEP_DAYS.
     for n in names:
         try:
             if now - os.stat(os.path.join(run_dir, n)).st_mtime < KEEP_DAYS * 86400:

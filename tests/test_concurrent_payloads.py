@@ -210,7 +210,8 @@ def test_a_lost_jobs_set_and_the_wrappers_of_gone_sets_do_not_stay_forever(env):
     """A job whose shell died without writing its end (`lost`) once held its payload set forever, and the wrappers
     in .kimi-eagle/bin were never removed: the host's .kimi-eagle grew with every upgrade. Now a lost job holds its
     set a week after its folder last changed, like an ended one, and a week-old wrapper whose set is gone goes with
-    it; a running job's set, the wrappers of sets that are there, and wrappers of older layouts stay."""
+    it; so does the set of a folder a start recorded a week ago without ever starting its job. A running job's set,
+    one a start in progress names, the wrappers of sets that are there, and wrappers of older layouts stay."""
     import signal
     import time
 
@@ -240,6 +241,17 @@ def test_a_lost_jobs_set_and_the_wrappers_of_gone_sets_do_not_stay_forever(env):
         (run / "node.sh").write_text(f'export PYTHONPATH="$PWD"/.kimi-eagle/payloads/{name}\n')
         for f in run.iterdir():
             os.utime(f, (old, old))
+    # Folders recorded by starts that never started their job (no meta.json): one a week old, one in progress.
+    never_set, starting_set = "5" * 16, "6" * 16
+    for name, age in ((never_set, old), (starting_set, None)):
+        (payloads / name / "kimi_eagle_host").mkdir(parents=True)
+        (payloads / name / "MANIFEST").write_text(name + "0" * 48)
+        os.utime(payloads / name / "MANIFEST", (old, old))
+        run = runs / f"20261129-000000-train-{name[:8]}"
+        run.mkdir()
+        (run / "job.sh").write_text(f'export PYTHONPATH="$PWD"/.kimi-eagle/payloads/{name}\n')
+        if age:
+            os.utime(run / "job.sh", (age, age))
     gone = _wrapper(bin_dir, "probe", "3" * 16, age=old)                 # its set was removed long ago
     of_lost = _wrapper(bin_dir, "preflight", lost_set, age=old)         # its set goes in this deploy
     of_running = _wrapper(bin_dir, "preflight", running_set, age=old)   # its set stays: a job runs from it
@@ -251,6 +263,7 @@ def test_a_lost_jobs_set_and_the_wrappers_of_gone_sets_do_not_stay_forever(env):
         assert r.code == 0, r.stdout + r.stderr
         sets = {p.name for p in payloads.iterdir()}
         assert running_set in sets and lost_set not in sets, sets
+        assert starting_set in sets and never_set not in sets, sets
         wrappers = {p.name for p in bin_dir.iterdir()}
         assert {of_running, fresh, older_layout} <= wrappers and not {gone, of_lost} & wrappers, wrappers
         assert [w for w in wrappers if w.startswith("probe-") and w != older_layout], wrappers  # this call's own
