@@ -203,6 +203,44 @@ def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama)
     assert out["count"] == 6   # every regenerated conversation becomes a sample
 
 
+def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(tmp_path, tiny_llama):
+    """--engines 2, the first engine killed once it wrote its first chunk: the other answers what it left, and the
+    result counts every chunk written by this run, the dead engine's too (they were dropped from the count)."""
+    import signal
+    import time
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]})
+                               + "\n" for i in range(24)))
+    out_dir = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "kimi_eagle_host.pipeline.regenerate", "--model", str(tiny_llama),
+                          "--dataset", str(prompts), "--output-dir", str(out_dir), "--max-tokens", "48",
+                          "--chunk-size", "1", "--engine", "hf", "--engines", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def first_engine():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if b"KIMI_EAGLE_ENGINE_OF=0/2" in f.read().split(b"\0") and \
+                            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(p.pid):
+                        return int(pid)
+            except OSError:
+                continue
+        return None
+
+    deadline = time.monotonic() + 300
+    while not list((out_dir / "regenerated").rglob("c_00000000.jsonl")):   # the first engine's first chunk
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.kill(first_engine(), signal.SIGKILL)
+    stdout, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert "1 of 2 engines failed, the others answered every chunk" in stderr
+    assert out["chunks"] == 24 and out["chunks_done_now"] == 24, out   # a fresh run: every chunk was written now
+
+
 def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")

@@ -565,7 +565,9 @@ def answer_with_engines(args, chunks_dir, todo):
     results = [r for r in results if r.get("ok")]
     tokens = sum((r.get("throughput") or {}).get("answer_tokens_now") or 0 for r in results)
     seconds = max((r.get("throughput") or {}).get("generating_s_now") or 0 for r in results)
-    return {"engines": args.engines, "failed": failed, "turns_answered": sum(r["turns_answered_now"] for r in results),
+    # written now by any engine, a dead one's too (its own count died with it)
+    return {"engines": args.engines, "failed": failed, "chunks_done_now": len(todo) - len(left),
+            "turns_answered": sum(r["turns_answered_now"] for r in results),
             "turns_cut": sum(r["turns_cut_for_context_now"] for r in results),
             "batching": next((r["batching"] for r in results if r.get("batching")), None),
             "throughput": {"answer_tokens_now": tokens, "generating_s_now": round(seconds, 2),
@@ -640,7 +642,7 @@ def run(args):
         engines = answer_with_engines(args, chunks_dir, todo)
         answered, cut, batching, throughput = (engines["turns_answered"], engines["turns_cut"], engines["batching"],
                                                engines["throughput"])
-        done_now = sum(e["chunks_done_now"] for e in engines["each"])
+        done_now = engines["chunks_done_now"]
     else:
         answer = answer_as_one_of_several if one_of_several() else answer_chunks
         answered, cut, batching, done_now = (answer(args, engine, convs, budget, chunks_dir, todo) if todo
