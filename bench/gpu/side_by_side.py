@@ -1604,8 +1604,11 @@ def start() -> None:
     # The runner runs from a copy: each call re-sends the checkout, and the runner must not see files change.
     repo = D["repo"]
     if not (repo / "bench").exists():
+        # Not a virtual environment of the checkout (the README's `.venv`: gigabytes, and what the runner installs
+        # comes from the carried bundles), nor caches.
         shutil.copytree(ROOT, repo, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__"))
+                        ignore=shutil.ignore_patterns(".gpu", ".git", ".overlay", "out", "__pycache__", ".venv",
+                                                      ".pytest_cache", ".benchmarks"))
         apply_overlay()
         note_scale_parts()
     log = open(D["logs"] / "runner.log", "a")
