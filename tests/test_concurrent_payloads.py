@@ -148,7 +148,8 @@ def test_one_command_deploys_and_names_one_set_even_if_the_checkout_changes_mean
 
 def test_old_payload_sets_go_unless_a_job_that_may_run_names_them(env):
     """One folder per set would pile up with every upgrade: a deploy removes the sets no deploy has used for a week,
-    except one a job that may still run names (no exit code yet, or active within the week). Older layouts stay."""
+    except one a job that may still run names (started or queued with no exit code yet, or active within the week).
+    Older layouts stay."""
     import time
 
     payloads = env.workdir / ".kimi-eagle" / "payloads"
@@ -175,9 +176,14 @@ def test_old_payload_sets_go_unless_a_job_that_may_run_names_them(env):
     for name in (unused, running, queued_data, finished, active):
         a_set(name)
     a_set(recent, age=time.time() - 86400)
-    a_job("j-running", running)                       # no exit code: running, queued or lost
+    slurm = json.dumps({"scheduler": "slurm"})
+    a_job("j-running", running)                       # no exit code: a Slurm job queued for a week
+    (runs / "j-running" / "meta.json").write_text(slurm)
     (runs / "j-data").mkdir(parents=True)            # its settings read a file of the set ({payloads})
     (runs / "j-data" / "settings.json").write_text(json.dumps({"dataset": f".kimi-eagle/payloads/{queued_data}/x"}))
+    (runs / "j-data" / "meta.json").write_text(slurm)
+    for f in (*(runs / "j-running").iterdir(), *(runs / "j-data").iterdir()):   # quiet for a week
+        os.utime(f, (old, old))
     a_job("j-finished", finished, exit_code=0)
     a_job("j-active", active, exit_code=143, age=time.time() - 3600)  # e.g. a Slurm job requeued after preemption
     (payloads / "kimi_eagle_host").mkdir()            # the layout before sets had folders: an old job may run it
