@@ -582,8 +582,9 @@ def run(args):
                                                                args.max_turns)
     convs, dropped = check_lengths(convs, budget, args.prompts, "skip" if named else "fail")
     seen = seen_in_training(args, convs, tok)
-    if seen_warning(seen):  # said now, before the engines load, and again beside the figure
-        log(f"eval: warning: {seen_warning(seen)}")
+    trained_on = seen_warning(seen)
+    if trained_on:  # said now, before the engines load, and again beside the figure
+        log(f"eval: warning: {trained_on}")
     k = args.num_speculative_tokens
     engine, why, engine_env = pick_engine(args)
     if engine == "hf" and 1 not in batch_sizes:
@@ -609,7 +610,7 @@ def run(args):
                  "seen_in_training": seen,
                  "prompts_file": path,
                  "max_tokens": args.max_tokens, "dropped_long_prompts": dropped})
-    warnings = drafting_problems(m, meta["engine_name"]) + ([seen_warning(seen)] if seen_warning(seen) else [])
+    warnings = drafting_problems(m, meta["engine_name"]) + ([trained_on] if trained_on else [])
     rep = summarize(m, k, convs, meta, batch_sizes)
     smoke, smoke_failed = full_eval_smoke(m, meta, why) if args.smoke else ({}, None)
     rep.update(smoke)

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 from kimi_eagle_host.gpus import cuda_visible_names
+from kimi_eagle_host.ops.probe import mib  # (nvidia-smi's memory cells, [N/A] as None)
 from kimi_eagle_host.model_size import kv_bytes_per_token
 from kimi_eagle_host.ops.preflight.model import model_bytes
 from kimi_eagle_host.ops.preflight.report import check
@@ -31,7 +32,7 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
             # A GPU whose memory nvidia-smi does not report ([N/A] where it shares the host's memory: GB10, Grace
             # Hopper) is a GPU all the same: kept, its memory None (unknown), never "no GPU visible".
             gpus.append({"index": int(parts[0]), "name": parts[1],
-                         "total_mib": _mib(parts[2]), "free_mib": _mib(parts[3]),
+                         "total_mib": mib(parts[2]), "free_mib": mib(parts[3]),
                          "uuid": parts[4] if len(parts) > 4 else None})
     return gpus, ""
 
@@ -56,13 +57,6 @@ def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
     if getattr(args, "gpus", None) is not None:
         gpus = gpus[:args.gpus]
     return gpus, "" if gpus else f"{HIDDEN} {environ.get('CUDA_VISIBLE_DEVICES', '')!r} hides them"
-
-
-def _mib(cell: str) -> float | None:
-    try:
-        return float(cell)
-    except ValueError:  # [N/A], [Not Supported]
-        return None
 
 
 def memory_known(gpus: list[dict]) -> bool:
