@@ -105,6 +105,41 @@ def test_a_step_whose_one_sequence_does_not_fit_is_one_line(tmp_path):
     assert "\n" not in str(e.value) and NOT_ONE_SEQUENCE in str(e.value) and "VLLM_CPU_KVCACHE_SPACE" in str(e.value)
 
 
+def test_preflight_sizes_an_engine_from_the_least_free_of_the_gpus_it_spans(tmp_path, monkeypatch):
+    """An engine over --tp-size GPUs (or several engines, one a GPU) starts only where every one of its GPUs has
+    room: on a host whose second GPU another process holds, tp 2 fails on that GPU, named, where preflight read the
+    first GPU only and passed; tp 1 stays on the free first GPU and passes. GPUs as nvidia-smi
+    lists them (a stand-in script); the sizing is the steps' own (real, no vLLM needed to decide)."""
+    from kimi_eagle_host.ops.preflight.cli import build_parser, parse_step_settings
+    from kimi_eagle_host.ops.preflight.engine import check_engine_memory
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\n"
+                   "echo '0, NVIDIA H200, 143771, 143000, GPU-0f1e2d3c-aaaa'\n"
+                   "echo '1, NVIDIA H200, 143771, 400, GPU-9a8b7c6d-bbbb'\n")
+    smi.chmod(0o755)
+    model = llama_config(tmp_path / "m")
+    for name in ("CUDA_VISIBLE_DEVICES", "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = {"vllm": {"dist": "vllm", "version": "0.32.0"}, "torch_cuda": "12.8"}
+
+    def engine_memory(*flags, settings=None):
+        args = build_parser().parse_args(["--step", "regenerate", "--engine", "vllm", "--model", str(model), *flags])
+        args.smi_path, args.layer_ids_parsed = str(smi), None
+        args.step_settings_parsed = parse_step_settings(json.dumps({"regenerate": settings or {}}), "regenerate")
+        (c,) = check_engine_memory(args, ctx)
+        return c
+
+    c = engine_memory("--tp-size", "1")
+    assert c["status"] == "pass" and c["detail"].startswith("regenerate: GPU0: vLLM engine memory:"), c
+    c = engine_memory("--tp-size", "2")
+    assert c["status"] == "fail" and c["detail"].startswith(
+        "regenerate: GPU1, the least free of its 2 GPUs: the GPU has 0.4 of 140.4 GiB free"), c
+    # the host's `gpus: 1` narrows the job to GPU 0: two engines share it
+    c = engine_memory("--gpus", "1", settings={"engines": 2})
+    assert c["status"] == "pass" and c["detail"].startswith("regenerate (each of 2 engines): GPU0: "), c
+
+
 # --------------------------------------------------------------------- the steps and preflight, on vLLM 0.32
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from kimi_eagle_host.data.spool_size import host_engines
 from kimi_eagle_host.engine.extract_vllm import hidden_state_bytes_per_token
-from kimi_eagle_host.ops.preflight.gpu import used_gpus
+from kimi_eagle_host.gpus import gpu_numbers
+from kimi_eagle_host.ops.preflight.gpu import gpu_label, used_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
-from kimi_eagle_host.ops.preflight.report import check
+from kimi_eagle_host.ops.preflight.report import check, step_value
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
 from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share, step_engine_memory
 
@@ -21,7 +23,8 @@ EXTRACT_PROMPTS = 64
 
 def check_engine_memory(args, ctx: dict) -> list[dict]:
     """What each vLLM engine of this job will take: the sizing the steps use (vllm_compat.step_engine_memory), from
-    the memory free now (the first GPU's, or the host's), one check per step that starts an engine."""
+    the memory free now (on a GPU host that of the least free GPU the step's engines use, named in the detail; else
+    the host's), one check per step that starts an engine."""
     loads, engines = {}, {}
     online = args.hidden_states == "online" and args.step in ("train", "all")
     if args.engine == "vllm" and ctx.get("vllm_path") == "native":
@@ -42,9 +45,6 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
         except ValueError as e:  # the step would refuse this setting itself (exit 2)
             out.append(check("engine-memory", "fail", f"{step}: {e}", "fix that step setting in the recipe"))
     gpus = used_gpus(args)[0] if loads and ctx.get("torch_cuda") not in (None, "cpu") else None
-    # None (not measured) where nvidia-smi gives no memory figure for the GPU ([N/A] on unified-memory GPUs).
-    free_total = (int(gpus[0]["free_mib"]) << 20, int(gpus[0]["total_mib"]) << 20) \
-        if gpus and gpus[0]["free_mib"] is not None and gpus[0]["total_mib"] is not None else None
     for step, (tokens, sequences) in loads.items():
         extra = hidden_state_bytes_per_token(args.model, captured_ids(args, ctx), "bfloat16") \
             if step in ("extract", "train") and args.model else 0
@@ -53,6 +53,12 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
         n = engines.get(step, 1)
         if n > 1:
             label += f" (each of {n} engines)"
+        used = engine_gpus(args, step, gpus or [], n)
+        decides = least_free(used)
+        # None (not measured) where nvidia-smi gives no memory figure for the GPU ([N/A] on unified-memory GPUs).
+        free_total = (int(decides["free_mib"]) << 20, int(decides["total_mib"]) << 20) if decides else None
+        if decides:
+            label += f": {gpu_label(decides)}" + (f", the least free of its {len(used)} GPUs" if len(used) > 1 else "")
         try:
             memory = step_engine_memory(args.model, args.tp_size, tokens, sequences, gpu_free_total=free_total,
                                         beside_trainer=beside, extra_bytes_per_token=extra,
@@ -62,6 +68,31 @@ def check_engine_memory(args, ctx: dict) -> list[dict]:
             out.append(check("engine-memory", "fail", f"{label}: {e}",
                              f"free memory, or set {CPU_KV_ENV} (CPU) / {GPU_SHARE_ENV} (GPU) in the host's env"))
     return out
+
+
+def engine_gpus(args, step: str, gpus: list[dict], n: int) -> list[dict]:
+    """The GPUs (of those the job sees, in its order) that `step`'s n engines take: one engine spans --tp-size of
+    them, several engines (tp 1) are dealt one a GPU (engine_processes.process_env); online, train's engine sits on
+    `engine_gpus` (the split layout) or one beside each tp_size of the trainer's `train_gpus` (spool_size.host_engines,
+    as the train step counts them)."""
+    tp = max(1, args.tp_size)
+    if step != "train":
+        return gpus[:n * tp]
+    try:
+        split = gpu_numbers(step_value(args, "train", "engine_gpus", args.engine_gpus))
+        own = split or gpu_numbers(step_value(args, "train", "train_gpus"))
+        online = step_value(args, "train", "online_engines")
+    except ValueError:   # the train step refuses a bad value in one line; size as the plain layout
+        split = own = online = None
+    mine = [gpus[i] for i in own if i < len(gpus)] if own else gpus
+    return mine[:tp * (1 if split else host_engines(len(mine), tp, online, False, True))]
+
+
+def least_free(gpus: list[dict]) -> dict | None:
+    """The GPU whose memory decides whether an engine over `gpus` starts: vLLM asks each GPU for the same share of
+    its memory, so the one with the least part free (on like GPUs the least free); None where none reports memory."""
+    known = [g for g in gpus if g["free_mib"] is not None and g["total_mib"]]
+    return min(known, key=lambda g: g["free_mib"] / g["total_mib"]) if known else None
 
 
 def engines_of(step: str, settings: dict) -> int:

@@ -37,6 +37,11 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     return gpus, ""
 
 
+def gpu_label(g: dict) -> str:
+    """How a check's detail names a GPU: "GPU1", or a MIG slice with its parent ("GPU0 MIG 1g.10gb Device 0")."""
+    return f"GPU{g['index']}" + (f" {g['mig']}" if isinstance(g.get("mig"), str) else "")
+
+
 def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
     """query_gpus narrowed to the GPUs the job's steps use, in the order they see them (an engine's GPU 0 is the
     first): those CUDA_VISIBLE_DEVICES names (indices or UUIDs, as the inventory's env or the launcher sets it),
