@@ -319,6 +319,36 @@ def test_the_gpu_checks_weigh_the_gpus_the_job_sees_not_every_gpu_of_the_machine
     assert checks["gpu"]["status"] == "warn" and "hides them" in checks["gpu"]["detail"], checks["gpu"]
 
 
+def test_a_mig_partitioned_gpu_is_listed_as_its_slices_and_a_slice_named_by_uuid_narrows_the_job(env, monkeypatch):
+    """CUDA runs on a MIG slice, never on the whole partitioned GPU, yet --query-gpu lists only the card (its whole
+    memory free): preflight judged the card. Each slice is named with its size (its profile's), its free memory
+    unknown (so the fit is a warning, never a pass on the card's figure), and a job given one slice by its MIG UUID
+    weighs that slice alone. nvidia-smi -L's layout as the driver prints it."""
+    env["smi"].write_text(
+        "#!/usr/bin/env bash\n"
+        "if [ \"$1\" = -L ]; then cat <<'EOF'\n"
+        "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+        "  MIG 3g.40gb     Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
+        "  MIG 1g.10gb     Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+        "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77)\n"
+        "EOF\nexit 0; fi\n"
+        "echo '0, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77, Enabled'\n"
+        "echo '1, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77, Disabled'\n")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    slices = ("GPU0 MIG 3g.40gb Device 0 about 40 GiB (free unknown), "
+              "GPU0 MIG 1g.10gb Device 1 about 10 GiB (free unknown), GPU1 79/80 GiB free")
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract")
+    c = checks["gpu"]
+    assert c["status"] == "warn" and slices in c["detail"] and "fit is not checked" in c["detail"], c
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb")
+    for backend in ("hf", "vllm"):
+        _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract", backend=backend)
+        c = checks["gpu"]
+        assert c["status"] == "warn" and "; GPU0 MIG 1g.10gb Device 1 about 10 GiB (free unknown):" in c["detail"], c
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+    assert checks["gpu"]["detail"] == "GPU0 MIG 1g.10gb Device 1 NVIDIA A100-SXM4-80GB about 10 GiB (free unknown)"
+
+
 # --- versions / patch state ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

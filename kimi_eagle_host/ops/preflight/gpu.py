@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 from kimi_eagle_host.gpus import cuda_visible_names
@@ -13,13 +14,15 @@ from kimi_eagle_host.ops.preflight.report import check
 
 CUDA_CONTEXT_GIB = 2.0       # per-GPU overhead beyond the weights (context, activations)
 HIDDEN = "CUDA_VISIBLE_DEVICES"   # used_gpus's reason when the environment hides every GPU (no driver trouble)
+# A MIG slice as `nvidia-smi -L` lists it under its GPU: "  MIG 1g.10gb     Device  0: (UUID: MIG-...)".
+MIG_LINE = re.compile(r"^\s*MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*(MIG-[^)\s]+)\)")
 
 
 def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     if not smi:
         return None, "nvidia-smi not found"
     try:
-        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free,uuid",
+        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free,uuid,mig.mode.current",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{smi}: {exc}"
@@ -33,8 +36,35 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
             # Hopper) is a GPU all the same: kept, its memory None (unknown), never "no GPU visible".
             gpus.append({"index": int(parts[0]), "name": parts[1],
                          "total_mib": mib(parts[2]), "free_mib": mib(parts[3]),
-                         "uuid": parts[4] if len(parts) > 4 else None})
-    return gpus, ""
+                         "uuid": parts[4] if len(parts) > 4 else None,
+                         "mig": len(parts) > 5 and parts[5] == "Enabled"})
+    return with_mig_slices(smi, gpus), ""
+
+
+def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
+    """`gpus` with each MIG-partitioned GPU replaced by its slices: CUDA runs on a slice, never on the whole GPU, and
+    --query-gpu lists only the parent (its memory the card's, or [Insufficient Permissions] inside a container given
+    one slice). A slice's size is in its profile's name ("1g.10gb": about 10 GiB, 9.5 on an A100 80GB); nvidia-smi's
+    query gives no free figure for it, so that stays unknown. A GPU in MIG mode without slices is kept as listed."""
+    if not any(g.get("mig") for g in gpus):
+        return gpus
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return gpus
+    slices: dict[str, list[dict]] = {}
+    parent = None
+    for line in listing.splitlines():
+        if line.startswith("GPU "):
+            parent = next((g for g in gpus if line.startswith(f"GPU {g['index']}:")), None)
+        elif parent is not None and (m := MIG_LINE.match(line)):
+            profile, device, uuid = m.groups()
+            size = re.search(r"(\d+)gb", profile)
+            slices.setdefault(parent["index"], []).append({
+                "index": parent["index"], "name": parent["name"], "uuid": uuid,
+                "total_mib": int(size.group(1)) * 1024 if size else None, "free_mib": None,
+                "mig": f"MIG {profile} Device {device}"})
+    return [s for g in gpus for s in slices.get(g["index"], [g])]
 
 
 def gpu_label(g: dict) -> str:
@@ -46,8 +76,9 @@ def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
     """query_gpus narrowed to the GPUs the job's steps use, in the order they see them (an engine's GPU 0 is the
     first): those CUDA_VISIBLE_DEVICES names (indices or UUIDs, as the inventory's env or the launcher sets it),
     then the first --gpus of them (the host's `gpus:`). nvidia-smi lists every GPU of the machine whatever the
-    environment, so on a shared host the checks would otherwise weigh another job's GPUs. Names nvidia-smi cannot
-    match (MIG instances) leave the list as listed."""
+    environment, so on a shared host the checks would otherwise weigh another job's GPUs. A MIG slice is named by
+    its UUID (MIG-...); names nvidia-smi cannot match (the older MIG-GPU-<uuid>/<gi>/<ci> form) leave the list as
+    listed."""
     gpus, err = query_gpus(args.smi_path)
     if not gpus:
         return gpus, err
@@ -55,7 +86,7 @@ def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
     if names is not None:
         def row(name):
             return next((g for g in gpus if name == str(g["index"]) or
-                         (name.startswith("GPU-") and (g.get("uuid") or "").startswith(name))), None)
+                         (name.startswith(("GPU-", "MIG-")) and (g.get("uuid") or "").startswith(name))), None)
         rows = [row(n) for n in names]
         if all(rows):
             gpus = rows
@@ -70,9 +101,17 @@ def memory_known(gpus: list[dict]) -> bool:
 
 def free_listing(g: dict) -> str:
     """One GPU's free memory for a check's detail."""
+    return f"{gpu_label(g)} {memory_text(g, total=True)}"
+
+
+def memory_text(g: dict, total: bool) -> str:
+    """What a GPU's detail says of its memory: what is free (of its `total`), a MIG slice's size, or unknown."""
+    if g["free_mib"] is None and g["total_mib"] is not None:   # a MIG slice: its profile's size, what is free unknown
+        return f"about {g['total_mib'] / 1024:.0f} GiB (free unknown)"
     if g["free_mib"] is None or g["total_mib"] is None:
-        return f"GPU{g['index']} memory unknown"
-    return f"GPU{g['index']} {g['free_mib'] / 1024:.0f}/{g['total_mib'] / 1024:.0f} GiB free"
+        return "memory unknown"
+    of = f"/{g['total_mib'] / 1024:.0f}" if total else ""
+    return f"{g['free_mib'] / 1024:.0f}{of} GiB free"
 
 
 def broken_driver(smi: str | None, err: str) -> dict | None:
@@ -145,8 +184,8 @@ def check_gpu(args, ctx: dict) -> dict:
 
 def unknown_fit(need: str, listing: str) -> dict:
     """A GPU whose memory nvidia-smi does not report: whether the model fits cannot be told here."""
-    return check("gpu", "warn", f"needs {need}; {listing}: nvidia-smi reports no memory figure, so the fit is not "
-                 "checked", "check the GPU's memory yourself (on a unified-memory GPU, the host's free memory)")
+    return check("gpu", "warn", f"needs {need}; {listing}: nvidia-smi reports no free-memory figure, so the fit is "
+                 "not checked", "check the GPU's memory yourself (on a unified-memory GPU, the host's free memory)")
 
 
 def check_gpu_present(args) -> dict:
@@ -156,5 +195,4 @@ def check_gpu_present(args) -> dict:
         return broken_driver(args.smi_path, err) or check(
             "gpu", "warn", f"no GPU visible ({err or 'nvidia-smi lists none'}): training runs on CPU",
             "run on a host with NVIDIA GPUs (CPU is fine only for a tiny model)")
-    return check("gpu", "pass", ", ".join(f"GPU{g['index']} {g['name']} " + (
-        f"{g['free_mib'] / 1024:.0f} GiB free" if g["free_mib"] is not None else "memory unknown") for g in gpus))
+    return check("gpu", "pass", ", ".join(f"{gpu_label(g)} {g['name']} {memory_text(g, total=False)}" for g in gpus))
