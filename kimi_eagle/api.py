@@ -110,7 +110,8 @@ class Pulled:
 @dataclass
 class Followed:
     job: object                      # job_info.Job, as it stands when the log ended (or now, without follow)
-    reconnects: int = 0
+    reconnects: int = 0              # connection outages survived (log_stream.FollowResult)
+    reconnect_attempts: int = 0      # the new connections they took
 
 
 @dataclass
@@ -413,7 +414,7 @@ class Controller:
         job = result.job
         if follow and job.state == "ending":
             job = _settled(h, job)
-        return Followed(job, result.reconnects)
+        return Followed(job, result.reconnects, result.reconnect_attempts)
 
     def follow_group(self, group_job, printer_for, *, follow: bool = True, tail: int | None = None,
                      on_reconnect=None, hosts=None) -> tuple[GroupStatus, dict]:

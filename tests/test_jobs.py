@@ -123,6 +123,31 @@ def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tm
     assert got == expected_lines(n)  # every line exactly once, multi-byte characters intact
 
 
+def test_a_json_follow_counts_an_outage_once_however_many_tries_it_took(env, sshd, tmp_path):
+    """The host's sshd down for seconds mid-stream: the follower tries again and again (each try refused) until it is
+    back. The user was told of one outage (one "reconnecting" line) and --json's `reconnects` says 1 as well, where
+    it counted every try; `reconnect_attempts` keeps that raw count."""
+    n, release = 20, tmp_path / "release"
+    job = start(env, PY, lines_script(tmp_path, n, 0, hold_at=n // 2, release=release))
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "--json", "logs",
+                                 job["id"], "--follow"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = follower.stdout.readline()
+    assert first.startswith("{"), first
+    sshd.stop()
+    time.sleep(2.5)   # the tries 0.5 s and 1.5 s after the drop find the port closed; the one at 3.5 s gets through
+    sshd.start()
+    release.touch()
+    out = first + follower.stdout.read()
+    err = follower.stderr.read()
+    follower.wait(timeout=120)
+    assert follower.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert err.count("reconnecting") == 1, err
+    assert result["reconnects"] == 1 and result["reconnect_attempts"] >= 3, result
+    assert result["job"]["state"] == "succeeded"
+
+
 def test_stop_kills_a_three_level_process_tree(env, tmp_path):
     pids = tmp_path / "pids"
     script = write_script(tmp_path / "tree.py", f"""

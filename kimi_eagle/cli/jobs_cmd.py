@@ -59,7 +59,8 @@ def _follow_and_exit(job_id: str, host: Optional[str], *, follow: bool, tail: Op
     printers.close()
     job = result.job
     if state.json:
-        ui.emit_json_line({"job": job.as_dict(), "reconnects": result.reconnects})
+        ui.emit_json_line({"job": job.as_dict(), "reconnects": result.reconnects,
+                           "reconnect_attempts": result.reconnect_attempts})
     elif follow or job.state not in ("running", "pending"):
         _final_line(ui, name, job)
         if follow and job.state in ("succeeded", "ending") and job.exit_code == 0:

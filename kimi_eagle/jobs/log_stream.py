@@ -65,7 +65,8 @@ class LineSplitter:
 class FollowResult:
     job: job_info.Job
     offset: int
-    reconnects: int
+    reconnects: int              # outages: what the user was told of (one "reconnecting" line each)
+    reconnect_attempts: int = 0  # new connections tried in all (an outage retried 5 times: 5)
 
 
 def _retryable(e: BaseException) -> bool:
@@ -181,4 +182,4 @@ def follow(host, job_id: str, emit: Callable[[str, str], None], *, follow: bool 
             session = reconnects.dropped(e, session)
     splitter.flush()
     session.close()
-    return FollowResult(job, offset, reconnects.count)
+    return FollowResult(job, offset, reconnects.outages, reconnects.count)

@@ -457,4 +457,4 @@ def follow(host, job_id: str, emit_for, *, follow: bool = True, tail: int | None
     for s in splitters.values():
         s.flush()
     session.close()
-    return FollowResult(job, sum(offsets.values()), reconnects.count)
+    return FollowResult(job, sum(offsets.values()), reconnects.outages, reconnects.count)
