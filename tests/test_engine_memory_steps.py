@@ -121,12 +121,12 @@ def test_preflight_sizes_an_engine_from_the_least_free_of_the_gpus_it_spans(tmp_
     model = llama_config(tmp_path / "m")
     for name in ("CUDA_VISIBLE_DEVICES", "KIMI_EAGLE_GPU_MEMORY_UTILIZATION"):
         monkeypatch.delenv(name, raising=False)
-    ctx = {"vllm": {"dist": "vllm", "version": "0.32.0"}, "torch_cuda": "12.8"}
+    ctx = {"vllm": {"dist": "vllm", "version": "0.32.0"}, "vllm_path": "native", "torch_cuda": "12.8"}
 
-    def engine_memory(*flags, settings=None):
-        args = build_parser().parse_args(["--step", "regenerate", "--engine", "vllm", "--model", str(model), *flags])
+    def engine_memory(*flags, settings=None, step="regenerate"):
+        args = build_parser().parse_args(["--step", step, "--engine", "vllm", "--model", str(model), *flags])
         args.smi_path, args.layer_ids_parsed = str(smi), None
-        args.step_settings_parsed = parse_step_settings(json.dumps({"regenerate": settings or {}}), "regenerate")
+        args.step_settings_parsed = parse_step_settings(json.dumps({step: settings or {}}), step)
         (c,) = check_engine_memory(args, ctx)
         return c
 
@@ -138,6 +138,12 @@ def test_preflight_sizes_an_engine_from_the_least_free_of_the_gpus_it_spans(tmp_
     # the host's `gpus: 1` narrows the job to GPU 0: two engines share it
     c = engine_memory("--gpus", "1", settings={"engines": 2})
     assert c["status"] == "pass" and c["detail"].startswith("regenerate (each of 2 engines): GPU0: "), c
+    # online, an engine beside each of the trainer's GPUs: the held one fails; the split layout's engine on GPU 0 fits
+    c = engine_memory("--hidden-states", "online", step="train")
+    assert c["status"] == "fail" and c["detail"].startswith(
+        "train (online engine, beside the trainer): GPU1, the least free of its 2 GPUs: the GPU has 0.4 of"), c
+    c = engine_memory("--hidden-states", "online", "--engine-gpus", "0", step="train")
+    assert c["status"] == "pass" and c["detail"].startswith("train (online engine): GPU0: vLLM engine memory:"), c
 
 
 # --------------------------------------------------------------------- the steps and preflight, on vLLM 0.32

@@ -76,7 +76,7 @@ def engine_gpus(args, step: str, gpus: list[dict], n: int) -> list[dict]:
     `engine_gpus` (the split layout) or one beside each tp_size of the trainer's `train_gpus` (spool_size.host_engines,
     as the train step counts them)."""
     tp = max(1, args.tp_size)
-    if step != "train":
+    if step != "train" or not gpus:
         return gpus[:n * tp]
     try:
         split = gpu_numbers(step_value(args, "train", "engine_gpus", args.engine_gpus))
