@@ -40,6 +40,28 @@ def write_script(path: Path, text: str) -> str:
     return str(path)
 
 
+def held_script(path: Path, release: Path, first: str, then: str, exit_code: int = 0) -> str:
+    """A job that prints `first`, holds until the file `release` exists (at most 300 s), prints `then` and exits
+    `exit_code`: the test decides when it goes on."""
+    return write_script(path, f"""
+import os, sys, time
+print({first!r}, flush=True)
+deadline = time.monotonic() + 300
+while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print({then!r}, flush=True)
+sys.exit({exit_code})
+""")
+
+
+def cli_process(env, *args, **popen) -> subprocess.Popen:
+    """The controller's CLI running in the background (a follower to read line by line, to signal or to kill), text
+    pipes for its stdout and stderr."""
+    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    return subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), *args], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
 def lines_script(tmp_path, n, delay, seed=7, hold_at=None, release=None):
     """A job that prints n deterministic lines with multi-byte characters, slowly. With hold_at, it stops after that
     many lines until the file `release` exists (at most 300 s): the test decides when the rest comes."""
@@ -57,6 +79,15 @@ for i in range({n}):
     sys.stdout.flush()
     time.sleep({delay})
 """)
+
+
+def to_the_end(follower: subprocess.Popen, first: str) -> tuple[str, str]:
+    """A follower's stdout and stderr once it ended, its `first` line already read: read through the same buffered
+    stream (communicate() would skip what readline() already buffered)."""
+    out = first + follower.stdout.read()
+    err = follower.stderr.read()
+    follower.wait(timeout=120)
+    return out, err
 
 
 def expected_lines(n, seed=7):
@@ -82,9 +113,7 @@ def test_exit_codes_are_recorded_for_success_failure_and_signal(env, host):
 
 def test_job_survives_the_controller_being_killed(env, tmp_path):
     script = lines_script(tmp_path, 40, 0.05)
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    proc = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
-                             "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli_process(env, "run", "exec", "--host", "gpu", "--", PY, script)
     # Wait until the follower printed something, then kill the controller hard.
     first = proc.stdout.readline()
     assert first.startswith("[gpu] ")
@@ -103,19 +132,14 @@ def test_job_survives_sshd_restart_and_follow_resumes_exactly_once(env, sshd, tm
     n, release = 600, tmp_path / "release"
     script = lines_script(tmp_path, n, 0, hold_at=n // 2, release=release)
     job = start(env, PY, script)
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
-                                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = cli_process(env, "logs", job["id"], "--follow")
     # Once the follower streams, drop every SSH connection and restart the server.
     first = follower.stdout.readline()
     assert first.startswith("[gpu] ")
     sshd.restart()
     assert wait_state(env, job["id"], {"running", "succeeded", "failed"})["state"] == "running"
     release.touch()
-    # Read through the same buffered stream: communicate() would skip what readline() already buffered.
-    out = first + follower.stdout.read()
-    err = follower.stderr.read()
-    follower.wait(timeout=120)
+    out, err = to_the_end(follower, first)
     assert follower.returncode == 0, err
     assert "reconnecting" in err  # the drop really happened mid-stream
     assert wait_state(env, job["id"], {"succeeded"})["exit_code"] == 0
@@ -129,18 +153,14 @@ def test_a_json_follow_counts_an_outage_once_however_many_tries_it_took(env, ssh
     it counted every try; `reconnect_attempts` keeps that raw count."""
     n, release = 20, tmp_path / "release"
     job = start(env, PY, lines_script(tmp_path, n, 0, hold_at=n // 2, release=release))
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "--json", "logs",
-                                 job["id"], "--follow"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = cli_process(env, "--json", "logs", job["id"], "--follow")
     first = follower.stdout.readline()
     assert first.startswith("{"), first
     sshd.stop()
     time.sleep(2.5)   # the tries 0.5 s and 1.5 s after the drop find the port closed; the one at 3.5 s gets through
     sshd.start()
     release.touch()
-    out = first + follower.stdout.read()
-    err = follower.stderr.read()
-    follower.wait(timeout=120)
+    out, err = to_the_end(follower, first)
     assert follower.returncode == 0, err
     result = json.loads(out.splitlines()[-1])
     assert err.count("reconnecting") == 1, err
@@ -378,20 +398,11 @@ def test_bad_step_and_missing_command_are_usage_errors(env):
 def test_ctrl_c_detaches_and_the_job_keeps_running(env, tmp_path):
     # The job waits after its first line until the test has seen the detach, then ends on its own.
     release = tmp_path / "release"
-    script = write_script(tmp_path / "waits.py", f"""
-import os, time
-print("line 0", flush=True)
-deadline = time.time() + 300
-while not os.path.exists({str(release)!r}) and time.time() < deadline:
-    time.sleep(0.1)
-print("line 1", flush=True)
-""")
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    script = held_script(tmp_path / "waits.py", release, "line 0", "line 1")
     # Ctrl-C reaches the CLI as it reaches a terminal user's: a suite started in the background of a script (`cmd &`
     # without job control) passes SIGINT on ignored, and a Python started so never turns it into KeyboardInterrupt.
-    proc = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "run", "exec", "--host", "gpu",
-                             "--", PY, script], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = cli_process(env, "run", "exec", "--host", "gpu", "--", PY, script,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().startswith("[gpu] ")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -509,19 +520,9 @@ def test_a_flapping_link_is_retried_ever_less_often_and_told_once(env, sshd, tmp
     import threading
 
     release = tmp_path / "release"
-    script = write_script(tmp_path / "held.py", f"""
-import os, sys, time
-print("before", flush=True)
-deadline = time.monotonic() + 300
-while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
-    time.sleep(0.02)
-print("after", flush=True)
-sys.exit(3)
-""")
+    script = held_script(tmp_path / "held.py", release, "before", "after", exit_code=3)
     job = start(env, PY, script)
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
-                                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = cli_process(env, "logs", job["id"], "--follow")
     cuts, stop = [], threading.Event()
 
     def flap():   # the link: every follow connection dies as soon as it streams

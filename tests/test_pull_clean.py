@@ -76,29 +76,42 @@ def test_pull_copies_the_results_verified_and_then_only_what_changed(tmp_path, s
     assert f"logs/{job}/log" in by_dir.json()["changed"] and "eval/report.json" in by_dir.json()["changed"]
 
 
+def start_writer(tmp_path, sshd, name: str, body: str):
+    """A detached job of Python `body` that writes into its output folder's tracking/<job id>/ (the folder `d`) while
+    it runs, as a tracker does: (env, that output folder, job id)."""
+    e = make_env(tmp_path, sshd, extra=PIPELINE)
+    out = e.workdir / "out"
+    script = tmp_path / name
+    script.write_text("import json, os, sys, time\nout = sys.argv[1]\n"
+                      "open(os.path.join(os.environ['KIMI_EAGLE_RUN_DIR'], 'output_dir'), 'w').write(out)\n"
+                      "d = os.path.join(out, 'tracking', os.environ['KIMI_EAGLE_JOB_ID'])\n" + body)
+    r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script), str(out))
+    assert r.code == 0, r.stderr
+    return e, out, r.json()["id"]
+
+
+def wait_written(path, what: str) -> None:
+    """Until the writer job has put more than a KB in `path` (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not (path.exists() and path.stat().st_size > 1000):
+        assert time.monotonic() < deadline, f"the job never wrote its {what}"
+        time.sleep(0.1)
+
+
 def test_pull_of_a_running_job_copies_its_growing_log_and_events_as_they_were_listed(tmp_path, sshd):
     """A job that writes its log and a tensorboard event file all the time: `pull JOB` while it runs copies both as
     the first bytes they had when listed (checked against those bytes' digest) and says they are still being
     written; a file that does not change is copied whole and verified as ever. Each pull failed ("changed or
     vanished while being read; run the command again", or a sha256 mismatch), however often it was run."""
-    e = make_env(tmp_path, sshd, extra=PIPELINE)
-    out = e.workdir / "out"
-    script = tmp_path / "writes.py"
-    script.write_text("import os, sys, time\nout = sys.argv[1]\n"
-                      "open(os.path.join(os.environ['KIMI_EAGLE_RUN_DIR'], 'output_dir'), 'w').write(out)\n"
-                      "d = os.path.join(out, 'tracking', os.environ['KIMI_EAGLE_JOB_ID'])\nos.makedirs(d, exist_ok=True)\n"
-                      "with open(os.path.join(d, 'events.out.tfevents.1'), 'ab', buffering=0) as ev:\n"
-                      "    for i in range(60000):\n"
-                      "        print('line', i, flush=True)\n        ev.write(b'event %d\\n' % i)\n        time.sleep(0.005)\n")
-    r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script), str(out))
-    assert r.code == 0, r.stderr
-    job = r.json()["id"]
+    e, out, job = start_writer(tmp_path, sshd, "writes.py",
+                               "os.makedirs(d, exist_ok=True)\n"
+                               "with open(os.path.join(d, 'events.out.tfevents.1'), 'ab', buffering=0) as ev:\n"
+                               "    for i in range(60000):\n"
+                               "        print('line', i, flush=True)\n        ev.write(b'event %d\\n' % i)\n"
+                               "        time.sleep(0.005)\n")
     log, events = e.workdir / "runs" / job / "log", out / "tracking" / job / "events.out.tfevents.1"
     try:
-        deadline = time.monotonic() + 30
-        while not (events.exists() and events.stat().st_size > 1000):
-            assert time.monotonic() < deadline, "the job never wrote its events"
-            time.sleep(0.1)
+        wait_written(events, "events")
         (out / "eval").mkdir()
         (out / "eval" / "report.json").write_text(json.dumps({"mean_acceptance_length": 1.5, "job_id": job}))
         dest = tmp_path / "here"
@@ -122,34 +135,24 @@ def test_pull_of_a_running_job_never_takes_a_prefix_of_a_file_rewritten_in_place
     while the job runs: `pull` copies it whole, verified unchanged across the copy, or says it changed throughout
     and leaves it as it was here. It was copied as the first bytes of the listed size, of a newer content: a cut
     JSON, reported as `growing` as if a later pull would complete it."""
-    e = make_env(tmp_path, sshd, extra=PIPELINE)
-    out = e.workdir / "out"
-    script = tmp_path / "rewrites.py"
-    script.write_text("import json, os, sys, time\nout = sys.argv[1]\n"
-                      "open(os.path.join(os.environ['KIMI_EAGLE_RUN_DIR'], 'output_dir'), 'w').write(out)\n"
-                      "d = os.path.join(out, 'tracking', os.environ['KIMI_EAGLE_JOB_ID'], 'wandb', 'files')\n"
-                      "os.makedirs(d, exist_ok=True)\ni = 0\n"
-                      "while True:\n"
-                      "    end = time.monotonic() + 0.3\n"
-                      "    while time.monotonic() < end:  # a burst of rewrites, then a pause\n"
-                      "        i += 1\n"
-                      "        print('step', i, flush=True)\n"
-                      "        with open(os.path.join(d, 'wandb-summary.json'), 'w') as f:\n"
-                      "            f.write(json.dumps({'step': i, 'loss': [1.0 / (k + 1) for k in range(i % 400)]}))\n"
-                      "        time.sleep(0.002)\n"
-                      "    time.sleep(2.0)\n")
-    r = e.cli("--json", "run", "exec", "--host", "gpu", "--detach", "--no-gpu", "--", PY, str(script), str(out))
-    assert r.code == 0, r.stderr
-    job = r.json()["id"]
+    e, out, job = start_writer(tmp_path, sshd, "rewrites.py",
+                               "d = os.path.join(d, 'wandb', 'files')\n"
+                               "os.makedirs(d, exist_ok=True)\ni = 0\n"
+                               "while True:\n"
+                               "    end = time.monotonic() + 0.3\n"
+                               "    while time.monotonic() < end:  # a burst of rewrites, then a pause\n"
+                               "        i += 1\n"
+                               "        print('step', i, flush=True)\n"
+                               "        with open(os.path.join(d, 'wandb-summary.json'), 'w') as f:\n"
+                               "            f.write(json.dumps({'step': i, 'loss': [1.0 / (k + 1) for k in range(i % 400)]}))\n"
+                               "        time.sleep(0.002)\n"
+                               "    time.sleep(2.0)\n")
     summary = out / "tracking" / job / "wandb" / "files" / "wandb-summary.json"
     rel = f"tracking/{job}/wandb/files/wandb-summary.json"
     dest = tmp_path / "here"
     whole = 0
     try:
-        deadline = time.monotonic() + 30
-        while not (summary.exists() and summary.stat().st_size > 1000):
-            assert time.monotonic() < deadline, "the job never wrote its summary"
-            time.sleep(0.1)
+        wait_written(summary, "summary")
         for _ in range(6):
             r = e.cli("--json", "pull", job, "--to", str(dest))
             assert r.code == 0, (r.stdout, r.stderr)
