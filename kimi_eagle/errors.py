@@ -46,6 +46,10 @@ class ConnectionFailed(HostError):
     exit_code = EXIT_TRANSPORT
 
 
+class ConnectionLost(ConnectionFailed):
+    """A connection that was made (the host answered and let us in) died mid-command: the link, not the host."""
+
+
 class HostUnreachable(ConnectionFailed):
     """No connection at all: nothing listens, the address does not resolve, the SSH handshake failed."""
 

@@ -140,6 +140,13 @@ def main():
              mem_before_mib=before, mem_with_holders_mib=held, mem_after_mib=after,
              holders=[{k: h.get(k) for k in ("pid", "owner", "action", "result", "mem_mib")} for h in doc.get("holders", [])],
              foreign_alive=foreign.poll() is None)
+        # --all --yes: the holders its own dry run listed (pid and start time) are stopped, the foreign one among them
+        rc, out, _, secs = cli("--json", "gpu-reset", "--host", "h200", "--all", "--yes", "--grace", "5", check=False)
+        doc = json.loads(out)[0]
+        time.sleep(0.5)
+        step("gpu_reset_all", exit=rc, seconds=round(secs, 2), mem_after_mib=gpu_mem(),
+             holders=[{k: h.get(k) for k in ("pid", "owner", "action", "result", "mem_mib")} for h in doc.get("holders", [])],
+             foreign_alive=foreign.poll() is None)
         foreign.kill()
         foreign.wait()
     else:
@@ -148,7 +155,8 @@ def main():
     # 6. preflight, then the whole pipeline as one detached chain, followed through a forced SSH drop.
     rc, out, _, secs = cli("--json", "preflight", "all", "--host", "h200", check=False)
     checks = json.loads(out)[0]["checks"]
-    step("preflight", exit=rc, seconds=round(secs, 2), checks={c["name"]: c["status"] for c in checks})
+    step("preflight", exit=rc, seconds=round(secs, 2), checks={c["name"]: c["status"] for c in checks},
+         details={c["name"]: c["detail"] for c in checks if c["name"] in ("gpu", "trainer", "gpu_lock", "storage")})
     _, out, _, _ = cli("--json", "run", "all", "--host", "h200", "--detach", "--no-preflight")
     job = json.loads(out)
     env = {**os.environ, "KIMI_EAGLE_INVENTORY": str(TMP / "inventory.yaml"), "NO_COLOR": "1",
@@ -175,8 +183,9 @@ def main():
     splitter.feed(log_path.read_bytes())
     splitter.flush()
     on_disk = [t for k, t in events if k == "line" and not parse_progress(t)]
+    # (the follower shows a progress point off a terminal as "name k/n (p%) ..." or "name: k/n done")
     followed_lines = [ln[len("[h200] "):] for ln in fout.splitlines()
-                      if ln.startswith("[h200] ") and not re.search(r": \d+/\d+ done$", ln)]
+                      if ln.startswith("[h200] ") and not re.search(r": \d+/\d+ done$|^\S+ \d+/\d+ \(\d+%\)", ln[7:])]
     _, out, _, _ = cli("--json", "status", job["id"], "--host", "h200", check=False)
     st = json.loads(out)["jobs"][0]
     text = log_path.read_text(errors="replace")
@@ -185,6 +194,8 @@ def main():
     step("run_all", exit=follower.returncode, state=st["state"], exit_code=st["exit_code"], runtime_s=st["runtime_s"],
          ssh_dropped_after_s=dropped_at, reconnected="reconnecting" in ferr,
          lines_followed=len(followed_lines), lines_in_log=len(on_disk), every_line_exactly_once=followed_lines == on_disk,
+         not_followed=[ln for ln in on_disk if ln not in followed_lines][:5],
+         not_in_log=[ln for ln in followed_lines if ln not in on_disk][:5],
          extract=json.loads(ex.group(0)) if ex else None,
          train_tokens_per_s_median=sorted(tr)[len(tr) // 2] if tr else None)
 

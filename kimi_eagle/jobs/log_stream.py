@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ConnectionFailed, HostError, KimiEagleError
+from ..errors import ConnectionFailed, ConnectionLost, HostError, KimiEagleError
 from ..hosts.session import HostSession
 from ..shell import join
 from . import direct, job_info
@@ -97,7 +97,8 @@ class Reconnects:
         self.count, self.outages, self.backoff, self.down_since, self.up_since = 0, 0, FIRST_WAIT, None, None
         self.in_outage = False
         # Only a connection that once worked is retried: a host that refuses, sends no SSH banner or rejects us
-        # from the start is one line at once, not ten minutes of "reconnecting".
+        # from the start is one line at once, not ten minutes of "reconnecting". One that let us in and died
+        # mid-command (ConnectionLost) worked, even before the follower's first answer came back.
         self.was_connected = was_connected
 
     def connected(self) -> None:
@@ -109,6 +110,7 @@ class Reconnects:
         """Re-raise what is not connection trouble; else wait and return a new session."""
         if not _retryable(e) or isinstance(e, KimiEagleError) and not isinstance(e, HostError):
             raise e
+        self.was_connected = self.was_connected or isinstance(e, ConnectionLost)
         if not self.was_connected:
             session.close()
             if isinstance(e, KimiEagleError):

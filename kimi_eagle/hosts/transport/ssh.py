@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 
-from ...errors import ConfigError, ConnectionFailed, HostError, HostUnreachable
+from ...errors import ConfigError, ConnectionFailed, ConnectionLost, HostError, HostUnreachable
 from .. import hostkeys
 from .base import TIMED_OUT, TIMED_OUT_NOTE, HashingReader, Stream, Transport
 
@@ -75,8 +75,8 @@ def _handshake_failure(h, conn, e: BaseException) -> str:
     return f"{h.name}: SSH connection to {conn.host}:{conn.port} failed: {e}"
 
 
-def _lost(name: str, what: str) -> ConnectionFailed:
-    return ConnectionFailed(f"{name}: connection lost {what}")
+def _lost(name: str, what: str) -> ConnectionLost:
+    return ConnectionLost(f"{name}: connection lost {what}")
 
 
 class SSHTransport(Transport):
