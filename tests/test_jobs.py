@@ -532,14 +532,12 @@ def test_a_follower_whose_first_call_loses_its_connection_reconnects(tmp_path, s
     n, release = 200, tmp_path / "release"
     job = start(env, PY, lines_script(tmp_path, n, 0, hold_at=n // 2, release=release))
     armed.touch()
-    e = {**os.environ, "HOME": str(env.home), "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
-    follower = subprocess.Popen([PY, "-m", "kimi_eagle", "--inventory", str(env.inventory), "logs", job["id"], "--follow"],
-                                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = cli_process(env, "logs", job["id"], "--follow")
     deadline = time.monotonic() + 60
     while armed.exists() and follower.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     release.touch()
-    out, err = follower.communicate(timeout=120)
+    out, err = to_the_end(follower, "")
     assert not armed.exists() and follower.returncode == 0, (follower.returncode, err)
     assert "reconnecting" in err, err
     got = [ln[len("[gpu] "):] for ln in out.splitlines() if ln.startswith("[gpu] line ")]
