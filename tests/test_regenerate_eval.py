@@ -205,7 +205,8 @@ def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama)
 
 def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(tmp_path, tiny_llama):
     """--engines 2, the first engine killed once it wrote its first chunk: the other answers what it left, and the
-    result counts every chunk written by this run, the dead engine's too (they were dropped from the count)."""
+    result counts every chunk and every turn written by this run, the dead engine's too (they were dropped from the
+    count: the turns were summed from the engines that lived)."""
     import signal
     import time
 
@@ -239,6 +240,9 @@ def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(t
     out = json.loads(stdout.strip().splitlines()[-1])
     assert "1 of 2 engines failed, the others answered every chunk" in stderr
     assert out["chunks"] == 24 and out["chunks_done_now"] == 24, out   # a fresh run: every chunk was written now
+    # one turn a conversation, each answered (max_tokens 48 fits the context): the dead engine's chunks count too
+    assert out["turns_answered_now"] == 24 and out["turns_cut_for_context_now"] == 0, out
+    assert sum(e["turns_answered_now"] for e in out["engines"]["each"]) < 24   # what the living engine told
 
 
 def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_path):
