@@ -239,7 +239,8 @@ def test_no_held_out_document_or_other_prepared_data_is_bad_input(trained, tmp_p
 
 def test_eval_names_what_the_draft_was_trained_on_and_the_chosen_checkpoint(trained, tmp_path):
     """eval's record says how many conversations trained the draft and which checkpoint it is: the last step's
-    export, then the candidate the choose step installed (its own install, as after serving)."""
+    export, then the candidate the choose step installed (its own install, as after serving), which keeps the
+    prompts train recorded beside the export (eval's seen_in_training reads them instead of the prepared data)."""
     from kimi_eagle_host.pipeline.choose import install
 
     off, _ = trained["offline"]
@@ -253,10 +254,15 @@ def test_eval_names_what_the_draft_was_trained_on_and_the_chosen_checkpoint(trai
     assert doc["draft_training"] == {"conversations": 12, "held_out_conversations": 4, "steps": 6,
                                      "chosen_step": None, "chosen_why": None, "candidates_served": None}
     assert "12 training conversations, the last of 6 steps" in doc["card"], doc["card"]
+    assert doc["seen_in_training"]["seen"] == 1   # its prompt is the first training conversation
+    keys = (out / "draft" / "export" / "training_prompts.keys").read_bytes()
     install(str(out / "draft" / "candidates" / "step_00000002"), str(out / "draft" / "export"),
             {"chosen_step": 2, "why": "highest acceptance length", "checkpoints": [{}, {}, {}]})
+    assert (out / "draft" / "export" / "training_prompts.keys").read_bytes() == keys
+    shutil.rmtree(out / "prepared")   # read from the record now: the warning stays
     code, doc, err = run(*ev, "--no-reuse-baseline")
     assert code == 0, err[-2000:]
+    assert doc["seen_in_training"]["seen"] == 1 and "eval: warning: 1 of 1 prompts" in err
     assert doc["draft_training"]["chosen_step"] == 2 and doc["draft_training"]["candidates_served"] == 3
     assert doc["draft_training"]["conversations"] == 12
     assert "checkpoint of step 2 chosen by serving" in doc["card"], doc["card"]

@@ -171,6 +171,35 @@ def test_eval_says_when_its_prompts_are_conversations_the_draft_was_trained_on(t
     assert "training data" not in out["headline"]
 
 
+def test_eval_reads_the_prompts_train_recorded_not_the_prepared_data(tmp_path, tiny_llama):
+    """train records its prompts beside the export (a small file): eval's seen_in_training reads that instead of every
+    prepared document's loss mask (GBs at Kimi scale), so it warns as before with the prepared data gone."""
+    import shutil
+
+    pytest.importorskip("transformers")
+    out_dir = tmp_path / "o"
+    for step, *flags in (("prepare", "--dataset", PROMPTS / "chat.jsonl", "--max-samples", 8),
+                         ("extract", "--engine", "hf", "--dtype", "float32"), ("vocab", "--draft-vocab-size", 64),
+                         ("train", "--max-steps", 1, "--lr", "1e-12", "--dtype", "float32")):
+        code, _, err = payload(f"{step}.py", "--model", tiny_llama, "--output-dir", out_dir, *flags)
+        assert code == 0, err
+    export = out_dir / "draft" / "export"
+    info = json.loads((export / "training_info.json").read_text())
+    assert info["prompt_keys"] == {"file": "training_prompts.keys", "prompts": 8,
+                                   "prepared": str(out_dir / "prepared")}
+    assert (export / "training_prompts.keys").stat().st_size == 8 * 16   # 16 bytes a prompt
+    shutil.rmtree(out_dir / "prepared")
+    code, out, err = payload("eval.py", "--model", tiny_llama, "--engine", "hf", "--prompts", PROMPTS / "chat.jsonl",
+                             "--num-prompts", 3, "--max-tokens", 4, "--batch-sizes", "1", "--threads", 1,
+                             "--output-dir", out_dir)
+    assert code == 0, err
+    rep = json.loads((out_dir / "eval" / "report.json").read_text())
+    assert rep["seen_in_training"] == {"checked": True, "prepared": str(out_dir / "prepared"), "prompts": 3,
+                                       "seen": 3}
+    assert "3 of 3 prompts open like conversations of the draft's training data" in out["headline"]
+    assert "eval: warning: 3 of 3 prompts" in err
+
+
 # ------------------------------------------------------------------------------------------ regenerate
 
 def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama):
@@ -205,7 +234,8 @@ def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama)
 
 def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(tmp_path, tiny_llama):
     """--engines 2, the first engine killed once it wrote its first chunk: the other answers what it left, and the
-    result counts every chunk written by this run, the dead engine's too (they were dropped from the count)."""
+    result counts every chunk and every turn written by this run, the dead engine's too (they were dropped from the
+    count: the turns were summed from the engines that lived)."""
     import signal
     import time
 
@@ -239,6 +269,9 @@ def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(t
     out = json.loads(stdout.strip().splitlines()[-1])
     assert "1 of 2 engines failed, the others answered every chunk" in stderr
     assert out["chunks"] == 24 and out["chunks_done_now"] == 24, out   # a fresh run: every chunk was written now
+    # one turn a conversation, each answered (max_tokens 48 fits the context): the dead engine's chunks count too
+    assert out["turns_answered_now"] == 24 and out["turns_cut_for_context_now"] == 0, out
+    assert sum(e["turns_answered_now"] for e in out["engines"]["each"]) < 24   # what the living engine told
 
 
 def test_regenerate_refuses_a_bad_rank_and_a_prompt_file_without_user_turns(tmp_path):

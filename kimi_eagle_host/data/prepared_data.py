@@ -10,9 +10,11 @@ import hashlib
 import json
 import os
 
-from kimi_eagle_host.step_runtime import BadInput
+from kimi_eagle_host.step_runtime import BadInput, atomic_write
 
 FORMAT = "kimi-eagle-prepared/1"
+KEY_BYTES = 16                              # a prompt key (prompt_key): a sha256 cut short
+PROMPT_KEYS_FILE = "training_prompts.keys"  # a draft's training prompts, beside its export (write_prompt_keys)
 
 
 def manifest_digest(prepared_dir):
@@ -80,7 +82,28 @@ def prompt_key(ids) -> bytes:
     """A prompt's key as prompt_keys gives it: a short digest of its token ids (as int64)."""
     import numpy as np
 
-    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:16]
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:KEY_BYTES]
+
+
+def write_prompt_keys(folder, keys) -> int:
+    """The distinct prompt keys of `keys` (prompt_keys; None, a sample without a trained token, left out) as
+    folder/PROMPT_KEYS_FILE, sorted, KEY_BYTES each: 16 MB for a million prompts, where prompt_keys reads every
+    sample's loss mask (GBs at Kimi scale). Returns how many."""
+    distinct = sorted({k for k in keys if k is not None})
+    atomic_write(os.path.join(folder, PROMPT_KEYS_FILE), b"".join(distinct))
+    return len(distinct)
+
+
+def read_prompt_keys(folder):
+    """The set write_prompt_keys wrote in `folder`; None where there is none (or it is not whole keys)."""
+    try:
+        with open(os.path.join(folder, PROMPT_KEYS_FILE), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) % KEY_BYTES:
+        return None
+    return {data[i:i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)}
 
 
 def check_vocab_built_from(vocab_dir, prepared_sha256):

@@ -29,6 +29,7 @@ import sys
 import time
 
 from kimi_eagle_host import compute_dtype
+from kimi_eagle_host.data.prepared_data import PROMPT_KEYS_FILE  # (train's record of its prompts, kept)
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.evaluation.served import ServedEngine, acceptance_by_k, tokens_per_s_by_k, vllm_support
 from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write_json, job_headline, log, parse_step_args,
@@ -209,6 +210,9 @@ def install(chosen_dir: str, export_dir: str, selection: dict) -> None:
     info.update({"chosen_step": selection["chosen_step"],
                  "job_id": os.environ.get("KIMI_EAGLE_JOB_ID") or info.get("job_id")})   # `pull JOB` reads it
     atomic_write_json(os.path.join(tmp, "training_info.json"), info)
+    keys = os.path.join(export_dir, PROMPT_KEYS_FILE)   # the run's training prompts, which info names: kept too
+    if os.path.isfile(keys):
+        shutil.copyfile(keys, os.path.join(tmp, PROMPT_KEYS_FILE))
     atomic_write_json(os.path.join(tmp, "selection.json"), selection)
     if os.path.isdir(export_dir):
         os.rename(export_dir, old)

@@ -628,19 +628,26 @@ def run(args):
 def seen_in_training(args, convs, tok) -> dict:
     """How many of the measured conversations open exactly like a document of the prepared data the draft was
     trained on (its first turn, as prepare rendered it: prepared_data.prompt_keys): acceptance on those is no
-    held-out figure (a prompts file that is the training dataset, or shares its conversations). Checked where the
-    draft's training_info.json names this run's prepared data; else said as not checked."""
-    from kimi_eagle_host.data.prepared_data import manifest_digest, prompt_key, prompt_keys
+    held-out figure (a prompts file that is the training dataset, or shares its conversations). Read from the
+    prompts train recorded beside the export (exports.record_prompt_keys: a small file), else, for a draft exported
+    without them, from this run's prepared data where the draft's training_info.json names it (every document's
+    loss mask read); else said as not checked."""
+    from kimi_eagle_host.data.prepared_data import manifest_digest, prompt_key, prompt_keys, read_prompt_keys
 
     prepared = os.path.join(args.output_dir, "prepared")
     try:
         with open(os.path.join(args.draft, "training_info.json")) as f:
-            trained_on = (json.load(f).get("data_config") or {}).get("prepared_sha256")
+            info = json.load(f)
+        recorded, trained_on = info.get("prompt_keys"), (info.get("data_config") or {}).get("prepared_sha256")
     except (OSError, ValueError, AttributeError):
-        trained_on = None
-    if not trained_on or manifest_digest(prepared) != trained_on:
+        recorded = trained_on = None
+    keys = read_prompt_keys(args.draft) if isinstance(recorded, dict) else None
+    if keys is not None:
+        prepared = recorded.get("prepared") or prepared
+    elif not trained_on or manifest_digest(prepared) != trained_on:
         return {"checked": False, "why": "the draft's training data is not this run's prepared data (or unknown)"}
-    keys = set(prompt_keys(prepared))
+    else:
+        keys = set(prompt_keys(prepared))
     seen = sum(prompt_key(chat_prompt_ids(tok, c.messages([]))) in keys for c in convs)
     return {"checked": True, "prepared": prepared, "prompts": len(convs), "seen": seen}
 

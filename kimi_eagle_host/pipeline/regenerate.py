@@ -523,6 +523,18 @@ def chunk_written(chunks_dir, c, args) -> bool:
     return os.path.isfile(chunk_path(chunks_dir, c * args.chunk_size))
 
 
+def written_turns(chunks_dir, c, args, convs) -> tuple[int, int]:
+    """(turns answered, conversations cut for the context) of chunk c, as its file holds them: a row's assistant
+    messages are its answered turns (conversation_row), and a conversation answered short of its turns (and of
+    --max-turns) was cut. Read from the file, so a chunk counts whichever process wrote it."""
+    rows = convs[c * args.chunk_size:(c + 1) * args.chunk_size]
+    with open(chunk_path(chunks_dir, c * args.chunk_size), encoding="utf-8") as f:
+        answered = [sum(m["role"] == "assistant" for m in json.loads(line)["messages"]) for line in f if line.strip()]
+    cut = sum(n < min(len(conv.user_turns), args.max_turns or len(conv.user_turns))
+              for conv, n in zip(rows, answered))
+    return sum(answered), cut
+
+
 def engine_of() -> str | None:
     """"i/N" (from 1) of one of several engines, as its result and the parent's `each` name it."""
     i, n = engine_index()
@@ -548,10 +560,11 @@ def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
                          written=claims.done)
 
 
-def answer_with_engines(args, chunks_dir, todo):
+def answer_with_engines(args, chunks_dir, todo, convs):
     """This process's chunks answered by --engines processes of this step at once (engine/engine_processes.py):
-    what they answered together. An engine that failed is reported when the others answered every chunk; refused
-    (exit 1) when chunks are left, after the others finished what they could."""
+    what they answered together, counted from the chunks written (a dead engine's count died with it). An engine
+    that failed is reported when the others answered every chunk; refused (exit 1) when chunks are left, after the
+    others finished what they could."""
     results = run_engines(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
                           args.engines)
     failed = [f"engine {i + 1}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
@@ -566,9 +579,10 @@ def answer_with_engines(args, chunks_dir, todo):
     tokens = sum((r.get("throughput") or {}).get("answer_tokens_now") or 0 for r in results)
     seconds = max((r.get("throughput") or {}).get("generating_s_now") or 0 for r in results)
     # written now by any engine, a dead one's too (its own count died with it)
+    unwritten = set(left)
+    turns = [written_turns(chunks_dir, c, args, convs) for c in todo if c not in unwritten]
     return {"engines": args.engines, "failed": failed, "chunks_done_now": len(todo) - len(left),
-            "turns_answered": sum(r["turns_answered_now"] for r in results),
-            "turns_cut": sum(r["turns_cut_for_context_now"] for r in results),
+            "turns_answered": sum(a for a, _ in turns), "turns_cut": sum(cut for _, cut in turns),
             "batching": next((r["batching"] for r in results if r.get("batching")), None),
             "throughput": {"answer_tokens_now": tokens, "generating_s_now": round(seconds, 2),
                            "tokens_per_s_now": round(tokens / seconds, 1) if seconds > 0 else None},
@@ -639,7 +653,7 @@ def run(args):
     engines = None
     if todo and args.engines > 1:
         engine.close()  # the prompts' writer gives its memory to the engines that answer
-        engines = answer_with_engines(args, chunks_dir, todo)
+        engines = answer_with_engines(args, chunks_dir, todo, convs)
         answered, cut, batching, throughput = (engines["turns_answered"], engines["turns_cut"], engines["batching"],
                                                engines["throughput"])
         done_now = engines["chunks_done_now"]

@@ -86,7 +86,7 @@ def with_speculators(args, inputs: TrainInputs):
         raise BadInput("--choose-checkpoints: only with --trainer ours (speculators' trainer exports the last)")
     i = inputs
     result = spec_trainer.train(args, out=i.out, files=i.files, aux_ids=i.aux_ids, d2t=i.d2t.numpy(),
-                                t2d=i.t2d.numpy(), hidden=i.hidden, lengths=i.lengths, log=log)
+                                t2d=i.t2d.numpy(), hidden=i.hidden, lengths=i.lengths, log=log, keys=i.prompt_keys)
     parity.check_export(result["export_dir"], i.tcfg, i.aux_ids, i.vocab_dir)
     return result, 0
 

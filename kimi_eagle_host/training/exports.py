@@ -7,6 +7,7 @@ import json
 import os
 
 from kimi_eagle_host.draft import candidates  # (choose_checkpoints: the exports the choose step serves)
+from kimi_eagle_host.data.prepared_data import PROMPT_KEYS_FILE, write_prompt_keys
 from kimi_eagle_host.draft import parity
 from kimi_eagle_host.draft.draft_model import Eagle3Draft, export_speculators
 from kimi_eagle_host.step_runtime import atomic_write_json, log
@@ -58,6 +59,7 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
         atomic_write_json(os.path.join(export_dir, "training_info.json"),
                           {"data_config": i.dc, "meta": run.meta, "final": final,
                            "heldout": evals[-1] if evals else None,
+                           "prompt_keys": record_prompt_keys(run),
                            # which job wrote this export: `pull JOB` takes it only for that job
                            "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
         result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
@@ -65,6 +67,19 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
         log(f"exported {export_dir}")
     result["export_dir"] = export_dir
     dist_.barrier()
+
+
+def record_prompt_keys(run: TrainRun) -> dict | None:
+    """The prompts of the prepared data the draft was trained on (held-out documents included), as a file beside the
+    export (prepared_data.write_prompt_keys): eval's seen_in_training reads it instead of every document's loss mask.
+    None, and no file (an earlier run's removed), where train had no prepared data to read them from."""
+    path = os.path.join(run.export_dir, PROMPT_KEYS_FILE)
+    if run.inputs.prompt_keys is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return None
+    n = write_prompt_keys(run.export_dir, run.inputs.prompt_keys)
+    return {"file": PROMPT_KEYS_FILE, "prompts": n, "prepared": os.path.join(run.out, "prepared")}
 
 
 def earlier_final(export_dir: str, meta: dict):

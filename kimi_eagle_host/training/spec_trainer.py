@@ -5,8 +5,10 @@ Our hidden states already use speculators' file layout (hidden_states/hs_{i}.saf
 hidden_states [T, L, H] with the final layer last, loss_mask) and our vocab files its convention (d2t/t2d .npy).
 What its trainer needs beside them is an HF `datasets` folder with input_ids / loss_mask / seq_len, row i <->
 hs_{i}: written here from the sample files themselves (so the two can never disagree), under
-draft/speculators/data. It trains into draft/speculators/checkpoints/<epoch>; the last checkpoint becomes
-draft/export once it passes check_export.
+draft/speculators/data, and draft/speculators/hidden_states/hs_{i}.safetensors, a link to row i's sample file. The
+rows are in our own order: the documents our trainer trains on first, the ones it holds out last (split_rows), since
+speculators validates on the last rows. It trains into draft/speculators/checkpoints/<epoch>; the last checkpoint
+becomes draft/export once it passes check_export.
 
 Its trainer moves the draft to cuda:LOCAL_RANK: it cannot run on a CPU-only host (vllm_compat's
 speculators_trainer_unavailable says so, for train and for preflight).
@@ -50,6 +52,38 @@ def write_rows(files: list[str], dest: str) -> int:
     fp = hashlib.sha256(json.dumps(rows["seq_len"]).encode()).hexdigest()[:16]
     Dataset(pa.Table.from_pydict(rows), fingerprint=fp).with_format("torch").save_to_disk(dest)
     return len(files)
+
+
+def link_samples(files: list[str], dest: str) -> None:
+    """dest/hs_{i}.safetensors, a link to files[i]: speculators reads row i's hidden states from hs_{i} of one folder,
+    so rows in another order than the samples' need a folder of their own (links: nothing copied)."""
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for i, f in enumerate(files):
+        os.symlink(os.path.abspath(f), os.path.join(tmp, f"hs_{i}.safetensors"))
+    shutil.rmtree(dest, ignore_errors=True)   # the links only, never what they point to
+    os.replace(tmp, dest)
+
+
+def split_rows(args, n: int, keys: list | None) -> tuple[list[int], int, bool]:
+    """(the documents in speculators' row order, how many it holds out, whether ours holds out none): our trainer's
+    split (data_plan.split_holdout: the same seed, prompt groups, --holdout-fraction and --holdout-max-samples), the
+    held-out documents last, since speculators validates on the rows from int(rows * --train-data-ratio) on
+    (train_ratio). It refuses an empty validation split: where ours holds none out, the last document is its one."""
+    from kimi_eagle_host.training.data_plan import split_holdout
+
+    train_docs, held = split_holdout(n, args.holdout_fraction, args.seed, keys, args.holdout_max_samples)
+    none = not held
+    if none and len(train_docs) > 1:
+        held = [train_docs.pop()]
+    return train_docs + held, len(held), none
+
+
+def train_ratio(rows: int, held: int) -> float:
+    """speculators' --train-data-ratio for `held` validation rows of `rows`: its split is int(rows * ratio), so the
+    ratio is half a row above rows - held (a float product never rounds down past it), and always below 1."""
+    return (rows - held + 0.5) / rows
 
 
 def known_flags() -> set[str] | None:
@@ -115,12 +149,13 @@ def spec_tokens_per_step(requested: int) -> int:
 
 
 def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: str, aux_ids: list[int],
-                 draft_vocab: int, tokens_per_step: int, holdout_fraction: float, epochs: int | None = None,
+                 draft_vocab: int, tokens_per_step: int, train_ratio: float, epochs: int | None = None,
                  flags: set[str] | None = None) -> list[str]:
     """speculators train's flags for our train flags: the same target, features, layers, vocabulary, TTT depth,
     learning rate and schedule, seed, tokens per step and epochs (`epochs`: planned by plan_epochs, else --epochs
-    rounded up). The run stops at --max-steps. Checkpoints: speculators always writes the first epoch's; with
-    --checkpoint-freq = epochs the only other is the last. `flags`: what the installed parser takes (known_flags);
+    rounded up); `train_ratio`: its --train-data-ratio (the function train_ratio). The run stops at --max-steps.
+    Checkpoints: speculators always writes the first epoch's; with --checkpoint-freq = epochs the only other is the
+    last. `flags`: what the installed parser takes (known_flags);
     the optional flags it lacks are left out, all of them when it cannot be asked (None)."""
     n_epochs = epochs if epochs is not None else max(1, math.ceil(args.epochs))
     argv = ["--verifier-name-or-path", args.model, "--data-path", data_dir, "--hidden-states-path", hs_dir,
@@ -128,8 +163,8 @@ def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: 
             "--d2t-path", os.path.join(vocab_dir, "d2t.npy"), "--t2d-path", os.path.join(vocab_dir, "t2d.npy"),
             "--epochs", str(n_epochs), "--lr", str(args.lr),
             "--total-seq-len", str(tokens_per_step), "--ttt-steps", str(args.ttt_steps), "--on-missing", "raise",
-            # speculators keeps a validation split of its own: at least 2 %, like our held-out default
-            "--train-data-ratio", str(train_ratio(holdout_fraction)),
+            # its validation split: the last rows, our held-out documents (split_rows); repr: every digit counts
+            "--train-data-ratio", repr(train_ratio),
             "--no-resume-from-checkpoint", "--log-dir", os.path.join(save_dir, "logs"),
             "--target-layer-ids", *[str(i) for i in aux_ids], "--optimizer", args.optimizer,
             # Its default fused Triton loss does not trace under torch 2.11's dynamo (seen on the H200: "ListVariable
@@ -148,10 +183,6 @@ def trainer_argv(args, *, hs_dir: str, data_dir: str, vocab_dir: str, save_dir: 
         if flags is not None and flag in flags:
             argv += [flag, value]
     return argv
-
-
-def train_ratio(holdout_fraction: float) -> float:
-    return round(1.0 - max(holdout_fraction, 0.02), 6)
 
 
 def latest_checkpoint(save_dir: str) -> str | None:
@@ -212,8 +243,9 @@ def check_export(export_dir: str, aux_ids: list[int], d2t, t2d, hidden: int) -> 
     return problems
 
 
-def share_rows(files: list[str], data_dir: str, save_dir: str, rank0: bool) -> None:
-    """speculators' rows of `files` in data_dir, written by rank 0, and its checkpoint folder emptied. Under
+def share_rows(files: list[str], data_dir: str, hs_dir: str, save_dir: str, rank0: bool) -> None:
+    """speculators' rows of `files` in data_dir and their links in hs_dir (link_samples), written by rank 0, and its
+    checkpoint folder emptied. Under
     torchrun every rank runs this; speculators joins the process group only later, so the other ranks wait for
     rank 0's rows by a marker naming this run (no collective exists yet)."""
     import time
@@ -227,6 +259,7 @@ def share_rows(files: list[str], data_dir: str, save_dir: str, rank0: bool) -> N
         shutil.rmtree(save_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
         write_rows(files, data_dir + ".tmp")
+        link_samples(files, hs_dir)
         os.replace(data_dir + ".tmp", data_dir)
         with open(ready, "w") as f:
             f.write(run_id)
@@ -250,9 +283,10 @@ def publish_export(ck: str, export_dir: str, rank0: bool, log) -> None:
 
 
 def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hidden: int, lengths: list[int],
-          log) -> dict:
+          log, keys: list | None = None) -> dict:
     """Run speculators' trainer in this process (torchrun's ranks each run it), then check and publish its last
-    checkpoint as draft/export. Returns the step's result (the caller reports it)."""
+    checkpoint as draft/export. `keys`: each document's prompt (split_rows). Returns the step's result (the caller
+    reports it)."""
     import time
 
     import torch
@@ -263,27 +297,30 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     why = speculators_trainer_unavailable(version, torch.cuda.is_available())
     if why:
         raise BadInput(f"--trainer speculators: {why}")
-    names = [os.path.basename(p) for p in files]
-    if names != [f"hs_{i}.safetensors" for i in range(len(files))]:
-        raise BadInput(f"{os.path.dirname(files[0])}: --trainer speculators needs samples hs_0 .. hs_{len(files) - 1} "
-                       f"without gaps (its rows are read by index)")
     from speculators.train.cli import main as spec_main
     from speculators.train.config import TrainConfig
 
     root = os.path.join(out, "draft", "speculators")
     data_dir, save_dir = os.path.join(root, "data"), os.path.join(root, "checkpoints")
+    hs_dir = os.path.join(root, "hidden_states")   # links to the samples, in the rows' order
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    share_rows(files, data_dir, save_dir, rank0)
+    order, held, none = split_rows(args, len(files), keys)
+    files, lengths = [files[d] for d in order], [lengths[d] for d in order]
+    ratio = train_ratio(len(files), held)
+    log(f"speculators validates on {held} of {len(files)} samples: "
+        + ("our trainer would hold out none, speculators needs one" if none else "the documents our trainer holds out")
+        + f" (--holdout-fraction {args.holdout_fraction:g}, at most --holdout-max-samples {args.holdout_max_samples})")
+    share_rows(files, data_dir, hs_dir, save_dir, rank0)
     requested = args.tokens_per_step or max(lengths) * (args.batch_size or 8)
     tokens_per_step = spec_tokens_per_step(requested)
     if tokens_per_step != requested:
         log(f"tokens per step {requested} -> {tokens_per_step}: speculators' trainer takes whole blocks of {FLEX_BLOCK}")
-    plan = plan_epochs(lengths, tokens_per_step, train_ratio(args.holdout_fraction), args.max_steps, args.epochs,
+    plan = plan_epochs(lengths, tokens_per_step, ratio, args.max_steps, args.epochs,
                        world_size=int(os.environ.get("WORLD_SIZE", "1")), seed=args.seed)
-    argv = trainer_argv(args, hs_dir=os.path.join(out, "hidden_states"), data_dir=data_dir,
+    argv = trainer_argv(args, hs_dir=hs_dir, data_dir=data_dir,
                         vocab_dir=os.path.join(out, "vocab"), save_dir=save_dir, aux_ids=aux_ids,
                         draft_vocab=int(d2t.shape[0]), tokens_per_step=tokens_per_step,
-                        holdout_fraction=args.holdout_fraction, epochs=plan["epochs"], flags=known_flags())
+                        train_ratio=ratio, epochs=plan["epochs"], flags=known_flags())
     log(f"speculators' plan: {plan['epochs']} epoch(s), {plan['steps']} steps, {plan['tokens']} tokens"
         f"{'' if plan['exact'] else ' (estimated: its sampler could not be imported)'}")
     log(f"speculators {version} trainer: {' '.join(argv)}")
@@ -292,6 +329,7 @@ def train(args, *, out: str, files: list[str], aux_ids: list[int], d2t, t2d, hid
     seconds = time.time() - t0
     ck = latest_checkpoint(save_dir)
     result = {"ok": True, "finished": True, "trainer": f"speculators {version}", "samples": len(files),
+              "heldout_documents": held,
               "tokens_per_step": tokens_per_step, "step": plan["steps"], "epochs": plan["epochs"],
               "train_tokens": plan["tokens"], "plan_exact": plan["exact"],
               "checkpoints": sorted(n for n in os.listdir(save_dir) if n.isdigit()) if os.path.isdir(save_dir) else [],
