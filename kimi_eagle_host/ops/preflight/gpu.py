@@ -37,7 +37,7 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
             gpus.append({"index": int(parts[0]), "name": parts[1],
                          "total_mib": mib(parts[2]), "free_mib": mib(parts[3]),
                          "uuid": parts[4] if len(parts) > 4 else None,
-                         "mig": len(parts) > 5 and parts[5] == "Enabled"})
+                         "mig_mode": len(parts) > 5 and parts[5] == "Enabled"})
     return with_mig_slices(smi, gpus), ""
 
 
@@ -46,13 +46,13 @@ def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
     --query-gpu lists only the parent (its memory the card's, or [Insufficient Permissions] inside a container given
     one slice). A slice's size is in its profile's name ("1g.10gb": about 10 GiB, 9.5 on an A100 80GB); nvidia-smi's
     query gives no free figure for it, so that stays unknown. A GPU in MIG mode without slices is kept as listed."""
-    if not any(g.get("mig") for g in gpus):
+    if not any(g.get("mig_mode") for g in gpus):
         return gpus
     try:
         listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return gpus
-    slices: dict[str, list[dict]] = {}
+    slices: dict[int, list[dict]] = {}
     parent = None
     for line in listing.splitlines():
         if line.startswith("GPU "):
@@ -69,7 +69,7 @@ def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
 
 def gpu_label(g: dict) -> str:
     """How a check's detail names a GPU: "GPU1", or a MIG slice with its parent ("GPU0 MIG 1g.10gb Device 0")."""
-    return f"GPU{g['index']}" + (f" {g['mig']}" if isinstance(g.get("mig"), str) else "")
+    return f"GPU{g['index']}" + (f" {g['mig']}" if g.get("mig") else "")
 
 
 def used_gpus(args, environ=os.environ) -> tuple[list[dict] | None, str]:
