@@ -282,6 +282,22 @@ def test_a_gpu_whose_memory_nvidia_smi_does_not_report_is_a_gpu_of_unknown_memor
     assert checks["gpu"]["status"] == "pass" and checks["gpu"]["detail"] == "GPU0 NVIDIA GB10 memory unknown"
 
 
+def test_a_driver_that_predates_mig_still_lists_its_gpus(env):
+    """A driver older than MIG (before R450) refuses the whole --query-gpu for the one field it does not know,
+    mig.mode.current: the host was reported as one whose driver does not answer, and every GPU step failed there.
+    Its GPUs are listed and weighed as before the field was asked for. The refusal as such a driver prints it."""
+    env["smi"].write_text(
+        "#!/usr/bin/env bash\n"
+        "case \"$1\" in *mig.mode.current*)\n"
+        "  echo 'Field \"mig.mode.current\" is not a valid field to query.'; echo; exit 2;; esac\n"
+        "echo '0, Tesla V100-SXM2-32GB, 32510, 32000, GPU-3b1c2d4e-aaaa'\n")
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="train")
+    assert checks["gpu"]["status"] == "pass", checks["gpu"]
+    assert checks["gpu"]["detail"] == "GPU0 Tesla V100-SXM2-32GB 31 GiB free", checks["gpu"]
+    _, _, checks = run(env, "--tp-size", "2", "--min-free-disk-gib", "0.001", backend="vllm")
+    assert_failed(checks, "gpu", "--tp-size 2 but only 1 GPU")
+
+
 def test_gpu_too_small_for_model(env, tmp_path):
     idx = {"metadata": {"total_size": 600 * (1 << 30)}, "weight_map": {}}
     model = tmp_path / "big"

@@ -18,12 +18,19 @@ HIDDEN = "CUDA_VISIBLE_DEVICES"   # used_gpus's reason when the environment hide
 MIG_LINE = re.compile(r"^\s*MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*(MIG-[^)\s]+)\)")
 
 
+FIELDS = "index,name,memory.total,memory.free,uuid"
+MIG_FIELD = "mig.mode.current"   # unknown to drivers before MIG (R450): asked for only where the driver knows it
+
+
 def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
     if not smi:
         return None, "nvidia-smi not found"
     try:
-        res = subprocess.run([smi, "--query-gpu=index,name,memory.total,memory.free,uuid,mig.mode.current",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
+        res = smi_query(smi, f"{FIELDS},{MIG_FIELD}")
+        if res.returncode != 0 and "not a valid field" in res.stdout + res.stderr:
+            # An older driver refuses the whole query for one field it does not know: no MIG there, so the
+            # GPUs are listed without it rather than the host taken for one whose driver is broken.
+            res = smi_query(smi, FIELDS)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{smi}: {exc}"
     if res.returncode != 0:  # its message on one line: the check's detail is one
@@ -39,6 +46,11 @@ def query_gpus(smi: str | None) -> tuple[list[dict] | None, str]:
                          "uuid": parts[4] if len(parts) > 4 else None,
                          "mig_mode": len(parts) > 5 and parts[5] == "Enabled"})
     return with_mig_slices(smi, gpus), ""
+
+
+def smi_query(smi: str, fields: str) -> subprocess.CompletedProcess:
+    return subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=60)
 
 
 def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
