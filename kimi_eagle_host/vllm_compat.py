@@ -21,7 +21,6 @@ throughout; DeepSeek-V2/V3 and Kimi-K2.5 / Kimi-VL only from vLLM 0.18.
 from __future__ import annotations
 
 import importlib.metadata as md
-import math
 import os
 
 from kimi_eagle_host.versions import at_least, satisfies
@@ -200,6 +199,10 @@ MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step
 # In the environment of each of N engines a step runs at once ("i/N", engine/engine_processes.py): they share the
 # host's memory (and a GPU's, by GPU_SHARE_ENV), so each sizes itself for its part.
 ENGINE_OF_ENV = "KIMI_EAGLE_ENGINE_OF"
+# In the environment of one of several engines on one GPU ("k/M": M engines of the step share the GPU, k of them are
+# up already, each holding its share): those engines start one at a time, so each sees what the ones before left
+# free and takes an equal part of it (engine_processes.start_turn counts k).
+GPU_ENGINES_ENV = "KIMI_EAGLE_ENGINES_ON_GPU"
 # An engine that shares its GPU with the trainer (online, co-located) is sized for itself: weights, its KV cache and
 # this much for what vLLM's start-up profiling adds (activations of a max-size batch, CUDA graphs, NCCL, the CUDA
 # context). The 4-layer Kimi-K2.5-shaped target's engine at vLLM's default share left its trainer 14.6 of 139.8 GiB
@@ -248,17 +251,22 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
     least_bytes = need_bytes if least_bytes is None else least_bytes
     if gpu_free_total is not None:
         free, total = gpu_free_total
+        up, sharing = engines_on_gpu(environ)
         if environ.get(GPU_SHARE_ENV):
             share = _users_share(environ[GPU_SHARE_ENV])
+        elif total:
+            # several engines on this GPU: an equal part of what was free before the first (the ones up hold theirs)
+            share = min(DEFAULT_UTILIZATION / sharing, (free / total - 0.02) / (sharing - up))
         else:
-            share = min(DEFAULT_UTILIZATION, free / total - 0.02) if total else DEFAULT_UTILIZATION
+            share = DEFAULT_UTILIZATION / sharing
         weights = beside_trainer_weights or 0
         own = weights + need_bytes + ENGINE_OVERHEAD_BYTES
         beside = beside_trainer_weights is not None and not environ.get(GPU_SHARE_ENV) and total > 0
         if beside:
             share = min(share, own / total)
         if share <= 0 or share * total < weights + least_bytes:
-            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free; the vLLM engine needs about "
+            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free"
+                             f"{f' for {sharing - up} engines' if sharing - up > 1 else ''}; the vLLM engine needs about "
                              f"{least_bytes / GIB:.1f} GiB of KV cache beside the weights (set {GPU_SHARE_ENV} to "
                              "override)")
         how = "" if not beside else (
@@ -267,7 +275,9 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
         return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
                 "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
                         f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start"
-                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''}{how})"}
+                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''}"
+                        f"{f'; its part, {sharing} engines on the GPU' if sharing > 1 and not environ.get(GPU_SHARE_ENV) else ''}"
+                        f"{how})"}
     avail, total = host_memory_available()
     if environ.get(CPU_KV_ENV):
         return {"env": {}, "kwargs": {},
@@ -301,9 +311,14 @@ def engines_at_once(environ=os.environ) -> int:
         return 1
 
 
-def shared_gpu_share(engines: int, gpus: int) -> float:
-    """Each engine's part of vLLM's default share of its GPU when `engines` are dealt round-robin over `gpus`."""
-    return DEFAULT_UTILIZATION / math.ceil(engines / max(1, gpus))
+def engines_on_gpu(environ=os.environ) -> tuple[int, int]:
+    """GPU_ENGINES_ENV as (engines up already, engines sharing the GPU); (0, 1) where one engine has it alone."""
+    try:
+        up, sharing = (int(x) for x in environ.get(GPU_ENGINES_ENV, "0/1").split("/"))
+    except ValueError:
+        return 0, 1
+    sharing = max(1, sharing)
+    return min(max(0, up), sharing - 1), sharing
 
 
 def _users_share(text: str) -> float:

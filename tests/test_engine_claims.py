@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_eagle_host.engine.engine_processes import Claims, start_turn
+from kimi_eagle_host.engine.engine_processes import Claims, run_engines, start_turn, started_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,44 @@ def test_an_engine_starts_only_when_the_one_before_is_up(tmp_path):
         time.sleep(0.3)   # time enough to get in if nothing kept it out
         assert not inside.exists()
     assert other.wait(timeout=60) == 0 and inside.exists()
+
+
+ENGINE = """\
+import json, os, sys
+from kimi_eagle_host.engine.engine_processes import start_turn
+from kimi_eagle_host.vllm_compat import GPU_ENGINES_ENV
+i = int(os.environ["KIMI_EAGLE_ENGINE_OF"].split("/")[0])
+try:
+    with start_turn(sys.argv[1]):
+        seen = os.environ[GPU_ENGINES_ENV]
+        if i == int(sys.argv[2]):
+            raise RuntimeError("this engine does not start")
+except RuntimeError as e:
+    print(json.dumps({"ok": False, "error": str(e), "seen": seen}))
+    sys.exit(1)
+print(json.dumps({"ok": True, "gpu": os.environ["CUDA_VISIBLE_DEVICES"], "seen": seen}))
+"""
+
+
+def test_each_engine_on_a_gpu_is_told_how_many_of_its_gpu_are_up(tmp_path):
+    """regenerate --engines 5 over 2 GPUs: three engines on GPU 0, two on GPU 1. Each sizes itself from what the
+    engines up before it on its GPU left free, so it must know how many those are: 0, 1, 2 on GPU 0 in whatever
+    order they get their turn, 0, 1 on GPU 1. An engine that fails to start holds nothing and is not counted; a
+    run does not count the engines of the run before (the record is cleared). Real processes, three rounds."""
+    (tmp_path / "fake_engine.py").write_text(ENGINE)
+    lock = str(tmp_path / ".engine_start.lock")
+    Path(started_record(lock)).write_text("0\n0\n1\n")   # an earlier run's engines
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    env.pop("KIMI_EAGLE_GPU_MEMORY_UTILIZATION", None)
+    for failing in (-1, 2, 0):
+        results = run_engines("fake_engine", [lock, str(failing)], 5, environ=env, start_lock=lock)
+        seen = {gpu: sorted(r["seen"] for i, r in enumerate(results) if i % 2 == int(gpu) and r["ok"])
+                for gpu in ("0", "1")}
+        assert seen["1"] == ["0/2", "1/2"], results
+        assert seen["0"] == (["0/3", "1/3", "2/3"] if failing < 0 else ["0/3", "1/3"]), (failing, results)
+        assert [r["ok"] for r in results] == [i != failing for i in range(5)], results
+        assert sorted(Path(started_record(lock)).read_text().split()) == ["0"] * len(seen["0"]) + ["1", "1"]
 
 
 def test_a_unit_is_claimed_once_and_freed_by_its_writer_or_its_death(tmp_path):

@@ -60,11 +60,12 @@ def test_a_step_wanting_more_than_half_of_what_is_available_gets_half(tmp_path):
 
 def test_the_engines_one_step_runs_at_once_each_size_themselves_for_their_part(tmp_path):
     """regenerate --engines N: on a CPU host the N engines split the half of host memory one engine may take; on a
-    GPU each gets its part of vLLM's default share of its GPU. The step's processes (engine_processes.process_env)
-    and preflight (several_engines_environ) give every engine the same environment to size itself in."""
+    GPU the engines dealt to it split what was free there (at most vLLM's default share). The step's processes
+    (engine_processes.process_env) and preflight (several_engines_environ) give every engine the same environment to
+    size itself in."""
     from kimi_eagle_host.engine.engine_processes import process_env
     from kimi_eagle_host.ops.preflight.engine import several_engines_environ
-    from kimi_eagle_host.vllm_compat import GPU_SHARE_ENV
+    from kimi_eagle_host.vllm_compat import GPU_ENGINES_ENV, GPU_SHARE_ENV
 
     model = llama_config(tmp_path / "m")
     available, _ = meminfo()
@@ -75,12 +76,22 @@ def test_the_engines_one_step_runs_at_once_each_size_themselves_for_their_part(t
     assert int(four["env"]["VLLM_CPU_KVCACHE_SPACE"]) <= one // 4 + 1 and "shared by 4 engines" in four["says"]
     with pytest.raises(ValueError, match="available to 16 engines; the vLLM engine's KV cache needs"):
         step_engine_memory(str(model), 1, tokens, 256, environ={**env, "KIMI_EAGLE_ENGINE_OF": "0/16"})
-    # GPUs: 4 engines on 2 GPUs, two a GPU: 0.45 each, whichever of the two says it
+    # GPUs: 4 engines on 2 GPUs, two a GPU: 0.45 each on an idle GPU, whichever of the two says it
     step_env = process_env(1, 4, ["0", "1"], environ={})
-    assert step_env[GPU_SHARE_ENV] == several_engines_environ(4, 2)[GPU_SHARE_ENV] == "0.450"
+    assert step_env[GPU_ENGINES_ENV] == several_engines_environ(4, 2)[GPU_ENGINES_ENV] == "0/2"
     gpu = step_engine_memory(str(model), 1, 64, 1, gpu_free_total=(130 * GIB, 140 * GIB), environ=step_env)
-    assert gpu["kwargs"]["gpu_memory_utilization"] == 0.45
-    assert GPU_SHARE_ENV not in several_engines_environ(1, 2)   # one engine: vLLM's own sizing
+    assert gpu["kwargs"]["gpu_memory_utilization"] == 0.45 and "its part, 2 engines on the GPU" in gpu["says"]
+    assert GPU_ENGINES_ENV not in several_engines_environ(1, 2)   # one engine: vLLM's own sizing
+    assert GPU_ENGINES_ENV not in process_env(0, 2, ["0"], environ={GPU_SHARE_ENV: "0.3"})   # the user's share wins
+    # 3 engines on a GPU another process holds half of: each takes a third of what was free, the later ones
+    # seeing what the ones up left (they start one at a time)
+    total, free, shares = 140 * GIB, 70 * GIB, []
+    for up in range(3):
+        m = step_engine_memory(str(model), 1, 64, 1, gpu_free_total=(free, total),
+                               environ={GPU_ENGINES_ENV: f"{up}/3"})
+        shares.append(m["kwargs"]["gpu_memory_utilization"])
+        free -= int(shares[-1] * total)
+    assert shares == [0.16, 0.16, 0.16] and free >= 0, (shares, free)
 
 
 def test_on_a_cpu_host_the_engine_runs_in_the_steps_process_unless_told(tmp_path, capsys):
@@ -138,6 +149,12 @@ def test_preflight_sizes_an_engine_from_the_least_free_of_the_gpus_it_spans(tmp_
     # the host's `gpus: 1` narrows the job to GPU 0: two engines share it
     c = engine_memory("--gpus", "1", settings={"engines": 2})
     assert c["status"] == "pass" and c["detail"].startswith("regenerate (each of 2 engines): GPU0: "), c
+    # engines dealt over both GPUs: the held one has no room for its engine (each engine's part of vLLM's default
+    # share was taken as the user's setting, never weighed against what is free, and this passed)
+    c = engine_memory("--tp-size", "1", settings={"engines": 4})
+    assert c["status"] == "fail" and c["detail"].startswith(
+        "regenerate (each of 4 engines): GPU1, the least free of its 2 GPUs: the GPU has 0.4 of 140.4 GiB free for "
+        "2 engines;"), c
     # online, an engine beside each of the trainer's GPUs: the held one fails; the split layout's engine on GPU 0 fits
     c = engine_memory("--hidden-states", "online", step="train")
     assert c["status"] == "fail" and c["detail"].startswith(

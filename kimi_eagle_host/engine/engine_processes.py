@@ -11,7 +11,9 @@ others, and a resumed run spreads what is left over every engine. The engines st
 sizes its KV cache from the GPU memory it sees in use while it profiles, and another engine allocating its cache at
 that moment made one of four starting at once on an H200 find no room at all (twenty-second session). GPUs are dealt
 round-robin (CUDA_VISIBLE_DEVICES names one per process) and, unless the user set KIMI_EAGLE_GPU_MEMORY_UTILIZATION,
-each engine on a GPU takes an equal part of vLLM's 0.9. The processes share stderr (the job's log); each one's stdout
+each engine on a GPU takes an equal part of what was free there before the first (at most vLLM's 0.9): start_turn
+tells each how many of its GPU's engines are up (GPU_ENGINES_ENV), and it sizes itself from what those left free. The
+processes share stderr (the job's log); each one's stdout
 is its result. ENGINE_OF_ENV tells a process it is one of several, so that the parent alone writes what needs every
 unit (regenerate's chat.jsonl).
 """
@@ -26,7 +28,7 @@ import sys
 import time
 
 from kimi_eagle_host.gpus import cuda_visible_names
-from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share
+from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_on_gpu
 
 
 def gpu_names(environ=os.environ) -> list[str]:
@@ -48,14 +50,18 @@ def process_env(i: int, n: int, gpus: list[str], environ=os.environ) -> dict:
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         if GPU_SHARE_ENV not in environ:
-            env[GPU_SHARE_ENV] = f"{shared_gpu_share(n, len(gpus)):.3f}"
+            env[GPU_ENGINES_ENV] = f"0/{len(range(i % len(gpus), n, len(gpus)))}"   # how many are up: start_turn
     return env
 
 
-def run_engines(module: str, argv: list[str], n: int, environ=os.environ) -> list[dict]:
+def run_engines(module: str, argv: list[str], n: int, environ=os.environ, start_lock: str | None = None) -> list[dict]:
     """Run `python -m module argv` as n processes at once, sharing the work (Claims); their results, in order.
     A process that fails gives {"ok": False, "error": ..., "exit_code": ...}; the others run to their end and take
-    what it left (what they finish is kept: the step resumes from it)."""
+    what it left (what they finish is kept: the step resumes from it). `start_lock`: the path the processes'
+    start_turn takes; what an earlier run recorded there of the engines up is cleared first."""
+    if start_lock:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(started_record(start_lock))
     gpus = gpu_names(environ)
     procs = []
     for i in range(n):
@@ -89,15 +95,33 @@ def engine_index(environ=os.environ) -> tuple[int, int]:
     return int(i), int(n)
 
 
+def started_record(lock_path: str) -> str:
+    """The file beside start_turn's lock that lists, one a line, the GPU of each engine of this run that is up."""
+    return lock_path + ".up"
+
+
 @contextlib.contextmanager
-def start_turn(lock_path: str):
+def start_turn(lock_path: str, environ=os.environ):
     """Held while one engine of several starts (every engine of the step waits for the one before to be up): see the
-    module's docstring. Yields the seconds waited. Released when the block ends or the process dies."""
+    module's docstring. Inside, GPU_ENGINES_ENV says how many engines of this GPU are up (they hold their share of
+    it); an engine that started is recorded as up when the block ends without error. Yields the seconds waited.
+    Released when the block ends or the process dies."""
     t0 = time.time()
+    gpu = environ.get("CUDA_VISIBLE_DEVICES")
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
+            if gpu and GPU_ENGINES_ENV in environ:
+                try:
+                    with open(started_record(lock_path)) as r:
+                        up = sum(line.strip() == gpu for line in r)
+                except FileNotFoundError:
+                    up = 0
+                environ[GPU_ENGINES_ENV] = f"{up}/{engines_on_gpu(environ)[1]}"
             yield time.time() - t0
+            if gpu:
+                with open(started_record(lock_path), "a") as r:
+                    r.write(gpu + "\n")
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

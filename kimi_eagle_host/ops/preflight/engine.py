@@ -12,7 +12,7 @@ from kimi_eagle_host.ops.preflight.gpu import gpu_label, used_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check, step_value
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
-from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_SHARE_ENV, shared_gpu_share, step_engine_memory
+from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, step_engine_memory
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
 # holds at once (engine_load), so preflight sizes it exactly as the step will.
@@ -105,13 +105,14 @@ def engines_of(step: str, settings: dict) -> int:
 
 
 def several_engines_environ(n: int, gpus: int) -> dict:
-    """The environment one of n engines sizes itself in, as engine_processes.process_env gives it: its part of the
-    host's memory and, on a GPU host where the user set no share, an equal part of vLLM's default share."""
+    """The environment the first of n engines sizes itself in, as engine_processes.process_env gives it: its part of
+    the host's memory and, on a GPU host where the user set no share, the first of those on the GPU that takes the most
+    of them (round-robin): an equal part of what is free, so that the rest fit beside it."""
     env = dict(os.environ)
     if n > 1:
         env[ENGINE_OF_ENV] = f"0/{n}"
         if gpus and GPU_SHARE_ENV not in env:
-            env[GPU_SHARE_ENV] = f"{shared_gpu_share(n, gpus):.3f}"
+            env[GPU_ENGINES_ENV] = f"0/{-(-n // gpus)}"
     return env
 
 
