@@ -171,18 +171,23 @@ def test_eval_says_when_its_prompts_are_conversations_the_draft_was_trained_on(t
     assert "training data" not in out["headline"]
 
 
+def trained_on_eight_prompts(out_dir: Path, model) -> Path:
+    """prepare (8 conversations), extract, vocab and one step of our trainer in `out_dir`."""
+    for step, *flags in (("prepare", "--dataset", PROMPTS / "chat.jsonl", "--max-samples", 8),
+                         ("extract", "--engine", "hf", "--dtype", "float32"), ("vocab", "--draft-vocab-size", 64),
+                         ("train", "--max-steps", 1, "--lr", "1e-12", "--dtype", "float32")):
+        code, _, err = payload(f"{step}.py", "--model", model, "--output-dir", out_dir, *flags)
+        assert code == 0, err
+    return out_dir
+
+
 def test_eval_reads_the_prompts_train_recorded_not_the_prepared_data(tmp_path, tiny_llama):
     """train records its prompts beside the export (a small file): eval's seen_in_training reads that instead of every
     prepared document's loss mask (GBs at Kimi scale), so it warns as before with the prepared data gone."""
     import shutil
 
     pytest.importorskip("transformers")
-    out_dir = tmp_path / "o"
-    for step, *flags in (("prepare", "--dataset", PROMPTS / "chat.jsonl", "--max-samples", 8),
-                         ("extract", "--engine", "hf", "--dtype", "float32"), ("vocab", "--draft-vocab-size", 64),
-                         ("train", "--max-steps", 1, "--lr", "1e-12", "--dtype", "float32")):
-        code, _, err = payload(f"{step}.py", "--model", tiny_llama, "--output-dir", out_dir, *flags)
-        assert code == 0, err
+    out_dir = trained_on_eight_prompts(tmp_path / "o", tiny_llama)
     export = out_dir / "draft" / "export"
     info = json.loads((export / "training_info.json").read_text())
     assert info["prompt_keys"] == {"file": "training_prompts.keys", "prompts": 8,
@@ -198,6 +203,62 @@ def test_eval_reads_the_prompts_train_recorded_not_the_prepared_data(tmp_path, t
                                        "seen": 3}
     assert "3 of 3 prompts open like conversations of the draft's training data" in out["headline"]
     assert "eval: warning: 3 of 3 prompts" in err
+
+
+def test_a_draft_from_speculators_trainer_records_what_it_was_trained_on(tmp_path, tiny_llama, monkeypatch):
+    """`train --trainer speculators` published speculators' checkpoint alone: eval could say neither what the draft
+    was trained on nor whether its prompts were among them ("not checked"). Its export carries training_info.json
+    and the prompt keys as ours does, the same prompts for the same prepared data. speculators' trainer needs CUDA:
+    a stand-in writes its checkpoint (our export's files, as test_spec_trainer's does); the step around it is the
+    real one, in this process."""
+    import argparse
+    import shutil
+    import types
+
+    import torch
+
+    from kimi_eagle_host.pipeline import eval as eval_step
+    from kimi_eagle_host.pipeline import train as train_step
+    from kimi_eagle_host.step_runtime import parse_step_args
+    from kimi_eagle_host.training import spec_trainer
+
+    out_dir = trained_on_eight_prompts(tmp_path / "o", tiny_llama)
+    ours = out_dir / "draft" / "export"
+    made = tmp_path / "ours"
+    shutil.copytree(ours, made)
+
+    def speculators_trains(argv):
+        flags = dict(zip(argv[::2], argv[1::2]))
+        shutil.copytree(made, os.path.join(flags["--save-path"], "0"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("training_info.json", "training_prompts.keys"))
+
+    cli, config = types.ModuleType("speculators.train.cli"), types.ModuleType("speculators.train.config")
+    cli.main, config.TrainConfig = speculators_trains, types.SimpleNamespace(resolve=lambda argv: argv)
+    for name, module in {"speculators": types.ModuleType("speculators"), "speculators.train":
+                         types.ModuleType("speculators.train"), "speculators.train.cli": cli,
+                         "speculators.train.config": config}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(spec_trainer, "installed_version", lambda: "0.9.0")
+    monkeypatch.setattr(spec_trainer, "known_flags", lambda: None)
+    monkeypatch.setattr(spec_trainer, "write_rows", lambda files, dest: os.makedirs(dest))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    monkeypatch.setenv("KIMI_EAGLE_JOB_ID", "j-spec")
+    args = parse_step_args("train", ["--model", str(tiny_llama), "--output-dir", str(out_dir), "--trainer",
+                                     "speculators", "--max-steps", "1"], train_step.__doc__)
+    result, code = train_step.train(args)
+    assert code == 0 and result["trainer"] == "speculators 0.9.0", result
+    info = json.loads((ours / "training_info.json").read_text())
+    mine = json.loads((made / "training_info.json").read_text())
+    assert info["trainer"] == "speculators 0.9.0" and info["job_id"] == "j-spec", info
+    assert info["prompt_keys"] == mine["prompt_keys"], info
+    assert (ours / "training_prompts.keys").read_bytes() == (made / "training_prompts.keys").read_bytes()
+    assert info["data_config"]["prepared_sha256"] == mine["data_config"]["prepared_sha256"]
+    told = eval_step.draft_training(str(ours))
+    assert told["conversations"] + told["held_out_conversations"] == 8 and told["steps"] == result["step"], told
+    shutil.rmtree(out_dir / "prepared")   # eval reads the recorded prompts, as for our trainer's draft
+    seen = eval_step.seen_in_training(argparse.Namespace(output_dir=str(out_dir), draft=str(ours)), [], None)
+    assert seen == {"checked": True, "prepared": str(out_dir / "prepared"), "prompts": 0, "seen": 0}, seen
 
 
 # ------------------------------------------------------------------------------------------ regenerate

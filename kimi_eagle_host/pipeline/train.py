@@ -44,7 +44,7 @@ from kimi_eagle_host.step_runtime import BadInput, log, parse_step_args, restart
 from kimi_eagle_host.training import spec_trainer  # (--trainer speculators)
 from kimi_eagle_host.training import distributed as dist_  # (ranks, collectives, DDP/FSDP, checkpoint on SIGTERM)
 from kimi_eagle_host.training.checkpoints import latest_checkpoint
-from kimi_eagle_host.training.exports import export_final
+from kimi_eagle_host.training.exports import export_final, write_training_info
 from kimi_eagle_host.training.loop import Outcome, held_out, train_loop
 from kimi_eagle_host.training.train_inputs import TrainInputs, check_flags, read_inputs
 from kimi_eagle_host.training.train_run import TrainRun, set_up
@@ -88,6 +88,11 @@ def with_speculators(args, inputs: TrainInputs):
     result = spec_trainer.train(args, out=i.out, files=i.files, aux_ids=i.aux_ids, d2t=i.d2t.numpy(),
                                 t2d=i.t2d.numpy(), hidden=i.hidden, lengths=i.lengths, log=log, keys=i.prompt_keys)
     parity.check_export(result["export_dir"], i.tcfg, i.aux_ids, i.vocab_dir)
+    if int(os.environ.get("RANK", "0")) == 0:   # what eval reports of the draft, as for ours
+        meta = {"n_samples": result["samples"], "holdout": result["heldout_documents"], "total_steps": result["step"],
+                "aux_ids": i.aux_ids, "draft_vocab": result["draft_vocab_size"], "seed": args.seed,
+                "prepared_sha256": i.dc.get("prepared_sha256"), "seq_len": i.dc.get("seq_len")}
+        write_training_info(result["export_dir"], i.dc, meta, i.prompt_keys, i.out, trainer=result["trainer"])
     return result, 0
 
 

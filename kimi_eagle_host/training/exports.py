@@ -56,12 +56,8 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
             os.unlink(selection)
         final = history[-1] if history else earlier_final(export_dir, run.meta)
         cfg = export_to(run, export_dir, plain)
-        atomic_write_json(os.path.join(export_dir, "training_info.json"),
-                          {"data_config": i.dc, "meta": run.meta, "final": final,
-                           "heldout": evals[-1] if evals else None,
-                           "prompt_keys": record_prompt_keys(run),
-                           # which job wrote this export: `pull JOB` takes it only for that job
-                           "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
+        write_training_info(export_dir, i.dc, run.meta, run.inputs.prompt_keys, run.out,
+                            final=final, heldout=evals[-1] if evals else None)
         result["export_config"] = {k: cfg[k] for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
         parity.check_export(export_dir, i.tcfg, i.aux_ids, i.vocab_dir)   # as vLLM will read it: else not a success
         log(f"exported {export_dir}")
@@ -69,17 +65,30 @@ def export_final(run: TrainRun, result: dict, history: list, evals: list) -> Non
     dist_.barrier()
 
 
-def record_prompt_keys(run: TrainRun) -> dict | None:
+def write_training_info(export_dir: str, data_config: dict, meta: dict, keys: list | None, out: str, *,
+                        final=None, heldout=None, trainer: str | None = None) -> None:
+    """An export's training_info.json: the data (data_config), the run's settings and size (meta: n_samples,
+    holdout, total_steps are what eval reports), its last figures, and the prompts it was trained on
+    (record_prompt_keys). Whichever trainer made the export (`trainer`: speculators' names itself)."""
+    atomic_write_json(os.path.join(export_dir, "training_info.json"),
+                      {"data_config": data_config, "meta": meta, "final": final, "heldout": heldout,
+                       "prompt_keys": record_prompt_keys(export_dir, keys, out),
+                       **({"trainer": trainer} if trainer else {}),
+                       # which job wrote this export: `pull JOB` takes it only for that job
+                       "job_id": os.environ.get("KIMI_EAGLE_JOB_ID")})
+
+
+def record_prompt_keys(export_dir: str, keys: list | None, out: str) -> dict | None:
     """The prompts of the prepared data the draft was trained on (held-out documents included), as a file beside the
     export (prepared_data.write_prompt_keys): eval's seen_in_training reads it instead of every document's loss mask.
     None, and no file (an earlier run's removed), where train had no prepared data to read them from."""
-    path = os.path.join(run.export_dir, PROMPT_KEYS_FILE)
-    if run.inputs.prompt_keys is None:
+    path = os.path.join(export_dir, PROMPT_KEYS_FILE)
+    if keys is None:
         if os.path.exists(path):
             os.unlink(path)
         return None
-    n = write_prompt_keys(run.export_dir, run.inputs.prompt_keys)
-    return {"file": PROMPT_KEYS_FILE, "prompts": n, "prepared": os.path.join(run.out, "prepared")}
+    n = write_prompt_keys(export_dir, keys)
+    return {"file": PROMPT_KEYS_FILE, "prompts": n, "prepared": os.path.join(out, "prepared")}
 
 
 def earlier_final(export_dir: str, meta: dict):
