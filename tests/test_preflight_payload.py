@@ -335,21 +335,69 @@ def test_the_gpu_checks_weigh_the_gpus_the_job_sees_not_every_gpu_of_the_machine
     assert checks["gpu"]["status"] == "warn" and "hides them" in checks["gpu"]["detail"], checks["gpu"]
 
 
+MIG_LISTING = (
+    "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+    "  MIG 3g.40gb     Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
+    "  MIG 1g.10gb     Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+    "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77)\n")
+# plain nvidia-smi's MIG table as the driver prints it (the slice of Device 1 nearly full: another job holds it)
+MIG_TABLE = """\
++-----------------------------------------------------------------------------+
+| MIG devices:                                                                |
++------------------+----------------------+-----------+-----------------------+
+| GPU  GI  CI  MIG |         Memory-Usage |        Vol|         Shared        |
+|      ID  ID  Dev |           BAR1-Usage | SM     Unc| CE  ENC  DEC  OFA  JPG|
+|                  |                      |        ECC|                       |
+|==================+======================+===========+=======================|
+|  0    2   0   0  |     11MiB / 40192MiB | 42      0 |  3   0    2    0    0 |
+|                  |      0MiB / 65535MiB |           |                       |
++------------------+----------------------+-----------+-----------------------+
+|  0    9   0   1  |   9800MiB /  9856MiB | 14      0 |  1   0    0    0    0 |
+|                  |      0MiB / 16383MiB |           |                       |
++------------------+----------------------+-----------+-----------------------+
+
++-----------------------------------------------------------------------------+
+| Processes:                                                                  |
+|  GPU   GI   CI        PID   Type   Process name                  GPU Memory |
+|        ID   ID                                                   Usage      |
+|=============================================================================|
+|    0    9    0      41234      C   python3                        9780MiB |
++-----------------------------------------------------------------------------+
+"""
+
+
+def mig_smi(table: str) -> str:
+    """A stand-in nvidia-smi for an A100 whose GPU 0 is split in two slices: -L, --query-gpu and the plain table."""
+    return ("#!/usr/bin/env bash\n"
+            f"if [ \"$1\" = -L ]; then cat <<'EOF'\n{MIG_LISTING}EOF\nexit 0; fi\n"
+            f"if [ $# -eq 0 ]; then cat <<'EOF'\n{table}EOF\nexit 0; fi\n"
+            "echo '0, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77, Enabled'\n"
+            "echo '1, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77, Disabled'\n")
+
+
 def test_a_mig_partitioned_gpu_is_listed_as_its_slices_and_a_slice_named_by_uuid_narrows_the_job(env, monkeypatch):
     """CUDA runs on a MIG slice, never on the whole partitioned GPU, yet --query-gpu lists only the card (its whole
-    memory free): preflight judged the card. Each slice is named with its size (its profile's), its free memory
-    unknown (so the fit is a warning, never a pass on the card's figure), and a job given one slice by its MIG UUID
-    weighs that slice alone. nvidia-smi -L's layout as the driver prints it."""
-    env["smi"].write_text(
-        "#!/usr/bin/env bash\n"
-        "if [ \"$1\" = -L ]; then cat <<'EOF'\n"
-        "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
-        "  MIG 3g.40gb     Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
-        "  MIG 1g.10gb     Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
-        "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77)\n"
-        "EOF\nexit 0; fi\n"
-        "echo '0, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77, Enabled'\n"
-        "echo '1, NVIDIA A100-SXM4-80GB, 81920, 81000, GPU-7e6fa0d6-aaaa-bbbb-cccc-9e3d8d2b8a77, Disabled'\n")
+    memory free): preflight judged the card. Each slice is weighed with its own memory, read from plain nvidia-smi's
+    MIG table (a job given the nearly full slice by its MIG UUID fails, where it got a warning only), and where that
+    table cannot be read, with its profile's size and its free memory unknown (a warning, never a pass on the card's
+    figure). nvidia-smi's layouts as the driver prints them."""
+    env["smi"].write_text(mig_smi(MIG_TABLE))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract")
+    c = checks["gpu"]
+    assert c["status"] == "pass" and ("GPU0 MIG 3g.40gb Device 0 39/39 GiB free, GPU0 MIG 1g.10gb Device 1 0/10 GiB "
+                                      "free, GPU1 79/80 GiB free") in c["detail"], c
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb")
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract", backend="vllm")
+    assert_failed(checks, "gpu", "GPU0 MIG 1g.10gb Device 1", "0/10 GiB free")
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract", backend="hf")   # it would offload
+    c = checks["gpu"]
+    assert c["status"] == "warn" and "GPU0 MIG 1g.10gb Device 1 0/10 GiB free; hf will offload to CPU" in c["detail"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f")
+    _, _, checks = run(env, "--min-free-disk-gib", "0.001", step="extract", backend="vllm")
+    assert checks["gpu"]["status"] == "pass" and "GPU0 MIG 3g.40gb Device 0 39/39 GiB free" in checks["gpu"]["detail"]
+
+    env["smi"].write_text(mig_smi("No devices table here\n"))   # the table unreadable: sizes from the profiles
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     slices = ("GPU0 MIG 3g.40gb Device 0 about 40 GiB (free unknown), "
               "GPU0 MIG 1g.10gb Device 1 about 10 GiB (free unknown), GPU1 79/80 GiB free")

@@ -16,6 +16,8 @@ CUDA_CONTEXT_GIB = 2.0       # per-GPU overhead beyond the weights (context, act
 HIDDEN = "CUDA_VISIBLE_DEVICES"   # used_gpus's reason when the environment hides every GPU (no driver trouble)
 # A MIG slice as `nvidia-smi -L` lists it under its GPU: "  MIG 1g.10gb     Device  0: (UUID: MIG-...)".
 MIG_LINE = re.compile(r"^\s*MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*(MIG-[^)\s]+)\)")
+# A slice's row in plain nvidia-smi's "MIG devices" table: GPU, GI ID, CI ID, MIG Dev | used / total memory.
+MIG_MEMORY_ROW = re.compile(r"^\|\s*(\d+)\s+\d+\s+\d+\s+(\d+)\s*\|\s*(\d+)MiB\s*/\s*(\d+)MiB")
 
 
 FIELDS = "index,name,memory.total,memory.free,uuid"
@@ -56,14 +58,16 @@ def smi_query(smi: str, fields: str) -> subprocess.CompletedProcess:
 def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
     """`gpus` with each MIG-partitioned GPU replaced by its slices: CUDA runs on a slice, never on the whole GPU, and
     --query-gpu lists only the parent (its memory the card's, or [Insufficient Permissions] inside a container given
-    one slice). A slice's size is in its profile's name ("1g.10gb": about 10 GiB, 9.5 on an A100 80GB); nvidia-smi's
-    query gives no free figure for it, so that stays unknown. A GPU in MIG mode without slices is kept as listed."""
+    one slice). A slice's memory, used and total, is in plain nvidia-smi's "MIG devices" table (mig_memory); where
+    that cannot be read, its size is its profile's ("1g.10gb": about 10 GiB, 9.5 on an A100 80GB) and what is free
+    stays unknown. A GPU in MIG mode without slices is kept as listed."""
     if not any(g.get("mig_mode") for g in gpus):
         return gpus
     try:
         listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return gpus
+    memory = mig_memory(smi)
     slices: dict[int, list[dict]] = {}
     parent = None
     for line in listing.splitlines():
@@ -72,11 +76,25 @@ def with_mig_slices(smi: str, gpus: list[dict]) -> list[dict]:
         elif parent is not None and (m := MIG_LINE.match(line)):
             profile, device, uuid = m.groups()
             size = re.search(r"(\d+)gb", profile)
+            used, total = memory.get((parent["index"], int(device)), (None, None))
             slices.setdefault(parent["index"], []).append({
                 "index": parent["index"], "name": parent["name"], "uuid": uuid,
-                "total_mib": int(size.group(1)) * 1024 if size else None, "free_mib": None,
+                "total_mib": total if total is not None else int(size.group(1)) * 1024 if size else None,
+                "free_mib": total - used if total is not None else None,
                 "mig": f"MIG {profile} Device {device}"})
     return [s for g in gpus for s in slices.get(g["index"], [g])]
+
+
+def mig_memory(smi: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(GPU index, MIG device): (used MiB, total MiB)} from plain nvidia-smi's "MIG devices" table (its rows read
+    "|  0    1   0   0  |  11MiB / 20096MiB | ..."; --query-gpu has no field for a slice's memory). Empty where
+    nvidia-smi fails or prints no such rows."""
+    try:
+        table = subprocess.run([smi], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    rows = (MIG_MEMORY_ROW.match(line) for line in table.splitlines())
+    return {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in rows if m}
 
 
 def gpu_label(g: dict) -> str:
