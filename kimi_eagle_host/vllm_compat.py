@@ -252,7 +252,8 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
     if gpu_free_total is not None:
         free, total = gpu_free_total
         up, sharing = engines_on_gpu(environ)
-        if environ.get(GPU_SHARE_ENV):
+        users = bool(environ.get(GPU_SHARE_ENV))
+        if users:
             share = _users_share(environ[GPU_SHARE_ENV])
         elif total:
             # several engines on this GPU: an equal part of what was free before the first (the ones up hold theirs)
@@ -261,23 +262,22 @@ def engine_memory(need_bytes: int, *, least_bytes: int | None = None, gpu_free_t
             share = DEFAULT_UTILIZATION / sharing
         weights = beside_trainer_weights or 0
         own = weights + need_bytes + ENGINE_OVERHEAD_BYTES
-        beside = beside_trainer_weights is not None and not environ.get(GPU_SHARE_ENV) and total > 0
+        beside = beside_trainer_weights is not None and not users and total > 0
         if beside:
             share = min(share, own / total)
         if share <= 0 or share * total < weights + least_bytes:
-            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free"
-                             f"{f' for {sharing - up} engines' if sharing - up > 1 else ''}; the vLLM engine needs about "
-                             f"{least_bytes / GIB:.1f} GiB of KV cache beside the weights (set {GPU_SHARE_ENV} to "
-                             "override)")
+            among = f" for {sharing - up} engines" if sharing - up > 1 and not users else ""
+            raise ValueError(f"the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free{among}; the vLLM engine "
+                             f"needs about {least_bytes / GIB:.1f} GiB of KV cache beside the weights (set "
+                             f"{GPU_SHARE_ENV} to override)")
         how = "" if not beside else (
             f"; sized for itself beside the trainer: weights {weights / GIB:.1f} + KV {need_bytes / GIB:.1f} + "
             f"{ENGINE_OVERHEAD_BYTES / GIB:.0f} GiB for vLLM's start-up, the rest is the trainer's")
         return {"env": {}, "kwargs": {"gpu_memory_utilization": round(share, 3)},
                 "says": f"vLLM engine memory: {share:.0%} of the GPU ({share * total / GIB:.1f} GiB; "
                         f"{free / GIB:.1f} of {total / GIB:.1f} GiB free at start"
-                        f"{f', {GPU_SHARE_ENV} as set' if environ.get(GPU_SHARE_ENV) else ''}"
-                        f"{f'; its part, {sharing} engines on the GPU' if sharing > 1 and not environ.get(GPU_SHARE_ENV) else ''}"
-                        f"{how})"}
+                        f"{f', {GPU_SHARE_ENV} as set' if users else ''}"
+                        f"{f'; its part, {sharing} engines on the GPU' if sharing > 1 and not users else ''}{how})"}
     avail, total = host_memory_available()
     if environ.get(CPU_KV_ENV):
         return {"env": {}, "kwargs": {},
