@@ -1,4 +1,5 @@
-"""Fixtures for tests/test_patch_engine.py: real speculators wheels in throwaway --target dirs.
+"""Fixtures for tests/test_patch_engine.py: real speculators wheels in throwaway --target dirs; and a stand-in for
+speculators' trainer (it needs CUDA) for the train step's tests.
 
 The wheels are fetched with `pip download --no-deps` once per session (reusing
 /tmp/specwheels when a previous run left them there), installed once into a golden
@@ -77,3 +78,26 @@ def tree_hashes(site: Path) -> dict[str, str]:
     """sha256 of every file under the install (pyc caches aside)."""
     return {str(p.relative_to(site)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(site.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def speculators_trainer_stand_in(monkeypatch, trains) -> None:
+    """speculators' trainer, which needs CUDA, replaced in this process by `trains(argv)` (it writes what speculators
+    writes under --save-path), with torch told a GPU is there: the train step around it runs as it does on a GPU host
+    (the real trainer on the GPU machine: bench/gpu/spec_step_smoke.sh)."""
+    import types
+
+    import torch
+
+    from kimi_eagle_host.training import spec_trainer
+
+    cli, config = types.ModuleType("speculators.train.cli"), types.ModuleType("speculators.train.config")
+    cli.main, config.TrainConfig = trains, types.SimpleNamespace(resolve=lambda argv: argv)
+    for name, module in {"speculators": types.ModuleType("speculators"), "speculators.train":
+                         types.ModuleType("speculators.train"), "speculators.train.cli": cli,
+                         "speculators.train.config": config}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(spec_trainer, "installed_version", lambda: "0.9.0")
+    monkeypatch.setattr(spec_trainer, "known_flags", lambda: None)
+    monkeypatch.setattr(spec_trainer, "write_rows", lambda files, dest: os.makedirs(dest))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)

@@ -213,14 +213,11 @@ def test_a_draft_from_speculators_trainer_records_what_it_was_trained_on(tmp_pat
     real one, in this process."""
     import argparse
     import shutil
-    import types
 
-    import torch
-
+    from fixtures_speculators import speculators_trainer_stand_in
     from kimi_eagle_host.pipeline import eval as eval_step
     from kimi_eagle_host.pipeline import train as train_step
     from kimi_eagle_host.step_runtime import parse_step_args
-    from kimi_eagle_host.training import spec_trainer
 
     out_dir = trained_on_eight_prompts(tmp_path / "o", tiny_llama)
     ours = out_dir / "draft" / "export"
@@ -232,17 +229,7 @@ def test_a_draft_from_speculators_trainer_records_what_it_was_trained_on(tmp_pat
         shutil.copytree(made, os.path.join(flags["--save-path"], "0"), dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("training_info.json", "training_prompts.keys"))
 
-    cli, config = types.ModuleType("speculators.train.cli"), types.ModuleType("speculators.train.config")
-    cli.main, config.TrainConfig = speculators_trains, types.SimpleNamespace(resolve=lambda argv: argv)
-    for name, module in {"speculators": types.ModuleType("speculators"), "speculators.train":
-                         types.ModuleType("speculators.train"), "speculators.train.cli": cli,
-                         "speculators.train.config": config}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(spec_trainer, "installed_version", lambda: "0.9.0")
-    monkeypatch.setattr(spec_trainer, "known_flags", lambda: None)
-    monkeypatch.setattr(spec_trainer, "write_rows", lambda files, dest: os.makedirs(dest))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    speculators_trainer_stand_in(monkeypatch, speculators_trains)
     monkeypatch.setenv("KIMI_EAGLE_JOB_ID", "j-spec")
     args = parse_step_args("train", ["--model", str(tiny_llama), "--output-dir", str(out_dir), "--trainer",
                                      "speculators", "--max-steps", "1"], train_step.__doc__)

@@ -383,10 +383,8 @@ def test_a_shorter_run_publishes_its_own_checkpoint_not_an_earlier_runs_later_ep
     so a stand-in writes what it writes (folders 0 and epochs-1 with config, weights and training_state.json; the
     real one on the GPU: bench/gpu/spec_step_smoke.sh); everything around it is the step's own."""
     import argparse
-    import sys
-    import types
 
-    import torch
+    from fixtures_speculators import speculators_trainer_stand_in
 
     p, _ = trained
     made = p["out"] / "draft" / "export"
@@ -401,17 +399,7 @@ def test_a_shorter_run_publishes_its_own_checkpoint_not_an_earlier_runs_later_ep
             with open(os.path.join(folder, "training_state.json"), "w") as f:
                 json.dump({"global_step": 10 * (epoch + 1), "lr": flags["--lr"]}, f)
 
-    cli, config = types.ModuleType("speculators.train.cli"), types.ModuleType("speculators.train.config")
-    cli.main, config.TrainConfig = speculators_trains, types.SimpleNamespace(resolve=lambda argv: argv)
-    for name, module in {"speculators": types.ModuleType("speculators"), "speculators.train":
-                         types.ModuleType("speculators.train"), "speculators.train.cli": cli,
-                         "speculators.train.config": config}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(spec_trainer, "installed_version", lambda: "0.9.0")
-    monkeypatch.setattr(spec_trainer, "known_flags", lambda: None)
-    monkeypatch.setattr(spec_trainer, "write_rows", lambda files, dest: os.makedirs(dest))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    speculators_trainer_stand_in(monkeypatch, speculators_trains)
 
     out = tmp_path / "out"
     files = sorted((p["out"] / "hidden_states").glob("hs_*.safetensors"), key=lambda f: int(f.stem[3:]))
