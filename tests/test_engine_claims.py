@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_eagle_host.engine.engine_processes import Claims, run_engines, start_turn, started_record
+from kimi_eagle_host.engine.engine_processes import Claims, run_engines, start_turn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,29 +53,47 @@ try:
 except RuntimeError as e:
     print(json.dumps({"ok": False, "error": str(e), "seen": seen}))
     sys.exit(1)
-print(json.dumps({"ok": True, "gpu": os.environ["CUDA_VISIBLE_DEVICES"], "seen": seen}))
+print(json.dumps({"ok": True, "gpu": os.environ["CUDA_VISIBLE_DEVICES"], "seen": seen,
+                  "record": os.environ["KIMI_EAGLE_ENGINES_UP"]}))
 """
 
 
 def test_each_engine_on_a_gpu_is_told_how_many_of_its_gpu_are_up(tmp_path):
     """regenerate --engines 5 over 2 GPUs: three engines on GPU 0, two on GPU 1. Each sizes itself from what the
     engines up before it on its GPU left free, so it must know how many those are: 0, 1, 2 on GPU 0 in whatever
-    order they get their turn, 0, 1 on GPU 1. An engine that fails to start holds nothing and is not counted; a
-    run does not count the engines of the run before (the record is cleared). Real processes, three rounds."""
+    order they get their turn, 0, 1 on GPU 1. An engine that fails to start holds nothing and is not counted. Two
+    ranks of the step on one host at once share the start lock (one engine starts at a time) but each counts its
+    own engines (the others' memory is simply not free). Real processes, several rounds."""
+    import threading
+
     (tmp_path / "fake_engine.py").write_text(ENGINE)
     lock = str(tmp_path / ".engine_start.lock")
-    Path(started_record(lock)).write_text("0\n0\n1\n")   # an earlier run's engines
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     env.pop("KIMI_EAGLE_GPU_MEMORY_UTILIZATION", None)
-    for failing in (-1, 2, 0):
-        results = run_engines("fake_engine", [lock, str(failing)], 5, environ=env, start_lock=lock)
-        seen = {gpu: sorted(r["seen"] for i, r in enumerate(results) if i % 2 == int(gpu) and r["ok"])
+
+    def seen_on(results):
+        return {gpu: sorted(r["seen"] for i, r in enumerate(results) if i % 2 == int(gpu) and r["ok"])
                 for gpu in ("0", "1")}
+
+    for failing in (-1, 2, 0):
+        results = run_engines("fake_engine", [lock, str(failing)], 5, environ=env)
+        assert [r["ok"] for r in results] == [i != failing for i in range(5)], results
+        seen = seen_on(results)
         assert seen["1"] == ["0/2", "1/2"], results
         assert seen["0"] == (["0/3", "1/3", "2/3"] if failing < 0 else ["0/3", "1/3"]), (failing, results)
-        assert [r["ok"] for r in results] == [i != failing for i in range(5)], results
-        assert sorted(Path(started_record(lock)).read_text().split()) == ["0"] * len(seen["0"]) + ["1", "1"]
+    ranks: dict = {}
+    threads = [threading.Thread(target=lambda r=r: ranks.__setitem__(r, run_engines("fake_engine", [lock, "-1"], 5,
+                                                                                      environ=env)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for rank in range(2):
+        assert seen_on(ranks[rank]) == {"0": ["0/3", "1/3", "2/3"], "1": ["0/2", "1/2"]}, (rank, ranks[rank])
+    records = {r["record"] for rank in ranks.values() for r in rank}
+    assert len(records) == 2 and not any(Path(r).parent.exists() for r in records)   # one a call, gone with it
 
 
 def test_a_unit_is_claimed_once_and_freed_by_its_writer_or_its_death(tmp_path):

@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from kimi_eagle_host.gpus import cuda_visible_names
@@ -44,9 +45,17 @@ def gpu_names(environ=os.environ) -> list[str]:
         return []
 
 
-def process_env(i: int, n: int, gpus: list[str], environ=os.environ) -> dict:
+# In each process's environment: the file (unique to one run_engines call) that lists the GPU of each of its engines
+# that is up, one a line (start_turn reads and appends it). Another call's engines on the same GPUs (another rank of
+# the step on this host) hold memory too: each engine sees that as memory not free.
+ENGINES_UP_ENV = "KIMI_EAGLE_ENGINES_UP"
+
+
+def process_env(i: int, n: int, gpus: list[str], environ=os.environ, up_record: str | None = None) -> dict:
     env = dict(environ)
     env[ENGINE_OF_ENV] = f"{i}/{n}"
+    if up_record:
+        env[ENGINES_UP_ENV] = up_record
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         if GPU_SHARE_ENV not in environ:
@@ -54,22 +63,18 @@ def process_env(i: int, n: int, gpus: list[str], environ=os.environ) -> dict:
     return env
 
 
-def run_engines(module: str, argv: list[str], n: int, environ=os.environ, start_lock: str | None = None) -> list[dict]:
+def run_engines(module: str, argv: list[str], n: int, environ=os.environ) -> list[dict]:
     """Run `python -m module argv` as n processes at once, sharing the work (Claims); their results, in order.
     A process that fails gives {"ok": False, "error": ..., "exit_code": ...}; the others run to their end and take
-    what it left (what they finish is kept: the step resumes from it). `start_lock`: the path the processes'
-    start_turn takes; what an earlier run recorded there of the engines up is cleared first."""
-    if start_lock:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(started_record(start_lock))
+    what it left (what they finish is kept: the step resumes from it)."""
     gpus = gpu_names(environ)
-    procs = []
-    for i in range(n):
-        cmd = [sys.executable, "-m", module, *argv]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=process_env(i, n, gpus, environ)))
+    with tempfile.TemporaryDirectory(prefix="kimi-eagle-engines-") as folder:
+        up_record = os.path.join(folder, "up")
+        procs = [subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.PIPE, text=True,
+                                  env=process_env(i, n, gpus, environ, up_record)) for i in range(n)]
+        outs = [p.communicate()[0] for p in procs]
     results = []
-    for p in procs:
-        out, _ = p.communicate()
+    for p, out in zip(procs, outs):
         res = None
         for line in reversed(out.strip().split("\n")):
             if line.startswith("{"):
@@ -95,32 +100,27 @@ def engine_index(environ=os.environ) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def started_record(lock_path: str) -> str:
-    """The file beside start_turn's lock that lists, one a line, the GPU of each engine of this run that is up."""
-    return lock_path + ".up"
-
-
 @contextlib.contextmanager
 def start_turn(lock_path: str, environ=os.environ):
     """Held while one engine of several starts (every engine of the step waits for the one before to be up): see the
-    module's docstring. Inside, GPU_ENGINES_ENV says how many engines of this GPU are up (they hold their share of
-    it); an engine that started is recorded as up when the block ends without error. Yields the seconds waited.
-    Released when the block ends or the process dies."""
+    module's docstring. Inside, GPU_ENGINES_ENV says how many engines of this run on this GPU are up (they hold their
+    share of it); an engine that started is recorded as up (ENGINES_UP_ENV) when the block ends without error. Yields
+    the seconds waited. Released when the block ends or the process dies."""
     t0 = time.time()
-    gpu = environ.get("CUDA_VISIBLE_DEVICES")
+    gpu, record = environ.get("CUDA_VISIBLE_DEVICES"), environ.get(ENGINES_UP_ENV)
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            if gpu and GPU_ENGINES_ENV in environ:
+            if gpu and record and GPU_ENGINES_ENV in environ:
                 try:
-                    with open(started_record(lock_path)) as r:
+                    with open(record) as r:
                         up = sum(line.strip() == gpu for line in r)
                 except FileNotFoundError:
                     up = 0
                 environ[GPU_ENGINES_ENV] = f"{up}/{engines_on_gpu(environ)[1]}"
             yield time.time() - t0
-            if gpu:
-                with open(started_record(lock_path), "a") as r:
+            if gpu and record:
+                with open(record, "a") as r:
                     r.write(gpu + "\n")
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

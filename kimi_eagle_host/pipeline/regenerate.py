@@ -541,10 +541,6 @@ def engine_of() -> str | None:
     return f"{i + 1}/{n}" if one_of_several() else None
 
 
-def engine_start_lock(chunks_dir: str) -> str:
-    return os.path.join(chunks_dir, ".engine_start.lock")
-
-
 def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     """One of --engines processes: start this engine when the one before is up (start_turn), then answer the chunks
     of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
@@ -556,7 +552,7 @@ def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     if first is None:
         log(f"regenerate: engine {i + 1} of {n}: the others hold or wrote every chunk; not started")
         return 0, 0, None, 0
-    with start_turn(engine_start_lock(chunks_dir)) as waited:
+    with start_turn(os.path.join(chunks_dir, ".engine_start.lock")) as waited:
         engine.size()
         engine.get()
     log(f"regenerate: engine {i + 1} of {n} started ({waited:.0f} s waiting for the engines before it to start)")
@@ -570,7 +566,7 @@ def answer_with_engines(args, chunks_dir, todo, convs):
     that failed is reported when the others answered every chunk; refused (exit 1) when chunks are left, after the
     others finished what they could."""
     results = run_engines(__spec__.name if __spec__ else "kimi_eagle_host.pipeline.regenerate", args.step_argv,
-                          args.engines, start_lock=engine_start_lock(chunks_dir))
+                          args.engines)
     failed = [f"engine {i + 1}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
     left = [c for c in todo if not chunk_written(chunks_dir, c, args)]
     if failed and left:
