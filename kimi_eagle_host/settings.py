@@ -210,9 +210,9 @@ STEP_SETTINGS = [
     _step("regenerate", "batching", "choice", "auto", "vllm engine: stream (a conversation's next turn queued as "
           "its answer arrives, 2 chunks at once) or rounds (one call per turn of a chunk); auto: stream; hf: rounds",
           choices=("auto", "stream", "rounds")),
-    _step("regenerate", "engines", "int", 1, "engines answering at once, each a process with its part of a GPU "
-          "(round-robin), started one at a time, claiming chunks as it goes: a small target's engine is bound by one "
-          "CPU core",
+    _step("regenerate", "engines", "int", 1, "engines answering at once, each a process with an equal part of what "
+          "its GPU had free (round-robin), started one at a time, claiming chunks as it goes: a small target's engine "
+          "is bound by one CPU core",
           positive=True),
     _step("regenerate", "seed", "int", 0, "sampling seed"),
     _step("regenerate", "batch_size", "int", 16, "hf engine: prompts per generate call", positive=True),
