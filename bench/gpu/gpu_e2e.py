@@ -176,16 +176,19 @@ def main():
     # Every log line exactly once: what the follower printed vs the log file split the same way
     # (progress-bar redraws excluded on both sides; the follower prints a finished bar as "k/n done").
     from kimi_eagle.jobs.log_stream import LineSplitter
-    from kimi_eagle.jobs.log_printer import parse_progress
+    from kimi_eagle.jobs.log_printer import POINT_MARK, parse_progress
 
     events = []
     splitter = LineSplitter(lambda kind, text: events.append((kind, text)))
     splitter.feed(log_path.read_bytes())
     splitter.flush()
-    on_disk = [t for k, t in events if k == "line" and not parse_progress(t)]
+    on_disk = [t for k, t in events if k == "line" and not parse_progress(t) and not t.startswith(POINT_MARK)]
     # (the follower shows a progress point off a terminal as "name k/n (p%) ..." or "name: k/n done")
     followed_lines = [ln[len("[h200] "):] for ln in fout.splitlines()
                       if ln.startswith("[h200] ") and not re.search(r": \d+/\d+ done$|^\S+ \d+/\d+ \(\d+%\)", ln[7:])]
+    # the controller's last word after the job (where the draft is, what to run next) is not the log's
+    last_word = next((i for i, ln in enumerate(followed_lines) if ln.startswith("draft exported to ")), None)
+    followed_lines = followed_lines[:last_word]
     _, out, _, _ = cli("--json", "status", job["id"], "--host", "h200", check=False)
     st = json.loads(out)["jobs"][0]
     text = log_path.read_text(errors="replace")
