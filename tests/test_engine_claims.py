@@ -138,6 +138,9 @@ class Words:   # a token budget counting words; every prompt fits
     def fits(self, used):
         return True
 
+    def reply(self, text):
+        return {"role": "assistant", "content": text}
+
 
 class OneAStep:   # a streaming engine that finishes the oldest request each step
     streams, tokens = True, 0
@@ -176,7 +179,8 @@ def test_a_stream_takes_the_next_chunk_only_when_the_engine_has_room():
     Stream(OneAStep(), Words(), 0, window=2).run(chunks(), done)
     assert events.index(("pull", 1)) > 0 and events.index(("pull", 2)) > events.index(("done", 0)), events
     assert sorted(answers) == [0, 1, 2]
-    assert answers[1] == [["answer to q10a", "answer to q10b"], ["answer to q11a", "answer to q11b"]]
+    assert [[a["content"] for a in conv] for conv in answers[1]] == [["answer to q10a", "answer to q10b"],
+                                                                       ["answer to q11a", "answer to q11b"]]
 
 
 def test_answer_chunks_draws_each_claim_as_the_stream_needs_it(tmp_path):

@@ -366,6 +366,100 @@ def test_prepare_masks_an_earlier_answer_that_begins_as_the_generation_prompt_go
     assert prepared_runs(tmp_path, qwq_style, rows) == [["<b>hi</b>" + END, "italic\n</think>\n\n<i>ok</i>" + END]]
 
 
+# A Kimi-K2.5-style template (its shape, written here): the generation prompt opens the reasoning ("<think>"), an
+# assistant turn after the last user message shows its `reasoning_content` in the think block, an earlier one an empty
+# block before its answer; the template never looks for </think> in `content`.
+KIMI_STYLE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}"
+    "{%- if loop.index0 > ns.last_user -%}{{- '<think>' + (m.get('reasoning_content') or '') + '</think>' -}}"
+    "{%- else -%}{{- '<think></think>' -}}{%- endif -%}"
+    "{{- m['content'] + '<|im_end|>' -}}"
+    "{%- else -%}{{- '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + m['content'] + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|><think>' -}}{%- endif -%}"
+)
+
+
+def kimi_style_tokenizer(out):
+    tok = tiny_model.build_tokenizer(512)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                                                         "<|im_middle|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = KIMI_STYLE
+    tok.save_pretrained(out)
+    return tok
+
+
+def regenerated_rows(tok, turns, generated):
+    """regenerate's answering of one conversation of user `turns` (data/answering.py, the step's own code) with a
+    stand-in engine that generates `generated` in turn: (the rows it writes, the chats it sent)."""
+    from kimi_eagle_host.data.answering import answer_in_rounds
+    from kimi_eagle_host.data.prompts import Conversation, TokenBudget
+    from kimi_eagle_host.pipeline.regenerate import conversation_row
+
+    sent = []
+
+    def engine(chats, seed):
+        sent.extend(chats)
+        return [(generated[len(sent) - 1], 8) for _ in chats]
+
+    conv = Conversation(id="c0", line=1, user_turns=turns, first_tokens=8)
+    answers, _ = answer_in_rounds(engine, [conv], TokenBudget(tok, 4096, 64), 0, 0)
+    return [conversation_row(conv, answers[0])], sent
+
+
+def test_a_thinking_targets_regenerated_answers_train_on_what_it_generates_when_served(tmp_path):
+    """Kimi-K2.5's template opens the reasoning in its generation prompt, so the target generates
+    `reasoning</think>answer`; kept whole as `content`, its template rendered the last turn as
+    `<think></think>reasoning</think>answer` (hidden states extracted on a text the target never sees: nothing fails,
+    acceptance drops) and an earlier turn as history no client sends. regenerate keeps the reasoning apart
+    (reasoning_content), so the prepared sample is, token for token, the prompt of the last turn as served followed by
+    what the target generated; the earlier turn is sent back, and trained on, as its answer alone. An answer cut inside
+    its reasoning is history without an answer, and prepare still takes the row."""
+    tok = kimi_style_tokenizer(tmp_path / "tok")
+    rows, sent = regenerated_rows(tok, ["First?", "Second?"], [" plan one</think>Answer one.",
+                                                               " plan two</think>Answer two."])
+    assert sent[1][1] == {"role": "assistant", "content": "Answer one.", "reasoning_content": " plan one"}
+    assert tok.apply_chat_template(sent[1], tokenize=False).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think></think>Answer one.<|im_end|><|im_user|>user<|im_middle|>Second?"
+        "<|im_end|>")   # the history a client sends back
+    served = tok.apply_chat_template(sent[1], tokenize=False, add_generation_prompt=True) + \
+        " plan two</think>Answer two." + "<|im_end|>"
+    cut, _ = regenerated_rows(tok, ["First?", "Second?"], [" a plan cut short", " plan two</think>Answer two."])
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + cut), encoding="utf-8")
+    code, out, err = run("prepare", "--model", tmp_path / "tok", "--dataset", data, "--output-dir", tmp_path / "o")
+    assert code == 0 and out["count"] == 2, err
+    ds = PreparedDataset(str(tmp_path / "o" / "prepared"))
+    ids, mask = ds[0]
+    assert tok.decode(ids) == served
+    assert masked_runs(tok, ids, mask) == ["Answer one.<|im_end|>", " plan two</think>Answer two.<|im_end|>"]
+    ids, mask = ds[1]
+    assert "<|im_middle|><think></think><|im_end|>" in tok.decode(ids)
+    assert masked_runs(tok, ids, mask) == [" plan two</think>Answer two.<|im_end|>"]
+
+
+def test_a_template_that_does_not_render_reasoning_keeps_the_answer_whole(tmp_path):
+    """A template that never shows `reasoning_content` (this Qwen3-style one reads the reasoning from `content`, as
+    DeepSeek-R1's does) gets the generated text whole, as before; so does a target that does not think."""
+    from kimi_eagle_host.data.prompts import TokenBudget
+
+    qwen = qwen3_style_tokenizer(tmp_path / "qwen")
+    rows, _ = regenerated_rows(qwen, ["Hi?"], ["<think>\nhm\n</think>\n\nHello."])
+    assert rows[0]["messages"][-1] == {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello."}
+    kimi = kimi_style_tokenizer(tmp_path / "kimi")
+    budget = TokenBudget(kimi, 4096, 64)
+    assert budget.opens_reasoning and budget.splits_reasoning
+    assert budget.reply("No reasoning here.") == {"role": "assistant", "content": "", "reasoning_content":
+                                                  "No reasoning here."}   # the prompt opened it: all reasoning
+    assert not TokenBudget(qwen, 4096, 64).splits_reasoning
+
+
 BAD_ROWS = [
     ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}', "conversations[1]: missing field 'value'"),
     ('{"messages": [{"role": "user", "content": "hi"}', "invalid JSON"),

@@ -43,7 +43,7 @@ class Dialogue:
         return self.conv.messages(self.answers)
 
     def take(self, text, tokens, budget):
-        self.answers.append(text)
+        self.answers.append(budget.reply(text))   # an assistant message, a thinking target's reasoning apart
         self.used += tokens + budget.per_message
 
 

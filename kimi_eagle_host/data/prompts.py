@@ -13,6 +13,7 @@ turn longer than the engine's context (check_lengths).
 import json
 from dataclasses import dataclass, field
 
+from kimi_eagle_host.data.reasoning import assistant_message, opens_reasoning, renders_reasoning
 from kimi_eagle_host.step_runtime import BadInput
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
@@ -29,10 +30,12 @@ class Conversation:
     first_tokens: int = 0  # the first turn's prompt in tokens (check_lengths counts it)
 
     def messages(self, answers):
-        """The chat to send for the next turn: system, then user/assistant pairs, ending with a user turn."""
+        """The chat to send for the next turn: system, then user/assistant pairs, ending with a user turn. An answer
+        is an assistant message (TokenBudget.reply) or its text."""
         out = list(self.system)
         for r, a in enumerate(answers):
-            out += [{"role": "user", "content": self.user_turns[r]}, {"role": "assistant", "content": a}]
+            out += [{"role": "user", "content": self.user_turns[r]},
+                    a if isinstance(a, dict) else {"role": "assistant", "content": a}]
         return out + [{"role": "user", "content": self.user_turns[len(answers)]}]
 
 
@@ -138,6 +141,12 @@ class TokenBudget:
                    {"role": "user", "content": "z"}])
         self.base = one
         self.per_message = max((three - one + 1) // 2, 1) + 1  # +1: a text's edge may merge differently
+        # a thinking target's answers go back to its template as reasoning and answer (data/reasoning.py)
+        self.opens_reasoning, self.splits_reasoning = opens_reasoning(tok), renders_reasoning(tok)
+
+    def reply(self, text):
+        """The target's answer `text` as the assistant message its chat template renders back as generated."""
+        return assistant_message(text, opened=self.opens_reasoning, split=self.splits_reasoning)
 
     def count(self, texts):
         if not texts:

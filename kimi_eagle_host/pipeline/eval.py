@@ -199,7 +199,8 @@ class VllmRunner(ServedEngine):
 
 def turn_prompts(convs, budget, base_answers, r):
     """[(conversation index, chat)] for turn r: the target's own earlier answers ([text, token ids] per turn) as
-    context; a turn that no longer fits the context ends its conversation there (counted by the caller)."""
+    context, as a client sends them back (a thinking target's reasoning apart: TokenBudget.reply); a turn that no
+    longer fits the context ends its conversation there (counted by the caller)."""
     out, cut = [], 0
     for i, c in enumerate(convs):
         if r >= len(c.user_turns) or len(base_answers[i]) < r:
@@ -210,7 +211,7 @@ def turn_prompts(convs, budget, base_answers, r):
             if not budget.fits(used):
                 cut += 1
                 continue
-        out.append((i, c.messages([t for t, _ in base_answers[i][:r]])))
+        out.append((i, c.messages([budget.reply(t) for t, _ in base_answers[i][:r]])))
     return out, cut
 
 
@@ -296,8 +297,9 @@ def baseline_settings(args, prov, engine_name, batch_sizes, timing_n, tok) -> di
             "batch_sizes": batch_sizes, "timing_prompts": timing_n, "engine": engine_name, "tp_size": args.tp_size,
             "enforce_eager": args.enforce_eager,
             # the code that runs the target: its engine (served.py, vllm_compat's sizing and arguments) included
-            "code": files_digest(package_dir(), ("pipeline/eval.py", "data/prompts.py", "evaluation/spec_hf.py",
-                                                 "evaluation/served.py", "vllm_compat.py", "target/tokenizer.py"))}
+            "code": files_digest(package_dir(), ("pipeline/eval.py", "data/prompts.py", "data/reasoning.py",
+                                                 "evaluation/spec_hf.py", "evaluation/served.py", "vllm_compat.py",
+                                                 "target/tokenizer.py"))}
 
 
 def baseline_file(args, settings) -> str:

@@ -5,6 +5,8 @@
 from). Input rows (one JSON object per line, blank lines ignored), either shape:
   ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
   OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": ...}]}]}
+            an assistant message may carry "reasoning_content" (a thinking target's reasoning apart from its answer, as
+            regenerate writes it: data/reasoning.py), handed to templates that render it
 
 Each row is rendered with the target tokenizer's chat template (trust_remote_code) and tokenized; the loss
 mask is 1 exactly on the tokens the template emits for assistant messages (their content and the template's
@@ -92,7 +94,12 @@ def normalize_row(row):
             allowed = "system/user/assistant"
         if role is None:
             raise BadRow(f"{where}.{role_key}: {raw_role!r} is not supported (expected {allowed})")
-        messages.append({"role": role, "content": _text_of(turn[text_key], f"{where}.{text_key}")})
+        message = {"role": role, "content": _text_of(turn[text_key], f"{where}.{text_key}")}
+        if role == "assistant" and turn.get("reasoning_content") is not None:
+            # a thinking target's reasoning apart from its answer (regenerate writes it so: data/reasoning.py), for
+            # the templates that render it
+            message["reasoning_content"] = _text_of(turn["reasoning_content"], f"{where}.reasoning_content")
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow(f"'{key}' has no assistant turn (nothing to train on)")
     return messages
@@ -125,6 +132,8 @@ def assistant_char_spans(tok, messages):
             span = (len(prefix), len(upto))
         else:
             span = _located_span(tok, full, m["content"], cursor, prefix, upto)
+            if span is None and not m["content"] and m.get("reasoning_content") is not None:
+                continue   # an earlier answer cut inside its reasoning: the history shows nothing of it to train on
             if span is None:
                 raise BadRow(f"cannot locate assistant message {k} in the rendered chat template")
         spans.append(span)

@@ -5,7 +5,9 @@ EAGLE-3 drafts learn to predict what the target says, so they train best on the 
 (speculators' regenerate-responses, SpecForge's data regeneration). --dataset is a chat JSONL file (the
 format `prepare` reads) or a dataset name (`sharegpt`, see data_sources.py). Every user turn of a
 conversation is answered by the target in turn, through its chat template, each answer conditioned on the
-target's own earlier answers; the file's assistant turns are replaced. Turns are batched across
+target's own earlier answers; the file's assistant turns are replaced. A thinking target's answer is written as its
+template renders it back (data/reasoning.py): the reasoning in `reasoning_content`, the answer in `content`, where
+the template shows that field (Kimi-K2.5, Qwen3); whole in `content` where it does not. Turns are batched across
 conversations (round r answers turn r of every conversation that has one). A conversation stops at the turn
 whose prompt plus --max-tokens no longer fits --max-model-len (counted in the result); a first turn that
 does not fit is bad input for a file (exit 2 naming FILE:LINE, before any model loads) and dropped for a
@@ -82,7 +84,7 @@ def shard_chunks(n_chunks, rank, world_size):
 def code_version():
     return files_digest(package_dir(), ("pipeline/regenerate.py", "data/prompts.py", "data/data_sources.py",
                                         "data/curation.py", "data/self_prompts.py", "data/answering.py",
-                                        "target/tokenizer.py"))
+                                        "data/reasoning.py", "target/tokenizer.py"))
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -290,9 +292,10 @@ def pick_engine(name):
 # ---------------------------------------------------------------------------------------------- answering
 
 def conversation_row(conv, answers):
+    """The chat JSONL row of `conv` with the target's answers (assistant messages, TokenBudget.reply)."""
     msgs = list(conv.system)
     for q, a in zip(conv.user_turns, answers):
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        msgs += [{"role": "user", "content": q}, a]
     row = {"id": conv.id, "messages": msgs}
     if conv.category:
         row["category"] = conv.category
