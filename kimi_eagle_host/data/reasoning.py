@@ -5,7 +5,8 @@ renders an assistant message from two fields: `reasoning_content` inside the thi
 it (the last turn), and `content`, the answer, alone in the history (Kimi-K2.5 writes an empty `<think></think>`
 before it). The generated text kept whole as `content` was rendered by such a template as
 `<think></think>reasoning</think>answer`: a context the target never sees, on which extract computes hidden states
-and the draft trains (nothing fails, acceptance drops), and, as an earlier turn, history no client ever sends.
+and the draft trains (nothing fails; the draft learns what serving never shows it), and, as an earlier turn, history
+no client ever sends.
 
 So where the template renders `reasoning_content`, an answer is stored as the two fields, split at `</think>`;
 where the generation prompt already opened the block (Kimi-K2.5 and QwQ end it with `<think>`), the text starts
