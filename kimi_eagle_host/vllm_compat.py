@@ -197,7 +197,7 @@ GIB = 1 << 30
 DEFAULT_UTILIZATION = 0.9
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: the sequences one engine step holds at most
 # In the environment of each of N engines a step runs at once ("i/N", engine/engine_processes.py): they share the
-# host's memory (and a GPU's, by GPU_SHARE_ENV), so each sizes itself for its part.
+# host's memory (and a GPU's: GPU_ENGINES_ENV below), so each sizes itself for its part.
 ENGINE_OF_ENV = "KIMI_EAGLE_ENGINE_OF"
 # In the environment of one of several engines on one GPU ("k/M": M engines of the step share the GPU, k of them are
 # up already, each holding its share): those engines start one at a time, so each sees what the ones before left
