@@ -311,6 +311,11 @@ def engines_at_once(environ=os.environ) -> int:
         return 1
 
 
+def engines_sharing_gpu(i: int, n: int, gpus: int) -> int:
+    """How many of n engines dealt round-robin over `gpus` GPUs share engine i's GPU (GPU 0's: the most)."""
+    return len(range(i % gpus, n, gpus))
+
+
 def engines_on_gpu(environ=os.environ) -> tuple[int, int]:
     """GPU_ENGINES_ENV as (engines up already, engines sharing the GPU); (0, 1) where one engine has it alone."""
     try:

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 from kimi_eagle_host.gpus import cuda_visible_names
-from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_on_gpu
+from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_on_gpu, engines_sharing_gpu
 
 
 def gpu_names(environ=os.environ) -> list[str]:
@@ -59,7 +59,7 @@ def process_env(i: int, n: int, gpus: list[str], environ=os.environ, up_record: 
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         if GPU_SHARE_ENV not in environ:
-            env[GPU_ENGINES_ENV] = f"0/{len(range(i % len(gpus), n, len(gpus)))}"   # how many are up: start_turn
+            env[GPU_ENGINES_ENV] = f"0/{engines_sharing_gpu(i, n, len(gpus))}"   # how many are up: start_turn
     return env
 
 

@@ -12,7 +12,7 @@ from kimi_eagle_host.ops.preflight.gpu import gpu_label, used_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check, step_value
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
-from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, step_engine_memory
+from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_sharing_gpu, step_engine_memory
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
 # holds at once (engine_load), so preflight sizes it exactly as the step will.
@@ -112,7 +112,7 @@ def several_engines_environ(n: int, gpus: int) -> dict:
     if n > 1:
         env[ENGINE_OF_ENV] = f"0/{n}"
         if gpus and GPU_SHARE_ENV not in env:
-            env[GPU_ENGINES_ENV] = f"0/{-(-n // gpus)}"
+            env[GPU_ENGINES_ENV] = f"0/{engines_sharing_gpu(0, n, gpus)}"
     return env
 
 
