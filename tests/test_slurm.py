@@ -251,6 +251,34 @@ def requeue(cluster, env, job_id: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_a_job_requeued_and_cancelled_before_it_runs_again_is_not_its_last_runs_success(tmp_path, sshd, cluster):
+    """The script's exit code is kept in the job's folder; a requeued job runs the script again, and until that run
+    records its own the file says the earlier run's. A rerun cancelled while pending (an admin's scancel after a
+    preemption) never ran: the job is stopped, not succeeded as its earlier run was."""
+    env = slurm_env(tmp_path, sshd, cluster, {"partition": "debug"})
+    r = env.cli("--json", "run", "exec", "--host", "login", "--detach", "--no-preflight", "--", "true")
+    assert r.code == 0, r.stderr
+    job_id = r.json()["id"]
+    assert wait_state(env, job_id, {"succeeded", "failed", "lost"})["state"] == "succeeded"
+    slurm_id = (env.workdir / "runs" / job_id / "slurm_job_id").read_text().strip()
+    assert cluster.run(["scontrol", "requeue", slurm_id]).returncode == 0
+    assert cluster.run(["scontrol", "hold", slurm_id]).returncode == 0   # it stays pending, whatever the machine's pace
+    assert wait_state(env, job_id, {"pending", "succeeded"})["state"] == "pending"
+    assert cluster.run(["scancel", slurm_id]).returncode == 0
+    job = wait_state(env, job_id, {"succeeded", "failed", "stopped", "lost"})
+    assert (job["state"], job["exit_code"]) == ("stopped", None), job
+    status = env.cli("status", job_id)
+    assert "succeeded" not in status.stdout and "stopped" in status.stdout, status.stdout
+
+
+def slurm_said(cluster, env, job_id: str) -> str:
+    """What Slurm says of the job (scontrol) and its controller's log lines on it: a failure's context."""
+    slurm_id = (env.workdir / "runs" / job_id / "slurm_job_id").read_text().strip()
+    log = (cluster.root / "log" / "slurmctld.log").read_text(errors="replace").splitlines()
+    return cluster.run(["scontrol", "show", "job", slurm_id]).stdout + "\n".join(
+        line for line in log if re.search(rf"JobId={slurm_id}\b", line))[-3000:]
+
+
 def attempts(env, job_id: str) -> list[str]:
     """The job's log cut at each start of its batch script: one part per run of it."""
     log = (env.workdir / "runs" / job_id / "log").read_text()
@@ -282,7 +310,9 @@ def test_a_requeued_train_continues_from_its_checkpoint_and_a_finished_one_is_no
         time.sleep(0.5)
     requeue(cluster, env, job_id)   # mid-run: the job is ended with SIGTERM (train saves its step) and run again
     job = wait_state(env, job_id, {"succeeded", "failed", "lost", "stopped"}, timeout=600)
-    first, second = attempts(env, job_id)
+    runs = attempts(env, job_id)
+    assert len(runs) == 2, (job, slurm_said(cluster, env, job_id), runs[-1][-1500:])
+    first, second = runs
     assert job["state"] == "succeeded", second[-3000:]
     stopped_at = train_result(first)["step"]
     assert 0 < stopped_at < TRAIN_STEPS and "exited with code 143" in first, first[-3000:]
@@ -296,7 +326,9 @@ def test_a_requeued_train_continues_from_its_checkpoint_and_a_finished_one_is_no
     # exports again from its last checkpoint, without a step of training.
     requeue(cluster, env, job_id)
     job = wait_state(env, job_id, {"succeeded", "failed", "lost", "stopped"}, timeout=600)
-    third = attempts(env, job_id)[2]
+    runs = attempts(env, job_id)
+    assert len(runs) == 3, (job, slurm_said(cluster, env, job_id), runs[-1][-1500:])
+    third = runs[2]
     assert job["state"] == "succeeded" and "exited with code 0" in third, third[-3000:]
     again = train_result(third)
     assert again["finished"] and again["resumed_from_step"] == TRAIN_STEPS and not again["history"], third[-3000:]

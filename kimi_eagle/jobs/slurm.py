@@ -315,6 +315,18 @@ def _status_once(session: HostSession, job_id: str | None) -> list[Job]:
     return [_job(session, runs, raw, squeue) for raw in jobs_raw]
 
 
+# Slurm's states of a job whose last run ended otherwise than with its script's exit 0.
+ENDED_BADLY = {"CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _own_code(code: int | None, queued: str | None) -> int | None:
+    """The exit code the task's script recorded, where it is its last run's. Slurm runs a requeued job's script again
+    (a preemption, `scontrol requeue`) and the file keeps the earlier run's code until the new run records its own: a 0
+    beside a run Slurm says ended badly (cancelled while pending again, never launched) is the earlier run's, and
+    that run's success is not this one's."""
+    return None if code == 0 and queued in ENDED_BADLY else code
+
+
 def _task_state(code, queued: str | None, stopped: bool) -> str:
     if queued in ACTIVE:
         return "pending" if queued == "PENDING" else "running"
@@ -322,7 +334,7 @@ def _task_state(code, queued: str | None, stopped: bool) -> str:
         return "stopped" if stopped and code != 0 else "succeeded" if code == 0 else "failed"
     if stopped or queued == "CANCELLED":
         return "stopped"
-    if queued in {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}:
+    if queued in ENDED_BADLY:
         return "failed"
     return "lost"  # gone from squeue without an exit code
 
@@ -335,8 +347,8 @@ def _job(session, runs: str, raw: dict, squeue: dict) -> Job:
     stopped = raw["stopped"] is not None
     tasks = {}
     for t in labels:
-        code, _ = raw["exit"].get(t, (None, 0))
         queued = squeue.get((slurm_id, t)) or (squeue.get((slurm_id, "")) if t else None)
+        code = _own_code(raw["exit"].get(t, (None, 0))[0], queued)
         tasks[t] = {"state": _task_state(code, queued, stopped), "exit_code": code, "slurm_state": queued,
                     "log": f"{runs}/{raw['dir']}/log" + (f".{t}" if t else ""), "log_size": raw["log"].get(t, 0)}
     states = {v["state"] for v in tasks.values()}
