@@ -444,6 +444,27 @@ def test_a_thinking_targets_regenerated_answers_train_on_what_it_generates_when_
     assert masked_runs(tok, ids, mask) == [" plan two</think>Answer two.<|im_end|>"]
 
 
+def test_think_markers_a_tokenizer_marks_special_are_kept_in_the_answer(tmp_path):
+    """Engines decode an answer as served clients read it, special tokens skipped: a tokenizer that marks `<think>`
+    and `</think>` special lost them, and `reasoning</think>answer` came back as `reasoninganswer`: stored as all
+    reasoning with an empty answer (nothing failed). The answer's tokens give its markers back: eval sends the
+    target's earlier answer back split, as regenerate stores it."""
+    from kimi_eagle_host.data.prompts import Conversation, TokenBudget
+    from kimi_eagle_host.data.reasoning import AnswerText
+    from kimi_eagle_host.pipeline.eval import turn_prompts
+
+    tok = kimi_style_tokenizer(tmp_path / "tok")
+    as_text = tok.encode(" plan</think>Answer.", add_special_tokens=False)
+    assert AnswerText(tok)("engine text", as_text) == "engine text"   # markers kept as text: the engine's own
+    tok.add_tokens(["<think>", "</think>"], special_tokens=True)
+    ids = tok.encode(" plan</think>Answer.<|im_end|>", add_special_tokens=False)
+    served = tok.decode(ids, skip_special_tokens=True)
+    assert "</think>" not in served   # what an engine's text says
+    conv = Conversation(id="c0", line=1, user_turns=["First?", "Second?"], first_tokens=8)
+    chats, _ = turn_prompts([conv], TokenBudget(tok, 4096, 64), [[[served, ids]]], 1)
+    assert chats[0][1][1] == {"role": "assistant", "content": "Answer.", "reasoning_content": " plan"}
+
+
 def test_a_template_that_does_not_render_reasoning_keeps_the_answer_whole(tmp_path):
     """A template that never shows `reasoning_content` (this Qwen3-style one reads the reasoning from `content`, as
     DeepSeek-R1's does) gets the generated text whole, as before; so does a target that does not think."""

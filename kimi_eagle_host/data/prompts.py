@@ -13,7 +13,7 @@ turn longer than the engine's context (check_lengths).
 import json
 from dataclasses import dataclass, field
 
-from kimi_eagle_host.data.reasoning import assistant_message, opens_reasoning, renders_reasoning
+from kimi_eagle_host.data.reasoning import AnswerText, assistant_message, opens_reasoning, renders_reasoning
 from kimi_eagle_host.step_runtime import BadInput
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
@@ -143,9 +143,12 @@ class TokenBudget:
         self.per_message = max((three - one + 1) // 2, 1) + 1  # +1: a text's edge may merge differently
         # a thinking target's answers go back to its template as reasoning and answer (data/reasoning.py)
         self.opens_reasoning, self.splits_reasoning = opens_reasoning(tok), renders_reasoning(tok)
+        self.answer_text = AnswerText(tok)
 
-    def reply(self, text):
-        """The target's answer `text` as the assistant message its chat template renders back as generated."""
+    def reply(self, text, ids=None):
+        """The target's answer `text` (decoded as served; `ids`, its tokens, where the think markers may be special)
+        as the assistant message its chat template renders back as generated."""
+        text = self.answer_text(text, ids) if ids is not None else text
         return assistant_message(text, opened=self.opens_reasoning, split=self.splits_reasoning)
 
     def count(self, texts):

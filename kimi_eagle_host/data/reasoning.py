@@ -13,6 +13,10 @@ where the generation prompt already opened the block (Kimi-K2.5 and QwQ end it w
 inside the reasoning. Rendering the message back then gives exactly what the target generated. A template that does
 not render the field (DeepSeek-R1's drops old reasoning from `content` itself) keeps the whole text as `content`, as
 before.
+
+Decoded as served clients read it (skip_special_tokens), a tokenizer that marks the markers special drops them: the
+answer could not be split, and would be stored as all reasoning with an empty answer. AnswerText decodes such a
+tokenizer's answers from their token ids with the markers kept.
 """
 from __future__ import annotations
 
@@ -55,3 +59,31 @@ def assistant_message(text: str, *, opened: bool, split: bool) -> dict:
     if opened:
         return {"role": "assistant", "content": "", "reasoning_content": body}
     return {"role": "assistant", "content": text}
+
+
+class AnswerText:
+    """An answer's text as a served client reads it (special tokens skipped), the think markers kept. Where the
+    tokenizer keeps them as text (Qwen3's, most), that is the engine's own text; where it marks them special, the
+    answer's ids are decoded in the parts between the markers and the markers put back."""
+
+    def __init__(self, tok):
+        self.tok, self.marks = tok, {}
+        for mark in (OPEN, CLOSE):
+            try:
+                ids = tok.encode(mark, add_special_tokens=False)
+                if len(ids) == 1 and mark not in tok.decode(ids, skip_special_tokens=True):
+                    self.marks[ids[0]] = mark
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot say: its text as decoded
+                pass
+
+    def __call__(self, text: str, ids) -> str:
+        if not self.marks:
+            return text
+        parts, run = [], []
+        for i in ids:
+            if i in self.marks:
+                parts += [self.tok.decode(run, skip_special_tokens=True), self.marks[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts + [self.tok.decode(run, skip_special_tokens=True)])

@@ -211,7 +211,7 @@ def turn_prompts(convs, budget, base_answers, r):
             if not budget.fits(used):
                 cut += 1
                 continue
-        out.append((i, c.messages([budget.reply(t) for t, _ in base_answers[i][:r]])))
+        out.append((i, c.messages([budget.reply(t, ids) for t, ids in base_answers[i][:r]])))
     return out, cut
 
 

@@ -62,6 +62,7 @@ from kimi_eagle_host.step_runtime import (BadInput, Refused, atomic_write, atomi
 from kimi_eagle_host.target.model_layers import text_config
 from kimi_eagle_host.target.tokenizer import chat_template_sha256, load_tokenizer
 from kimi_eagle_host.vllm_compat import engine_env_defaults, shut_down, size_engine, text_only_engine_kwargs
+from kimi_eagle_host.data.reasoning import AnswerText
 from kimi_eagle_host.engine import context_length
 from kimi_eagle_host.engine.engine_processes import Claims, engine_index, one_of_several, run_engines, start_turn
 
@@ -108,14 +109,15 @@ class VllmGenerator:
                        tensor_parallel_size=args.tp_size, trust_remote_code=True, seed=args.seed,
                        enforce_eager=args.enforce_eager, **memory["kwargs"],
                        **text_only_engine_kwargs(args.model, EngineArgs))
-        self.args, self.tok = args, tok
+        self.args, self.tok, self.answer_text = args, tok, AnswerText(tok)
 
     def __call__(self, convs, seed):
         """[(answer text, answer tokens)] for a batch of chats."""
         from vllm import SamplingParams
 
         sp = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.max_tokens, seed=seed)
-        return [(r.outputs[0].text, len(r.outputs[0].token_ids)) for r in self.llm.chat(convs, sp, use_tqdm=False)]
+        return [(self.answer_text(r.outputs[0].text, r.outputs[0].token_ids), len(r.outputs[0].token_ids))
+                for r in self.llm.chat(convs, sp, use_tqdm=False)]
 
     def start(self, request_id, chat, seed):
         """Queue one turn on the engine (answering.Stream): continuous batching across conversations and turns.
@@ -132,8 +134,8 @@ class VllmGenerator:
     def finished(self):
         """One engine step: [(request id, answer text, answer tokens)] of the requests it finished. (vLLM versions
         that suffix request ids internally report the caller's id; the split covers those that do not.)"""
-        return [(o.request_id.split("-", 1)[0], o.outputs[0].text, len(o.outputs[0].token_ids))
-                for o in self.llm.llm_engine.step() if o.finished]
+        return [(o.request_id.split("-", 1)[0], self.answer_text(o.outputs[0].text, o.outputs[0].token_ids),
+                 len(o.outputs[0].token_ids)) for o in self.llm.llm_engine.step() if o.finished]
 
     def complete(self, prompt_ids, n, seed):
         """n samples continuing the token ids `prompt_ids` (the self-written prompts), each with its own seed."""
@@ -159,7 +161,7 @@ class HFGenerator:
         self.torch = torch
         dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[hf_dtype(args, dev)]
-        self.tok = tok
+        self.tok, self.answer_text = tok, AnswerText(tok)
         self.tok.padding_side = "left"
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
@@ -195,7 +197,10 @@ class HFGenerator:
                                           top_p=None, top_k=None, **kw)
             new = gen[:, enc["input_ids"].shape[1]:]
             lengths = (new != self.tok.pad_token_id).sum(dim=1).tolist()
-            out += zip(self.tok.batch_decode(new, skip_special_tokens=skip_special), lengths)
+            texts = self.tok.batch_decode(new, skip_special_tokens=skip_special)
+            if skip_special:   # an answer: its think markers kept (data/reasoning.py)
+                texts = [self.answer_text(t, row.tolist()) for t, row in zip(texts, new)]
+            out += zip(texts, lengths)
         return out
 
     def close(self):
