@@ -280,10 +280,11 @@ def test_regenerate_is_sharded_resumable_and_feeds_prepare(tmp_path, tiny_llama)
     assert out["count"] == 6   # every regenerated conversation becomes a sample
 
 
-def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(tmp_path, tiny_llama):
-    """--engines 2, the first engine killed once it wrote its first chunk: the other answers what it left, and the
-    result counts every chunk and every turn written by this run, the dead engine's too (they were dropped from the
-    count: the turns were summed from the engines that lived)."""
+def test_regenerate_with_several_engines_answers_and_counts_what_a_dead_engine_held_and_wrote(tmp_path, tiny_llama):
+    """--engines 2, the first engine frozen while it holds a chunk it has not written, until the other has passed
+    every chunk, then killed: the other answers the chunk it left (the other's one pass had skipped it as held, and
+    the run ended "1 chunks left"), and the result counts every chunk and every turn written by this run, the dead
+    engine's too (they were dropped from the count: the turns were summed from the engines that lived)."""
     import signal
     import time
 
@@ -307,15 +308,40 @@ def test_regenerate_with_several_engines_counts_the_chunks_a_dead_engine_wrote(t
                 continue
         return None
 
+    def written():
+        return {int(f.name[2:10]) for f in (out_dir / "regenerated").rglob("c_*.jsonl")}
+
+    def held_unwritten(pid):
+        """The chunks whose claim `pid` holds (its flocks in /proc/locks, by inode) and that are not written."""
+        claims = next((out_dir / "regenerated").rglob(".claims"), None)
+        inodes = {f.stat().st_ino: int(f.stem) for f in claims.iterdir()} if claims else {}
+        with open("/proc/locks") as f:
+            held = {inodes.get(int(line.split()[5].rsplit(":", 1)[1])) for line in f if line.split()[4] == str(pid)}
+        return (held - {None}) - written()
+
     deadline = time.monotonic() + 300
-    while not list((out_dir / "regenerated").rglob("c_00000000.jsonl")):   # the first engine's first chunk
+    while 0 not in written():   # the first engine's first chunk
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()
         time.sleep(0.01)
-    os.kill(first_engine(), signal.SIGKILL)
+    engine = first_engine()
+    while True:   # frozen while it holds a chunk it has not written
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        if held_unwritten(engine):
+            os.kill(engine, signal.SIGSTOP)
+            held = held_unwritten(engine)
+            if held:
+                break
+            os.kill(engine, signal.SIGCONT)
+        time.sleep(0.005)
+    while written() | held != set(range(24)):   # the other engine has passed every chunk
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    os.kill(engine, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
     out = json.loads(stdout.strip().splitlines()[-1])
     assert "1 of 2 engines failed, the others answered every chunk" in stderr
+    assert f"chunk {min(held) + 1} was left by an engine that ended; answering it" in stderr
     assert out["chunks"] == 24 and out["chunks_done_now"] == 24, out   # a fresh run: every chunk was written now
     # one turn a conversation, each answered (max_tokens 48 fits the context): the dead engine's chunks count too
     assert out["turns_answered_now"] == 24 and out["turns_cut_for_context_now"] == 0, out

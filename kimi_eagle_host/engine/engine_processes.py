@@ -134,10 +134,11 @@ class Claims:
         self.folder, self.held = folder, {}
         os.makedirs(folder, exist_ok=True)
 
-    def claim(self, unit: int) -> bool:
+    def claim(self, unit: int, wait: bool = False) -> bool:
+        """Hold `unit`'s lock: at once or not at all, or (wait) once whoever holds it lets go."""
         fd = os.open(os.path.join(self.folder, f"{unit:08d}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             return False
@@ -157,6 +158,21 @@ class Claims:
         order = units[first % len(units):] + units[:first % len(units)] if units else []
         for u in order:
             if finished(u) or not self.claim(u):
+                continue
+            if finished(u):
+                self.done(u)
+                continue
+            yield u
+
+    def take_over(self, units, finished):
+        """After next_free's pass: claim and yield, one at a time, each unit of `units` still not `finished(u)` once
+        whoever holds it lets go. A unit held elsewhere when next_free passed it is nobody's if its holder then dies
+        (no pass comes back to it): here it is waited for, finished by its holder or left by a dead one. Draw the
+        next only after done(u): a process waits holding nothing, so no two wait on each other."""
+        for u in units:
+            if finished(u):
+                continue
+            if not self.claim(u, wait=True):
                 continue
             if finished(u):
                 self.done(u)

@@ -554,8 +554,8 @@ def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
     of `todo` nobody else holds, one claim at a time (Claims): (answered, cut, batching, chunks written)."""
     i, n = engine_index()
     claims = Claims(os.path.join(chunks_dir, ".claims"))
-    mine = claims.next_free(todo, lambda c: chunk_written(chunks_dir, c, args),
-                            first=i * len(todo) // max(n, 1))
+    finished = lambda c: chunk_written(chunks_dir, c, args)  # noqa: E731
+    mine = claims.next_free(todo, finished, first=i * len(todo) // max(n, 1))
     first = next(mine, None)   # claimed before the engine starts: none left, no engine started for nothing
     if first is None:
         log(f"regenerate: engine {i + 1} of {n}: the others hold or wrote every chunk; not started")
@@ -564,8 +564,16 @@ def answer_as_one_of_several(args, engine, convs, budget, chunks_dir, todo):
         engine.size()
         engine.get()
     log(f"regenerate: engine {i + 1} of {n} started ({waited:.0f} s waiting for the engines before it to start)")
-    return answer_chunks(args, engine, convs, budget, chunks_dir, itertools.chain([first], mine), total=len(todo),
-                         written=claims.done)
+    answered, cut, batching, chunks = answer_chunks(args, engine, convs, budget, chunks_dir,
+                                                    itertools.chain([first], mine), total=len(todo),
+                                                    written=claims.done)
+    # The chunks another engine held as this one passed them: each is waited for and answered here where that
+    # engine died without writing it (one at a time, so that this engine waits holding none).
+    for c in claims.take_over(todo, finished):
+        log(f"regenerate: engine {i + 1} of {n}: chunk {c + 1} was left by an engine that ended; answering it")
+        more = answer_chunks(args, engine, convs, budget, chunks_dir, [c], total=len(todo), written=claims.done)
+        answered, cut, chunks = answered + more[0], cut + more[1], chunks + more[3]
+    return answered, cut, batching, chunks
 
 
 def answer_with_engines(args, chunks_dir, todo, convs):
