@@ -29,7 +29,8 @@ import tempfile
 import time
 
 from kimi_eagle_host.gpus import cuda_visible_names
-from kimi_eagle_host.vllm_compat import ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_on_gpu, engines_sharing_gpu
+from kimi_eagle_host.vllm_compat import (ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_on_gpu,
+                                         engines_sharing_gpu)
 
 
 def gpu_names(environ=os.environ) -> list[str]:

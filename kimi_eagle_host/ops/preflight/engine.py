@@ -12,7 +12,8 @@ from kimi_eagle_host.ops.preflight.gpu import gpu_label, used_gpus
 from kimi_eagle_host.ops.preflight.model import _pipeline_module
 from kimi_eagle_host.ops.preflight.report import check, step_value
 from kimi_eagle_host.target.model_layers import LayerIdError, default_layer_ids
-from kimi_eagle_host.vllm_compat import CPU_KV_ENV, ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_sharing_gpu, step_engine_memory
+from kimi_eagle_host.vllm_compat import (CPU_KV_ENV, ENGINE_OF_ENV, GPU_ENGINES_ENV, GPU_SHARE_ENV, engines_sharing_gpu,
+                                         step_engine_memory)
 
 # Steps that start a vLLM engine besides extract's: their pipeline module says, from its ENGINE_FLAGS, what one engine
 # holds at once (engine_load), so preflight sizes it exactly as the step will.
