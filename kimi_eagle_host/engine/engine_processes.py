@@ -157,23 +157,18 @@ class Claims:
         the list and wrapping, so that engines starting together begin apart."""
         units = list(units)
         order = units[first % len(units):] + units[:first % len(units)] if units else []
-        for u in order:
-            if finished(u) or not self.claim(u):
-                continue
-            if finished(u):
-                self.done(u)
-                continue
-            yield u
+        return self._claimed(order, finished, wait=False)
 
     def take_over(self, units, finished):
         """After next_free's pass: claim and yield, one at a time, each unit of `units` still not `finished(u)` once
         whoever holds it lets go. A unit held elsewhere when next_free passed it is nobody's if its holder then dies
         (no pass comes back to it): here it is waited for, finished by its holder or left by a dead one. Draw the
         next only after done(u): a process waits holding nothing, so no two wait on each other."""
-        for u in units:
-            if finished(u):
-                continue
-            if not self.claim(u, wait=True):
+        return self._claimed(units, finished, wait=True)
+
+    def _claimed(self, order, finished, wait: bool):
+        for u in order:
+            if finished(u) or not self.claim(u, wait):
                 continue
             if finished(u):
                 self.done(u)
